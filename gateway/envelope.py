@@ -1,0 +1,126 @@
+"""The wire contract between an agent and the sidecar.
+
+``ExternalCallRequest`` is what an agent POSTs to ``/v1/calls``; ``ExternalCallResponse``
+is what it always gets back, whatever happened; ``ErrorPayload`` says what went wrong,
+whether retrying can help and when. ``ErrorCode`` is the closed list of error codes: codes
+may be added, never renamed or removed (the agent decides from ``code`` and ``retryable``).
+
+This module is the contract: it imports nothing else of the package. The models are
+frozen and strictly typed (``"5"`` is not an int, ``true`` is not an int); unknown
+top-level fields of a request are handled by :mod:`gateway.intake`, which can name them
+and suggest the closest known field.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+#: Protocol versions this sidecar speaks. An envelope naming another gets SCHEMA_MISMATCH.
+SUPPORTED_PROTOCOL_VERSIONS: Final = frozenset({"1"})
+PROTOCOL_VERSION: Final = "1"
+
+#: Envelope defaults (the seed contract's values).
+DEFAULT_TIMEOUT_S: Final = 30.0
+MAX_TIMEOUT_S: Final = 600.0
+DEFAULT_MAX_RETRIES: Final = 3
+MAX_RETRIES_LIMIT: Final = 10
+
+HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+#: Methods that RFC 9110 section 9.2.2 defines as idempotent: safe to resend after a lost answer.
+IDEMPOTENT_METHODS: Final = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
+#: Methods whose ``parameters`` travel as the query string; the others send a JSON body.
+QUERY_METHODS: Final = frozenset({"GET", "HEAD", "DELETE"})
+
+Identifier = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class ErrorCode(StrEnum):
+    """Every error code the sidecar answers with. Added to, never renamed or removed."""
+
+    INVALID_PAYLOAD = "INVALID_PAYLOAD"
+    SCHEMA_MISMATCH = "SCHEMA_MISMATCH"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    EGRESS_DENIED = "EGRESS_DENIED"
+    SECRET_NOT_FOUND = "SECRET_NOT_FOUND"
+    SECRET_ACCESS_DENIED = "SECRET_ACCESS_DENIED"
+    CAPACITY_EXCEEDED = "CAPACITY_EXCEEDED"
+    CIRCUIT_OPEN = "CIRCUIT_OPEN"
+    DEPENDENCY_FAILED = "DEPENDENCY_FAILED"
+    AGENT_TIMEOUT = "AGENT_TIMEOUT"
+    UPSTREAM_REJECTED = "UPSTREAM_REJECTED"
+    IDEMPOTENCY_CONFLICT = "IDEMPOTENCY_CONFLICT"
+    OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"
+    RESPONSE_TOO_LARGE = "RESPONSE_TOO_LARGE"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    UNKNOWN = "UNKNOWN"
+
+
+class ExternalCallRequest(BaseModel):
+    """One outbound call an agent asks the sidecar to make.
+
+    ``timeout`` is the deadline of the whole call in seconds (queueing, secret resolution
+    and retries included); ``max_retries`` is capped by the target's policy. ``parameters``
+    is the upstream's business and passes through untouched: the query string for
+    GET/HEAD/DELETE, the JSON body otherwise.
+    """
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    trace_id: Identifier
+    correlation_id: Identifier
+    target_system: Identifier
+    endpoint: Annotated[str, StringConstraints(min_length=1, max_length=2048)]
+    method: HttpMethod
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    api_key_ref: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
+    rate_limit_group: Identifier | None = None
+    timeout: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
+    max_retries: int = Field(DEFAULT_MAX_RETRIES, ge=0, le=MAX_RETRIES_LIMIT)
+    # Optional additions, all defaulted so that older agents keep working.
+    idempotency_key: Annotated[str, StringConstraints(min_length=1, max_length=255)] | None = None
+    protocol_version: Annotated[str, StringConstraints(max_length=16)] = PROTOCOL_VERSION
+    agent_id: Identifier | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorPayload(BaseModel):
+    """Why a call failed. ``suggested_retry_after`` is in seconds; null means "no hint"."""
+
+    model_config = ConfigDict(frozen=True)
+
+    code: ErrorCode
+    message: str
+    details: dict[str, Any] = Field(default_factory=dict)
+    retryable: bool
+    suggested_retry_after: float | None = None
+    failed_agent: str | None = None
+    stack_trace: str | None = None
+
+
+class ExternalCallResponse(BaseModel):
+    """The sidecar's answer to every call.
+
+    ``status_code`` is the upstream's HTTP status when there was one, ``data`` its parsed
+    body (JSON as is; anything else as ``{"content_type": ..., "text": ...}``),
+    ``latency_ms`` the wall time spent inside the sidecar, ``tokens_used`` the total token
+    count the upstream reported (null when it reported none).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    success: bool
+    status_code: int | None = None
+    data: Any = None
+    error: ErrorPayload | None = None
+    latency_ms: float
+    tokens_used: int | None = None
+    trace_id: str | None = None
+    correlation_id: str | None = None
+    replayed: bool = False
+
+
+REQUEST_FIELDS: Final = frozenset(ExternalCallRequest.model_fields)

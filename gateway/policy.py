@@ -1,0 +1,604 @@
+"""The YAML policy: file -> validated models -> compiled :class:`PolicySet`.
+
+The policy is the operator's contract with the sidecar: keys may be added, never renamed.
+Every model forbids unknown keys, so a misspelt key is an error that names the file, the
+key path, the YAML line and the closest known key. Every optional key has a default,
+defined once below. ``load_policy`` raises :class:`PolicyError` carrying every problem
+found, not just the first.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from yarl import URL
+
+from gateway.envelope import HttpMethod
+from gateway.secrets.refs import InvalidSecretRef, parse_ref
+
+# Defaults, in one place. Units are in the names.
+DEFAULT_HOST: Final = "127.0.0.1"
+DEFAULT_PORT: Final = 8181
+DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
+DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
+DEFAULT_DRAIN_S: Final = 20.0
+DEFAULT_TARGET_TIMEOUT_S: Final = 30.0
+DEFAULT_RETRY_ON: Final = (429, 500, 502, 503, 504, 529, "timeout", "connect")
+DEFAULT_BACKOFF_BASE_S: Final = 0.5
+DEFAULT_BACKOFF_MAX_S: Final = 20.0
+DEFAULT_POLICY_MAX_RETRIES: Final = 3
+DEFAULT_FAIL_MAX: Final = 5
+DEFAULT_RESET_TIMEOUT_S: Final = 30.0
+DEFAULT_MAX_QUEUE_S: Final = 5.0
+DEFAULT_IDEMPOTENCY_TTL_S: Final = 86400.0
+DEFAULT_VAULT_CACHE_TTL_S: Final = 300.0
+DEFAULT_VAULT_STALE_IF_ERROR_S: Final = 3600.0
+DEFAULT_VAULT_TIMEOUT_S: Final = 5.0
+DEFAULT_K8S_JWT_PATH: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
+Scope = Literal["local", "cluster"]
+RetryOn = int | Literal["timeout", "connect"]
+_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token
+_PATH_PATTERN = re.compile(r"^(/([A-Za-z0-9_.~\-:@!$&'()+,;=]+|\*|\*\*))+/?$|^/$")
+#: Headers an envelope may never set, whatever the policy says (hop-by-hop, framing,
+#: routing and credentials belong to the sidecar).
+FORBIDDEN_FORWARD_HEADERS: Final = frozenset(
+    h.lower()
+    for h in (
+        "Host", "Authorization", "Proxy-Authorization", "Cookie", "Content-Length",
+        "Transfer-Encoding", "Connection", "Upgrade", "TE", "Trailer", "Keep-Alive",
+        "Expect", "X-Api-Key", "Api-Key",
+    )
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSpec(_Strict):
+    host: str = DEFAULT_HOST
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
+    max_response_bytes: int = Field(DEFAULT_MAX_RESPONSE_BYTES, ge=1024)
+    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=3600)
+    debug: bool = False  # stack traces in UNKNOWN answers: development only
+
+
+class EnvelopeSpec(_Strict):
+    unknown_fields: Literal["reject", "warn"] = "reject"
+
+
+class EgressSpec(_Strict):
+    """Which resolved addresses the sidecar may connect to.
+
+    An address is allowed when it is global (``ipaddress.is_global``) or inside
+    ``allow_cidrs``, and not inside ``deny_cidrs``: deny wins. So by default loopback,
+    RFC 1918, link-local (the cloud metadata service), CGNAT and ULA ranges are refused.
+    """
+
+    allow_cidrs: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = Field(default_factory=list)
+    deny_cidrs: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = Field(default_factory=list)
+
+    def allows(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        if any(address in net for net in self.deny_cidrs):
+            return False
+        return address.is_global or any(address in net for net in self.allow_cidrs)
+
+
+class CredentialSpec(_Strict):
+    """How a resolved secret is attached: a header (with ``format``) or a query parameter."""
+
+    header: str | None = None
+    query_param: str | None = None
+    format: str = "{secret}"
+    default_ref: str | None = None
+    allowed_refs: list[str] = Field(default_factory=list)
+
+    @field_validator("header")
+    @classmethod
+    def _header_token(cls, v: str | None) -> str | None:
+        if v is not None and not _HEADER_NAME.match(v):
+            raise ValueError(f"{v!r} is not a valid HTTP header name")
+        return v
+
+    @field_validator("format")
+    @classmethod
+    def _one_placeholder(cls, v: str) -> str:
+        if v.count("{secret}") != 1 or v.replace("{secret}", "").count("{") or "\n" in v:
+            raise ValueError("must contain '{secret}' exactly once and no other braces")
+        return v
+
+    @field_validator("default_ref")
+    @classmethod
+    def _ref_ok(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_ref(v)
+        return v
+
+    @field_validator("allowed_refs")
+    @classmethod
+    def _refs_ok(cls, v: list[str]) -> list[str]:
+        for ref in v:
+            _check_ref(ref)
+        return v
+
+    @model_validator(mode="after")
+    def _placement(self) -> CredentialSpec:
+        if (self.header is None) == (self.query_param is None):
+            raise ValueError("set exactly one of 'header' or 'query_param'")
+        if self.default_ref is None and not self.allowed_refs:
+            raise ValueError("set 'default_ref' or 'allowed_refs' (which secrets may go here)")
+        return self
+
+    def permitted_refs(self) -> frozenset[str]:
+        refs = set(self.allowed_refs)
+        if self.default_ref:
+            refs.add(self.default_ref)
+        return frozenset(refs)
+
+
+class EndpointRule(_Strict):
+    """An allowlisted path pattern: ``*`` matches one segment, a final ``**`` the rest."""
+
+    path: str
+    methods: list[HttpMethod] = Field(min_length=1)
+
+    @field_validator("path")
+    @classmethod
+    def _pattern(cls, v: str) -> str:
+        if not _PATH_PATTERN.match(v) or "/../" in v + "/" or "/./" in v + "/":
+            raise ValueError(
+                f"{v!r} is not a path pattern: use an absolute path of plain segments, "
+                "'*' for one segment, a final '**' for any rest"
+            )
+        if "**" in v and not v.rstrip("/").endswith("/**"):
+            raise ValueError("'**' may only be the last segment")
+        return v
+
+
+class RetrySpec(_Strict):
+    max_retries: int = Field(DEFAULT_POLICY_MAX_RETRIES, ge=0, le=10)
+    backoff_base_s: float = Field(DEFAULT_BACKOFF_BASE_S, ge=0, le=60)
+    backoff_max_s: float = Field(DEFAULT_BACKOFF_MAX_S, ge=0, le=600)
+    retry_on: list[RetryOn] = Field(default_factory=lambda: list(DEFAULT_RETRY_ON))
+
+    @field_validator("retry_on")
+    @classmethod
+    def _statuses(cls, v: list[RetryOn]) -> list[RetryOn]:
+        for item in v:
+            if isinstance(item, int) and not (item == 429 or 500 <= item <= 599):
+                raise ValueError(
+                    f"{item} is not retryable: only 429 and 5xx statuses may be retried "
+                    "(other 4xx answers are permanent)"
+                )
+        return v
+
+
+class BreakerSpec(_Strict):
+    fail_max: int = Field(DEFAULT_FAIL_MAX, ge=1, le=1000)
+    reset_timeout_s: float = Field(DEFAULT_RESET_TIMEOUT_S, gt=0, le=3600)
+
+
+class IdempotencySpec(_Strict):
+    header: str = "Idempotency-Key"
+    methods: list[HttpMethod] = Field(default_factory=lambda: ["POST"])  # type: ignore[arg-type]
+    ttl_s: float = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0)
+    scope: Scope = "local"
+
+    @field_validator("header")
+    @classmethod
+    def _header_token(cls, v: str) -> str:
+        if not _HEADER_NAME.match(v):
+            raise ValueError(f"{v!r} is not a valid HTTP header name")
+        return v
+
+
+class TargetSpec(_Strict):
+    base_url: str
+    credential: CredentialSpec | None = None
+    endpoints: list[EndpointRule] = Field(min_length=1)
+    rate_limit_group: Name | None = None
+    timeout_s: float = Field(DEFAULT_TARGET_TIMEOUT_S, gt=0, le=3600)
+    retry: RetrySpec = Field(default_factory=RetrySpec)
+    circuit_breaker: BreakerSpec | None = Field(default_factory=BreakerSpec)
+    usage: Literal["openai", "anthropic", "gemini", "none"] = "none"
+    idempotency: IdempotencySpec | None = None
+    forward_headers: list[str] = Field(default_factory=list)
+    static_headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, v: str) -> str:
+        url = URL(v)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"{v!r} must be an absolute http:// or https:// URL with a host")
+        if url.user or url.password or url.query_string or url.fragment:
+            raise ValueError(f"{v!r} may hold only scheme, host, port and a base path")
+        return v
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _forwardable(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _HEADER_NAME.match(name):
+                raise ValueError(f"{name!r} is not a valid HTTP header name")
+            if name.lower() in FORBIDDEN_FORWARD_HEADERS:
+                raise ValueError(f"{name!r} is set by the sidecar and cannot be forwarded")
+        return v
+
+
+class RateLimitGroupSpec(_Strict):
+    """A token bucket: ``burst`` calls at once, refilled at ``requests_per_second``."""
+
+    requests_per_second: float = Field(gt=0, le=100_000)
+    burst: int = Field(1, ge=1, le=100_000)
+    tokens_per_minute: int | None = Field(None, gt=0)
+    max_queue_s: float = Field(DEFAULT_MAX_QUEUE_S, ge=0, le=600)
+    scope: Scope = "local"
+    on_redis_error: Literal["fail_open", "fail_closed"] = "fail_open"
+
+
+class VaultAuthSpec(_Strict):
+    method: Literal["token", "kubernetes", "approle"] = "token"
+    token_file: str | None = None
+    role: str | None = None
+    jwt_path: str = DEFAULT_K8S_JWT_PATH
+    mount_path: str | None = None
+    role_id_file: str | None = None
+    secret_id_file: str | None = None
+
+    @model_validator(mode="after")
+    def _needs(self) -> VaultAuthSpec:
+        if self.method == "kubernetes" and not self.role:
+            raise ValueError("kubernetes auth needs 'role'")
+        return self
+
+
+class VaultRefSpec(_Strict):
+    """An explicit mapping of one vault:// ref to a mount, KV version, path and field."""
+
+    mount: str | None = None
+    kv_version: Literal[1, 2] | None = None
+    path: str
+    field: str | None = None
+
+
+class VaultSpec(_Strict):
+    address: str | None = None
+    namespace: str | None = None
+    auth: VaultAuthSpec = Field(default_factory=VaultAuthSpec)
+    kv_mount: str = "secret"
+    kv_version: Literal[1, 2] = 2
+    refs: dict[str, VaultRefSpec] = Field(default_factory=dict)
+    cache_ttl_s: float = Field(DEFAULT_VAULT_CACHE_TTL_S, ge=0)
+    stale_if_error_s: float = Field(DEFAULT_VAULT_STALE_IF_ERROR_S, ge=0)
+    timeout_s: float = Field(DEFAULT_VAULT_TIMEOUT_S, gt=0, le=120)
+    ca_cert: str | None = None
+    skip_verify: bool = False
+
+
+class SecretsSpec(_Strict):
+    vault: VaultSpec | None = None
+
+
+class RedisSpec(_Strict):
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "egress"
+    pool_size: int = Field(32, ge=1, le=10_000)
+    socket_timeout_s: float = Field(0.5, gt=0)
+    connect_timeout_s: float = Field(0.5, gt=0)
+
+
+class AuditSpec(_Strict):
+    sink: Literal["stdout", "file"] = "stdout"
+    path: str | None = None
+    payloads: Literal["none", "summary"] = "summary"
+    chain: bool = False
+    max_bytes: int | None = Field(None, ge=4096)
+    backup_count: int = Field(5, ge=0, le=1000)
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> AuditSpec:
+        if self.sink == "file" and not self.path:
+            raise ValueError("sink 'file' needs 'path'")
+        return self
+
+
+class Policy(_Strict):
+    """The whole policy file, as written."""
+
+    version: Literal[1]
+    agent_id: Name
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    envelope: EnvelopeSpec = Field(default_factory=EnvelopeSpec)
+    egress: EgressSpec = Field(default_factory=EgressSpec)
+    targets: dict[Name, TargetSpec] = Field(min_length=1)
+    rate_limit_groups: dict[Name, RateLimitGroupSpec] = Field(default_factory=dict)
+    secrets: SecretsSpec = Field(default_factory=SecretsSpec)
+    redis: RedisSpec | None = None
+    audit: AuditSpec = Field(default_factory=AuditSpec)
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Policy:
+        problems: list[str] = []
+        for name, target in self.targets.items():
+            group = target.rate_limit_group
+            if group is not None and group not in self.rate_limit_groups:
+                problems.append(
+                    f"targets.{name}.rate_limit_group: no rate-limit group {group!r} "
+                    f"(known: {', '.join(sorted(self.rate_limit_groups)) or 'none'})"
+                )
+            if target.credential is not None:
+                for ref in target.credential.permitted_refs():
+                    if ref.startswith("vault://") and self.secrets.vault is None:
+                        problems.append(
+                            f"targets.{name}.credential: {ref!r} needs a secrets.vault section"
+                        )
+            host = URL(target.base_url).host or ""
+            try:
+                address = ipaddress.ip_address(host)
+            except ValueError:
+                address = None
+            if address is not None and not self.egress.allows(address):
+                problems.append(
+                    f"targets.{name}.base_url: {host} is not a public address; "
+                    "list it in egress.allow_cidrs to allow it"
+                )
+            needs_redis = target.idempotency is not None and target.idempotency.scope == "cluster"
+            if needs_redis and self.redis is None:
+                problems.append(f"targets.{name}.idempotency.scope: 'cluster' needs a redis section")
+        for name, group_spec in self.rate_limit_groups.items():
+            if group_spec.scope == "cluster" and self.redis is None:
+                problems.append(f"rate_limit_groups.{name}.scope: 'cluster' needs a redis section")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+def _check_ref(ref: str) -> None:
+    try:
+        parse_ref(ref)
+    except InvalidSecretRef as exc:
+        raise ValueError(str(exc)) from None
+
+
+# --- compiled runtime view -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledTarget:
+    """A target ready for the hot path: parsed URL, origin, matcher, header sets."""
+
+    name: str
+    spec: TargetSpec
+    base_url: URL
+    origin: URL
+    permitted_refs: frozenset[str]
+    forward_headers: frozenset[str]
+    _rules: tuple[tuple[tuple[str, ...], bool, frozenset[str]], ...] = field(repr=False)
+
+    def allows(self, path: str, method: str) -> bool | None:
+        """True if allowed, False if the path matches but not the method, None if no rule."""
+        segments = tuple(path.strip("/").split("/")) if path.strip("/") else ()
+        path_matched = False
+        for pattern, tail, methods in self._rules:
+            if _segments_match(pattern, tail, segments):
+                if method in methods:
+                    return True
+                path_matched = True
+        return False if path_matched else None
+
+
+def _segments_match(pattern: tuple[str, ...], tail: bool, segments: tuple[str, ...]) -> bool:
+    if tail:
+        if len(segments) < len(pattern):
+            return False
+        segments = segments[: len(pattern)]
+    elif len(segments) != len(pattern):
+        return False
+    return all(p in ("*", s) for p, s in zip(pattern, segments, strict=True))
+
+
+def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
+    rules = []
+    for rule in spec.endpoints:
+        parts = tuple(p for p in rule.path.strip("/").split("/") if p)
+        tail = bool(parts) and parts[-1] == "**"
+        if tail:
+            parts = parts[:-1]
+        rules.append((parts, tail, frozenset(rule.methods)))
+    base = URL(spec.base_url)
+    return CompiledTarget(
+        name=name,
+        spec=spec,
+        base_url=base,
+        origin=base.origin(),
+        permitted_refs=spec.credential.permitted_refs() if spec.credential else frozenset(),
+        forward_headers=frozenset(h.lower() for h in spec.forward_headers),
+        _rules=tuple(rules),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySet:
+    """The compiled policy the pipeline reads; replaced whole on reload, never mutated."""
+
+    policy: Policy
+    source: str
+    targets: dict[str, CompiledTarget]
+
+    @classmethod
+    def compile(cls, policy: Policy, source: str = "<memory>") -> PolicySet:
+        return cls(
+            policy=policy,
+            source=source,
+            targets={n: _compile_target(n, t) for n, t in policy.targets.items()},
+        )
+
+
+# --- loading and error reporting ---------------------------------------------------------
+
+
+class PolicyError(Exception):
+    """A policy file that cannot be used. ``problems`` lists every error, each naming
+    the file and the key path (and the YAML line where known)."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"found duplicate key {key!r}",
+                key_node.start_mark,
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,  # type: ignore[arg-type]
+)
+
+
+def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
+    node = root
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if key_node.value == str(part):
+                    line = key_node.start_mark.line + 1
+                    node = value_node
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                return line
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
+    model: Any = Policy
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None:
+            return []
+        if isinstance(part, int) or part not in fields:
+            # Inside a dict or list of models: descend to the item type.
+            continue
+        annotation = fields[part].annotation
+        model = _model_in(annotation)
+    fields = getattr(model, "model_fields", None)
+    return list(fields) if fields else []
+
+
+def _model_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _format_errors(source: str, root: yaml.Node | None, exc: ValidationError) -> list[str]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        # pydantic puts union member names in loc; keep only real keys.
+        loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        line = _line_of(root, loc)
+        where = f"{source}:{line}" if line else source
+        if err["type"] == "extra_forbidden":
+            parent = loc[:-1]
+            known = _known_keys(parent)
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            msg = f"unknown key{hint}; known keys here: {', '.join(known)}"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            if not loc and "\n" in msg or msg.startswith(("targets.", "rate_limit_groups.")):
+                # Cross-reference problems carry their own key paths, one a line.
+                for item in msg.split("\n"):
+                    item_key, _, item_msg = item.partition(": ")
+                    item_loc = tuple(int(p) if p.isdigit() else p for p in item_key.split("."))
+                    item_line = _line_of(root, item_loc)
+                    item_where = f"{source}:{item_line}" if item_line else source
+                    problems.append(f"{item_where}: {item_key}: {item_msg}")
+                continue
+        problems.append(f"{where}: {key}: {msg}")
+    return problems
+
+
+_UNION_TAGS: Final = frozenset({"int", "str", "literal['timeout','connect']"})
+
+
+def parse_policy(text: str, source: str = "<memory>") -> Policy:
+    """Parse and validate policy YAML text. Raises :class:`PolicyError`."""
+    try:
+        root = yaml.compose(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise PolicyError(source, [f"{where}: not valid YAML: {problem}"]) from None
+    if not isinstance(data, dict):
+        raise PolicyError(source, [f"{source}: the policy must be a YAML mapping"])
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(source, _format_errors(source, root, exc)) from None
+
+
+def load_policy(path: str | os.PathLike[str]) -> PolicySet:
+    """Read, validate and compile the policy at ``path``. Raises :class:`PolicyError`."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(source, [f"{source}: cannot read the policy: {exc.strerror}"]) from None
+    except UnicodeDecodeError:
+        raise PolicyError(source, [f"{source}: the policy is not UTF-8 text"]) from None
+    return PolicySet.compile(parse_policy(text, source), source)

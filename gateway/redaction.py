@@ -1,0 +1,77 @@
+"""Scrubbing of secret values from any text the sidecar writes (pure, no I/O).
+
+Every :class:`gateway.secrets.Secret` registers its value here when it is created. The
+audit renderer and the answer writer pass their final text through :func:`scrub`, so a
+secret that reached a message by accident (an upstream echoing the key, an exception
+carrying a URL with ``?key=...``) still never leaves the process. It is the second line
+of defence: the first is never putting a value into text at all.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Final
+
+REDACTED: Final = "[REDACTED]"
+#: Values shorter than this are not scrubbed: they would mangle ordinary text, and no
+#: real credential is that short.
+MIN_SCRUB_LENGTH: Final = 8
+_MAX_TRACKED: Final = 4096
+
+#: Keys whose values are replaced in audit and log records wherever they appear.
+SENSITIVE_KEYS: Final = frozenset(
+    {
+        "authorization", "proxy-authorization", "x-api-key", "api-key", "api_key", "apikey",
+        "cookie", "set-cookie", "password", "secret", "token", "client_token",
+        "secret_id", "jwt", "access_token", "refresh_token",
+    }
+)
+
+_lock = threading.Lock()
+_values: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+
+
+def register(value: str) -> None:
+    """Remember ``value`` (and its JSON-escaped form) so that :func:`scrub` removes it."""
+    if len(value) < MIN_SCRUB_LENGTH:
+        return
+    with _lock:
+        if value in _values:
+            _values.move_to_end(value)
+            return
+        forms = {value, json.dumps(value)[1:-1]}
+        for piece in list(forms):
+            forms.add(piece.replace("/", "\\/"))
+        _values[value] = tuple(f for f in forms if len(f) >= MIN_SCRUB_LENGTH)
+        while len(_values) > _MAX_TRACKED:
+            _values.popitem(last=False)
+
+
+def scrub(text: str) -> str:
+    """``text`` with every registered secret value replaced by ``[REDACTED]``."""
+    if not _values:
+        return text
+    for forms in tuple(_values.values()):
+        for form in forms:
+            if form in text:
+                text = text.replace(form, REDACTED)
+    return text
+
+
+def scrub_bytes(data: bytes) -> bytes:
+    """:func:`scrub` for UTF-8 encoded text (the answer and audit line writers)."""
+    if not _values:
+        return data
+    for forms in tuple(_values.values()):
+        for form in forms:
+            raw = form.encode()
+            if raw in data:
+                data = data.replace(raw, REDACTED.encode())
+    return data
+
+
+def redact_mapping(mapping: dict[str, object]) -> dict[str, object]:
+    """A copy of ``mapping`` with the values of :data:`SENSITIVE_KEYS` replaced."""
+    return {k: (REDACTED if k.lower() in SENSITIVE_KEYS else v) for k, v in mapping.items()}

@@ -1,0 +1,107 @@
+"""The resolver interface: a secret reference in, a credential holder out.
+
+Each scheme (``vault``, ``env``, ``file``) has one resolver implementing
+:class:`SecretResolver`; :class:`SecretResolvers` dispatches by scheme and owns their
+lifecycle. Values travel in :class:`Secret` holders whose ``repr``/``str`` never show the
+value; only :mod:`gateway.upstream` calls :meth:`Secret.reveal`, to build the outgoing
+request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from gateway import redaction
+from gateway.errors import SecretNotFound
+from gateway.secrets.refs import SecretRef
+
+
+class Secret:
+    """A secret value that does not show itself in reprs, logs or tracebacks."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+        redaction.register(value)
+
+    def reveal(self) -> str:
+        """The plaintext value. Call only where it goes onto the wire."""
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('**********')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __reduce__(self) -> object:
+        raise TypeError("Secret values cannot be pickled")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedSecret:
+    """What a resolver returns.
+
+    ``from_cache`` tells the pipeline that a 401 from the upstream may mean a rotated key
+    (drop the entry, resolve again once); ``warnings`` go into the audit record (for
+    example a stale value served while Vault is unreachable).
+    """
+
+    secret: Secret
+    from_cache: bool = False
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+
+@runtime_checkable
+class SecretResolver(Protocol):
+    """Resolves references of one scheme.
+
+    ``resolve`` raises :class:`gateway.errors.SecretError` subclasses: SecretNotFound,
+    SecretAccessDenied, SecretBackendUnavailable. Messages name the reference, never the
+    value.
+    """
+
+    async def resolve(self, ref: SecretRef) -> ResolvedSecret: ...
+
+    def invalidate(self, ref: SecretRef) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class SecretResolvers:
+    """Dispatches references to the resolver registered for their scheme."""
+
+    def __init__(self, resolvers: dict[str, SecretResolver]) -> None:
+        self._resolvers = dict(resolvers)
+
+    def register(self, scheme: str, resolver: SecretResolver) -> None:
+        self._resolvers[scheme] = resolver
+
+    def get(self, scheme: str) -> SecretResolver | None:
+        return self._resolvers.get(scheme)
+
+    async def resolve(self, ref: SecretRef) -> ResolvedSecret:
+        resolver = self._resolvers.get(ref.scheme)
+        if resolver is None:
+            raise SecretNotFound(
+                f"secret reference {ref.raw!r}: no {ref.scheme}:// resolver is configured "
+                "(for vault:// refs, add secrets.vault to the policy)",
+                details={"api_key_ref": ref.raw, "reason": "no_resolver"},
+            )
+        return await resolver.resolve(ref)
+
+    def invalidate(self, ref: SecretRef) -> None:
+        resolver = self._resolvers.get(ref.scheme)
+        if resolver is not None:
+            resolver.invalidate(ref)
+
+    async def aclose(self) -> None:
+        for resolver in reversed(list(self._resolvers.values())):
+            await resolver.aclose()

@@ -1,0 +1,29 @@
+"""``env://NAME`` references: the value of an environment variable, read at each call."""
+
+from __future__ import annotations
+
+import os
+
+from gateway.errors import SecretNotFound
+from gateway.secrets.base import ResolvedSecret, Secret
+from gateway.secrets.refs import SecretRef
+
+
+class EnvResolver:
+    """Reads ``os.environ`` (cheap, so nothing is cached)."""
+
+    async def resolve(self, ref: SecretRef) -> ResolvedSecret:
+        value = os.environ.get(ref.path)
+        if not value:
+            raise SecretNotFound(
+                f"secret reference {ref.raw!r}: environment variable {ref.path} is not set "
+                "or empty in the sidecar's environment",
+                details={"api_key_ref": ref.raw, "reason": "env_missing"},
+            )
+        return ResolvedSecret(Secret(value))
+
+    def invalidate(self, ref: SecretRef) -> None:
+        """Nothing is cached."""
+
+    async def aclose(self) -> None:
+        """Nothing to close."""
