@@ -35,6 +35,7 @@ from gateway.secrets.refs import InvalidSecretRef, parse_ref
 # Defaults, in one place. Units are in the names.
 DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8181
+DEFAULT_OPS_PORT: Final = 8182
 DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
 DEFAULT_DRAIN_S: Final = 20.0
@@ -76,6 +77,10 @@ class _Strict(BaseModel):
 class ServerSpec(_Strict):
     host: str = DEFAULT_HOST
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    # The ops listener serves only /healthz, /readyz and /metrics, so kubelet probes and
+    # scrapers can reach it on the pod IP while the calls API stays on loopback.
+    ops_host: str = DEFAULT_HOST
+    ops_port: int | None = Field(DEFAULT_OPS_PORT, ge=0, le=65535)
     max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
     max_response_bytes: int = Field(DEFAULT_MAX_RESPONSE_BYTES, ge=1024)
     drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=3600)

@@ -1,0 +1,146 @@
+"""Command line: ``egress-gateway serve | validate | call | demo``.
+
+Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
+start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
+GATEWAY_URL (for ``call``). Exit codes: 0 success, 1 a failed check or call, 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+from gateway import __version__
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.policy import PolicyError, load_policy
+    from gateway.runtime import Gateway
+    from gateway.server import serve
+
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    server = policy.policy.server
+    host = args.host or os.environ.get("GATEWAY_HOST") or server.host
+    port = args.port if args.port is not None else _env_int("GATEWAY_PORT")
+    ops_port = args.ops_port if args.ops_port is not None else _env_int("GATEWAY_OPS_PORT")
+    asyncio.run(
+        serve(
+            Gateway(policy),
+            host=host,
+            port=port if port is not None else server.port,
+            ops_host=args.ops_host or os.environ.get("GATEWAY_OPS_HOST") or server.ops_host,
+            ops_port=ops_port if ops_port is not None else server.ops_port,
+        )
+    )
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from gateway.policy import PolicyError, load_policy
+
+    failed = False
+    for path in args.files:
+        try:
+            policy = load_policy(path)
+        except PolicyError as exc:
+            failed = True
+            for problem in exc.problems:
+                print(problem, file=sys.stderr)
+        else:
+            print(f"{path}: ok ({len(policy.targets)} targets, agent_id {policy.policy.agent_id})")
+    return 1 if failed else 0
+
+
+def _cmd_call(args: argparse.Namespace) -> int:
+    raw = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()  # noqa: SIM115
+    url = args.url.rstrip("/") + "/v1/calls"
+    req = urllib.request.Request(  # noqa: S310 - the URL is the operator's sidecar
+        url, data=raw, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as resp:  # noqa: S310
+            status, body = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read()
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        print(f"cannot reach the sidecar at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return 1
+    try:
+        print(json.dumps(json.loads(body), indent=2, ensure_ascii=False))
+    except ValueError:
+        print(body.decode("utf-8", errors="replace"))
+    return 0 if status == 200 else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    return asyncio.run(run_demo(policy_path=args.policy, examples_dir=args.examples))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="egress-gateway",
+        description="Egress sidecar for AI agents: policy-checked, credential-injecting, "
+        "audited outbound calls.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the sidecar")
+    p.add_argument("--policy", default=os.environ.get("GATEWAY_POLICY"),
+                   required="GATEWAY_POLICY" not in os.environ,
+                   help="policy YAML file (env GATEWAY_POLICY)")
+    p.add_argument("--host", help="calls listener address (default 127.0.0.1; env GATEWAY_HOST)")
+    p.add_argument("--port", type=int, help="calls listener port (default 8181; env GATEWAY_PORT)")
+    p.add_argument("--ops-host", help="health/metrics listener address (env GATEWAY_OPS_HOST)")
+    p.add_argument("--ops-port", type=int,
+                   help="health/metrics listener port (default 8182; env GATEWAY_OPS_PORT)")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("validate", help="check policy files; print every error")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("call", help="send one envelope to a running sidecar, print the answer")
+    p.add_argument("file", nargs="?", default="-", help="envelope JSON file, or - for stdin")
+    p.add_argument("--url", default=os.environ.get("GATEWAY_URL", "http://127.0.0.1:8181"),
+                   help="the sidecar's base URL (env GATEWAY_URL)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
+    p.set_defaults(func=_cmd_call)
+
+    p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
+    p.add_argument("--policy", default="policies/demo.yaml")
+    p.add_argument("--examples", default="examples")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        print(f"egress-gateway {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

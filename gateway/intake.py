@@ -1,0 +1,111 @@
+"""Envelope intake: raw request bytes -> a validated :class:`ExternalCallRequest`.
+
+Unknown top-level fields are refused by default, each named with the closest known field
+(a misspelt ``max_retires`` must never silently become the default of 3 retries on a
+payment). With the policy's ``envelope.unknown_fields: warn`` they are dropped and
+reported instead, for rolling upgrades of agents. Type errors are INVALID_PAYLOAD; a
+``protocol_version`` the sidecar does not speak is SCHEMA_MISMATCH.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from gateway.envelope import REQUEST_FIELDS, SUPPORTED_PROTOCOL_VERSIONS, ExternalCallRequest
+from gateway.errors import InvalidPayload, SchemaMismatch
+
+_MAX_REPORTED_ERRORS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """A validated request and the unknown fields that were dropped (warn mode only)."""
+
+    request: ExternalCallRequest
+    unknown_fields: tuple[str, ...] = ()
+
+
+def decode_json(body: bytes) -> Any:
+    """Parse a JSON document. Raises :class:`InvalidPayload` naming line and column."""
+    try:
+        return json.loads(body)
+    except UnicodeDecodeError:
+        raise InvalidPayload(
+            "the request body is not UTF-8 encoded JSON",
+            details={"reason": "not_utf8"},
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise InvalidPayload(
+            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+            f"column {exc.colno}",
+            details={"reason": "not_json", "line": exc.lineno, "column": exc.colno},
+        ) from None
+
+
+def parse_request(
+    raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reject"
+) -> Intake:
+    """Validate a decoded JSON value as an :class:`ExternalCallRequest`.
+
+    Raises :class:`InvalidPayload` (not an object, unknown fields in reject mode, wrong
+    types or values; ``details.errors`` lists each as ``{field, problem}``) or
+    :class:`SchemaMismatch` (unsupported ``protocol_version``).
+    """
+    if not isinstance(raw, dict):
+        raise InvalidPayload(
+            "the request body must be a JSON object (an ExternalCallRequest envelope)",
+            details={"reason": "not_an_object"},
+        )
+    unknown = [key for key in raw if key not in REQUEST_FIELDS]
+    if unknown:
+        described = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), sorted(REQUEST_FIELDS), n=1, cutoff=0.6)
+            described.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        if unknown_fields == "reject":
+            raise InvalidPayload(
+                "unknown envelope field(s): " + ", ".join(described)
+                + "; put free-form additions in 'metadata'",
+                details={
+                    "reason": "unknown_fields",
+                    "unknown_fields": unknown,
+                    "suggestions": {
+                        k: c[0]
+                        for k in unknown
+                        if (c := difflib.get_close_matches(str(k), sorted(REQUEST_FIELDS), n=1))
+                    },
+                },
+            )
+        raw = {k: v for k, v in raw.items() if k in REQUEST_FIELDS}
+    version = raw.get("protocol_version")
+    if isinstance(version, str) and version not in SUPPORTED_PROTOCOL_VERSIONS:
+        raise SchemaMismatch(
+            f"protocol_version {version!r} is not spoken by this sidecar "
+            f"(supported: {', '.join(sorted(SUPPORTED_PROTOCOL_VERSIONS))})",
+            details={
+                "reason": "protocol_version",
+                "protocol_version": version,
+                "supported": sorted(SUPPORTED_PROTOCOL_VERSIONS),
+            },
+        )
+    try:
+        request = ExternalCallRequest.model_validate(raw)
+    except ValidationError as exc:
+        errors = [
+            {
+                "field": ".".join(str(p) for p in err["loc"]) or "(envelope)",
+                "problem": err["msg"],
+            }
+            for err in exc.errors(include_url=False, include_input=False)
+        ][:_MAX_REPORTED_ERRORS]
+        summary = "; ".join(f"{e['field']}: {e['problem']}" for e in errors)
+        raise InvalidPayload(
+            f"the envelope is not a valid ExternalCallRequest: {summary}",
+            details={"reason": "invalid_fields", "errors": errors},
+        ) from None
+    return Intake(request, tuple(str(k) for k in unknown))

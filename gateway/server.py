@@ -1,0 +1,184 @@
+"""The HTTP face of the sidecar: the only module that knows aiohttp.web.
+
+Routes of the calls listener (loopback by default):
+
+* ``POST /v1/calls``: body an ExternalCallRequest; the answer is always an
+  ExternalCallResponse JSON, whatever happened, with an HTTP status that mirrors the
+  outcome (README, "Error codes").
+* ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
+
+The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``
+and ``/metrics`` so probes and scrapers can reach it without exposing the calls API.
+Any other path or method gets a JSON error answer too, never an HTML page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final
+
+from aiohttp import web
+
+from gateway import redaction
+from gateway.audit import get_logger
+from gateway.envelope import ExternalCallResponse
+from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
+from gateway.runtime import Gateway
+
+GATEWAY_KEY: Final = web.AppKey("gateway", Gateway)
+CALLS_PATH: Final = "/v1/calls"
+_log = get_logger("gateway.server")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
+    body = redaction.scrub_bytes(response.model_dump_json().encode())
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+def _error_answer(exc: GatewayError, started: float) -> web.Response:
+    return _json_answer(exc.http_status, error_response(exc, latency_ms=(time.monotonic() - started) * 1000))
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn aiohttp's own HTTP errors (404, 405, 413...) into JSON answers."""
+    started = time.monotonic()
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code_exc: GatewayError = InvalidPayload(
+            f"{request.method} {request.path}: {exc.reason}; the sidecar serves "
+            f"POST {CALLS_PATH}, GET /healthz and GET /readyz",
+            details={"reason": "route", "http_status": exc.status},
+            http_status=exc.status,
+        )
+        return _error_answer(code_exc, started)
+
+
+async def _calls(request: web.Request) -> web.Response:
+    started = time.monotonic()
+    gateway = request.app[GATEWAY_KEY]
+    limit = gateway.policy.policy.server.max_request_bytes
+    try:
+        if request.content_length is not None and request.content_length > limit:
+            raise _too_large(request.content_length, limit)
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _too_large(None, limit) from None
+        status, response = await gateway.call(body)
+    except GatewayError as exc:
+        return _error_answer(exc, started)
+    except Exception:  # noqa: BLE001 - the answer must be JSON whatever broke
+        _log.exception("handler_error")
+        return _error_answer(InternalError("the sidecar failed unexpectedly"), started)
+    return _json_answer(status, response)
+
+
+def _too_large(size: int | None, limit: int) -> InvalidPayload:
+    said = f"{size} bytes" if size is not None else "larger than the limit"
+    return InvalidPayload(
+        f"the envelope is {said}; this sidecar accepts at most {limit} bytes "
+        "(server.max_request_bytes in the policy)",
+        details={"reason": "too_large", "limit_bytes": limit},
+        http_status=413,
+    )
+
+
+async def _healthz(_: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    ready, checks = request.app[GATEWAY_KEY].ready()
+    return web.json_response(
+        {"status": "ready" if ready else "not_ready", "checks": checks},
+        status=200 if ready else 503,
+    )
+
+
+def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> web.Application:
+    """The calls application. With ``manage_lifecycle`` it starts and closes ``gateway``."""
+    app = web.Application(
+        client_max_size=gateway.policy.policy.server.max_request_bytes,
+        middlewares=[_json_errors],
+    )
+    app[GATEWAY_KEY] = gateway
+    app.router.add_post(CALLS_PATH, _calls)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    if manage_lifecycle:
+
+        async def lifecycle(_: web.Application) -> AsyncIterator[None]:
+            await gateway.start()
+            yield
+            await gateway.aclose()
+
+        app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def create_ops_app(gateway: Gateway) -> web.Application:
+    """Health, readiness and metrics only: safe to bind on the pod IP."""
+    app = web.Application(middlewares=[_json_errors])
+    app[GATEWAY_KEY] = gateway
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+async def serve(
+    gateway: Gateway,
+    *,
+    host: str,
+    port: int,
+    ops_host: str | None = None,
+    ops_port: int | None = None,
+    started: asyncio.Event | None = None,
+) -> None:
+    """Run until SIGTERM or SIGINT, then drain for ``server.drain_s`` and stop."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(create_app(gateway), access_log=None, handle_signals=False)
+    await runner.setup()
+    sites = [web.TCPSite(runner, host, port, reuse_address=True)]
+    ops_runner = None
+    if ops_port is not None:
+        ops_runner = web.AppRunner(create_ops_app(gateway), access_log=None)
+        await ops_runner.setup()
+        sites.append(web.TCPSite(ops_runner, ops_host or host, ops_port, reuse_address=True))
+    try:
+        for site in sites:
+            await site.start()
+        bound = [_bound(site) for site in sites]
+        _log.info("listening", calls=bound[0], ops=bound[1] if len(bound) > 1 else None)
+        if started is not None:
+            started.set()
+        await stop.wait()
+        drain_s = gateway.policy.policy.server.drain_s
+        _log.info("draining", inflight=gateway.inflight, drain_s=drain_s)
+        cancelled = await gateway.drain(drain_s)
+        _log.info("drained", cancelled=cancelled)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if ops_runner is not None:
+            await ops_runner.cleanup()
+        await runner.cleanup()
+
+
+def _bound(site: web.TCPSite) -> str:
+    server = site._server  # aiohttp exposes no public accessor for the bound socket
+    sockets = getattr(server, "sockets", None) or []
+    if sockets:
+        host, port = sockets[0].getsockname()[:2]
+        return f"{host}:{port}"
+    return site.name

@@ -1,0 +1,338 @@
+"""Forwarding one attempt to the upstream: the only module that knows the aiohttp client.
+
+One :class:`Upstream` (one ``ClientSession``) serves the whole process. For each attempt
+it builds the request from the policy's ``base_url`` plus the checked endpoint, injects
+the credential (a header with the target's ``format``, or a query parameter), sends it
+with connect and read timeouts inside the attempt's budget, and reads the body up to the
+response size limit (gzip and deflate are decoded by aiohttp; the limit applies to the
+decoded size, so a compressed bomb is stopped too).
+
+Egress: every address a host name resolves to is checked against the policy's ``egress``
+block inside the connector's resolver, before any connection is opened; IP literals are
+checked before the request. Redirects are never followed to another origin (the answer
+is EGRESS_DENIED and no byte, header or credential goes there); same-origin redirects
+(307/308 for any method, 301/302/303 for GET/HEAD) are followed at most
+:data:`MAX_REDIRECTS` times and only to allowlisted paths.
+
+Errors: :class:`TransportError` for a failed attempt (with ``sent`` telling whether the
+request may have reached the upstream); :class:`gateway.errors.EgressDenied`,
+:class:`~gateway.errors.PermissionDenied` and :class:`~gateway.errors.ResponseTooLarge`.
+No message holds a URL query or a credential: only ``scheme://host:port``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Final
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from yarl import URL
+
+from gateway import __version__
+from gateway.egress import check_address, endpoint_problem, origin_label
+from gateway.errors import EgressDenied, PermissionDenied, ResponseTooLarge
+from gateway.policy import CompiledTarget, EgressSpec
+from gateway.retry import TransportKind
+from gateway.secrets import Secret
+
+MAX_REDIRECTS: Final = 5
+CONNECT_TIMEOUT_CAP_S: Final = 10.0
+USER_AGENT: Final = f"egress-gateway/{__version__}"
+_REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
+_READ_CHUNK: Final = 64 * 1024
+
+
+class TransportError(Exception):
+    """An attempt failed below HTTP. ``kind`` is connect, timeout or reset; ``sent`` is
+    True once the request headers went out (the upstream may have acted on it)."""
+
+    def __init__(self, kind: TransportKind, *, sent: bool, message: str) -> None:
+        super().__init__(message)
+        self.kind: TransportKind = kind
+        self.sent = sent
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """Where and how the secret goes: ``header`` (with ``format``) or ``query_param``."""
+
+    secret: Secret
+    header: str | None = None
+    query_param: str | None = None
+    format: str = "{secret}"
+
+
+@dataclass(frozen=True, slots=True)
+class OutboundRequest:
+    target: CompiledTarget
+    method: str
+    url: URL
+    query: list[tuple[str, str]] | None
+    body: bytes | None
+    headers: dict[str, str] = field(default_factory=dict)
+    credential: Credential | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamResponse:
+    status: int
+    reason: str
+    headers: Mapping[str, str]  # lower-case names, first value of each
+    content_type: str | None
+    body: bytes
+    elapsed_s: float
+
+
+class _AddressDenied(OSError):
+    """Raised inside the resolver; aiohttp wraps OSErrors, we unwrap it again."""
+
+    def __init__(self, denied: EgressDenied) -> None:
+        super().__init__(denied.message)
+        self.denied = denied
+
+
+class EgressResolver(AbstractResolver):
+    """Wraps a resolver and drops every address the egress policy does not allow.
+
+    If nothing is left, resolution fails with EGRESS_DENIED before any connection is
+    attempted (the SSRF guard: a public name pointing at 169.254.169.254 is refused).
+    """
+
+    def __init__(self, egress: EgressSpec, inner: AbstractResolver | None = None) -> None:
+        self.egress = egress
+        self._inner = inner or aiohttp.ThreadedResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        allowed = []
+        denied: EgressDenied | None = None
+        for result in results:
+            try:
+                check_address(self.egress, host, result["host"])
+            except EgressDenied as exc:
+                denied = denied or exc
+            else:
+                allowed.append(result)
+        if not allowed:
+            if denied is not None:
+                raise _AddressDenied(denied)
+            raise OSError(f"{host} did not resolve to any address")
+        return allowed
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class Upstream:
+    """The process's outbound HTTP client. Create with :meth:`start`, close with :meth:`aclose`."""
+
+    def __init__(
+        self,
+        egress: EgressSpec,
+        *,
+        max_response_bytes: int,
+        resolver: AbstractResolver | None = None,
+        limit_per_host: int = 100,
+    ) -> None:
+        self._resolver = EgressResolver(egress, resolver)
+        self.max_response_bytes = max_response_bytes
+        self._limit_per_host = limit_per_host
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def egress(self) -> EgressSpec:
+        return self._resolver.egress
+
+    @egress.setter
+    def egress(self, value: EgressSpec) -> None:
+        self._resolver.egress = value
+
+    async def start(self) -> None:
+        trace = aiohttp.TraceConfig()
+        trace.on_request_headers_sent.append(_mark_sent)
+        connector = aiohttp.TCPConnector(
+            resolver=self._resolver, limit=0, limit_per_host=self._limit_per_host,
+            ttl_dns_cache=10,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            trace_configs=[trace],
+            headers={"User-Agent": USER_AGENT},
+            cookie_jar=aiohttp.DummyCookieJar(),  # no state leaks between agents' calls
+            auto_decompress=True,
+            raise_for_status=False,
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    async def send(self, request: OutboundRequest, *, timeout_s: float) -> UpstreamResponse:
+        """Send one attempt and read the answer, all within ``timeout_s`` seconds."""
+        if self._session is None:
+            raise RuntimeError("Upstream.start() was not called")
+        started = time.monotonic()
+        state = SimpleNamespace(sent=False)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._send(request, timeout_s, state, started)
+        except TimeoutError:
+            raise TransportError(
+                "timeout",
+                sent=state.sent,
+                message=f"{origin_label(request.url)} did not answer within {timeout_s:.3g} s",
+            ) from None
+
+    async def _send(
+        self, request: OutboundRequest, timeout_s: float, state: SimpleNamespace, started: float
+    ) -> UpstreamResponse:
+        assert self._session is not None
+        method, url, body = request.method, request.url, request.body
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=min(timeout_s, CONNECT_TIMEOUT_CAP_S), sock_read=timeout_s
+        )
+        for _hop in range(MAX_REDIRECTS + 1):
+            self._check_literal(url)
+            headers, query = self._outgoing(request, body is not None)
+            try:
+                async with self._session.request(
+                    method, url, params=query, data=body, headers=headers,
+                    allow_redirects=False, timeout=timeout, trace_request_ctx=state,
+                ) as resp:
+                    if resp.status in _REDIRECTS and "Location" in resp.headers:
+                        next_hop = self._redirect(request, url, method, resp)
+                        if next_hop is not None:
+                            method, url = next_hop
+                            if method in ("GET", "HEAD"):
+                                body = None
+                            state.sent = False
+                            continue
+                    data = await self._read(resp, url)
+                    return UpstreamResponse(
+                        status=resp.status,
+                        reason=resp.reason or "",
+                        headers={k.lower(): v for k, v in resp.headers.items()},
+                        content_type=resp.headers.get("Content-Type"),
+                        body=data,
+                        elapsed_s=time.monotonic() - started,
+                    )
+            except aiohttp.ClientError as exc:
+                raise _translate(exc, url, state.sent) from None
+        raise PermissionDenied(
+            f"{origin_label(url)} redirected more than {MAX_REDIRECTS} times",
+            details={"reason": "too_many_redirects"},
+        )
+
+    def _check_literal(self, url: URL) -> None:
+        host = url.host or ""
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return
+        check_address(self.egress, host, host)
+
+    @staticmethod
+    def _outgoing(
+        request: OutboundRequest, has_body: bool
+    ) -> tuple[dict[str, str], list[tuple[str, str]] | None]:
+        headers = dict(request.headers)
+        if has_body:
+            headers["Content-Type"] = "application/json"
+        query = list(request.query) if request.query is not None else None
+        cred = request.credential
+        if cred is not None:
+            value = cred.secret.reveal()
+            if cred.header is not None:
+                headers[cred.header] = cred.format.replace("{secret}", value)
+            elif cred.query_param is not None:
+                query = (query or []) + [(cred.query_param, value)]
+        return headers, query
+
+    @staticmethod
+    def _redirect(
+        request: OutboundRequest, url: URL, method: str, resp: aiohttp.ClientResponse
+    ) -> tuple[str, URL] | None:
+        location = url.join(URL(resp.headers["Location"]))
+        if location.origin() != request.target.origin:
+            raise EgressDenied(
+                f"{origin_label(url)} redirected ({resp.status}) to another origin, "
+                f"{origin_label(location)}; cross-origin redirects are never followed",
+                details={
+                    "reason": "cross_origin_redirect",
+                    "location_origin": origin_label(location),
+                },
+                status_code=resp.status,
+            )
+        if resp.status in (301, 302, 303) and method not in ("GET", "HEAD"):
+            return None  # answered as is: resending a body to another path is a new call
+        base_path = request.target.base_url.path.rstrip("/")
+        relative = location.path[len(base_path):] if location.path.startswith(base_path) else ""
+        if (
+            not relative
+            or endpoint_problem(location.raw_path) is not None
+            or not request.target.allows(relative, method)
+        ):
+            raise PermissionDenied(
+                f"{origin_label(url)} redirected to a path outside the target's allowlist",
+                details={"reason": "redirect_outside_allowlist"},
+                status_code=resp.status,
+            )
+        return method, location
+
+    async def _read(self, resp: aiohttp.ClientResponse, url: URL) -> bytes:
+        limit = self.max_response_bytes
+        declared = resp.content_length
+        if declared is not None and declared > limit:
+            raise _too_large(url, limit, resp.status)
+        buf = bytearray()
+        async for chunk in resp.content.iter_chunked(_READ_CHUNK):
+            buf += chunk
+            if len(buf) > limit:
+                raise _too_large(url, limit, resp.status)
+        return bytes(buf)
+
+
+def _too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:
+    return ResponseTooLarge(
+        f"{origin_label(url)} answered with a body larger than the limit of {limit} bytes "
+        "(server.max_response_bytes)",
+        details={"limit_bytes": limit},
+        status_code=status,
+    )
+
+
+async def _mark_sent(_: Any, ctx: SimpleNamespace, __: Any) -> None:
+    ctx.trace_request_ctx.sent = True
+
+
+def _translate(exc: aiohttp.ClientError, url: URL, sent: bool) -> Exception:
+    origin = origin_label(url)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        cause = exc.os_error
+        denied = cause if isinstance(cause, _AddressDenied) else cause.__cause__
+        if isinstance(denied, _AddressDenied):
+            return denied.denied
+        if isinstance(exc, aiohttp.ClientConnectorDNSError):
+            return TransportError("connect", sent=False, message=f"cannot resolve {url.host}")
+        reason = cause.strerror or type(cause).__name__
+        return TransportError("connect", sent=False, message=f"cannot connect to {origin}: {reason}")
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return TransportError("connect", sent=False, message=f"connecting to {origin} timed out")
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return TransportError("timeout", sent=sent, message=f"{origin} stopped answering (read timeout)")
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        return TransportError("reset", sent=sent, message=f"{origin} closed the connection mid-call")
+    if isinstance(exc, aiohttp.ClientOSError):
+        return TransportError("reset", sent=sent, message=f"connection to {origin} failed: {exc.strerror}")
+    return TransportError("reset", sent=sent, message=f"{origin}: {type(exc).__name__}")

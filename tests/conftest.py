@@ -1,0 +1,208 @@
+"""Shared test fixtures: real loopback upstreams and a real sidecar in the test's loop.
+
+``FakeUpstream`` is an aiohttp server on 127.0.0.1 (port 0) that records every request
+it receives (arrival time, method, path, query, headers, body) and answers with a
+handler the test gives. ``Sidecar`` runs the real application (``gateway.server``) on a
+loopback port and captures everything the sidecar writes (audit records and logs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway.policy import PolicySet, parse_policy
+from gateway.runtime import Gateway
+from gateway.server import create_app
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Seen:
+    at: float
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class FakeUpstream:
+    """A recording upstream. ``handler`` may be swapped at any time."""
+
+    handler: Handler
+    seen: list[Seen] = field(default_factory=list)
+    server: TestServer | None = None
+
+    @property
+    def hits(self) -> int:
+        return len(self.seen)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.port}"
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        assert self.server.port is not None
+        return self.server.port
+
+    async def _record(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.seen.append(
+            Seen(time.monotonic(), request.method, request.path, dict(request.query),
+                 {k: v for k, v in request.headers.items()}, body)
+        )
+        return await self.handler(request)
+
+
+async def _ok(_: web.Request) -> web.StreamResponse:
+    return web.json_response({"ok": True})
+
+
+@pytest.fixture
+async def upstream_factory() -> AsyncIterator[Callable[..., Awaitable[FakeUpstream]]]:
+    servers: list[TestServer] = []
+
+    async def make(handler: Handler = _ok) -> FakeUpstream:
+        fake = FakeUpstream(handler)
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", fake._record)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        fake.server = server
+        servers.append(server)
+        return fake
+
+    yield make
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def upstream(upstream_factory: Callable[..., Awaitable[FakeUpstream]]) -> FakeUpstream:
+    return await upstream_factory()
+
+
+def policy_yaml(targets: dict[str, Any], **extra: Any) -> str:
+    """A policy text with loopback egress allowed, for ``targets`` (a dict of specs)."""
+    doc: dict[str, Any] = {
+        "version": 1,
+        "agent_id": "test-agent",
+        "egress": {"allow_cidrs": ["127.0.0.0/8"]},
+        "targets": targets,
+    }
+    doc.update(extra)
+    return json.dumps(doc)  # JSON is YAML
+
+
+def compile_policy(targets: dict[str, Any], **extra: Any) -> PolicySet:
+    return PolicySet.compile(parse_policy(policy_yaml(targets, **extra), "test-policy.yaml"))
+
+
+def openai_target(url: str, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "base_url": url,
+        "credential": {"header": "Authorization", "format": "Bearer {secret}",
+                       "default_ref": "env://TEST_OPENAI_KEY",
+                       "allowed_refs": ["env://TEST_OPENAI_KEY"]},
+        "endpoints": [{"path": "/v1/chat/completions", "methods": ["POST"]},
+                      {"path": "/v1/models/*", "methods": ["GET"]}],
+        "usage": "openai",
+        "retry": {"backoff_base_s": 0.01, "backoff_max_s": 0.05},
+    }
+    spec.update(overrides)
+    return spec
+
+
+def envelope(**overrides: Any) -> dict[str, Any]:
+    """The base envelope of ../shared/cases.md, adapted to env:// refs."""
+    env: dict[str, Any] = {
+        "trace_id": "tr-test-0001",
+        "correlation_id": "corr-test-0001",
+        "target_system": "fake-openai",
+        "endpoint": "/v1/chat/completions",
+        "method": "POST",
+        "parameters": {"model": "fake-model-1", "messages": [{"role": "user", "content": "ping"}]},
+        "api_key_ref": "env://TEST_OPENAI_KEY",
+        "timeout": 5,
+        "max_retries": 2,
+    }
+    env.update(overrides)
+    return {k: v for k, v in env.items() if v is not ...}
+
+
+@dataclass
+class Sidecar:
+    gateway: Gateway
+    server: TestServer
+    session: aiohttp.ClientSession
+    log: io.StringIO
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    async def call(self, env: dict[str, Any] | bytes) -> tuple[int, dict[str, Any]]:
+        data = env if isinstance(env, bytes) else json.dumps(env).encode()
+        async with self.session.post(self.url + "/v1/calls", data=data,
+                                     headers={"Content-Type": "application/json"}) as resp:
+            assert resp.content_type == "application/json", await resp.text()
+            return resp.status, await resp.json()
+
+    def lines(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log.getvalue().splitlines() if line.strip()]
+
+    def audit_records(self) -> list[dict[str, Any]]:
+        return [r for r in self.lines() if r.get("event") == "egress_call"]
+
+
+@pytest.fixture
+async def sidecar_factory() -> AsyncIterator[Callable[..., Awaitable[Sidecar]]]:
+    made: list[Sidecar] = []
+
+    async def make(policy: PolicySet, **gateway_kwargs: Any) -> Sidecar:
+        log = io.StringIO()
+        gateway = Gateway(policy, log_stream=log, **gateway_kwargs)
+        server = TestServer(create_app(gateway), host="127.0.0.1")
+        await server.start_server()
+        session = aiohttp.ClientSession()
+        sidecar = Sidecar(gateway, server, session, log)
+        made.append(sidecar)
+        return sidecar
+
+    yield make
+    for sidecar in made:
+        await sidecar.session.close()
+        await sidecar.server.close()
+
+
+@pytest.fixture(autouse=True)
+def _test_openai_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_OPENAI_KEY", "sk-fake-TEST-0001-NOTREAL")
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll ``predicate`` until true, failing the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
