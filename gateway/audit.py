@@ -81,7 +81,7 @@ def configure(stream: IO[str] | None = None, *, level: str = "info") -> None:
 
 def get_logger(name: str = "gateway") -> Any:
     """An operational logger (structlog BoundLogger) writing JSON lines to the sink."""
-    return structlog.get_logger(name).bind(logger=name)
+    return structlog.get_logger(component=name)
 
 
 class AuditLog:

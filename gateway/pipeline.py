@@ -47,6 +47,7 @@ from gateway.upstream import Credential, OutboundRequest, TransportError, Upstre
 from gateway.usage import TokenUsage, extract_usage
 
 _log = get_logger("gateway.pipeline")
+_CLAIMED = ("trace_id", "correlation_id", "target_system", "endpoint", "method", "agent_id")
 
 
 @dataclass(slots=True)
@@ -69,6 +70,8 @@ class CallContext:
     replayed: bool = False
     decision: str = "invalid"
     warnings: list[str] = field(default_factory=list)
+    #: Identifiers read from an envelope that failed validation, for its audit record.
+    claimed: dict[str, str] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -100,8 +103,11 @@ class Pipeline:
         status, response = 500, None
         try:
             raw = decode_json(body)
+            if isinstance(raw, dict):
+                ctx.claimed = {k: raw[k][:256] for k in _CLAIMED if isinstance(raw.get(k), str)}
             intake = parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields)
             request = ctx.request = intake.request
+            ctx.api_key_ref = request.api_key_ref
             if intake.unknown_fields:
                 ctx.warnings.append("unknown envelope fields ignored: " + ", ".join(intake.unknown_fields))
                 _log.warning("unknown_envelope_fields", fields=list(intake.unknown_fields),
@@ -294,13 +300,16 @@ class Pipeline:
 
     def _write_audit(self, ctx: CallContext, response: ExternalCallResponse, agent_id: str) -> None:
         request, target, usage, error = ctx.request, ctx.target, ctx.usage, response.error
+        ids: dict[str, Any] = (
+            {k: getattr(request, k) for k in _CLAIMED} if request else dict(ctx.claimed)
+        )
         record: dict[str, Any] = {
-            "agent_id": agent_id,
-            "trace_id": request.trace_id if request else None,
-            "correlation_id": request.correlation_id if request else None,
-            "target_system": request.target_system if request else None,
-            "endpoint": request.endpoint if request else None,
-            "method": request.method if request else None,
+            "agent_id": agent_id if request else ids.get("agent_id") or agent_id,
+            "trace_id": ids.get("trace_id"),
+            "correlation_id": ids.get("correlation_id"),
+            "target_system": ids.get("target_system"),
+            "endpoint": ids.get("endpoint"),
+            "method": ids.get("method"),
             "upstream": egress_rules.origin_label(target.base_url) if target else None,
             "decision": "replayed" if ctx.replayed else ctx.decision,
             "success": response.success,

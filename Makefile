@@ -1,0 +1,34 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint typecheck unit clean
+
+$(VENV)/.runtime: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.runtime
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(BIN)/egress-gateway demo
+
+test: lint typecheck unit
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check gateway tests bench
+	$(BIN)/ruff format --check gateway tests bench
+
+typecheck: $(VENV)/.dev
+	$(BIN)/mypy
+
+unit: $(VENV)/.dev
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage demo-audit.jsonl

@@ -1,0 +1,215 @@
+"""``egress-gateway demo``: the sidecar forwarding real agent envelopes to local stand-ins.
+
+The stand-ins answer in the providers' documented shapes: an OpenAI chat completion with
+``usage`` (and its streamed form), an Anthropic message with ``usage``, a Slack
+``chat.postMessage`` result, a load balancer's HTML 502 page, and a search API that is
+too slow for its caller's deadline. Each checks the credential the sidecar injected, so a
+success proves the agent's reference was resolved and attached. The sidecar runs with
+``policies/demo.yaml``; every envelope of ``examples/`` is sent through its HTTP API, and
+a table of the answers is printed, followed by where the audit records are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from rich.console import Console
+from rich.table import Table
+from yarl import URL
+
+from gateway.policy import PolicyError, PolicySet, TargetSpec, load_policy
+from gateway.runtime import Gateway
+from gateway.server import create_app
+
+DEMO_UPSTREAM_PORT = 18090
+#: Fake credentials the demo puts in its own environment for the env:// references.
+DEMO_SECRETS = {
+    "DEMO_OPENAI_KEY": "sk-demo-0001-NOT-A-REAL-KEY",
+    "DEMO_ANTHROPIC_KEY": "ak-demo-0002-NOT-A-REAL-KEY",
+    "DEMO_SLACK_TOKEN": "xoxb-demo-0003-NOT-A-REAL-TOKEN",
+}
+_SLOW_S = 3.0
+
+
+def _unauthorized(provider: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": f"{provider}: missing or wrong credential", "type": "auth"}},
+        status=401,
+    )
+
+
+async def _openai(request: web.Request) -> web.StreamResponse:
+    if request.headers.get("Authorization") != f"Bearer {DEMO_SECRETS['DEMO_OPENAI_KEY']}":
+        return _unauthorized("openai")
+    body = await request.json()
+    words = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", []))
+    usage = {"prompt_tokens": 9 + words, "completion_tokens": 12,
+             "total_tokens": 21 + words, "prompt_tokens_details": {"cached_tokens": 0}}
+    if body.get("stream"):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in ("Hel", "lo", "!"):
+            chunk = {"object": "chat.completion.chunk",
+                     "choices": [{"index": 0, "delta": {"content": piece}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    return web.json_response({
+        "id": "chatcmpl-demo-1", "object": "chat.completion", "model": body.get("model"),
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "content": "1. Freeze. 2. Test. 3. Tag and publish."}}],
+        "usage": usage,
+    })
+
+
+async def _anthropic(request: web.Request) -> web.StreamResponse:
+    if request.headers.get("x-api-key") != DEMO_SECRETS["DEMO_ANTHROPIC_KEY"]:
+        return _unauthorized("anthropic")
+    body = await request.json()
+    return web.json_response({
+        "id": "msg_demo_01", "type": "message", "role": "assistant", "model": body.get("model"),
+        "content": [{"type": "text", "text": "Two fixes and one new flag."}],
+        "stop_reason": "end_turn",
+        "usage": {"input_tokens": 25, "output_tokens": 9, "cache_creation_input_tokens": 0,
+                  "cache_read_input_tokens": 0},
+    })
+
+
+async def _slack(request: web.Request) -> web.StreamResponse:
+    if request.headers.get("Authorization") != f"Bearer {DEMO_SECRETS['DEMO_SLACK_TOKEN']}":
+        return web.json_response({"ok": False, "error": "invalid_auth"})
+    body = await request.json()
+    return web.json_response({"ok": True, "channel": body.get("channel"), "ts": "1764412800.000100",
+                              "message": {"type": "message", "text": body.get("text")}})
+
+
+async def _flaky(_: web.Request) -> web.StreamResponse:
+    page = ("<html><head><title>502 Bad Gateway</title></head><body><center>"
+            "<h1>502 Bad Gateway</h1></center><hr><center>nginx</center></body></html>")
+    return web.Response(status=502, text=page, content_type="text/html")
+
+
+async def _slow(_: web.Request) -> web.StreamResponse:
+    await asyncio.sleep(_SLOW_S)
+    return web.json_response({"results": []})
+
+
+def stand_in_app() -> web.Application:
+    app = web.Application()
+    app.router.add_post("/openai/v1/chat/completions", _openai)
+    app.router.add_post("/anthropic/v1/messages", _anthropic)
+    app.router.add_post("/slack/api/chat.postMessage", _slack)
+    app.router.add_get("/flaky/v1/report", _flaky)
+    app.router.add_get("/slow/v1/search", _slow)
+    return app
+
+
+def _repoint(policy: PolicySet, port: int) -> PolicySet:
+    """The policy with its loopback stand-in targets moved to ``port``."""
+    targets: dict[str, TargetSpec] = {}
+    for name, target in policy.policy.targets.items():
+        url = URL(target.base_url)
+        if url.host == "127.0.0.1" and url.port == DEMO_UPSTREAM_PORT:
+            target = target.model_copy(update={"base_url": str(url.with_port(port))})
+        targets[name] = target
+    return PolicySet.compile(policy.policy.model_copy(update={"targets": targets}), policy.source)
+
+
+async def run_demo(
+    *,
+    policy_path: str = "policies/demo.yaml",
+    examples_dir: str = "examples",
+    upstream_port: int = DEMO_UPSTREAM_PORT,
+    audit_path: str = "demo-audit.jsonl",
+    console: Console | None = None,
+) -> int:
+    """Run the demo; returns 0 when every example got the answer it expects."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=132)
+    try:
+        policy = load_policy(policy_path)
+    except PolicyError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 1
+    os.environ.update(DEMO_SECRETS)
+    examples = sorted(Path(examples_dir).glob("*.json"))
+    if not examples:
+        console.print(f"[red]no example envelopes in {examples_dir}/[/red]")
+        return 1
+
+    stand_ins = web.AppRunner(stand_in_app(), access_log=None, shutdown_timeout=0.5)
+    await stand_ins.setup()
+    site = web.TCPSite(stand_ins, "127.0.0.1", upstream_port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await stand_ins.cleanup()
+        console.print(f"[red]cannot start the stand-in APIs on 127.0.0.1:{upstream_port}: "
+                      f"{exc.strerror}[/red]")
+        return 1
+    bound_port = stand_ins.addresses[0][1]
+    if bound_port != DEMO_UPSTREAM_PORT:
+        policy = _repoint(policy, bound_port)
+
+    audit_file = Path(audit_path).open("w", encoding="utf-8")  # noqa: SIM115 - closed below
+    gateway = Gateway(policy, log_stream=audit_file)
+    sidecar = web.AppRunner(create_app(gateway), access_log=None, shutdown_timeout=0.5)
+    await sidecar.setup()
+    await web.TCPSite(sidecar, "127.0.0.1", 0).start()
+    sidecar_url = "http://{}:{}".format(*sidecar.addresses[0][:2])
+    console.print(f"sidecar on [bold]{sidecar_url}[/bold] with policy [bold]{policy_path}[/bold]; "
+                  f"stand-in APIs on 127.0.0.1:{bound_port}\n")
+    rows: list[tuple[str, ...]] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            for path in examples:
+                rows.append(await _send(session, sidecar_url, path))
+    finally:
+        await sidecar.cleanup()
+        await stand_ins.cleanup()
+        audit_file.close()
+
+    table = Table(title="Agent envelopes through the egress sidecar")
+    for column in ("example", "target", "success", "HTTP", "upstream", "error code",
+                   "retryable", "tokens", "latency ms"):
+        table.add_column(column, justify="right" if column in ("tokens", "latency ms") else "left")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    records = sum(1 for line in Path(audit_path).read_text().splitlines()
+                  if '"event":"egress_call"' in line)
+    console.print(f"\n{records} audit records (one per call) are in [bold]{audit_path}[/bold] "
+                  "as JSON lines.")
+    return 0
+
+
+async def _send(session: aiohttp.ClientSession, url: str, path: Path) -> tuple[str, ...]:
+    raw = path.read_bytes()
+    target = str(json.loads(raw).get("target_system", "?"))
+    started = time.monotonic()
+    async with session.post(url + "/v1/calls", data=raw,
+                            headers={"Content-Type": "application/json"}) as resp:
+        answer: dict[str, Any] = await resp.json()
+        http = resp.status
+    error = answer.get("error") or {}
+    return (
+        path.stem, target,
+        "[green]yes[/green]" if answer.get("success") else "[red]no[/red]",
+        str(http),
+        str(answer.get("status_code") if answer.get("status_code") is not None else "-"),
+        str(error.get("code") or "-"),
+        str(error.get("retryable")) if error else "-",
+        str(answer.get("tokens_used") if answer.get("tokens_used") is not None else "-"),
+        f"{answer.get('latency_ms', (time.monotonic() - started) * 1000):.1f}",
+    )
