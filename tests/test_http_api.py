@@ -1,0 +1,388 @@
+"""Every error code the core can produce, through the real HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gateway.envelope import ErrorCode
+from gateway.secrets import ResolvedSecret, SecretRef
+from tests.conftest import compile_policy, envelope, openai_target
+
+
+def _json(status: int, body: dict[str, Any], **headers: str):
+    async def handler(_: web.Request) -> web.StreamResponse:
+        return web.json_response(body, status=status, headers=headers)
+
+    return handler
+
+
+async def _policy_sidecar(upstream_factory, sidecar_factory, handler=None, **target):
+    up = await upstream_factory(handler) if handler else await upstream_factory()
+    sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url, **target)}))
+    return up, sc
+
+
+def _assert_error(status, answer, http, code, retryable):
+    assert status == http, answer
+    assert answer["success"] is False
+    assert answer["error"]["code"] == code
+    assert answer["error"]["retryable"] is retryable
+    assert answer["error"]["message"]
+    assert answer["latency_ms"] >= 0
+
+
+# -- INVALID_PAYLOAD / SCHEMA_MISMATCH ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{not json", "not_json"),
+        (b"\xff\xfe{}", "not_utf8"),
+        (b"[1, 2]", "not_an_object"),
+        (json.dumps(envelope(timeout="5")).encode(), "invalid_fields"),
+        (json.dumps(envelope(max_retries=True)).encode(), "invalid_fields"),
+        (json.dumps(envelope(method="FETCH")).encode(), "invalid_fields"),
+        (json.dumps(envelope(timeout=0)).encode(), "invalid_fields"),
+        (json.dumps(envelope(trace_id=...)).encode(), "invalid_fields"),
+        (json.dumps(envelope(max_retires=0)).encode(), "unknown_fields"),
+    ],
+)
+async def test_invalid_payload(upstream_factory, sidecar_factory, body, reason):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    status, answer = await sc.call(body)
+    _assert_error(status, answer, 400, "INVALID_PAYLOAD", False)
+    assert answer["error"]["details"]["reason"] == reason
+    assert up.hits == 0
+    [record] = sc.audit_records()
+    assert record["decision"] == "invalid"
+    assert record["error_code"] == "INVALID_PAYLOAD"
+
+
+async def test_unknown_field_is_named_with_suggestion(upstream_factory, sidecar_factory):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    status, answer = await sc.call(envelope(max_retires=0, extra_thing=1))
+    _assert_error(status, answer, 400, "INVALID_PAYLOAD", False)
+    assert "'max_retires' (did you mean 'max_retries'?)" in answer["error"]["message"]
+    assert "'extra_thing'" in answer["error"]["message"]
+    assert answer["error"]["details"]["unknown_fields"] == ["max_retires", "extra_thing"]
+    # The audit record still names the call the agent tried to make.
+    [record] = sc.audit_records()
+    assert record["trace_id"] == "tr-test-0001"
+
+
+async def test_unknown_fields_warn_mode_forwards_and_logs(upstream_factory, sidecar_factory):
+    up = await upstream_factory()
+    policy = compile_policy({"fake-openai": openai_target(up.url)},
+                            envelope={"unknown_fields": "warn"})
+    sc = await sidecar_factory(policy)
+    status, answer = await sc.call(envelope(client_version="2.0"))
+    assert status == 200, answer
+    assert up.hits == 1
+    [record] = sc.audit_records()
+    assert record["warnings"] == ["unknown envelope fields ignored: client_version"]
+    assert any(line.get("event") == "unknown_envelope_fields" for line in sc.lines())
+
+
+async def test_schema_mismatch(upstream_factory, sidecar_factory):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    status, answer = await sc.call(envelope(protocol_version="2"))
+    _assert_error(status, answer, 400, "SCHEMA_MISMATCH", False)
+    assert answer["error"]["details"]["supported"] == ["1"]
+    assert up.hits == 0
+
+
+async def test_unknown_rate_limit_group(upstream_factory, sidecar_factory):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    status, answer = await sc.call(envelope(rate_limit_group="nope"))
+    _assert_error(status, answer, 400, "INVALID_PAYLOAD", False)
+    assert answer["error"]["details"]["reason"] == "unknown_rate_limit_group"
+    assert up.hits == 0
+
+
+async def test_oversized_envelope_gets_json_413(upstream_factory, sidecar_factory):
+    up = await upstream_factory()
+    policy = compile_policy({"fake-openai": openai_target(up.url)},
+                            server={"max_request_bytes": 64 * 1024})
+    sc = await sidecar_factory(policy)
+    big = envelope(parameters={"text": "x" * (100 * 1024)})
+    status, answer = await sc.call(big)
+    _assert_error(status, answer, 413, "INVALID_PAYLOAD", False)
+    assert answer["error"]["details"] == {"reason": "too_large", "limit_bytes": 65536}
+    assert up.hits == 0
+
+
+@pytest.mark.parametrize(("method", "path", "http"), [("GET", "/v1/calls", 405), ("POST", "/nope", 404)])
+async def test_wrong_route_is_json(upstream_factory, sidecar_factory, method, path, http):
+    _, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    async with sc.session.request(method, sc.url + path) as resp:
+        assert resp.status == http
+        answer = await resp.json()
+    assert answer["error"]["code"] == "INVALID_PAYLOAD"
+    assert answer["error"]["details"]["http_status"] == http
+
+
+# -- PERMISSION_DENIED / EGRESS_DENIED ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"target_system": "stripe"}, "unknown_target"),
+        ({"endpoint": "/v1/files"}, "endpoint_not_allowed"),
+        ({"endpoint": "/v1/chat/completions", "method": "PUT"}, "method_not_allowed"),
+        ({"endpoint": "//evil.example/v1/chat/completions"}, "endpoint_not_a_path"),
+        ({"endpoint": "http://169.254.169.254/latest/meta-data/"}, "endpoint_not_a_path"),
+        ({"endpoint": "/v1/models/..%2f..%2fadmin", "method": "GET"}, "endpoint_not_a_path"),
+        ({"endpoint": "/v1/chat/completions\r\nHost: evil"}, "endpoint_not_a_path"),
+        ({"api_key_ref": "env://OTHER_KEY"}, "ref_not_allowed"),
+        ({"headers": {"X-Forwarded-For": "1.2.3.4"}}, "header_not_allowed"),
+    ],
+)
+async def test_permission_denied(upstream_factory, sidecar_factory, overrides, reason):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    status, answer = await sc.call(envelope(**overrides))
+    _assert_error(status, answer, 403, "PERMISSION_DENIED", False)
+    assert answer["error"]["details"]["reason"] == reason
+    assert up.hits == 0
+    [record] = sc.audit_records()
+    assert record["decision"] == "denied"
+
+
+async def test_upstream_401_is_permission_denied_with_body(upstream_factory, sidecar_factory):
+    handler = _json(401, {"error": {"message": "Incorrect API key provided"}})
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory, handler)
+    status, answer = await sc.call(envelope())
+    _assert_error(status, answer, 403, "PERMISSION_DENIED", False)
+    assert answer["status_code"] == 401
+    assert answer["data"] == {"error": {"message": "Incorrect API key provided"}}
+    assert up.hits == 1
+
+
+def test_private_literal_base_url_needs_allow_cidrs():
+    """A base_url on a private IP literal is refused when the policy is loaded."""
+    from gateway.policy import PolicyError
+
+    with pytest.raises(PolicyError) as caught:
+        compile_policy({"fake-openai": openai_target("http://10.1.2.3:8080")})
+    assert caught.value.problems == [
+        "test-policy.yaml:1: targets.fake-openai.base_url: 10.1.2.3 is not a public address; "
+        "list it in egress.allow_cidrs to allow it"
+    ]
+
+
+async def test_name_resolving_to_loopback_is_egress_denied(upstream_factory, sidecar_factory):
+    """localhost resolves (for real) to a loopback address, which egress refuses by default."""
+    up = await upstream_factory()
+    target = openai_target(f"http://localhost:{up.port}")
+    policy = compile_policy({"fake-openai": target}, egress={"allow_cidrs": []})
+    sc = await sidecar_factory(policy)
+    status, answer = await sc.call(envelope())
+    _assert_error(status, answer, 403, "EGRESS_DENIED", False)
+    assert answer["error"]["details"]["reason"] == "address_denied"
+    assert answer["error"]["details"]["host"] == "localhost"
+    assert up.hits == 0
+    [record] = sc.audit_records()
+    assert record["error_code"] == "EGRESS_DENIED"
+    assert any("localhost" in w for w in record["warnings"])
+
+
+# -- secrets ------------------------------------------------------------------------------
+
+
+async def test_missing_env_secret(upstream_factory, sidecar_factory, monkeypatch):
+    monkeypatch.delenv("TEST_OPENAI_KEY")
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    status, answer = await sc.call(envelope())
+    _assert_error(status, answer, 500, "SECRET_NOT_FOUND", False)
+    assert answer["error"]["details"] == {"api_key_ref": "env://TEST_OPENAI_KEY",
+                                          "reason": "env_missing"}
+    assert up.hits == 0
+
+
+async def test_file_secret_injected_and_reread(upstream_factory, sidecar_factory, tmp_path):
+    key_file = tmp_path / "token"
+    key_file.write_text("file-secret-value-0001\n")
+    ref = f"file://{key_file}"
+    up = await upstream_factory()
+    target = openai_target(up.url, credential={"header": "Authorization",
+                                               "format": "Bearer {secret}", "default_ref": ref})
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    status, _ = await sc.call(envelope(api_key_ref=...))
+    assert status == 200
+    key_file.write_text("file-secret-value-0002\n")  # rotated by the kubelet
+    status, _ = await sc.call(envelope(api_key_ref=...))
+    assert status == 200
+    assert [s.headers["Authorization"] for s in up.seen] == [
+        "Bearer file-secret-value-0001", "Bearer file-secret-value-0002"]
+    assert "file-secret-value" not in sc.log.getvalue()
+
+
+async def test_missing_file_secret(upstream_factory, sidecar_factory, tmp_path):
+    ref = f"file://{tmp_path}/absent"
+    up = await upstream_factory()
+    target = openai_target(up.url, credential={"header": "Authorization", "default_ref": ref})
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    status, answer = await sc.call(envelope(api_key_ref=...))
+    _assert_error(status, answer, 500, "SECRET_NOT_FOUND", False)
+    assert answer["error"]["details"]["reason"] == "file_missing"
+    assert up.hits == 0
+
+
+class _DeniedResolver:
+    """A resolver plugged in through the public interface, refusing every reference."""
+
+    async def resolve(self, ref: SecretRef) -> ResolvedSecret:
+        from gateway.errors import SecretAccessDenied
+
+        raise SecretAccessDenied(f"secret reference {ref.raw!r}: denied",
+                                 details={"api_key_ref": ref.raw, "reason": "forbidden"})
+
+    def invalidate(self, ref: SecretRef) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+class _BrokenResolver(_DeniedResolver):
+    async def resolve(self, ref: SecretRef) -> ResolvedSecret:
+        raise RuntimeError("a bug in a resolver")
+
+
+async def test_secret_access_denied(upstream_factory, sidecar_factory):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    assert sc.gateway.pipeline is not None
+    sc.gateway.pipeline.resolvers.register("env", _DeniedResolver())
+    status, answer = await sc.call(envelope())
+    _assert_error(status, answer, 403, "SECRET_ACCESS_DENIED", False)
+    assert up.hits == 0
+
+
+async def test_internal_bug_is_unknown_without_stack_trace(upstream_factory, sidecar_factory):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    assert sc.gateway.pipeline is not None
+    sc.gateway.pipeline.resolvers.register("env", _BrokenResolver())
+    status, answer = await sc.call(envelope())
+    _assert_error(status, answer, 500, "UNKNOWN", False)
+    assert answer["error"]["stack_trace"] is None
+    assert "a bug in a resolver" not in json.dumps(answer)
+    assert answer["error"]["details"] == {"exception": "RuntimeError"}
+    logged = [line for line in sc.lines() if line.get("event") == "internal_error"]
+    assert logged
+    assert logged[0]["trace_id"] == "tr-test-0001"
+    assert up.hits == 0
+
+
+# -- upstream outcomes --------------------------------------------------------------------
+
+
+async def test_upstream_4xx_is_rejected_with_upstream_status(upstream_factory, sidecar_factory):
+    handler = _json(422, {"error": {"message": "bad model"}})
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory, handler)
+    status, answer = await sc.call(envelope())
+    _assert_error(status, answer, 422, "UPSTREAM_REJECTED", False)
+    assert answer["status_code"] == 422
+    assert answer["data"] == {"error": {"message": "bad model"}}
+
+
+async def test_upstream_429_after_retries_is_capacity_exceeded(upstream_factory, sidecar_factory):
+    handler = _json(429, {"error": "slow down"}, **{"retry-after-ms": "20"})
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory, handler)
+    status, answer = await sc.call(envelope(max_retries=1))
+    _assert_error(status, answer, 429, "CAPACITY_EXCEEDED", True)
+    assert answer["error"]["details"]["source"] == "upstream"
+    assert answer["error"]["suggested_retry_after"] == pytest.approx(0.02)
+    assert up.hits == 2
+
+
+async def test_connection_refused_is_dependency_failed(sidecar_factory, unused_tcp_port):
+    target = openai_target(f"http://127.0.0.1:{unused_tcp_port}")
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    status, answer = await sc.call(envelope(max_retries=1))
+    _assert_error(status, answer, 502, "DEPENDENCY_FAILED", True)
+    assert answer["error"]["details"]["reason"] == "connect"
+    [record] = sc.audit_records()
+    assert record["attempts"] == 2
+
+
+async def test_response_too_large(upstream_factory, sidecar_factory):
+    async def big(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"blob": "x" * 4096})
+
+    up = await upstream_factory(big)
+    policy = compile_policy({"fake-openai": openai_target(up.url)},
+                            server={"max_response_bytes": 2048})
+    sc = await sidecar_factory(policy)
+    status, answer = await sc.call(envelope())
+    _assert_error(status, answer, 502, "RESPONSE_TOO_LARGE", False)
+    assert answer["error"]["details"]["limit_bytes"] == 2048
+
+
+async def test_outcome_unknown_when_post_without_key_loses_connection(upstream_factory,
+                                                                      sidecar_factory):
+    async def drop(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.close()
+        return web.Response()
+
+    up = await upstream_factory(drop)
+    sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url)}))
+    status, answer = await sc.call(envelope(max_retries=2))
+    _assert_error(status, answer, 502, "OUTCOME_UNKNOWN", False)
+    assert up.hits == 1  # never resent without an idempotency key
+
+
+async def test_shutting_down_refuses_new_calls(upstream_factory, sidecar_factory):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    assert await sc.gateway.drain(0.1) == 0
+    status, answer = await sc.call(envelope())
+    _assert_error(status, answer, 503, "SHUTTING_DOWN", True)
+    async with sc.session.get(sc.url + "/readyz") as resp:
+        assert resp.status == 503
+    assert up.hits == 0
+
+
+async def test_drain_answers_calls_that_outlive_it(upstream_factory, sidecar_factory):
+    release = asyncio.Event()
+
+    async def hang(_: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.json_response({})
+
+    up = await upstream_factory(hang)
+    target = openai_target(up.url, idempotency={"methods": ["POST"]})
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    call = asyncio.create_task(sc.call(envelope(timeout=30)))
+    from tests.conftest import wait_for
+
+    await wait_for(lambda: up.hits == 1)
+    assert await sc.gateway.drain(0.05) == 1
+    status, answer = await call
+    release.set()
+    _assert_error(status, answer, 503, "SHUTTING_DOWN", True)
+    [record] = sc.audit_records()
+    assert record["error_code"] == "SHUTTING_DOWN"
+
+
+async def test_health_and_readiness(upstream_factory, sidecar_factory):
+    _, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    async with sc.session.get(sc.url + "/healthz") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["status"] == "alive"
+    async with sc.session.get(sc.url + "/readyz") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["checks"]["policy_loaded"] is True
+
+
+def test_every_error_code_is_documented_in_the_readme():
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    for code in ErrorCode:
+        assert f"| `{code.value}` |" in readme, code
