@@ -23,6 +23,7 @@ No message holds a URL query or a credential: only ``scheme://host:port``.
 from __future__ import annotations
 
 import asyncio
+import io
 import ipaddress
 import socket
 import time
@@ -47,6 +48,7 @@ CONNECT_TIMEOUT_CAP_S: Final = 10.0
 USER_AGENT: Final = f"egress-gateway/{__version__}"
 _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _READ_CHUNK: Final = 64 * 1024
+_LARGE_BODY: Final = 512 * 1024
 
 
 class TransportError(Exception):
@@ -206,8 +208,13 @@ class Upstream:
             self._check_literal(url)
             headers, query = self._outgoing(request, body is not None)
             try:
+                # aiohttp warns that large bytes bodies may block the loop; a BytesIO
+                # payload is written in chunks with the same Content-Length.
+                data: bytes | io.BytesIO | None = body
+                if body is not None and len(body) > _LARGE_BODY:
+                    data = io.BytesIO(body)
                 async with self._session.request(
-                    method, url, params=query, data=body, headers=headers,
+                    method, url, params=query, data=data, headers=headers,
                     allow_redirects=False, timeout=timeout, trace_request_ctx=state,
                 ) as resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
@@ -218,13 +225,13 @@ class Upstream:
                                 body = None
                             state.sent = False
                             continue
-                    data = await self._read(resp, url)
+                    content = await self._read(resp, url)
                     return UpstreamResponse(
                         status=resp.status,
                         reason=resp.reason or "",
                         headers={k.lower(): v for k, v in resp.headers.items()},
                         content_type=resp.headers.get("Content-Type"),
-                        body=data,
+                        body=content,
                         elapsed_s=time.monotonic() - started,
                     )
             except aiohttp.ClientError as exc:

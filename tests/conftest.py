@@ -161,7 +161,8 @@ class Sidecar:
         return f"http://127.0.0.1:{self.server.port}"
 
     async def call(self, env: dict[str, Any] | bytes) -> tuple[int, dict[str, Any]]:
-        data = env if isinstance(env, bytes) else json.dumps(env).encode()
+        raw = env if isinstance(env, bytes) else json.dumps(env).encode()
+        data = io.BytesIO(raw) if len(raw) > 512 * 1024 else raw
         async with self.session.post(self.url + "/v1/calls", data=data,
                                      headers={"Content-Type": "application/json"}) as resp:
             assert resp.content_type == "application/json", await resp.text()
