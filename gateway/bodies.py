@@ -80,6 +80,6 @@ def _delta_text(event: Any) -> str | None:
             return str(delta["content"])
     delta = event.get("delta")
     if event.get("type") == "content_block_delta" and isinstance(delta, dict):
-        if isinstance(delta.get("text"), str):
-            return str(delta["text"])
+        text = delta.get("text")
+        return text if isinstance(text, str) else None
     return None

@@ -103,14 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the sidecar")
-    p.add_argument("--policy", default=os.environ.get("GATEWAY_POLICY"),
-                   required="GATEWAY_POLICY" not in os.environ,
-                   help="policy YAML file (env GATEWAY_POLICY)")
+    p.add_argument(
+        "--policy",
+        default=os.environ.get("GATEWAY_POLICY"),
+        required="GATEWAY_POLICY" not in os.environ,
+        help="policy YAML file (env GATEWAY_POLICY)",
+    )
     p.add_argument("--host", help="calls listener address (default 127.0.0.1; env GATEWAY_HOST)")
     p.add_argument("--port", type=int, help="calls listener port (default 8181; env GATEWAY_PORT)")
     p.add_argument("--ops-host", help="health/metrics listener address (env GATEWAY_OPS_HOST)")
-    p.add_argument("--ops-port", type=int,
-                   help="health/metrics listener port (default 8182; env GATEWAY_OPS_PORT)")
+    p.add_argument(
+        "--ops-port",
+        type=int,
+        help="health/metrics listener port (default 8182; env GATEWAY_OPS_PORT)",
+    )
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("validate", help="check policy files; print every error")
@@ -119,8 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("call", help="send one envelope to a running sidecar, print the answer")
     p.add_argument("file", nargs="?", default="-", help="envelope JSON file, or - for stdin")
-    p.add_argument("--url", default=os.environ.get("GATEWAY_URL", "http://127.0.0.1:8181"),
-                   help="the sidecar's base URL (env GATEWAY_URL)")
+    p.add_argument(
+        "--url",
+        default=os.environ.get("GATEWAY_URL", "http://127.0.0.1:8181"),
+        help="the sidecar's base URL (env GATEWAY_URL)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
     p.set_defaults(func=_cmd_call)
 

@@ -50,51 +50,86 @@ async def _openai(request: web.Request) -> web.StreamResponse:
         return _unauthorized("openai")
     body = await request.json()
     words = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", []))
-    usage = {"prompt_tokens": 9 + words, "completion_tokens": 12,
-             "total_tokens": 21 + words, "prompt_tokens_details": {"cached_tokens": 0}}
+    usage = {
+        "prompt_tokens": 9 + words,
+        "completion_tokens": 12,
+        "total_tokens": 21 + words,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     if body.get("stream"):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for piece in ("Hel", "lo", "!"):
-            chunk = {"object": "chat.completion.chunk",
-                     "choices": [{"index": 0, "delta": {"content": piece}}]}
+            chunk = {
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": piece}}],
+            }
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-    return web.json_response({
-        "id": "chatcmpl-demo-1", "object": "chat.completion", "model": body.get("model"),
-        "choices": [{"index": 0, "finish_reason": "stop", "message": {
-            "role": "assistant", "content": "1. Freeze. 2. Test. 3. Tag and publish."}}],
-        "usage": usage,
-    })
+    return web.json_response(
+        {
+            "id": "chatcmpl-demo-1",
+            "object": "chat.completion",
+            "model": body.get("model"),
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {
+                        "role": "assistant",
+                        "content": "1. Freeze. 2. Test. 3. Tag and publish.",
+                    },
+                }
+            ],
+            "usage": usage,
+        }
+    )
 
 
 async def _anthropic(request: web.Request) -> web.StreamResponse:
     if request.headers.get("x-api-key") != DEMO_SECRETS["DEMO_ANTHROPIC_KEY"]:
         return _unauthorized("anthropic")
     body = await request.json()
-    return web.json_response({
-        "id": "msg_demo_01", "type": "message", "role": "assistant", "model": body.get("model"),
-        "content": [{"type": "text", "text": "Two fixes and one new flag."}],
-        "stop_reason": "end_turn",
-        "usage": {"input_tokens": 25, "output_tokens": 9, "cache_creation_input_tokens": 0,
-                  "cache_read_input_tokens": 0},
-    })
+    return web.json_response(
+        {
+            "id": "msg_demo_01",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model"),
+            "content": [{"type": "text", "text": "Two fixes and one new flag."}],
+            "stop_reason": "end_turn",
+            "usage": {
+                "input_tokens": 25,
+                "output_tokens": 9,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+            },
+        }
+    )
 
 
 async def _slack(request: web.Request) -> web.StreamResponse:
     if request.headers.get("Authorization") != f"Bearer {DEMO_SECRETS['DEMO_SLACK_TOKEN']}":
         return web.json_response({"ok": False, "error": "invalid_auth"})
     body = await request.json()
-    return web.json_response({"ok": True, "channel": body.get("channel"), "ts": "1764412800.000100",
-                              "message": {"type": "message", "text": body.get("text")}})
+    return web.json_response(
+        {
+            "ok": True,
+            "channel": body.get("channel"),
+            "ts": "1764412800.000100",
+            "message": {"type": "message", "text": body.get("text")},
+        }
+    )
 
 
 async def _flaky(_: web.Request) -> web.StreamResponse:
-    page = ("<html><head><title>502 Bad Gateway</title></head><body><center>"
-            "<h1>502 Bad Gateway</h1></center><hr><center>nginx</center></body></html>")
+    page = (
+        "<html><head><title>502 Bad Gateway</title></head><body><center>"
+        "<h1>502 Bad Gateway</h1></center><hr><center>nginx</center></body></html>"
+    )
     return web.Response(status=502, text=page, content_type="text/html")
 
 
@@ -155,8 +190,10 @@ async def run_demo(
         await site.start()
     except OSError as exc:
         await stand_ins.cleanup()
-        console.print(f"[red]cannot start the stand-in APIs on 127.0.0.1:{upstream_port}: "
-                      f"{exc.strerror}[/red]")
+        console.print(
+            f"[red]cannot start the stand-in APIs on 127.0.0.1:{upstream_port}: "
+            f"{exc.strerror}[/red]"
+        )
         return 1
     bound_port = stand_ins.addresses[0][1]
     if bound_port != DEMO_UPSTREAM_PORT:
@@ -168,8 +205,10 @@ async def run_demo(
     await sidecar.setup()
     await web.TCPSite(sidecar, "127.0.0.1", 0).start()
     sidecar_url = "http://{}:{}".format(*sidecar.addresses[0][:2])
-    console.print(f"sidecar on [bold]{sidecar_url}[/bold] with policy [bold]{policy_path}[/bold]; "
-                  f"stand-in APIs on 127.0.0.1:{bound_port}\n")
+    console.print(
+        f"sidecar on [bold]{sidecar_url}[/bold] with policy [bold]{policy_path}[/bold]; "
+        f"stand-in APIs on 127.0.0.1:{bound_port}\n"
+    )
     rows: list[tuple[str, ...]] = []
     try:
         async with aiohttp.ClientSession() as session:
@@ -181,16 +220,27 @@ async def run_demo(
         audit_file.close()
 
     table = Table(title="Agent envelopes through the egress sidecar")
-    for column in ("example", "target", "success", "HTTP", "upstream", "error code",
-                   "retryable", "tokens", "latency ms"):
+    for column in (
+        "example",
+        "target",
+        "success",
+        "HTTP",
+        "upstream",
+        "error code",
+        "retryable",
+        "tokens",
+        "latency ms",
+    ):
         table.add_column(column, justify="right" if column in ("tokens", "latency ms") else "left")
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    records = sum(1 for line in Path(audit_path).read_text().splitlines()
-                  if '"event":"egress_call"' in line)
-    console.print(f"\n{records} audit records (one per call) are in [bold]{audit_path}[/bold] "
-                  "as JSON lines.")
+    records = sum(
+        1 for line in Path(audit_path).read_text().splitlines() if '"event":"egress_call"' in line
+    )
+    console.print(
+        f"\n{records} audit records (one per call) are in [bold]{audit_path}[/bold] as JSON lines."
+    )
     return 0
 
 
@@ -198,13 +248,15 @@ async def _send(session: aiohttp.ClientSession, url: str, path: Path) -> tuple[s
     raw = path.read_bytes()
     target = str(json.loads(raw).get("target_system", "?"))
     started = time.monotonic()
-    async with session.post(url + "/v1/calls", data=raw,
-                            headers={"Content-Type": "application/json"}) as resp:
+    async with session.post(
+        url + "/v1/calls", data=raw, headers={"Content-Type": "application/json"}
+    ) as resp:
         answer: dict[str, Any] = await resp.json()
         http = resp.status
     error = answer.get("error") or {}
     return (
-        path.stem, target,
+        path.stem,
+        target,
         "[green]yes[/green]" if answer.get("success") else "[red]no[/red]",
         str(http),
         str(answer.get("status_code") if answer.get("status_code") is not None else "-"),

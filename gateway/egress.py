@@ -119,8 +119,9 @@ def upstream_url(target: CompiledTarget, endpoint: str) -> URL:
     base = target.base_url
     url = base.with_path(base.path.rstrip("/") + endpoint)
     if url.origin() != target.origin:  # defence in depth: cannot happen for a clean path
-        raise PermissionDenied("endpoint would leave the target's origin",
-                               details={"reason": "origin_escape"})
+        raise PermissionDenied(
+            "endpoint would leave the target's origin", details={"reason": "origin_escape"}
+        )
     return url
 
 

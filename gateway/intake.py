@@ -48,9 +48,7 @@ def decode_json(body: bytes) -> Any:
         ) from None
 
 
-def parse_request(
-    raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reject"
-) -> Intake:
+def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reject") -> Intake:
     """Validate a decoded JSON value as an :class:`ExternalCallRequest`.
 
     Raises :class:`InvalidPayload` (not an object, unknown fields in reject mode, wrong
@@ -70,7 +68,8 @@ def parse_request(
             described.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
         if unknown_fields == "reject":
             raise InvalidPayload(
-                "unknown envelope field(s): " + ", ".join(described)
+                "unknown envelope field(s): "
+                + ", ".join(described)
                 + "; put free-form additions in 'metadata'",
                 details={
                     "reason": "unknown_fields",

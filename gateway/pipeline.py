@@ -109,9 +109,15 @@ class Pipeline:
             request = ctx.request = intake.request
             ctx.api_key_ref = request.api_key_ref
             if intake.unknown_fields:
-                ctx.warnings.append("unknown envelope fields ignored: " + ", ".join(intake.unknown_fields))
-                _log.warning("unknown_envelope_fields", fields=list(intake.unknown_fields),
-                             trace_id=request.trace_id, correlation_id=request.correlation_id)
+                ctx.warnings.append(
+                    "unknown envelope fields ignored: " + ", ".join(intake.unknown_fields)
+                )
+                _log.warning(
+                    "unknown_envelope_fields",
+                    fields=list(intake.unknown_fields),
+                    trace_id=request.trace_id,
+                    correlation_id=request.correlation_id,
+                )
             agent_id = request.agent_id or agent_id
             ctx.decision = "denied"
             decision = egress_rules.decide(policy, request)
@@ -143,8 +149,13 @@ class Pipeline:
             response = self._failure(err, ctx, agent_id)
             if policy.policy.server.debug:
                 assert response.error is not None
-                response = response.model_copy(update={"error": response.error.model_copy(
-                    update={"stack_trace": traceback.format_exc()})})
+                response = response.model_copy(
+                    update={
+                        "error": response.error.model_copy(
+                            update={"stack_trace": traceback.format_exc()}
+                        )
+                    }
+                )
         finally:
             if response is not None:
                 self._write_audit(ctx, response, agent_id)
@@ -165,7 +176,9 @@ class Pipeline:
         query = egress_rules.query_items(request.method, request.parameters)
         body = None
         if query is None:
-            body = json.dumps(request.parameters, ensure_ascii=False, separators=(",", ":")).encode()
+            body = json.dumps(
+                request.parameters, ensure_ascii=False, separators=(",", ":")
+            ).encode()
             ctx.request_sha256 = hashlib.sha256(body).hexdigest()
         else:
             ctx.request_sha256 = hashlib.sha256(urlencode(query).encode()).hexdigest()
@@ -174,7 +187,10 @@ class Pipeline:
             ctx.idempotency_key = request.idempotency_key or _derived_key(request)
             headers[spec.idempotency.header] = ctx.idempotency_key
         ctx.rate_limit_group = request.rate_limit_group or spec.rate_limit_group
-        if request.rate_limit_group and request.rate_limit_group not in policy.policy.rate_limit_groups:
+        if (
+            request.rate_limit_group
+            and request.rate_limit_group not in policy.policy.rate_limit_groups
+        ):
             raise InvalidPayload(
                 f"rate_limit_group {request.rate_limit_group!r} is not defined in the policy",
                 details={"reason": "unknown_rate_limit_group", "group": request.rate_limit_group},
@@ -182,8 +198,13 @@ class Pipeline:
 
         resolved = await self._resolve(ctx, deadline)
         outbound = OutboundRequest(
-            target=target, method=request.method, url=url, query=query, body=body,
-            headers=headers, credential=_credential(target, resolved),
+            target=target,
+            method=request.method,
+            url=url,
+            query=query,
+            body=body,
+            headers=headers,
+            credential=_credential(target, resolved),
         )
         answer = await self._attempts(request, target, outbound, ctx, deadline, resolved)
         data, _ = parse_body(answer.content_type, answer.body, answer.status)
@@ -235,8 +256,11 @@ class Pipeline:
                 answer = await self.upstream.send(outbound, timeout_s=attempt_timeout)
             except TransportError as exc:
                 retryable, unknown = transport_retryable(
-                    exc.kind, sent=exc.sent, method=request.method,
-                    has_idempotency_key=ctx.idempotency_key is not None, retry_on=retry.retry_on,
+                    exc.kind,
+                    sent=exc.sent,
+                    method=request.method,
+                    has_idempotency_key=ctx.idempotency_key is not None,
+                    retry_on=retry.retry_on,
                 )
                 if unknown:
                     raise OutcomeUnknown(
@@ -271,8 +295,11 @@ class Pipeline:
             final_error = _status_error(answer, retry_after, target.name)
             if not status_retryable(status, retry.retry_on) or retry_number >= retries_allowed:
                 raise final_error
-            wait = retry_after if retry_after is not None else backoff_s(
-                retry_number, retry.backoff_base_s, retry.backoff_max_s, self._rng)
+            wait = (
+                retry_after
+                if retry_after is not None
+                else backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self._rng)
+            )
             await self._wait_or_raise(wait, deadline, final_error)
             retry_number += 1
 
@@ -319,7 +346,9 @@ class Pipeline:
             "attempts": ctx.attempts,
             "latency_ms": response.latency_ms,
             "upstream_latency_ms": (
-                round(ctx.upstream_latency_s * 1000, 3) if ctx.upstream_latency_s is not None else None
+                round(ctx.upstream_latency_s * 1000, 3)
+                if ctx.upstream_latency_s is not None
+                else None
             ),
             "tokens_used": usage.total if usage else None,
             "tokens_input": usage.input if usage else None,
@@ -354,7 +383,8 @@ def _interrupted_error(ctx: CallContext) -> GatewayError:
         )
     return ShuttingDown(
         "the sidecar shut down before the call finished; it is safe to retry",
-        details={"reason": "shutdown"}, retry_after_s=1.0,
+        details={"reason": "shutdown"},
+        retry_after_s=1.0,
     )
 
 
@@ -368,8 +398,13 @@ def _derived_key(request: ExternalCallRequest) -> str:
     """A stable key from the transaction and the operation: resending the same envelope
     gives the same key."""
     material = "\x1f".join(
-        (request.trace_id, request.correlation_id, request.target_system, request.method,
-         request.endpoint)
+        (
+            request.trace_id,
+            request.correlation_id,
+            request.target_system,
+            request.method,
+            request.endpoint,
+        )
     )
     return "egw-" + hashlib.sha256(material.encode()).hexdigest()[:40]
 
@@ -415,7 +450,8 @@ def _status_error(answer: UpstreamResponse, retry_after: float | None, target: s
     if status == 429:
         details["source"] = "upstream"
         return CapacityExceeded(
-            f"the upstream is rate limiting: it answered {described}", retry_after_s=retry_after,
+            f"the upstream is rate limiting: it answered {described}",
+            retry_after_s=retry_after,
             **common,
         )
     if status >= 500:
@@ -431,7 +467,8 @@ def _status_error(answer: UpstreamResponse, retry_after: float | None, target: s
     if status < 400:
         return UpstreamRejected(
             f"the upstream answered {described} (a redirect that was not followed)",
-            http_status=502, **common,
+            http_status=502,
+            **common,
         )
     return UpstreamRejected(f"the upstream rejected the request: it answered {described}", **common)
 

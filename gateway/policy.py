@@ -63,9 +63,20 @@ _PATH_PATTERN = re.compile(r"^(/([A-Za-z0-9_.~\-:@!$&'()+,;=]+|\*|\*\*))+/?$|^/$
 FORBIDDEN_FORWARD_HEADERS: Final = frozenset(
     h.lower()
     for h in (
-        "Host", "Authorization", "Proxy-Authorization", "Cookie", "Content-Length",
-        "Transfer-Encoding", "Connection", "Upgrade", "TE", "Trailer", "Keep-Alive",
-        "Expect", "X-Api-Key", "Api-Key",
+        "Host",
+        "Authorization",
+        "Proxy-Authorization",
+        "Cookie",
+        "Content-Length",
+        "Transfer-Encoding",
+        "Connection",
+        "Upgrade",
+        "TE",
+        "Trailer",
+        "Keep-Alive",
+        "Expect",
+        "X-Api-Key",
+        "Api-Key",
     )
 )
 
@@ -185,7 +196,7 @@ class RetrySpec(_Strict):
     max_retries: int = Field(DEFAULT_POLICY_MAX_RETRIES, ge=0, le=10)
     backoff_base_s: float = Field(DEFAULT_BACKOFF_BASE_S, ge=0, le=60)
     backoff_max_s: float = Field(DEFAULT_BACKOFF_MAX_S, ge=0, le=600)
-    retry_on: list[RetryOn] = Field(default_factory=lambda: list(DEFAULT_RETRY_ON))
+    retry_on: list[RetryOn] = Field(default_factory=lambda: list[RetryOn](DEFAULT_RETRY_ON))
 
     @field_validator("retry_on")
     @classmethod
@@ -371,7 +382,9 @@ class Policy(_Strict):
                 )
             needs_redis = target.idempotency is not None and target.idempotency.scope == "cluster"
             if needs_redis and self.redis is None:
-                problems.append(f"targets.{name}.idempotency.scope: 'cluster' needs a redis section")
+                problems.append(
+                    f"targets.{name}.idempotency.scope: 'cluster' needs a redis section"
+                )
         for name, group_spec in self.rate_limit_groups.items():
             if group_spec.scope == "cluster" and self.redis is None:
                 problems.append(f"rate_limit_groups.{name}.scope: 'cluster' needs a redis section")
@@ -495,7 +508,7 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_mapping,  # type: ignore[arg-type]
+    _construct_mapping,
 )
 
 
@@ -563,7 +576,7 @@ def _format_errors(source: str, root: yaml.Node | None, exc: ValidationError) ->
             msg = f"unknown key{hint}; known keys here: {', '.join(known)}"
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            if not loc and "\n" in msg or msg.startswith(("targets.", "rate_limit_groups.")):
+            if (not loc and "\n" in msg) or msg.startswith(("targets.", "rate_limit_groups.")):
                 # Cross-reference problems carry their own key paths, one a line.
                 for item in msg.split("\n"):
                     item_key, _, item_msg = item.partition(": ")
@@ -582,7 +595,7 @@ _UNION_TAGS: Final = frozenset({"int", "str", "literal['timeout','connect']"})
 def parse_policy(text: str, source: str = "<memory>") -> Policy:
     """Parse and validate policy YAML text. Raises :class:`PolicyError`."""
     try:
-        root = yaml.compose(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        root = yaml.compose(text, Loader=_UniqueKeyLoader)
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -23,9 +23,22 @@ _MAX_TRACKED: Final = 4096
 #: Keys whose values are replaced in audit and log records wherever they appear.
 SENSITIVE_KEYS: Final = frozenset(
     {
-        "authorization", "proxy-authorization", "x-api-key", "api-key", "api_key", "apikey",
-        "cookie", "set-cookie", "password", "secret", "token", "client_token",
-        "secret_id", "jwt", "access_token", "refresh_token",
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",
+        "api-key",
+        "api_key",
+        "apikey",
+        "cookie",
+        "set-cookie",
+        "password",
+        "secret",
+        "token",
+        "client_token",
+        "secret_id",
+        "jwt",
+        "access_token",
+        "refresh_token",
     }
 )
 

@@ -9,6 +9,7 @@ are created in :meth:`Gateway.start` and closed in reverse order by :meth:`Gatew
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import IO
 
 from aiohttp.abc import AbstractResolver
@@ -66,8 +67,12 @@ class Gateway:
             upstream=upstream,
             audit=audit.AuditLog(self.policy.policy.agent_id),
         )
-        _log.info("sidecar_started", policy=self.policy.source,
-                  targets=sorted(self.policy.targets), agent_id=self.policy.policy.agent_id)
+        _log.info(
+            "sidecar_started",
+            policy=self.policy.source,
+            targets=sorted(self.policy.targets),
+            agent_id=self.policy.policy.agent_id,
+        )
 
     async def aclose(self) -> None:
         pipeline, self.pipeline = self.pipeline, None
@@ -121,10 +126,8 @@ class Gateway:
         rest (they answer SHUTTING_DOWN, or OUTCOME_UNKNOWN if a non-idempotent request
         was already with the upstream). Returns how many were cancelled."""
         self.draining = True
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            pass
         left = list(self._tasks)
         if left and self.pipeline is not None:
             self.pipeline.aborting = True

@@ -40,7 +40,9 @@ def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
 
 
 def _error_answer(exc: GatewayError, started: float) -> web.Response:
-    return _json_answer(exc.http_status, error_response(exc, latency_ms=(time.monotonic() - started) * 1000))
+    return _json_answer(
+        exc.http_status, error_response(exc, latency_ms=(time.monotonic() - started) * 1000)
+    )
 
 
 @web.middleware

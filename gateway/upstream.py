@@ -163,7 +163,9 @@ class Upstream:
         trace = aiohttp.TraceConfig()
         trace.on_request_headers_sent.append(_mark_sent)
         connector = aiohttp.TCPConnector(
-            resolver=self._resolver, limit=0, limit_per_host=self._limit_per_host,
+            resolver=self._resolver,
+            limit=0,
+            limit_per_host=self._limit_per_host,
             ttl_dns_cache=10,
         )
         self._session = aiohttp.ClientSession(
@@ -214,8 +216,14 @@ class Upstream:
                 if body is not None and len(body) > _LARGE_BODY:
                     data = io.BytesIO(body)
                 async with self._session.request(
-                    method, url, params=query, data=data, headers=headers,
-                    allow_redirects=False, timeout=timeout, trace_request_ctx=state,
+                    method,
+                    url,
+                    params=query,
+                    data=data,
+                    headers=headers,
+                    allow_redirects=False,
+                    timeout=timeout,
+                    trace_request_ctx=state,
                 ) as resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
                         next_hop = self._redirect(request, url, method, resp)
@@ -284,7 +292,7 @@ class Upstream:
         if resp.status in (301, 302, 303) and method not in ("GET", "HEAD"):
             return None  # answered as is: resending a body to another path is a new call
         base_path = request.target.base_url.path.rstrip("/")
-        relative = location.path[len(base_path):] if location.path.startswith(base_path) else ""
+        relative = location.path[len(base_path) :] if location.path.startswith(base_path) else ""
         if (
             not relative
             or endpoint_problem(location.raw_path) is not None
@@ -333,13 +341,21 @@ def _translate(exc: aiohttp.ClientError, url: URL, sent: bool) -> Exception:
         if isinstance(exc, aiohttp.ClientConnectorDNSError):
             return TransportError("connect", sent=False, message=f"cannot resolve {url.host}")
         reason = cause.strerror or type(cause).__name__
-        return TransportError("connect", sent=False, message=f"cannot connect to {origin}: {reason}")
+        return TransportError(
+            "connect", sent=False, message=f"cannot connect to {origin}: {reason}"
+        )
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return TransportError("connect", sent=False, message=f"connecting to {origin} timed out")
     if isinstance(exc, aiohttp.ServerTimeoutError):
-        return TransportError("timeout", sent=sent, message=f"{origin} stopped answering (read timeout)")
+        return TransportError(
+            "timeout", sent=sent, message=f"{origin} stopped answering (read timeout)"
+        )
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return TransportError("reset", sent=sent, message=f"{origin} closed the connection mid-call")
+        return TransportError(
+            "reset", sent=sent, message=f"{origin} closed the connection mid-call"
+        )
     if isinstance(exc, aiohttp.ClientOSError):
-        return TransportError("reset", sent=sent, message=f"connection to {origin} failed: {exc.strerror}")
+        return TransportError(
+            "reset", sent=sent, message=f"connection to {origin} failed: {exc.strerror}"
+        )
     return TransportError("reset", sent=sent, message=f"{origin}: {type(exc).__name__}")

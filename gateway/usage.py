@@ -79,7 +79,8 @@ def _anthropic(usages: list[Any]) -> TokenUsage | None:
         if (v := _int(usage.get("output_tokens"))) is not None:
             out = max(out or 0, v)  # message_delta reports the cumulative output count
         cache = sum(
-            v for k in ("cache_creation_input_tokens", "cache_read_input_tokens")
+            v
+            for k in ("cache_creation_input_tokens", "cache_read_input_tokens")
             if (v := _int(usage.get(k))) is not None
         )
         if cache:

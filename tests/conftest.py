@@ -67,8 +67,14 @@ class FakeUpstream:
     async def _record(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.seen.append(
-            Seen(time.monotonic(), request.method, request.path, dict(request.query),
-                 {k: v for k, v in request.headers.items()}, body)
+            Seen(
+                time.monotonic(),
+                request.method,
+                request.path,
+                dict(request.query),
+                dict(request.headers),
+                body,
+            )
         )
         return await self.handler(request)
 
@@ -120,11 +126,16 @@ def compile_policy(targets: dict[str, Any], **extra: Any) -> PolicySet:
 def openai_target(url: str, **overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "base_url": url,
-        "credential": {"header": "Authorization", "format": "Bearer {secret}",
-                       "default_ref": "env://TEST_OPENAI_KEY",
-                       "allowed_refs": ["env://TEST_OPENAI_KEY"]},
-        "endpoints": [{"path": "/v1/chat/completions", "methods": ["POST"]},
-                      {"path": "/v1/models/*", "methods": ["GET"]}],
+        "credential": {
+            "header": "Authorization",
+            "format": "Bearer {secret}",
+            "default_ref": "env://TEST_OPENAI_KEY",
+            "allowed_refs": ["env://TEST_OPENAI_KEY"],
+        },
+        "endpoints": [
+            {"path": "/v1/chat/completions", "methods": ["POST"]},
+            {"path": "/v1/models/*", "methods": ["GET"]},
+        ],
         "usage": "openai",
         "retry": {"backoff_base_s": 0.01, "backoff_max_s": 0.05},
     }
@@ -163,8 +174,9 @@ class Sidecar:
     async def call(self, env: dict[str, Any] | bytes) -> tuple[int, dict[str, Any]]:
         raw = env if isinstance(env, bytes) else json.dumps(env).encode()
         data = io.BytesIO(raw) if len(raw) > 512 * 1024 else raw
-        async with self.session.post(self.url + "/v1/calls", data=data,
-                                     headers={"Content-Type": "application/json"}) as resp:
+        async with self.session.post(
+            self.url + "/v1/calls", data=data, headers={"Content-Type": "application/json"}
+        ) as resp:
             assert resp.content_type == "application/json", await resp.text()
             return resp.status, await resp.json()
 

@@ -39,10 +39,15 @@ def _case_keys(monkeypatch: pytest.MonkeyPatch) -> None:
 def stripe_target(url: str, *, idempotency: bool = True) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "base_url": url,
-        "credential": {"header": "Authorization", "format": "Bearer {secret}",
-                       "default_ref": "env://FAKE_STRIPE_KEY"},
-        "endpoints": [{"path": "/v1/charges", "methods": ["POST"]},
-                      {"path": "/v1/refunds", "methods": ["POST"]}],
+        "credential": {
+            "header": "Authorization",
+            "format": "Bearer {secret}",
+            "default_ref": "env://FAKE_STRIPE_KEY",
+        },
+        "endpoints": [
+            {"path": "/v1/charges", "methods": ["POST"]},
+            {"path": "/v1/refunds", "methods": ["POST"]},
+        ],
         "retry": {"backoff_base_s": 0.01, "backoff_max_s": 0.05},
     }
     if idempotency:
@@ -52,7 +57,9 @@ def stripe_target(url: str, *, idempotency: bool = True) -> dict[str, Any]:
 
 def stripe_envelope(**overrides: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {
-        "target_system": "fake-stripe", "endpoint": "/v1/charges", "api_key_ref": ...,
+        "target_system": "fake-stripe",
+        "endpoint": "/v1/charges",
+        "api_key_ref": ...,
         "parameters": {"amount": 1250, "currency": "usd", "source": "tok_fake_visa"},
     }
     fields.update(overrides)
@@ -60,7 +67,7 @@ def stripe_envelope(**overrides: Any) -> dict[str, Any]:
 
 
 def _pieces(secret: str, size: int = 12) -> list[str]:
-    return [secret[i:i + size] for i in range(len(secret) - size + 1)]
+    return [secret[i : i + size] for i in range(len(secret) - size + 1)]
 
 
 # -- B03: 4xx client errors are never retried --------------------------------------------
@@ -68,13 +75,16 @@ def _pieces(secret: str, size: int = 12) -> list[str]:
 
 @pytest.mark.parametrize(
     ("status", "code", "http"),
-    [(400, "UPSTREAM_REJECTED", 400), (401, "PERMISSION_DENIED", 403),
-     (403, "PERMISSION_DENIED", 403), (404, "UPSTREAM_REJECTED", 404),
-     (422, "UPSTREAM_REJECTED", 422)],
+    [
+        (400, "UPSTREAM_REJECTED", 400),
+        (401, "PERMISSION_DENIED", 403),
+        (403, "PERMISSION_DENIED", 403),
+        (404, "UPSTREAM_REJECTED", 404),
+        (422, "UPSTREAM_REJECTED", 422),
+    ],
 )
 async def test_b03_client_errors_not_retried(upstream_factory, sidecar_factory, status, code, http):
-    body = {"error": {"type": "invalid_request_error",
-                      "message": "unknown parameter 'tempreture'"}}
+    body = {"error": {"type": "invalid_request_error", "message": "unknown parameter 'tempreture'"}}
 
     async def reject(_: web.Request) -> web.StreamResponse:
         return web.json_response(body, status=status)
@@ -116,7 +126,8 @@ async def test_b04_lost_response_resent_with_same_key(upstream_factory, sidecar_
     assert status == 200, answer
     assert up.hits == 2
     keys = [seen.headers.get("Idempotency-Key") for seen in up.seen]
-    assert keys[0] and keys[0] == keys[1]
+    assert keys[0]
+    assert keys[0] == keys[1]
     assert len(charges) == 1
     assert answer["data"]["id"] == "ch_fake_01"
 
@@ -139,8 +150,9 @@ async def test_b04_without_key_the_outcome_is_unknown(upstream_factory, sidecar_
     assert "may or may not have been processed" in answer["error"]["message"]
 
 
-async def test_b04_the_same_envelope_twice_sends_the_same_derived_key(upstream_factory,
-                                                                      sidecar_factory):
+async def test_b04_the_same_envelope_twice_sends_the_same_derived_key(
+    upstream_factory, sidecar_factory
+):
     up = await upstream_factory()
     sc = await sidecar_factory(compile_policy({"fake-stripe": stripe_target(up.url)}))
     for _ in range(2):
@@ -158,8 +170,9 @@ async def test_b04_the_same_envelope_twice_sends_the_same_derived_key(upstream_f
 
 async def test_b14_query_param_key_not_leaked(upstream_factory, sidecar_factory):
     async def overloaded(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"error": {"code": 503, "message": "model overloaded"}},
-                                 status=503)
+        return web.json_response(
+            {"error": {"code": 503, "message": "model overloaded"}}, status=503
+        )
 
     up = await upstream_factory(overloaded)
     target = {
@@ -170,9 +183,14 @@ async def test_b14_query_param_key_not_leaked(upstream_factory, sidecar_factory)
         "retry": {"backoff_base_s": 0.01, "backoff_max_s": 0.02},
     }
     sc = await sidecar_factory(compile_policy({"fake-gemini": target}))
-    status, answer = await sc.call(envelope(
-        target_system="fake-gemini", endpoint="/v1beta/models/fake-model:generateContent",
-        api_key_ref="env://FAKE_GEMINI_KEY", max_retries=1))
+    status, answer = await sc.call(
+        envelope(
+            target_system="fake-gemini",
+            endpoint="/v1beta/models/fake-model:generateContent",
+            api_key_ref="env://FAKE_GEMINI_KEY",
+            max_retries=1,
+        )
+    )
     assert up.hits == 2
     assert up.seen[0].query["key"] == GEMINI_KEY  # the key is really used
     assert status == 502
@@ -188,15 +206,23 @@ async def test_b14_query_param_key_not_leaked(upstream_factory, sidecar_factory)
 async def test_b14_upstream_echoing_the_key_is_scrubbed(upstream_factory, sidecar_factory):
     async def echo(request: web.Request) -> web.StreamResponse:
         return web.json_response(
-            {"error": f"invalid key {request.query['key']} for {request.url}"}, status=400)
+            {"error": f"invalid key {request.query['key']} for {request.url}"}, status=400
+        )
 
     up = await upstream_factory(echo)
-    target = {"base_url": up.url,
-              "credential": {"query_param": "key", "default_ref": "env://FAKE_GEMINI_KEY"},
-              "endpoints": [{"path": "/v1beta/models/*", "methods": ["POST"]}]}
+    target = {
+        "base_url": up.url,
+        "credential": {"query_param": "key", "default_ref": "env://FAKE_GEMINI_KEY"},
+        "endpoints": [{"path": "/v1beta/models/*", "methods": ["POST"]}],
+    }
     sc = await sidecar_factory(compile_policy({"fake-gemini": target}))
-    _, answer = await sc.call(envelope(target_system="fake-gemini", api_key_ref=...,
-                                       endpoint="/v1beta/models/m:generateContent"))
+    _, answer = await sc.call(
+        envelope(
+            target_system="fake-gemini",
+            api_key_ref=...,
+            endpoint="/v1beta/models/m:generateContent",
+        )
+    )
     assert answer["error"]["code"] == "UPSTREAM_REJECTED"
     assert GEMINI_KEY not in json.dumps(answer)
     assert "[REDACTED]" in answer["data"]["error"]
@@ -213,14 +239,23 @@ async def test_b16_cross_origin_redirect_blocked(upstream_factory, sidecar_facto
         return web.Response(status=status, headers={"Location": f"{collector.url}/collect"})
 
     origin = await upstream_factory(redirect)
-    target = {"base_url": origin.url,
-              "credential": {"header": "x-api-key", "default_ref": "env://FAKE_ANTHROPIC_KEY"},
-              "endpoints": [{"path": "/v1/messages", "methods": ["POST"]},
-                            {"path": "/collect", "methods": ["POST", "GET"]}]}
+    target = {
+        "base_url": origin.url,
+        "credential": {"header": "x-api-key", "default_ref": "env://FAKE_ANTHROPIC_KEY"},
+        "endpoints": [
+            {"path": "/v1/messages", "methods": ["POST"]},
+            {"path": "/collect", "methods": ["POST", "GET"]},
+        ],
+    }
     sc = await sidecar_factory(compile_policy({"fake-anthropic": target}))
-    answered, answer = await sc.call(envelope(
-        target_system="fake-anthropic", endpoint="/v1/messages", api_key_ref=...,
-        parameters={"messages": [{"role": "user", "content": "secret plan B"}]}))
+    answered, answer = await sc.call(
+        envelope(
+            target_system="fake-anthropic",
+            endpoint="/v1/messages",
+            api_key_ref=...,
+            parameters={"messages": [{"role": "user", "content": "secret plan B"}]},
+        )
+    )
     assert collector.hits == 0
     assert origin.hits == 1
     assert answered == 403
@@ -233,8 +268,9 @@ async def test_b16_cross_origin_redirect_blocked(upstream_factory, sidecar_facto
     assert "/collect" not in json.dumps(record)
 
 
-async def test_same_origin_redirect_followed_only_within_allowlist(upstream_factory,
-                                                                   sidecar_factory):
+async def test_same_origin_redirect_followed_only_within_allowlist(
+    upstream_factory, sidecar_factory
+):
     async def moved(request: web.Request) -> web.StreamResponse:
         if request.path == "/v1/models/old":
             return web.Response(status=308, headers={"Location": "/v1/models/new"})
@@ -265,35 +301,55 @@ class MapResolver(AbstractResolver):
         self.address = address
         self.asked: list[str] = []
 
-    async def resolve(self, host: str, port: int = 0,
-                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         self.asked.append(host)
-        return [{"hostname": host, "host": self.address, "port": port, "family": family,
-                 "proto": 0, "flags": 0}]
+        return [
+            {
+                "hostname": host,
+                "host": self.address,
+                "port": port,
+                "family": family,
+                "proto": 0,
+                "flags": 0,
+            }
+        ]
 
     async def close(self) -> None:
         pass
 
 
 def inventory_target(url: str) -> dict[str, Any]:
-    return {"base_url": url,
-            "credential": {"header": "Authorization", "format": "Bearer {secret}",
-                           "default_ref": "env://TEST_OPENAI_KEY"},
-            "endpoints": [{"path": "/items", "methods": ["GET"]},
-                          {"path": "/latest/**", "methods": ["GET"]}]}
+    return {
+        "base_url": url,
+        "credential": {
+            "header": "Authorization",
+            "format": "Bearer {secret}",
+            "default_ref": "env://TEST_OPENAI_KEY",
+        },
+        "endpoints": [
+            {"path": "/items", "methods": ["GET"]},
+            {"path": "/latest/**", "methods": ["GET"]},
+        ],
+    }
 
 
-@pytest.mark.parametrize("endpoint", [
-    "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
-    "//169.254.169.254/latest/meta-data/",
-    "/latest/meta-data/@169.254.169.254",
-    "/%2e%2e/latest/meta-data/",
-])
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
+        "//169.254.169.254/latest/meta-data/",
+        "/latest/meta-data/@169.254.169.254",
+        "/%2e%2e/latest/meta-data/",
+    ],
+)
 async def test_b17_endpoint_cannot_change_host(upstream_factory, sidecar_factory, endpoint):
     up = await upstream_factory()
     sc = await sidecar_factory(compile_policy({"fake-inventory": inventory_target(up.url)}))
-    status, answer = await sc.call(envelope(target_system="fake-inventory", method="GET",
-                                            endpoint=endpoint, api_key_ref=...))
+    status, answer = await sc.call(
+        envelope(target_system="fake-inventory", method="GET", endpoint=endpoint, api_key_ref=...)
+    )
     assert status == 403
     assert answer["error"]["code"] == "PERMISSION_DENIED"
     assert answer["error"]["details"]["reason"] == "endpoint_not_a_path"
@@ -302,28 +358,47 @@ async def test_b17_endpoint_cannot_change_host(upstream_factory, sidecar_factory
 
 async def test_b17_redirect_to_metadata_not_followed(upstream_factory, sidecar_factory):
     async def to_metadata(_: web.Request) -> web.StreamResponse:
-        return web.Response(status=307,
-                            headers={"Location": "http://169.254.169.254/latest/meta-data/"})
+        return web.Response(
+            status=307, headers={"Location": "http://169.254.169.254/latest/meta-data/"}
+        )
 
     up = await upstream_factory(to_metadata)
     sc = await sidecar_factory(compile_policy({"fake-inventory": inventory_target(up.url)}))
-    status, answer = await sc.call(envelope(target_system="fake-inventory", method="GET",
-                                            endpoint="/items", api_key_ref=...))
+    status, answer = await sc.call(
+        envelope(target_system="fake-inventory", method="GET", endpoint="/items", api_key_ref=...)
+    )
     assert status == 403
     assert answer["error"]["code"] == "EGRESS_DENIED"
     assert answer["error"]["details"]["location_origin"] == "http://169.254.169.254:80"
     assert up.hits == 1
 
 
-@pytest.mark.parametrize("address", ["169.254.169.254", "10.0.0.7", "172.16.5.4",
-                                     "192.168.1.1", "fd00::1", "fe80::1", "::ffff:169.254.169.254"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "169.254.169.254",
+        "10.0.0.7",
+        "172.16.5.4",
+        "192.168.1.1",
+        "fd00::1",
+        "fe80::1",
+        "::ffff:169.254.169.254",
+    ],
+)
 async def test_b17_allowlisted_name_resolving_to_private_address(sidecar_factory, address):
     resolver = MapResolver(address)
     target = inventory_target("http://inventory.example.test:8080")
     sc = await sidecar_factory(compile_policy({"fake-inventory": target}), resolver=resolver)
     started = time.monotonic()
-    status, answer = await sc.call(envelope(target_system="fake-inventory", method="GET",
-                                            endpoint="/items", api_key_ref=..., timeout=5))
+    status, answer = await sc.call(
+        envelope(
+            target_system="fake-inventory",
+            method="GET",
+            endpoint="/items",
+            api_key_ref=...,
+            timeout=5,
+        )
+    )
     assert resolver.asked == ["inventory.example.test"]
     assert status == 403
     assert answer["error"]["code"] == "EGRESS_DENIED"
@@ -338,8 +413,10 @@ async def test_b17_allowlisted_name_resolving_to_private_address(sidecar_factory
 
 # -- B18: an HTML error page is not parsed as JSON ----------------------------------------
 
-HTML_502 = ("<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad "
-            "Gateway</h1></center></body></html>")
+HTML_502 = (
+    "<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad "
+    "Gateway</h1></center></body></html>"
+)
 
 
 async def test_b18_html_502(upstream_factory, sidecar_factory):
@@ -386,8 +463,9 @@ async def test_b18_html_502_then_success(upstream_factory, sidecar_factory):
 async def test_b22_large_multibyte_body(upstream_factory, sidecar_factory):
     async def digest(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        return web.json_response({"sha256": hashlib.sha256(body).hexdigest(),
-                                  "content_length": request.content_length})
+        return web.json_response(
+            {"sha256": hashlib.sha256(body).hexdigest(), "content_length": request.content_length}
+        )
 
     pattern = "naïve café 🚀 "
     text = pattern * ((1536 * 1024) // len(pattern.encode()) + 1)
@@ -463,6 +541,7 @@ async def test_b23_retry_fits_inside_the_overall_deadline(upstream_factory, side
     started = time.monotonic()
     status, answer = await sc.call(envelope(timeout=1, max_retries=1))
     assert time.monotonic() - started < 1.5
+    assert status == 504
     assert up.hits == 2  # per-attempt cap 0.4 s, so a retry fitted
     assert answer["error"]["code"] == "AGENT_TIMEOUT"
 
@@ -500,19 +579,31 @@ async def test_b01_retry_after_honoured(upstream_factory, sidecar_factory):
         if up.hits == 1:
             return web.json_response(
                 {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}},
-                status=429, headers={"retry-after": "2"})
-        return web.json_response({"type": "message", "usage": {"input_tokens": 3,
-                                                               "output_tokens": 4}})
+                status=429,
+                headers={"retry-after": "2"},
+            )
+        return web.json_response(
+            {"type": "message", "usage": {"input_tokens": 3, "output_tokens": 4}}
+        )
 
     up = await upstream_factory(limited)
-    target = {"base_url": up.url,
-              "credential": {"header": "x-api-key", "default_ref": "env://FAKE_ANTHROPIC_KEY"},
-              "endpoints": [{"path": "/v1/messages", "methods": ["POST"]}],
-              "usage": "anthropic", "retry": {"backoff_base_s": 0.1}}
+    target = {
+        "base_url": up.url,
+        "credential": {"header": "x-api-key", "default_ref": "env://FAKE_ANTHROPIC_KEY"},
+        "endpoints": [{"path": "/v1/messages", "methods": ["POST"]}],
+        "usage": "anthropic",
+        "retry": {"backoff_base_s": 0.1},
+    }
     sc = await sidecar_factory(compile_policy({"fake-anthropic": target}))
-    status, answer = await sc.call(envelope(target_system="fake-anthropic",
-                                            endpoint="/v1/messages", api_key_ref=...,
-                                            timeout=10, max_retries=2))
+    status, answer = await sc.call(
+        envelope(
+            target_system="fake-anthropic",
+            endpoint="/v1/messages",
+            api_key_ref=...,
+            timeout=10,
+            max_retries=2,
+        )
+    )
     assert status == 200
     assert up.hits == 2
     gap = up.seen[1].at - up.seen[0].at
@@ -521,11 +612,9 @@ async def test_b01_retry_after_honoured(upstream_factory, sidecar_factory):
     assert answer["tokens_used"] == 7
 
 
-async def test_b01_retry_after_beyond_deadline_answers_at_once(upstream_factory,
-                                                               sidecar_factory):
+async def test_b01_retry_after_beyond_deadline_answers_at_once(upstream_factory, sidecar_factory):
     async def limited(_: web.Request) -> web.StreamResponse:
-        return web.json_response({"error": "slow down"}, status=429,
-                                 headers={"retry-after": "30"})
+        return web.json_response({"error": "slow down"}, status=429, headers={"retry-after": "30"})
 
     up = await upstream_factory(limited)
     sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url)}))
@@ -555,23 +644,34 @@ async def _stream_sidecar(upstream_factory, sidecar_factory, body: bytes, usage:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for start in range(0, len(body), 50_000):
-            await resp.write(body[start:start + 50_000])
+            await resp.write(body[start : start + 50_000])
         await resp.write_eof()
         return resp
 
     up = await upstream_factory(stream)
     sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url, usage=usage)}))
-    return await sc.call(envelope(timeout=15, parameters={
-        "model": "fake-model-1", "stream": True, "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": "hi"}]}))
+    return await sc.call(
+        envelope(
+            timeout=15,
+            parameters={
+                "model": "fake-model-1",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+    )
 
 
 async def test_b20_openai_stream_usage(upstream_factory, sidecar_factory):
     chunks = [{"choices": [{"delta": {"content": p}}]} for p in ("Hel", "lo", "!")]
-    usage = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 5,
-                                      "total_tokens": 17}}
-    status, answer = await _stream_sidecar(upstream_factory, sidecar_factory,
-                                           _sse(*chunks, usage, "[DONE]"), "openai")
+    usage = {
+        "choices": [],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17},
+    }
+    status, answer = await _stream_sidecar(
+        upstream_factory, sidecar_factory, _sse(*chunks, usage, "[DONE]"), "openai"
+    )
     assert status == 200
     assert answer["data"]["content"] == "Hello!"
     assert answer["tokens_used"] == 17
@@ -584,8 +684,9 @@ async def test_b20_anthropic_stream_usage(upstream_factory, sidecar_factory):
         {"type": "message_delta", "usage": {"output_tokens": 5}},
         {"type": "message_stop"},
     ]
-    status, answer = await _stream_sidecar(upstream_factory, sidecar_factory, _sse(*events),
-                                           "anthropic")
+    status, answer = await _stream_sidecar(
+        upstream_factory, sidecar_factory, _sse(*events), "anthropic"
+    )
     assert status == 200
     assert answer["data"]["content"] == "Hello!"
     assert answer["tokens_used"] == 17
@@ -593,19 +694,23 @@ async def test_b20_anthropic_stream_usage(upstream_factory, sidecar_factory):
 
 async def test_b20_stream_without_usage_is_null(upstream_factory, sidecar_factory):
     chunks = [{"choices": [{"delta": {"content": "Hi"}}]}]
-    _, answer = await _stream_sidecar(upstream_factory, sidecar_factory,
-                                      _sse(*chunks, "[DONE]"), "openai")
+    _, answer = await _stream_sidecar(
+        upstream_factory, sidecar_factory, _sse(*chunks, "[DONE]"), "openai"
+    )
     assert answer["success"] is True
     assert answer["tokens_used"] is None
 
 
 async def test_b21_one_event_bigger_than_read_buffer(upstream_factory, sidecar_factory):
     content = "A" * 307200
-    events = [{"choices": [{"delta": {"content": content}}]},
-              {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2,
-                                        "total_tokens": 3}}, "[DONE]"]
-    status, answer = await _stream_sidecar(upstream_factory, sidecar_factory, _sse(*events),
-                                           "openai")
+    events = [
+        {"choices": [{"delta": {"content": content}}]},
+        {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}},
+        "[DONE]",
+    ]
+    status, answer = await _stream_sidecar(
+        upstream_factory, sidecar_factory, _sse(*events), "openai"
+    )
     assert status == 200, answer["error"]
     assert answer["data"]["content"] == content
     assert answer["tokens_used"] == 3

@@ -67,6 +67,7 @@ async def test_invalid_payload(upstream_factory, sidecar_factory, body, reason):
 async def test_unknown_field_is_named_with_suggestion(upstream_factory, sidecar_factory):
     up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
     status, answer = await sc.call(envelope(max_retires=0, extra_thing=1))
+    assert up.hits == 0
     _assert_error(status, answer, 400, "INVALID_PAYLOAD", False)
     assert "'max_retires' (did you mean 'max_retries'?)" in answer["error"]["message"]
     assert "'extra_thing'" in answer["error"]["message"]
@@ -78,8 +79,9 @@ async def test_unknown_field_is_named_with_suggestion(upstream_factory, sidecar_
 
 async def test_unknown_fields_warn_mode_forwards_and_logs(upstream_factory, sidecar_factory):
     up = await upstream_factory()
-    policy = compile_policy({"fake-openai": openai_target(up.url)},
-                            envelope={"unknown_fields": "warn"})
+    policy = compile_policy(
+        {"fake-openai": openai_target(up.url)}, envelope={"unknown_fields": "warn"}
+    )
     sc = await sidecar_factory(policy)
     status, answer = await sc.call(envelope(client_version="2.0"))
     assert status == 200, answer
@@ -107,8 +109,9 @@ async def test_unknown_rate_limit_group(upstream_factory, sidecar_factory):
 
 async def test_oversized_envelope_gets_json_413(upstream_factory, sidecar_factory):
     up = await upstream_factory()
-    policy = compile_policy({"fake-openai": openai_target(up.url)},
-                            server={"max_request_bytes": 64 * 1024})
+    policy = compile_policy(
+        {"fake-openai": openai_target(up.url)}, server={"max_request_bytes": 64 * 1024}
+    )
     sc = await sidecar_factory(policy)
     big = envelope(parameters={"text": "x" * (100 * 1024)})
     status, answer = await sc.call(big)
@@ -117,7 +120,9 @@ async def test_oversized_envelope_gets_json_413(upstream_factory, sidecar_factor
     assert up.hits == 0
 
 
-@pytest.mark.parametrize(("method", "path", "http"), [("GET", "/v1/calls", 405), ("POST", "/nope", 404)])
+@pytest.mark.parametrize(
+    ("method", "path", "http"), [("GET", "/v1/calls", 405), ("POST", "/nope", 404)]
+)
 async def test_wrong_route_is_json(upstream_factory, sidecar_factory, method, path, http):
     _, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
     async with sc.session.request(method, sc.url + path) as resp:
@@ -200,8 +205,10 @@ async def test_missing_env_secret(upstream_factory, sidecar_factory, monkeypatch
     up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
     status, answer = await sc.call(envelope())
     _assert_error(status, answer, 500, "SECRET_NOT_FOUND", False)
-    assert answer["error"]["details"] == {"api_key_ref": "env://TEST_OPENAI_KEY",
-                                          "reason": "env_missing"}
+    assert answer["error"]["details"] == {
+        "api_key_ref": "env://TEST_OPENAI_KEY",
+        "reason": "env_missing",
+    }
     assert up.hits == 0
 
 
@@ -210,8 +217,10 @@ async def test_file_secret_injected_and_reread(upstream_factory, sidecar_factory
     key_file.write_text("file-secret-value-0001\n")
     ref = f"file://{key_file}"
     up = await upstream_factory()
-    target = openai_target(up.url, credential={"header": "Authorization",
-                                               "format": "Bearer {secret}", "default_ref": ref})
+    target = openai_target(
+        up.url,
+        credential={"header": "Authorization", "format": "Bearer {secret}", "default_ref": ref},
+    )
     sc = await sidecar_factory(compile_policy({"fake-openai": target}))
     status, _ = await sc.call(envelope(api_key_ref=...))
     assert status == 200
@@ -219,7 +228,9 @@ async def test_file_secret_injected_and_reread(upstream_factory, sidecar_factory
     status, _ = await sc.call(envelope(api_key_ref=...))
     assert status == 200
     assert [s.headers["Authorization"] for s in up.seen] == [
-        "Bearer file-secret-value-0001", "Bearer file-secret-value-0002"]
+        "Bearer file-secret-value-0001",
+        "Bearer file-secret-value-0002",
+    ]
     assert "file-secret-value" not in sc.log.getvalue()
 
 
@@ -240,8 +251,10 @@ class _DeniedResolver:
     async def resolve(self, ref: SecretRef) -> ResolvedSecret:
         from gateway.errors import SecretAccessDenied
 
-        raise SecretAccessDenied(f"secret reference {ref.raw!r}: denied",
-                                 details={"api_key_ref": ref.raw, "reason": "forbidden"})
+        raise SecretAccessDenied(
+            f"secret reference {ref.raw!r}: denied",
+            details={"api_key_ref": ref.raw, "reason": "forbidden"},
+        )
 
     def invalidate(self, ref: SecretRef) -> None:
         pass
@@ -287,6 +300,7 @@ async def test_upstream_4xx_is_rejected_with_upstream_status(upstream_factory, s
     up, sc = await _policy_sidecar(upstream_factory, sidecar_factory, handler)
     status, answer = await sc.call(envelope())
     _assert_error(status, answer, 422, "UPSTREAM_REJECTED", False)
+    assert up.hits == 1
     assert answer["status_code"] == 422
     assert answer["data"] == {"error": {"message": "bad model"}}
 
@@ -316,16 +330,18 @@ async def test_response_too_large(upstream_factory, sidecar_factory):
         return web.json_response({"blob": "x" * 4096})
 
     up = await upstream_factory(big)
-    policy = compile_policy({"fake-openai": openai_target(up.url)},
-                            server={"max_response_bytes": 2048})
+    policy = compile_policy(
+        {"fake-openai": openai_target(up.url)}, server={"max_response_bytes": 2048}
+    )
     sc = await sidecar_factory(policy)
     status, answer = await sc.call(envelope())
     _assert_error(status, answer, 502, "RESPONSE_TOO_LARGE", False)
     assert answer["error"]["details"]["limit_bytes"] == 2048
 
 
-async def test_outcome_unknown_when_post_without_key_loses_connection(upstream_factory,
-                                                                      sidecar_factory):
+async def test_outcome_unknown_when_post_without_key_loses_connection(
+    upstream_factory, sidecar_factory
+):
     async def drop(request: web.Request) -> web.StreamResponse:
         assert request.transport is not None
         request.transport.close()

@@ -7,7 +7,12 @@ from tests.conftest import compile_policy, envelope, openai_target
 
 async def test_forwards_and_injects_credential(upstream_factory, sidecar_factory):
     async def completion(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"id": "chatcmpl-1", "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}})
+        return web.json_response(
+            {
+                "id": "chatcmpl-1",
+                "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+            }
+        )
 
     up = await upstream_factory(completion)
     sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url)}))

@@ -41,7 +41,7 @@ class Secret:
     def __hash__(self) -> int:
         return hash(self._value)
 
-    def __reduce__(self) -> object:
+    def __reduce__(self) -> str | tuple[object, ...]:
         raise TypeError("Secret values cannot be pickled")
 
 
