@@ -182,9 +182,14 @@ def test_inflight_gauge_returns_to_zero_on_error(m: Metrics) -> None:
     assert value(m, gauge) == 0
     with m.track_inflight(), m.track_inflight():
         assert value(m, gauge) == 2
-    with pytest.raises(RuntimeError), m.track_inflight():
-        assert value(m, gauge) == 1
-        raise RuntimeError("boom")
+
+    def fail_inside() -> None:
+        with m.track_inflight():
+            assert value(m, gauge) == 1
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_inside()
     assert value(m, gauge) == 0
 
 
