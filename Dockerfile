@@ -1,0 +1,70 @@
+# Egress gateway sidecar image.
+#
+# Two stages: the builder installs the project's wheel and its dependencies into a venv at
+# /opt/venv; the runtime stage copies only that venv onto the same base image, so no
+# compiler, pip cache or source tree ships. Both stages use the same base, pinned by tag
+# and by the multi-platform index digest, so the venv's interpreter symlinks stay valid.
+# To move the base: update tag and digest together (`docker buildx imagetools inspect`).
+
+FROM python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d AS builder
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+WORKDIR /src
+RUN python -m venv /opt/venv
+
+# Dependencies in their own layer: it is rebuilt only when pyproject.toml changes, not on
+# every source edit. The list is read from [project.dependencies], the one place it lives.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
+    && pip install --requirement /tmp/requirements.txt
+
+# The project itself, built as a wheel and installed without touching the dependencies.
+COPY README.md ./
+COPY gateway/ ./gateway/
+RUN pip wheel --no-deps --wheel-dir /tmp/wheels . \
+    && pip install --no-deps /tmp/wheels/*.whl \
+    && python -m compileall -q /opt/venv/lib
+
+
+FROM python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d AS runtime
+
+LABEL org.opencontainers.image.title="egress-gateway" \
+      org.opencontainers.image.description="Egress sidecar for AI agents: policy-checked, credential-injecting, audited outbound calls." \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+# A fixed UID/GID, so Kubernetes runAsUser/fsGroup (10001 in the Helm chart) match the
+# files' owner. No home directory, no login shell.
+RUN groupadd --system --gid 10001 gateway \
+    && useradd --system --no-log-init --uid 10001 --gid 10001 \
+       --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin gateway
+
+COPY --from=builder /opt/venv /opt/venv
+# Default policies; the Helm chart mounts its ConfigMap over this directory.
+COPY policies/ /etc/egress-gateway/
+
+# Nothing is written outside /tmp: no bytecode, HOME and TMPDIR in /tmp (an emptyDir
+# under a read-only root filesystem), audit records to stdout, unbuffered.
+ENV PATH=/opt/venv/bin:$PATH \
+    VIRTUAL_ENV=/opt/venv \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONFAULTHANDLER=1 \
+    HOME=/tmp \
+    TMPDIR=/tmp
+
+USER 10001:10001
+WORKDIR /tmp
+
+# 8182: the ops listener (/healthz, /readyz, /metrics; set GATEWAY_OPS_HOST=0.0.0.0 in a
+# pod). The calls API on 8181 listens on 127.0.0.1 only and is deliberately not exposed.
+EXPOSE 8182
+
+# Exec form: egress-gateway is PID 1 and receives SIGTERM itself (graceful drain).
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["egress-gateway"]
+CMD ["serve", "--policy", "/etc/egress-gateway/policy.yaml"]

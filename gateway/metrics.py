@@ -1,0 +1,250 @@
+"""Prometheus metrics for ``GET /metrics`` (the only module that imports prometheus-client).
+
+Every metric lives in a :class:`Metrics` object's own ``CollectorRegistry``, not the
+process-global one, so tests and several app instances never share counters. A policy
+reload keeps the same object (counters survive) and only calls :meth:`Metrics.set_known`.
+
+Label values come only from policy names (targets, rate-limit groups) and fixed enums,
+never from payloads or secrets. A target or group name the current policy does not know
+(an envelope can name anything) is counted under ``_unknown``, so an agent cannot grow
+the series count; policy names cannot start with ``_``, so the bucket never collides.
+
+Series (all prefixed ``egress_gateway_``; units in the names, seconds for time):
+
+=====================================  =========  ======================================
+name                                   type       labels
+=====================================  =========  ======================================
+calls_total                            counter    target, outcome, code
+call_duration_seconds                  histogram  target
+upstream_duration_seconds              histogram  target
+tokens_total                           counter    target, kind (input|output|cached)
+retries_total                          counter    target
+ratelimit_wait_seconds                 histogram  group
+ratelimit_rejections_total             counter    group
+breaker_state                          gauge      target (0 closed, 1 half-open, 2 open)
+breaker_transitions_total              counter    target, to
+secret_cache_total                     counter    result (hit|miss|stale)
+policy_reloads_total                   counter    result (ok|error)
+inflight_calls                         gauge      (none)
+=====================================  =========  ======================================
+
+Naming follows the Prometheus guide (https://prometheus.io/docs/practices/naming/):
+base units, ``_total`` for counters, ``_seconds`` for durations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Final, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+
+from gateway.envelope import ErrorCode
+
+NAMESPACE: Final = "egress_gateway"
+#: Label value for a target or group the current policy does not define.
+UNKNOWN_LABEL: Final = "_unknown"
+#: ``code`` label of a successful call (every failure carries an ErrorCode).
+OK_CODE: Final = "OK"
+
+Outcome = Literal["success", "error", "replay"]
+TokenKind = Literal["input", "output", "cached"]
+BreakerState = Literal["closed", "half-open", "open"]
+CacheResult = Literal["hit", "miss", "stale"]
+ReloadResult = Literal["ok", "error"]
+
+_OUTCOMES: Final = frozenset({"success", "error", "replay"})
+_CACHE_RESULTS: Final = frozenset({"hit", "miss", "stale"})
+_CODES: Final = frozenset(c.value for c in ErrorCode) | {OK_CODE}
+#: Gauge encoding of the circuit breaker states.
+BREAKER_STATE_VALUES: Final[dict[str, int]] = {"closed": 0, "half-open": 1, "open": 2}
+
+# LLM calls run for tens of seconds; the top buckets keep them apart from the fast ones.
+CALL_BUCKETS_S: Final = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+WAIT_BUCKETS_S: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """The sidecar's metrics, held in a private registry.
+
+    Create one per process (or per test), call :meth:`set_known` with the policy's target
+    and group names at start-up and after every reload, record with the ``observe_*``
+    methods, and serve :meth:`render` on ``GET /metrics``. No method raises on an
+    unexpected label value: it is bucketed, because metrics must never fail a call.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._targets: frozenset[str] = frozenset()
+        self._groups: frozenset[str] = frozenset()
+        r = self.registry
+        self.calls = Counter(
+            "calls", "Calls answered, by target, outcome and error code (OK on success).",
+            ["target", "outcome", "code"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.call_duration = Histogram(
+            "call_duration_seconds", "Wall time of a call inside the sidecar, in seconds.",
+            ["target"], namespace=NAMESPACE, registry=r, buckets=CALL_BUCKETS_S,
+        )  # fmt: skip
+        self.upstream_duration = Histogram(
+            "upstream_duration_seconds",
+            "Time spent waiting on the upstream (all attempts of a call), in seconds.",
+            ["target"], namespace=NAMESPACE, registry=r, buckets=CALL_BUCKETS_S,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "tokens", "LLM tokens reported by the upstream, by target and kind.",
+            ["target", "kind"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "retries", "Upstream attempts beyond the first, by target.",
+            ["target"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.ratelimit_wait = Histogram(
+            "ratelimit_wait_seconds", "Time a call queued for rate-limit capacity, in seconds.",
+            ["group"], namespace=NAMESPACE, registry=r, buckets=WAIT_BUCKETS_S,
+        )  # fmt: skip
+        self.ratelimit_rejections = Counter(
+            "ratelimit_rejections", "Calls refused because the group could not admit in time.",
+            ["group"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.breaker_state = Gauge(
+            "breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            ["target"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.breaker_transitions = Counter(
+            "breaker_transitions", "Circuit breaker state changes, by target and new state.",
+            ["target", "to"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.secret_cache = Counter(
+            "secret_cache", "Secret cache lookups: hit, miss, or stale (Vault down, old value).",
+            ["result"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.policy_reloads = Counter(
+            "policy_reloads", "Policy reload attempts, by result.",
+            ["result"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.inflight = Gauge(
+            "inflight_calls", "Calls currently inside the sidecar.",
+            namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+
+    # --- label hygiene --------------------------------------------------------------------
+
+    def set_known(self, targets: Iterable[str], groups: Iterable[str]) -> None:
+        """Set the target and rate-limit group names of the policy now in force.
+
+        Call at start-up and after each successful reload. Targets new to the policy get a
+        ``breaker_state`` of 0 (closed); the breaker series of removed targets are dropped
+        so a dashboard does not show a stale open breaker forever. Counters are kept.
+        """
+        targets = frozenset(targets)
+        for gone in self._targets - targets:
+            self.breaker_state.remove(gone)
+        for new in targets - self._targets:
+            self.breaker_state.labels(new).set(BREAKER_STATE_VALUES["closed"])
+        self._targets = targets
+        self._groups = frozenset(groups)
+
+    def _target(self, name: str) -> str:
+        return name if name in self._targets else UNKNOWN_LABEL
+
+    def _group(self, name: str) -> str:
+        return name if name in self._groups else UNKNOWN_LABEL
+
+    # --- recording ------------------------------------------------------------------------
+
+    def observe_call(
+        self,
+        target: str,
+        outcome: Outcome,
+        code: ErrorCode | None,
+        latency_s: float,
+        upstream_latency_s: float | None = None,
+    ) -> None:
+        """Record one answered call.
+
+        ``code`` is the answer's error code, None on success (labelled ``OK``);
+        ``latency_s`` the wall time inside the sidecar; ``upstream_latency_s`` the time
+        spent on upstream attempts, None when nothing was sent (refused, replayed).
+        """
+        target = self._target(target)
+        code_label = OK_CODE if code is None else str(code)
+        self.calls.labels(
+            target,
+            outcome if outcome in _OUTCOMES else UNKNOWN_LABEL,
+            code_label if code_label in _CODES else UNKNOWN_LABEL,
+        ).inc()
+        self.call_duration.labels(target).observe(max(latency_s, 0.0))
+        if upstream_latency_s is not None:
+            self.upstream_duration.labels(target).observe(max(upstream_latency_s, 0.0))
+
+    def observe_tokens(
+        self,
+        target: str,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
+        """Add the token counts of one upstream response (None or <= 0: that kind untouched)."""
+        target = self._target(target)
+        for kind, count in (
+            ("input", input_tokens),
+            ("output", output_tokens),
+            ("cached", cached_tokens),
+        ):
+            if count is not None and count > 0:
+                self.tokens.labels(target, kind).inc(count)
+
+    def observe_retry(self, target: str) -> None:
+        """Count one retry (an upstream attempt after the first)."""
+        self.retries.labels(self._target(target)).inc()
+
+    def observe_ratelimit_wait(self, group: str, wait_s: float) -> None:
+        """Record the time a call waited for its rate-limit group, in seconds."""
+        self.ratelimit_wait.labels(self._group(group)).observe(max(wait_s, 0.0))
+
+    def observe_ratelimit_rejection(self, group: str) -> None:
+        """Count one call the rate-limit group refused (CAPACITY_EXCEEDED)."""
+        self.ratelimit_rejections.labels(self._group(group)).inc()
+
+    def observe_breaker_transition(self, target: str, to: BreakerState) -> None:
+        """Record a circuit breaker state change: sets the gauge, counts the transition."""
+        value = BREAKER_STATE_VALUES.get(to)
+        if value is None:
+            return
+        target = self._target(target)
+        self.breaker_state.labels(target).set(value)
+        self.breaker_transitions.labels(target, to).inc()
+
+    def observe_secret_cache(self, result: CacheResult) -> None:
+        """Count one secret cache lookup: ``hit``, ``miss`` or ``stale``."""
+        self.secret_cache.labels(result if result in _CACHE_RESULTS else UNKNOWN_LABEL).inc()
+
+    def observe_policy_reload(self, ok: bool) -> None:
+        """Count one policy reload attempt (``ok`` False: refused, the old policy stays)."""
+        result: ReloadResult = "ok" if ok else "error"
+        self.policy_reloads.labels(result).inc()
+
+    @contextmanager
+    def track_inflight(self) -> Iterator[None]:
+        """Count a call as in flight for the duration of the ``with`` block."""
+        self.inflight.inc()
+        try:
+            yield
+        finally:
+            self.inflight.dec()
+
+    # --- exposition -----------------------------------------------------------------------
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition for ``GET /metrics``: ``(body, content_type)``.
+
+        ``accept`` is the request's Accept header: OpenMetrics when the scraper asks for
+        it, else the Prometheus text format 0.0.4 (negotiation as in prometheus-client).
+        """
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

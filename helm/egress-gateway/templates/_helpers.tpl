@@ -1,0 +1,313 @@
+{{/*
+Named templates of the egress-gateway chart.
+
+The sidecar templates take one dict argument, so an agent's chart can call them with its
+own root context and this chart's values:
+
+  in this chart:                         (dict "root" $ "gateway" $.Values)
+  in an agent chart depending on it:     (dict "root" $ "gateway" (index $.Values "egress-gateway"))
+
+  egress-gateway.sidecarContainer         the sidecar, one list item (containers or, when
+                                          sidecar.native, initContainers)
+  egress-gateway.sidecarVolumes           the pod volumes it needs (list items)
+  egress-gateway.agentEnv                 EGRESS_GATEWAY_URL for the agent container
+  egress-gateway.podAnnotations           checksum/policy and Prometheus annotations
+  egress-gateway.podLabels                the label the metrics Service selects on
+  egress-gateway.podSecurityContext       pod-level non-root, fsGroup, RuntimeDefault
+  egress-gateway.serviceAccountName       the account a Vault Kubernetes-auth role binds
+  egress-gateway.terminationGracePeriodSeconds
+*/}}
+
+{{- define "egress-gateway.name" -}}
+{{- default "egress-gateway" .gateway.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* <release>-egress-gateway, or the release name when it already holds the chart name. */}}
+{{- define "egress-gateway.fullname" -}}
+{{- if .gateway.fullnameOverride }}
+{{- .gateway.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := include "egress-gateway.name" . }}
+{{- if contains $name .root.Release.Name }}
+{{- .root.Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .root.Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of this chart's own resources (.root is this chart here). */}}
+{{- define "egress-gateway.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "egress-gateway.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- end }}
+
+{{- define "egress-gateway.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "egress-gateway.name" . }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- end }}
+
+{{/* On every pod that runs the sidecar; the metrics Service selects on it. */}}
+{{- define "egress-gateway.podLabels" -}}
+egress-gateway/instance: {{ include "egress-gateway.fullname" . }}
+{{- end }}
+
+{{- define "egress-gateway.serviceAccountName" -}}
+{{- if .gateway.serviceAccount.create }}
+{{- default (include "egress-gateway.fullname" .) .gateway.serviceAccount.name }}
+{{- else }}
+{{- default "default" .gateway.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "egress-gateway.policyConfigMapName" -}}
+{{- default (printf "%s-policy" (include "egress-gateway.fullname" .)) .gateway.policy.existingConfigMap }}
+{{- end }}
+
+{{- define "egress-gateway.terminationGracePeriodSeconds" -}}
+{{- .gateway.terminationGracePeriodSeconds | int }}
+{{- end }}
+
+{{/*
+The image reference. The default tag is this chart's appVersion; called from an agent
+chart, .root.Chart is the agent's, so the dependency's own chart is looked up.
+*/}}
+{{- define "egress-gateway.image" -}}
+{{- $img := .gateway.image }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $img.repository $img.digest }}
+{{- else }}
+{{- $appVersion := "" }}
+{{- if eq .root.Chart.Name "egress-gateway" }}
+{{- $appVersion = .root.Chart.AppVersion }}
+{{- else if and .root.Subcharts (hasKey .root.Subcharts "egress-gateway") }}
+{{- $appVersion = (index .root.Subcharts "egress-gateway").Chart.AppVersion }}
+{{- end }}
+{{- $tag := default $appVersion $img.tag }}
+{{- if not $tag }}
+{{- fail "egress-gateway: set image.tag (or image.digest)" }}
+{{- end }}
+{{- printf "%s:%s" $img.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{- define "egress-gateway.podAnnotations" -}}
+{{- if and .gateway.policy.rollOnChange (not .gateway.policy.existingConfigMap) }}
+checksum/policy: {{ .gateway.policy.content | sha256sum }}
+{{- end }}
+{{- if .gateway.metrics.prometheusAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .gateway.sidecar.opsPort | int | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end }}
+
+{{- define "egress-gateway.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .gateway.sidecar.uid | int }}
+runAsGroup: {{ .gateway.sidecar.gid | int }}
+fsGroup: {{ .gateway.sidecar.gid | int }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "egress-gateway.agentEnv" -}}
+- name: EGRESS_GATEWAY_URL
+  value: {{ printf "http://127.0.0.1:%d" (.gateway.sidecar.port | int) | quote }}
+{{- end }}
+
+{{/*
+Checks across values and the policy that a JSON schema cannot express. Renders nothing;
+fails the render with a message naming the keys to fix.
+*/}}
+{{- define "egress-gateway.validate" -}}
+{{- $g := .gateway }}
+{{- if eq ($g.sidecar.port | int) ($g.sidecar.opsPort | int) }}
+{{- fail "egress-gateway: sidecar.port and sidecar.opsPort must differ" }}
+{{- end }}
+{{- if not $g.policy.existingConfigMap }}
+{{- if not $g.policy.content }}
+{{- fail "egress-gateway: set policy.content or policy.existingConfigMap" }}
+{{- end }}
+{{- $policy := fromYaml $g.policy.content }}
+{{- if hasKey $policy "Error" }}
+{{- fail (printf "egress-gateway: policy.content is not a YAML mapping: %s" $policy.Error) }}
+{{- end }}
+{{- $drain := 20.0 }}
+{{- with $policy.server }}{{ if hasKey . "drain_s" }}{{ $drain = .drain_s | float64 }}{{ end }}{{ end }}
+{{- if le ($g.terminationGracePeriodSeconds | float64) $drain }}
+{{- fail (printf "egress-gateway: terminationGracePeriodSeconds (%v) must exceed the policy's server.drain_s (%v)" $g.terminationGracePeriodSeconds $drain) }}
+{{- end }}
+{{- $auth := dict }}
+{{- with $policy.secrets }}{{ with .vault }}{{ with .auth }}{{ $auth = . }}{{ end }}{{ end }}{{ end }}
+{{- $k8sAuth := eq (toString (default "" $auth.method)) "kubernetes" }}
+{{- $v := $g.vault.kubernetesAuth }}
+{{- if and $k8sAuth (not $v.enabled) }}
+{{- fail "egress-gateway: the policy uses Vault Kubernetes auth (secrets.vault.auth.method: kubernetes); set vault.kubernetesAuth.enabled=true so the projected token is mounted" }}
+{{- end }}
+{{- if $v.enabled }}
+{{- if not $k8sAuth }}
+{{- fail "egress-gateway: vault.kubernetesAuth.enabled is true but the policy's secrets.vault.auth.method is not kubernetes" }}
+{{- end }}
+{{- if ne (toString $auth.role) $v.role }}
+{{- fail (printf "egress-gateway: vault.kubernetesAuth.role (%q) differs from the policy's secrets.vault.auth.role (%q)" $v.role (toString $auth.role)) }}
+{{- end }}
+{{- $jwtPath := default "/var/run/secrets/kubernetes.io/serviceaccount/token" $auth.jwt_path }}
+{{- if ne $jwtPath $v.tokenPath }}
+{{- fail (printf "egress-gateway: the policy's secrets.vault.auth.jwt_path (%q) must be vault.kubernetesAuth.tokenPath (%q), where the token is mounted" $jwtPath $v.tokenPath) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The sidecar container, as one list item at column 0: indent it with nindent. The calls
+API binds 127.0.0.1 only and gets no containerPort; only the ops port is declared.
+*/}}
+{{- define "egress-gateway.sidecarContainer" -}}
+{{- include "egress-gateway.validate" . }}
+{{- $g := .gateway -}}
+- name: egress-gateway
+  image: {{ include "egress-gateway.image" . | quote }}
+  imagePullPolicy: {{ $g.image.pullPolicy }}
+  {{- if $g.sidecar.native }}
+  restartPolicy: Always
+  {{- end }}
+  args: ["serve", "--policy", "/etc/egress-gateway/policy.yaml"]
+  env:
+    - name: GATEWAY_POLICY
+      value: /etc/egress-gateway/policy.yaml
+    - name: GATEWAY_HOST
+      value: "127.0.0.1"
+    - name: GATEWAY_PORT
+      value: {{ $g.sidecar.port | int | quote }}
+    - name: GATEWAY_OPS_HOST
+      value: "0.0.0.0"
+    - name: GATEWAY_OPS_PORT
+      value: {{ $g.sidecar.opsPort | int | quote }}
+    {{- with $g.vault.address }}
+    - name: VAULT_ADDR
+      value: {{ . | quote }}
+    {{- end }}
+    {{- with $g.vault.namespace }}
+    - name: VAULT_NAMESPACE
+      value: {{ . | quote }}
+    {{- end }}
+    {{- if $g.vault.skipVerify }}
+    - name: VAULT_SKIP_VERIFY
+      value: "true"
+    {{- end }}
+    {{- if $g.vault.caCert.configMap }}
+    - name: VAULT_CACERT
+      value: /etc/egress-gateway-vault-ca/ca.crt
+    {{- end }}
+    {{- if $g.redis.urlSecret.name }}
+    - name: REDIS_URL
+      valueFrom:
+        secretKeyRef:
+          name: {{ $g.redis.urlSecret.name | quote }}
+          key: {{ $g.redis.urlSecret.key | quote }}
+    {{- else if $g.redis.url }}
+    - name: REDIS_URL
+      value: {{ $g.redis.url | quote }}
+    {{- end }}
+    {{- with $g.sidecar.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - name: gateway-ops
+      containerPort: {{ $g.sidecar.opsPort | int }}
+      protocol: TCP
+  startupProbe:
+    httpGet:
+      path: /healthz
+      port: gateway-ops
+    periodSeconds: {{ $g.sidecar.startupProbe.periodSeconds | int }}
+    failureThreshold: {{ $g.sidecar.startupProbe.failureThreshold | int }}
+  livenessProbe:
+    httpGet:
+      path: /healthz
+      port: gateway-ops
+    periodSeconds: {{ $g.sidecar.livenessProbe.periodSeconds | int }}
+    timeoutSeconds: {{ $g.sidecar.livenessProbe.timeoutSeconds | int }}
+    failureThreshold: {{ $g.sidecar.livenessProbe.failureThreshold | int }}
+  readinessProbe:
+    httpGet:
+      path: /readyz
+      port: gateway-ops
+    periodSeconds: {{ $g.sidecar.readinessProbe.periodSeconds | int }}
+    timeoutSeconds: {{ $g.sidecar.readinessProbe.timeoutSeconds | int }}
+    failureThreshold: {{ $g.sidecar.readinessProbe.failureThreshold | int }}
+  resources:
+    {{- toYaml $g.sidecar.resources | nindent 4 }}
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: {{ $g.sidecar.uid | int }}
+    runAsGroup: {{ $g.sidecar.gid | int }}
+    readOnlyRootFilesystem: true
+    allowPrivilegeEscalation: false
+    privileged: false
+    capabilities:
+      drop: ["ALL"]
+    seccompProfile:
+      type: RuntimeDefault
+  volumeMounts:
+    - name: egress-gateway-policy
+      mountPath: /etc/egress-gateway
+      readOnly: true
+    - name: egress-gateway-tmp
+      mountPath: /tmp
+    {{- if $g.vault.kubernetesAuth.enabled }}
+    - name: egress-gateway-vault-token
+      mountPath: {{ dir $g.vault.kubernetesAuth.tokenPath | quote }}
+      readOnly: true
+    {{- end }}
+    {{- if $g.vault.caCert.configMap }}
+    - name: egress-gateway-vault-ca
+      mountPath: /etc/egress-gateway-vault-ca
+      readOnly: true
+    {{- end }}
+    {{- with $g.sidecar.extraVolumeMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}
+
+{{/*
+The pod volumes of the sidecar, as list items at column 0. The policy ConfigMap is
+mounted as a directory (no subPath) so updates arrive by the kubelet's symlink swap.
+*/}}
+{{- define "egress-gateway.sidecarVolumes" -}}
+{{- $g := .gateway -}}
+- name: egress-gateway-policy
+  configMap:
+    name: {{ include "egress-gateway.policyConfigMapName" . | quote }}
+    items:
+      - key: {{ ternary $g.policy.existingConfigMapKey "policy.yaml" (not (empty $g.policy.existingConfigMap)) | quote }}
+        path: policy.yaml
+- name: egress-gateway-tmp
+  emptyDir:
+    sizeLimit: {{ $g.sidecar.tmpSizeLimit | quote }}
+{{- if $g.vault.kubernetesAuth.enabled }}
+- name: egress-gateway-vault-token
+  projected:
+    defaultMode: 0440
+    sources:
+      - serviceAccountToken:
+          audience: {{ $g.vault.kubernetesAuth.audience | quote }}
+          expirationSeconds: {{ $g.vault.kubernetesAuth.expirationSeconds | int }}
+          path: {{ base $g.vault.kubernetesAuth.tokenPath | quote }}
+{{- end }}
+{{- if $g.vault.caCert.configMap }}
+- name: egress-gateway-vault-ca
+  configMap:
+    name: {{ $g.vault.caCert.configMap | quote }}
+    items:
+      - key: {{ $g.vault.caCert.key | quote }}
+        path: ca.crt
+{{- end }}
+{{- with $g.sidecar.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
