@@ -40,6 +40,7 @@ from gateway.errors import (
     error_response,
 )
 from gateway.intake import decode_json, parse_request
+from gateway.metrics import Metrics
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.retry import backoff_s, parse_retry_after, status_retryable, transport_retryable
 from gateway.secrets import ResolvedSecret, SecretResolvers, parse_ref
@@ -84,12 +85,14 @@ class Pipeline:
         resolvers: SecretResolvers,
         upstream: Upstream,
         audit: AuditLog,
+        metrics: Metrics,
         rng: random.Random | None = None,
     ) -> None:
         self.policy = policy
         self.resolvers = resolvers
         self.upstream = upstream
         self.audit = audit
+        self.metrics = metrics
         self._rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
         #: Set by the runtime when it cancels calls that outlived the drain time.
         self.aborting = False
@@ -368,6 +371,24 @@ class Pipeline:
         if error is not None and error.code.value in ("EGRESS_DENIED",):
             record["warnings"] = [*ctx.warnings, f"egress denied: {error.message}"]
         self.audit.call(record)
+        self._observe(record, ctx, response)
+
+    def _observe(
+        self, record: dict[str, Any], ctx: CallContext, response: ExternalCallResponse
+    ) -> None:
+        target = record["target_system"] or "_none"
+        outcome = "replay" if ctx.replayed else "success" if response.success else "error"
+        self.metrics.observe_call(
+            target,
+            outcome,
+            response.error.code if response.error else None,
+            response.latency_ms / 1000,
+            ctx.upstream_latency_s,
+        )
+        if ctx.usage is not None:
+            self.metrics.observe_tokens(target, ctx.usage.input, ctx.usage.output, ctx.usage.cached)
+        for _ in range(max(ctx.attempts - 1, 0)):
+            self.metrics.observe_retry(target)
 
 
 def _interrupted_error(ctx: CallContext) -> GatewayError:

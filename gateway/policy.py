@@ -348,7 +348,7 @@ class Policy(_Strict):
     server: ServerSpec = Field(default_factory=ServerSpec)
     envelope: EnvelopeSpec = Field(default_factory=EnvelopeSpec)
     egress: EgressSpec = Field(default_factory=EgressSpec)
-    targets: dict[Name, TargetSpec] = Field(min_length=1)
+    targets: dict[Name, TargetSpec] = Field(default_factory=dict)  # empty: deny everything
     rate_limit_groups: dict[Name, RateLimitGroupSpec] = Field(default_factory=dict)
     secrets: SecretsSpec = Field(default_factory=SecretsSpec)
     redis: RedisSpec | None = None

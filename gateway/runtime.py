@@ -17,6 +17,7 @@ from aiohttp.abc import AbstractResolver
 from gateway import audit
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import ShuttingDown
+from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
 from gateway.policy import PolicySet
 from gateway.secrets import SecretResolvers
@@ -46,6 +47,7 @@ class Gateway:
         self._dns_resolver = resolver
         self._log_stream = log_stream
         self.pipeline: Pipeline | None = None
+        self.metrics = Metrics()
         self.draining = False
         self._tasks: set[asyncio.Task[tuple[int, ExternalCallResponse]]] = set()
         self._idle = asyncio.Event()
@@ -66,7 +68,9 @@ class Gateway:
             resolvers=resolvers,
             upstream=upstream,
             audit=audit.AuditLog(self.policy.policy.agent_id),
+            metrics=self.metrics,
         )
+        self.metrics.set_known(self.policy.targets, self.policy.policy.rate_limit_groups)
         _log.info(
             "sidecar_started",
             policy=self.policy.source,
@@ -100,7 +104,7 @@ class Gateway:
                 "(another replica, or this one after its restart)",
                 retry_after_s=1.0,
             )
-        task = asyncio.create_task(self.pipeline.handle(body), name="egress-call")
+        task = asyncio.create_task(self._tracked(self.pipeline, body), name="egress-call")
         self._tasks.add(task)
         self._idle.clear()
         try:
@@ -111,6 +115,10 @@ class Gateway:
                 self._forget(task)
             else:
                 task.add_done_callback(self._forget)
+
+    async def _tracked(self, pipeline: Pipeline, body: bytes) -> tuple[int, ExternalCallResponse]:
+        with self.metrics.track_inflight():
+            return await pipeline.handle(body)
 
     def _forget(self, task: asyncio.Task[tuple[int, ExternalCallResponse]]) -> None:
         self._tasks.discard(task)

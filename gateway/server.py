@@ -97,6 +97,13 @@ async def _healthz(_: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
 
+async def _metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[GATEWAY_KEY].metrics.render(request.headers.get("Accept"))
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = content_type
+    return resp
+
+
 async def _readyz(request: web.Request) -> web.Response:
     ready, checks = request.app[GATEWAY_KEY].ready()
     return web.json_response(
@@ -115,6 +122,7 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> web.Applic
     app.router.add_post(CALLS_PATH, _calls)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
     if manage_lifecycle:
 
         async def lifecycle(_: web.Application) -> AsyncIterator[None]:
@@ -132,6 +140,7 @@ def create_ops_app(gateway: Gateway) -> web.Application:
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
     return app
 
 
