@@ -40,7 +40,7 @@ from gateway.errors import (
     error_response,
 )
 from gateway.intake import decode_json, parse_request
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.retry import backoff_s, parse_retry_after, status_retryable, transport_retryable
 from gateway.secrets import ResolvedSecret, SecretResolvers, parse_ref
@@ -377,7 +377,7 @@ class Pipeline:
         self, record: dict[str, Any], ctx: CallContext, response: ExternalCallResponse
     ) -> None:
         target = record["target_system"] or "_none"
-        outcome = "replay" if ctx.replayed else "success" if response.success else "error"
+        outcome: Outcome = "replay" if ctx.replayed else "success" if response.success else "error"
         self.metrics.observe_call(
             target,
             outcome,
