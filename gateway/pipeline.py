@@ -97,8 +97,19 @@ class Pipeline:
         #: Set by the runtime when it cancels calls that outlived the drain time.
         self.aborting = False
 
-    async def handle(self, body: bytes) -> tuple[int, ExternalCallResponse]:
-        """Run one call from its raw envelope bytes. Returns (HTTP status, answer)."""
+    def apply_policy(self, policy: PolicySet) -> None:
+        """Swap in a new policy; calls already running keep the one they started with."""
+        self.policy = policy
+        self.upstream.egress = policy.policy.egress
+        self.upstream.max_response_bytes = policy.policy.server.max_response_bytes
+
+    async def handle(
+        self, body: bytes, *, refuse: GatewayError | None = None
+    ) -> tuple[int, ExternalCallResponse]:
+        """Run one call from its raw envelope bytes. Returns (HTTP status, answer).
+
+        With ``refuse`` the call is answered with that error at once (still audited).
+        """
         ctx = CallContext(started=time.monotonic())
         ctx.request_bytes = len(body)
         policy = self.policy  # one policy for the whole call, even across a reload
@@ -108,6 +119,8 @@ class Pipeline:
             raw = decode_json(body)
             if isinstance(raw, dict):
                 ctx.claimed = {k: raw[k][:256] for k in _CLAIMED if isinstance(raw.get(k), str)}
+            if refuse is not None:
+                raise refuse
             intake = parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields)
             request = ctx.request = intake.request
             ctx.api_key_ref = request.api_key_ref

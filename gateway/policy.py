@@ -39,6 +39,7 @@ DEFAULT_OPS_PORT: Final = 8182
 DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
 DEFAULT_DRAIN_S: Final = 20.0
+DEFAULT_RELOAD_INTERVAL_S: Final = 2.0
 DEFAULT_TARGET_TIMEOUT_S: Final = 30.0
 DEFAULT_RETRY_ON: Final = (429, 500, 502, 503, 504, 529, "timeout", "connect")
 DEFAULT_BACKOFF_BASE_S: Final = 0.5
@@ -95,6 +96,7 @@ class ServerSpec(_Strict):
     max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
     max_response_bytes: int = Field(DEFAULT_MAX_RESPONSE_BYTES, ge=1024)
     drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=3600)
+    reload_interval_s: float = Field(DEFAULT_RELOAD_INTERVAL_S, ge=0, le=3600)  # 0: SIGHUP only
     debug: bool = False  # stack traces in UNKNOWN answers: development only
 
 

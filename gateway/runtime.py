@@ -19,13 +19,20 @@ from gateway.envelope import ExternalCallResponse
 from gateway.errors import ShuttingDown
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
-from gateway.policy import PolicySet
+from gateway.policy import PolicyError, PolicySet, load_policy
 from gateway.secrets import SecretResolvers
 from gateway.secrets.env import EnvResolver
 from gateway.secrets.file import FileResolver
 from gateway.upstream import Upstream
 
 _log = audit.get_logger("gateway.runtime")
+
+
+def _server_hot_only(old: PolicySet, new: PolicySet) -> bool:
+    """True if only the server keys that apply without a restart changed."""
+    hot = {"drain_s", "max_response_bytes", "debug"}
+    a, b = old.policy.server.model_dump(), new.policy.server.model_dump()
+    return all(a[k] == b[k] for k in a if k not in hot)
 
 
 def build_resolvers(policy: PolicySet) -> SecretResolvers:
@@ -78,6 +85,52 @@ class Gateway:
             agent_id=self.policy.policy.agent_id,
         )
 
+    async def reload(self, path: str | None = None) -> bool:
+        """Load the policy file again and swap it in whole. False (old policy kept) if invalid.
+
+        Calls in flight finish under the policy they started with. Listener settings
+        (``server.host``, ``port``, ``ops_*``, ``max_request_bytes``) and
+        ``secrets`` need a restart; a reload that changes them says so in the log.
+        """
+        source = path or self.policy.source
+        try:
+            new = await asyncio.to_thread(load_policy, source)
+        except PolicyError as exc:
+            self.metrics.observe_policy_reload(ok=False)
+            _log.error(
+                "policy_reload_refused",
+                policy=source,
+                problems=exc.problems,
+                note="the previous policy stays in force",
+            )
+            return False
+        old = self.policy
+        restart_needed = [
+            key
+            for key in ("server", "secrets", "redis")
+            if getattr(old.policy, key) != getattr(new.policy, key)
+            and not (key == "server" and _server_hot_only(old, new))
+        ]
+        self.policy = new
+        if self.pipeline is not None:
+            self.pipeline.apply_policy(new)
+        self.metrics.set_known(new.targets, new.policy.rate_limit_groups)
+        self.metrics.observe_policy_reload(ok=True)
+        if self.pipeline is not None:
+            self.pipeline.audit.event(
+                "policy_reload",
+                policy=source,
+                targets=sorted(new.targets),
+                changed_targets=sorted(
+                    n
+                    for n in set(old.targets) | set(new.targets)
+                    if (old.targets.get(n) and old.targets[n].spec)
+                    != (new.targets.get(n) and new.targets[n].spec)
+                ),
+                restart_needed_for=restart_needed,
+            )
+        return True
+
     async def aclose(self) -> None:
         pipeline, self.pipeline = self.pipeline, None
         if pipeline is None:
@@ -98,12 +151,15 @@ class Gateway:
 
         Raises :class:`ShuttingDown` once draining has begun.
         """
-        if self.pipeline is None or self.draining:
-            raise ShuttingDown(
-                "the sidecar is shutting down and accepts no new calls; retry shortly "
-                "(another replica, or this one after its restart)",
-                retry_after_s=1.0,
-            )
+        refusal = ShuttingDown(
+            "the sidecar is shutting down and accepts no new calls; retry shortly "
+            "(another replica, or this one after its restart)",
+            retry_after_s=1.0,
+        )
+        if self.pipeline is None:
+            raise refusal
+        if self.draining:
+            return await self.pipeline.handle(body, refuse=refusal)
         task = asyncio.create_task(self._tracked(self.pipeline, body), name="egress-call")
         self._tasks.add(task)
         self._idle.clear()

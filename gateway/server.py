@@ -26,6 +26,7 @@ from gateway import redaction
 from gateway.audit import get_logger
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
+from gateway.reload import PolicyWatcher
 from gateway.runtime import Gateway
 
 GATEWAY_KEY: Final = web.AppKey("gateway", Gateway)
@@ -158,6 +159,20 @@ async def serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watcher = PolicyWatcher(
+        gateway.policy.source,
+        gateway.reload,
+        interval_s=gateway.policy.policy.server.reload_interval_s,
+    )
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def on_sighup() -> None:
+        task = asyncio.create_task(gateway.reload(), name="policy-reload-sighup")
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+        task.add_done_callback(lambda _: watcher.mark_seen())
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
     runner = web.AppRunner(create_app(gateway), access_log=None, handle_signals=False)
     await runner.setup()
     sites = [web.TCPSite(runner, host, port, reuse_address=True)]
@@ -171,6 +186,7 @@ async def serve(
             await site.start()
         bound = [_bound(site) for site in sites]
         _log.info("listening", calls=bound[0], ops=bound[1] if len(bound) > 1 else None)
+        watcher.start()
         if started is not None:
             started.set()
         await stop.wait()
@@ -179,7 +195,8 @@ async def serve(
         cancelled = await gateway.drain(drain_s)
         _log.info("drained", cancelled=cancelled)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        await watcher.aclose()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         if ops_runner is not None:
             await ops_runner.cleanup()
