@@ -21,8 +21,8 @@ demo: $(VENV)/.runtime
 test: lint typecheck unit
 
 lint: $(VENV)/.dev
-	$(BIN)/ruff check gateway tests bench
-	$(BIN)/ruff format --check gateway tests bench
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 typecheck: $(VENV)/.dev
 	$(BIN)/mypy
