@@ -15,6 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 
 from gateway import __version__
 
@@ -67,7 +68,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_call(args: argparse.Namespace) -> int:
-    raw = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()  # noqa: SIM115
+    raw = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
     url = args.url.rstrip("/") + "/v1/calls"
     req = urllib.request.Request(  # noqa: S310 - the URL is the operator's sidecar
         url, data=raw, method="POST", headers={"Content-Type": "application/json"}

@@ -171,7 +171,7 @@ async def run_demo(
     if console is None:
         console = Console()
         if not console.is_terminal:
-            console = Console(width=132)
+            console = Console(width=220)
     try:
         policy = load_policy(policy_path)
     except PolicyError as exc:
@@ -223,30 +223,36 @@ async def run_demo(
     for column in (
         "example",
         "target",
-        "success",
         "HTTP",
         "upstream",
-        "error code",
+        "outcome",
         "retryable",
         "tokens",
         "latency ms",
+        "as expected",
+        "what happened",
     ):
         table.add_column(column, justify="right" if column in ("tokens", "latency ms") else "left")
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    unexpected = [row[0] for row in rows if row[8].startswith("no")]
     records = sum(
         1 for line in Path(audit_path).read_text().splitlines() if '"event":"egress_call"' in line
     )
     console.print(
         f"\n{records} audit records (one per call) are in [bold]{audit_path}[/bold] as JSON lines."
     )
+    if unexpected:
+        console.print(f"[red]unexpected answers: {', '.join(unexpected)}[/red]")
+        return 1
     return 0
 
 
 async def _send(session: aiohttp.ClientSession, url: str, path: Path) -> tuple[str, ...]:
     raw = path.read_bytes()
-    target = str(json.loads(raw).get("target_system", "?"))
+    doc = json.loads(raw)
+    metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     started = time.monotonic()
     async with session.post(
         url + "/v1/calls", data=raw, headers={"Content-Type": "application/json"}
@@ -254,14 +260,17 @@ async def _send(session: aiohttp.ClientSession, url: str, path: Path) -> tuple[s
         answer: dict[str, Any] = await resp.json()
         http = resp.status
     error = answer.get("error") or {}
+    outcome = "success" if answer.get("success") else str(error.get("code"))
+    expected = metadata.get("demo_expect")
     return (
         path.stem,
-        target,
-        "[green]yes[/green]" if answer.get("success") else "[red]no[/red]",
+        str(doc.get("target_system", "?")),
         str(http),
         str(answer.get("status_code") if answer.get("status_code") is not None else "-"),
-        str(error.get("code") or "-"),
+        f"[green]{outcome}[/green]" if answer.get("success") else f"[red]{outcome}[/red]",
         str(error.get("retryable")) if error else "-",
         str(answer.get("tokens_used") if answer.get("tokens_used") is not None else "-"),
         f"{answer.get('latency_ms', (time.monotonic() - started) * 1000):.1f}",
+        "-" if expected is None else "yes" if expected == outcome else f"no ({expected})",
+        str(metadata.get("demo_note", "")),
     )

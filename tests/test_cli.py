@@ -1,0 +1,66 @@
+"""The command line: demo, call, validate, serve arguments."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from gateway.cli import main
+from gateway.demo import run_demo
+from tests.conftest import compile_policy, envelope, openai_target
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def test_demo_runs_every_example_as_expected(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    console = Console(record=True, width=250, force_terminal=False)
+    audit = tmp_path / "audit.jsonl"
+    code = await run_demo(upstream_port=0, audit_path=str(audit), console=console)
+    text = console.export_text()
+    assert code == 0, text
+    examples = sorted(p.stem for p in (ROOT / "examples").glob("*.json"))
+    for name in examples:
+        assert name in text
+    assert "unexpected" not in text
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    calls = [r for r in records if r["event"] == "egress_call"]
+    assert len(calls) == len(examples)
+    assert str(audit) in text
+    for secret in ("sk-demo-0001", "ak-demo-0002", "xoxb-demo-0003"):
+        assert secret not in audit.read_text()
+
+
+async def test_call_sends_an_envelope_and_prints_the_answer(
+    upstream, sidecar_factory, tmp_path, capsys
+):
+    sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(upstream.url)}))
+    path = tmp_path / "env.json"
+    path.write_text(json.dumps(envelope()))
+    code = await asyncio.to_thread(main, ["call", str(path), "--url", sc.url])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert json.loads(out)["success"] is True
+    path.write_text(json.dumps(envelope(target_system="nope")))
+    code = await asyncio.to_thread(main, ["call", str(path), "--url", sc.url])
+    assert code == 1
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "PERMISSION_DENIED"
+
+
+def test_call_reports_an_unreachable_sidecar(tmp_path, capsys, unused_tcp_port):
+    path = tmp_path / "env.json"
+    path.write_text(json.dumps(envelope()))
+    code = main(["call", str(path), "--url", f"http://127.0.0.1:{unused_tcp_port}"])
+    assert code == 1
+    assert "cannot reach the sidecar" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_policy(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nagent_id: a\ntargets: {x: {base_url: ftp://h, endpoints: []}}\n")
+    assert main(["serve", "--policy", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:3: targets.x.base_url" in err
