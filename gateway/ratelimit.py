@@ -430,9 +430,10 @@ class RateLimitGroups:
         return sorted(self._groups)
 
     def update(self, specs: Mapping[str, RateLimitGroupSpec]) -> None:
-        """Hot reload: unchanged groups keep their state (same object); changed groups
-        start from the old group's usage clamped to the new sizes, and its hold; removed
-        groups are dropped (calls already waiting on them finish there)."""
+        """Hot reload (call on the event loop): unchanged groups keep their state (same
+        object); changed groups start from the old group's usage clamped to the new
+        sizes, and its hold; removed groups are dropped (calls already waiting on them
+        finish there)."""
         groups: dict[str, RateLimitGroup] = {}
         for name, spec in specs.items():
             old = self._groups.get(name)

@@ -423,3 +423,24 @@ async def test_bucket_projection_matches_aiolimiter() -> None:
 )
 def test_estimate_tokens(parameters: dict[str, Any], expected: int) -> None:
     assert estimate_tokens(parameters) == expected
+
+
+async def test_changed_token_group_inherits_usage_and_hold() -> None:
+    groups = RateLimitGroups(
+        {"llm": spec(requests_per_second=1000.0, burst=100, tokens_per_minute=600)}
+    )
+    old = groups.get("llm")
+    assert old is not None
+    await old.acquire(tokens=600, deadline=FAR)
+    old.hold_for(0.05, reason="retry-after")
+    groups.update({"llm": spec(requests_per_second=1000.0, burst=100, tokens_per_minute=1200)})
+    new = groups.get("llm")
+    assert new is not None
+    assert new is not old
+    assert new.held_for_s() > 0  # the provider's hold survives a reload
+    waited = await new.acquire(tokens=600, deadline=FAR)  # 600 of 1200 were used
+    assert waited <= 0.1
+    with pytest.raises(CapacityExceeded) as info:
+        await new.acquire(tokens=100, deadline=now())
+    assert info.value.details["reason"] == "deadline"
+    assert info.value.retry_after_s == pytest.approx(5.0, abs=0.1)  # 100 tokens at 20/s
