@@ -1,0 +1,188 @@
+"""The in-memory idempotency store (one process; ``idempotency.scope: local``).
+
+Bounds (checkable with :attr:`MemoryIdempotencyStore.entries` and ``.size_bytes``): at most
+``max_entries`` keys and at most ``max_bytes`` bytes, counting each entry's key,
+fingerprint and stored answer. When a new entry or a completed answer would exceed a
+bound, completed entries are evicted least recently used first (a replay counts as a
+use). Entries in flight are never evicted: if they alone fill ``max_entries``,
+``begin`` raises :class:`CapacityExceeded`. An answer larger than ``max_bytes`` is
+handed to the waiters but not stored.
+
+Expiry: a completed entry lives ``ttl_s`` after completion (policy
+``targets.<name>.idempotency.ttl_s``); an entry in flight lives ``lease_s`` after
+``begin``, so a lost owner blocks its key for at most its lease. Evicted or expired
+keys behave as new: the next call with that key goes upstream again.
+
+Concurrency: the methods do not await between reading and writing the table, so on one
+event loop each is atomic; concurrent ``begin`` calls on a fresh key yield exactly one
+:class:`Proceed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Final
+
+from gateway.errors import CapacityExceeded
+from gateway.idempotency.base import Conflict, InFlight, Outcome, Proceed, Replay
+
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_ENTRIES", "MemoryIdempotencyStore"]
+
+DEFAULT_MAX_ENTRIES: Final = 10_000
+DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    fingerprint: str
+    token: str | None  # the owner's while in flight; None once completed
+    expires_at: float
+    size: int
+    answer: bytes = b""  # meaningful once token is None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class MemoryIdempotencyStore:
+    """Implements :class:`gateway.idempotency.base.IdempotencyStore` in process memory."""
+
+    def __init__(
+        self, *, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
+        if max_entries < 1 or max_bytes < 1:
+            raise ValueError("max_entries and max_bytes must be >= 1")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._expiry: list[tuple[float, int, str, _Entry]] = []  # a heap; stale items skipped
+        self._seq = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    async def begin(self, key: str, fingerprint: str, *, lease_s: float) -> Outcome:
+        self._expire()
+        entry = self._entries.get(key)
+        if entry is not None:
+            if entry.fingerprint != fingerprint:
+                return Conflict()
+            if entry.token is None:
+                self._entries.move_to_end(key)
+                return Replay(entry.answer)
+            return InFlight()
+        size = len(key.encode()) + len(fingerprint)
+        self._evict(extra_entries=1, extra_bytes=size)
+        if len(self._entries) >= self.max_entries:
+            raise CapacityExceeded(
+                f"the idempotency store holds {len(self._entries)} calls in flight, its "
+                "limit; retry when some have finished",
+                details={"reason": "idempotency_store_full"},
+            )
+        token = secrets.token_urlsafe(16)
+        entry = _Entry(fingerprint, token, time.monotonic() + lease_s, size)
+        self._insert(key, entry)
+        return Proceed(token)
+
+    async def complete(self, key: str, token: str, answer: bytes, *, ttl_s: float) -> bool:
+        self._expire()
+        entry = self._entries.get(key)
+        if entry is None or entry.token != token:
+            return False
+        entry.answer = answer
+        entry.token = None
+        entry.done.set()
+        self._remove(key, entry)
+        size = entry.size + len(answer)
+        if size > self.max_bytes:
+            return False
+        entry.size = size
+        entry.expires_at = time.monotonic() + ttl_s
+        self._evict(extra_entries=1, extra_bytes=size)
+        self._insert(key, entry)
+        return True
+
+    async def abandon(self, key: str, token: str) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.token == token:
+            self._remove(key, entry)
+            entry.done.set()
+
+    async def wait(self, key: str, fingerprint: str, *, deadline: float) -> bytes | None:
+        self._expire()
+        entry = self._entries.get(key)
+        if entry is None or entry.fingerprint != fingerprint:
+            return None
+        if entry.token is not None:
+            remaining = min(
+                deadline - asyncio.get_running_loop().time(),
+                entry.expires_at - time.monotonic(),
+            )
+            if remaining <= 0:
+                return None
+            try:
+                async with asyncio.timeout(remaining):
+                    await entry.done.wait()
+            except TimeoutError:
+                return None
+        # Woken by complete (token cleared), or by abandon/expiry (token kept).
+        return entry.answer if entry.token is None else None
+
+    async def aclose(self) -> None:
+        for entry in self._entries.values():
+            entry.done.set()
+        self._entries.clear()
+        self._expiry.clear()
+        self._bytes = 0
+
+    # --- internals ------------------------------------------------------------------
+
+    def _insert(self, key: str, entry: _Entry) -> None:
+        self._entries[key] = entry
+        self._bytes += entry.size
+        self._seq += 1
+        heapq.heappush(self._expiry, (entry.expires_at, self._seq, key, entry))
+        if len(self._expiry) > 2 * len(self._entries) + 64:
+            # Evicted and completed entries leave stale heap items until their old
+            # expiry; rebuild so the heap stays proportional to the table.
+            self._expiry = [i for i in self._expiry if self._entries.get(i[2]) is i[3]]
+            heapq.heapify(self._expiry)
+
+    def _remove(self, key: str, entry: _Entry) -> None:
+        if self._entries.get(key) is entry:
+            del self._entries[key]
+            self._bytes -= entry.size
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._expiry and self._expiry[0][0] <= now:
+            at, _, key, entry = heapq.heappop(self._expiry)
+            if self._entries.get(key) is entry and entry.expires_at == at:
+                self._remove(key, entry)
+                entry.done.set()  # waiters on a lost owner wake up and may take over
+
+    def _evict(self, *, extra_entries: int, extra_bytes: int) -> None:
+        """Drop least recently used completed entries until the extra fits (if it can)."""
+
+        def over() -> bool:
+            return (
+                len(self._entries) + extra_entries > self.max_entries
+                or self._bytes + extra_bytes > self.max_bytes
+            )
+
+        if not over():
+            return
+        for key, entry in list(self._entries.items()):
+            if entry.token is None:
+                self._remove(key, entry)
+                if not over():
+                    return

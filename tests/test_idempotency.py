@@ -1,0 +1,283 @@
+"""Idempotency: keys, fingerprints, and the in-memory store (replay, B06 conflict,
+joiners, abandon, expiry, bounds)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.errors import CapacityExceeded
+from gateway.idempotency import (
+    Conflict,
+    IdempotencyStore,
+    InFlight,
+    MemoryIdempotencyStore,
+    Proceed,
+    Replay,
+    canonical_json,
+    derive_key,
+    fingerprint,
+    store_key,
+)
+
+FP = "f" * 64
+
+
+def in_s(seconds: float) -> float:
+    return asyncio.get_running_loop().time() + seconds
+
+
+async def poll_until(predicate: object, timeout: float = 2.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.002)
+
+
+async def proceed(
+    store: MemoryIdempotencyStore, key: str, fp: str = FP, lease_s: float = 30
+) -> str:
+    outcome = await store.begin(key, fp, lease_s=lease_s)
+    assert isinstance(outcome, Proceed)
+    return outcome.token
+
+
+# --- keys and fingerprints ---------------------------------------------------------------
+
+
+def test_derived_key_is_stable_and_versioned() -> None:
+    key = derive_key("trace-1", "corr-refund-0007", "fake-stripe", "POST", "/v1/refunds")
+    # A literal: changing the derivation must be a deliberate, visible change.
+    assert key == "egw1-11e745e1bbaee96569f9395183d5204d293c1d8bce17f846769f2adeb3cf3212"
+    assert key == derive_key("trace-1", "corr-refund-0007", "fake-stripe", "post", "/v1/refunds")
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        ("trace-2", "corr-refund-0007", "fake-stripe", "POST", "/v1/refunds"),
+        ("trace-1", "corr-refund-0008", "fake-stripe", "POST", "/v1/refunds"),
+        ("trace-1", "corr-refund-0007", "fake-openai", "POST", "/v1/refunds"),
+        ("trace-1", "corr-refund-0007", "fake-stripe", "PUT", "/v1/refunds"),
+        ("trace-1", "corr-refund-0007", "fake-stripe", "POST", "/v1/refunds/x"),
+        ("trace-1corr-refund-0007", "", "fake-stripe", "POST", "/v1/refunds"),  # no concat clash
+    ],
+)
+def test_derived_key_changes_with_any_part(other: tuple[str, str, str, str, str]) -> None:
+    base = derive_key("trace-1", "corr-refund-0007", "fake-stripe", "POST", "/v1/refunds")
+    assert derive_key(*other) != base
+
+
+def test_fingerprint_is_canonical() -> None:
+    a = fingerprint("fake-stripe", "POST", "/v1/refunds", {"charge": "ch_fake_01", "amount": 500})
+    b = fingerprint("fake-stripe", "post", "/v1/refunds", {"amount": 500, "charge": "ch_fake_01"})
+    assert a == b
+    assert len(a) == 64
+    assert a != fingerprint(
+        "fake-stripe", "POST", "/v1/refunds", {"charge": "ch_fake_01", "amount": 5000}
+    )
+    assert a != fingerprint(
+        "fake-stripe", "POST", "/v1/refund", {"charge": "ch_fake_01", "amount": 500}
+    )
+    assert canonical_json({"b": [1, "é"], "a": None}) == '{"a":null,"b":[1,"é"]}'.encode()
+    with pytest.raises(ValueError, match="JSON compliant"):
+        fingerprint("t", "POST", "/x", {"v": float("nan")})
+
+
+def test_store_key_scopes_by_target() -> None:
+    assert store_key("fake-stripe", "k1") != store_key("fake-openai", "k1")
+    assert store_key("fake-stripe", "k1") == "fake-stripe:k1"
+
+
+# --- the store ----------------------------------------------------------------------------
+
+
+def test_memory_store_implements_the_protocol() -> None:
+    assert isinstance(MemoryIdempotencyStore(), IdempotencyStore)
+    assert "tok" not in repr(Proceed("tok"))
+
+
+async def test_replay_returns_the_stored_answer() -> None:
+    store = MemoryIdempotencyStore()
+    token = await proceed(store, "k")
+    assert await store.complete("k", token, b'{"id":"re_fake_01"}', ttl_s=60) is True
+    assert await store.begin("k", FP, lease_s=30) == Replay(b'{"id":"re_fake_01"}')
+    assert await store.begin("k", FP, lease_s=30) == Replay(b'{"id":"re_fake_01"}')
+
+
+async def test_b06_same_key_different_request_is_a_conflict() -> None:
+    store = MemoryIdempotencyStore()
+    key = store_key(
+        "fake-stripe", derive_key("t", "corr-refund-0007", "fake-stripe", "POST", "/v1/refunds")
+    )
+    fp1 = fingerprint("fake-stripe", "POST", "/v1/refunds", {"charge": "ch_fake_01", "amount": 500})
+    fp2 = fingerprint(
+        "fake-stripe", "POST", "/v1/refunds", {"charge": "ch_fake_01", "amount": 5000}
+    )
+    token = await proceed(store, key, fp1)
+    assert await store.begin(key, fp2, lease_s=30) == Conflict()  # while in flight
+    await store.complete(key, token, b'{"id":"re_fake_01","amount":500}', ttl_s=60)
+    outcome = await store.begin(key, fp2, lease_s=30)
+    assert outcome == Conflict()  # never the stored answer of the other request
+    assert await store.wait(key, fp2, deadline=in_s(1)) is None
+    assert await store.begin(key, fp1, lease_s=30) == Replay(b'{"id":"re_fake_01","amount":500}')
+
+
+async def test_concurrent_joiners_make_one_call_and_share_its_answer() -> None:
+    store = MemoryIdempotencyStore()
+    hits = 0
+    gate = asyncio.Event()
+    waiting = 0
+
+    async def call() -> tuple[str, bytes]:
+        nonlocal hits, waiting
+        while True:
+            outcome = await store.begin("k", FP, lease_s=30)
+            if isinstance(outcome, Proceed):
+                hits += 1
+                await gate.wait()  # the upstream call
+                answer = b'{"ok":true}'
+                await store.complete("k", outcome.token, answer, ttl_s=60)
+                return "owner", answer
+            if isinstance(outcome, Replay):
+                return "replay", outcome.answer
+            assert isinstance(outcome, InFlight)
+            waiting += 1
+            joined = await store.wait("k", FP, deadline=in_s(5))
+            if joined is not None:
+                return "joined", joined
+
+    tasks = [asyncio.create_task(call()) for _ in range(10)]
+    await poll_until(lambda: waiting == 9)
+    gate.set()
+    results = await asyncio.gather(*tasks)
+    assert hits == 1
+    assert sorted(kind for kind, _ in results) == ["joined"] * 9 + ["owner"]
+    assert {answer for _, answer in results} == {b'{"ok":true}'}
+
+
+async def test_abandon_wakes_waiters_who_may_then_proceed() -> None:
+    store = MemoryIdempotencyStore()
+    token = await proceed(store, "k")
+    waiters = [asyncio.create_task(store.wait("k", FP, deadline=in_s(5))) for _ in range(3)]
+    await asyncio.sleep(0)  # one turn of the loop: each task runs to its wait
+    assert not any(w.done() for w in waiters)
+    t0 = time.monotonic()
+    await store.abandon("k", token)
+    assert await asyncio.gather(*waiters) == [None, None, None]
+    assert time.monotonic() - t0 < 0.1
+    outcomes = await asyncio.gather(*(store.begin("k", FP, lease_s=30) for _ in range(3)))
+    assert sum(isinstance(o, Proceed) for o in outcomes) == 1
+    assert sum(isinstance(o, InFlight) for o in outcomes) == 2
+
+
+async def test_abandon_and_complete_need_the_owner_token() -> None:
+    store = MemoryIdempotencyStore()
+    await proceed(store, "k")
+    await store.abandon("k", "not-the-token")
+    assert await store.begin("k", FP, lease_s=30) == InFlight()
+    assert await store.complete("k", "not-the-token", b"x", ttl_s=60) is False
+    assert await store.begin("k", FP, lease_s=30) == InFlight()
+
+
+async def test_wait_gives_up_at_its_deadline() -> None:
+    store = MemoryIdempotencyStore()
+    await proceed(store, "k")
+    t0 = time.monotonic()
+    assert await store.wait("k", FP, deadline=in_s(0.03)) is None
+    assert 0.02 < time.monotonic() - t0 < 0.5
+    assert await store.wait("unknown", FP, deadline=in_s(1)) is None
+
+
+async def test_completed_entries_expire_after_ttl() -> None:
+    store = MemoryIdempotencyStore()
+    token = await proceed(store, "k")
+    await store.complete("k", token, b"answer", ttl_s=0.05)
+    t0 = time.monotonic()
+    assert await store.begin("k", FP, lease_s=30) == Replay(b"answer")
+    outcome: object = None
+
+    async def expired() -> bool:
+        nonlocal outcome
+        outcome = await store.begin("k", FP, lease_s=30)
+        return isinstance(outcome, Proceed)
+
+    while not await expired():
+        assert time.monotonic() - t0 < 2
+        await asyncio.sleep(0.005)
+    assert time.monotonic() - t0 >= 0.04
+
+
+async def test_lost_owner_blocks_its_key_only_for_its_lease() -> None:
+    store = MemoryIdempotencyStore()
+    lost = await proceed(store, "k", lease_s=0.05)
+    t0 = time.monotonic()
+    assert await store.wait("k", FP, deadline=in_s(5)) is None  # woken by the lease's end
+    assert 0.03 < time.monotonic() - t0 < 1.0
+    fresh = await proceed(store, "k")
+    assert await store.complete("k", lost, b"late", ttl_s=60) is False
+    assert await store.complete("k", fresh, b"fresh", ttl_s=60) is True
+    assert await store.begin("k", FP, lease_s=30) == Replay(b"fresh")
+
+
+async def test_entry_bound_evicts_least_recently_used_completed() -> None:
+    store = MemoryIdempotencyStore(max_entries=3)
+    for key in ("k1", "k2", "k3"):
+        await store.complete(key, await proceed(store, key), key.encode(), ttl_s=60)
+    assert await store.begin("k1", FP, lease_s=30) == Replay(b"k1")  # k1 is now recent
+    await store.complete("k4", await proceed(store, "k4"), b"k4", ttl_s=60)
+    assert store.entries == 3
+    assert isinstance(await store.begin("k2", FP, lease_s=30), Proceed)  # k2 was evicted
+    assert store.entries == 3  # ... and k3 made room for the new k2 claim
+    assert await store.begin("k1", FP, lease_s=30) == Replay(b"k1")
+    assert await store.begin("k4", FP, lease_s=30) == Replay(b"k4")
+
+
+async def test_in_flight_entries_are_never_evicted() -> None:
+    store = MemoryIdempotencyStore(max_entries=2)
+    await proceed(store, "a")
+    await proceed(store, "b")
+    with pytest.raises(CapacityExceeded) as info:
+        await store.begin("c", FP, lease_s=30)
+    assert info.value.retryable is True
+    assert info.value.details == {"reason": "idempotency_store_full"}
+    assert await store.begin("a", FP, lease_s=30) == InFlight()
+
+
+async def test_byte_bound_holds_and_oversized_answers_still_reach_waiters() -> None:
+    store = MemoryIdempotencyStore(max_bytes=1000)
+    for i in range(10):
+        key = f"k{i}"
+        await store.complete(key, await proceed(store, key), bytes(250), ttl_s=60)
+        assert store.size_bytes <= 1000
+    assert store.entries == 3  # 3 * (250 + key + 64-char fingerprint) fits, 4 do not
+    assert isinstance(await store.begin("k0", FP, lease_s=30), Proceed)  # oldest went first
+    assert await store.begin("k9", FP, lease_s=30) == Replay(bytes(250))
+
+    token = await proceed(store, "big")
+    waiter = asyncio.create_task(store.wait("big", FP, deadline=in_s(5)))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    assert await store.complete("big", token, bytes(5000), ttl_s=60) is False
+    assert await waiter == bytes(5000)
+    assert isinstance(await store.begin("big", FP, lease_s=30), Proceed)  # not stored
+    assert store.size_bytes <= 1000
+
+
+async def test_aclose_wakes_waiters() -> None:
+    store = MemoryIdempotencyStore()
+    await proceed(store, "k")
+    waiter = asyncio.create_task(store.wait("k", FP, deadline=in_s(5)))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    await store.aclose()
+    assert await asyncio.wait_for(waiter, 1) is None
+    assert store.entries == 0
+    await store.aclose()  # idempotent
+
+
+def test_bounds_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_entries"):
+        MemoryIdempotencyStore(max_entries=0)
