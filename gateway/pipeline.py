@@ -17,34 +17,36 @@ import json
 import random
 import time
 import traceback
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
 from gateway import egress as egress_rules
+from gateway.attempts import AttemptLog, Attempts, deadline_error
 from gateway.audit import AuditLog, get_logger
-from gateway.bodies import media_type, parse_body
+from gateway.bodies import parse_body
+from gateway.breaker import CircuitBreakers, breaker_specs
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     CapacityExceeded,
-    DeadlineExceeded,
-    DependencyFailed,
     GatewayError,
+    IdempotencyConflict,
     InternalError,
     InvalidPayload,
     OutcomeUnknown,
-    PermissionDenied,
     ShuttingDown,
     UpstreamRejected,
     error_response,
 )
+from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Replay
+from gateway.idempotency.keys import derive_key, fingerprint, store_key
 from gateway.intake import decode_json, parse_request
 from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget, PolicySet
-from gateway.retry import backoff_s, parse_retry_after, status_retryable, transport_retryable
+from gateway.ratelimit import RateLimitGroups, estimate_tokens
 from gateway.secrets import ResolvedSecret, SecretResolvers, parse_ref
-from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
+from gateway.upstream import Credential, OutboundRequest, Upstream
 from gateway.usage import TokenUsage, extract_usage
 
 _log = get_logger("gateway.pipeline")
@@ -56,17 +58,15 @@ class CallContext:
     """What one call learned on its way; becomes the audit record."""
 
     started: float
+    agent_id: str
     request: ExternalCallRequest | None = None
     target: CompiledTarget | None = None
     api_key_ref: str | None = None
-    attempts: int = 0
-    upstream_latency_s: float | None = None
+    attempt_log: AttemptLog = field(default_factory=AttemptLog)
     usage: TokenUsage | None = None
     request_bytes: int = 0
     request_sha256: str | None = None
-    response_bytes: int | None = None
     rate_limit_group: str | None = None
-    rate_limit_wait_s: float = 0.0
     idempotency_key: str | None = None
     replayed: bool = False
     decision: str = "invalid"
@@ -86,8 +86,14 @@ class Pipeline:
         upstream: Upstream,
         audit: AuditLog,
         metrics: Metrics,
+        groups: RateLimitGroups,
+        breakers: CircuitBreakers,
+        idempotency: IdempotencyStore,
         rng: random.Random | None = None,
     ) -> None:
+        self.groups = groups
+        self.breakers = breakers
+        self.idempotency = idempotency
         self.policy = policy
         self.resolvers = resolvers
         self.upstream = upstream
@@ -102,6 +108,8 @@ class Pipeline:
         self.policy = policy
         self.upstream.egress = policy.policy.egress
         self.upstream.max_response_bytes = policy.policy.server.max_response_bytes
+        self.groups.update(policy.policy.rate_limit_groups)
+        self.breakers.update(breaker_specs(policy.policy.targets))
 
     async def handle(
         self, body: bytes, *, refuse: GatewayError | None = None
@@ -110,10 +118,9 @@ class Pipeline:
 
         With ``refuse`` the call is answered with that error at once (still audited).
         """
-        ctx = CallContext(started=time.monotonic())
-        ctx.request_bytes = len(body)
         policy = self.policy  # one policy for the whole call, even across a reload
-        agent_id = policy.policy.agent_id
+        ctx = CallContext(started=time.monotonic(), agent_id=policy.policy.agent_id)
+        ctx.request_bytes = len(body)
         status, response = 500, None
         try:
             raw = decode_json(body)
@@ -134,21 +141,20 @@ class Pipeline:
                     trace_id=request.trace_id,
                     correlation_id=request.correlation_id,
                 )
-            agent_id = request.agent_id or agent_id
+            ctx.agent_id = request.agent_id or ctx.agent_id
             ctx.decision = "denied"
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             ctx.decision = "allowed"
             deadline = ctx.started + request.timeout
-            response = await self._call(policy, request, decision.target, ctx, deadline)
-            status = 200
+            status, response = await self._call(policy, request, decision.target, ctx, deadline)
         except GatewayError as exc:
             status = _answer_status(exc)
-            response = self._failure(exc, ctx, agent_id)
+            response = self._failure(exc, ctx)
         except asyncio.CancelledError:
             interrupted = _interrupted_error(ctx)
             status = interrupted.http_status
-            response = self._failure(interrupted, ctx, agent_id)
+            response = self._failure(interrupted, ctx)
             task = asyncio.current_task()
             if not self.aborting or task is None:
                 raise
@@ -162,7 +168,7 @@ class Pipeline:
                 details={"exception": type(exc).__name__},
             )
             status = 500
-            response = self._failure(err, ctx, agent_id)
+            response = self._failure(err, ctx)
             if policy.policy.server.debug:
                 assert response.error is not None
                 response = response.model_copy(
@@ -174,7 +180,7 @@ class Pipeline:
                 )
         finally:
             if response is not None:
-                self._write_audit(ctx, response, agent_id)
+                self._write_audit(ctx, response)
         return status, response
 
     # -- stages ---------------------------------------------------------------------------
@@ -182,6 +188,98 @@ class Pipeline:
     async def _call(
         self,
         policy: PolicySet,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        deadline: float,
+    ) -> tuple[int, ExternalCallResponse]:
+        spec = target.spec
+        group_name = request.rate_limit_group or spec.rate_limit_group
+        if request.rate_limit_group and group_name not in policy.policy.rate_limit_groups:
+            raise InvalidPayload(
+                f"rate_limit_group {group_name!r} is not defined in the policy "
+                f"(known: {', '.join(sorted(policy.policy.rate_limit_groups)) or 'none'})",
+                details={"reason": "unknown_rate_limit_group", "group": group_name},
+            )
+        ctx.rate_limit_group = group_name
+        if spec.idempotency is not None and request.method in spec.idempotency.methods:
+            ctx.idempotency_key = request.idempotency_key or derive_key(
+                request.trace_id,
+                request.correlation_id,
+                target.name,
+                request.method,
+                request.endpoint,
+            )
+            return await self._idempotent(request, target, ctx, deadline, spec.idempotency.ttl_s)
+        return 200, await self._forward(request, target, ctx, deadline)
+
+    async def _idempotent(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        deadline: float,
+        ttl_s: float,
+    ) -> tuple[int, ExternalCallResponse]:
+        """One upstream call per idempotency key: replay a stored answer, wait for an
+        identical call in flight, or refuse a reused key whose request differs."""
+        assert ctx.idempotency_key is not None
+        key = store_key(target.name, ctx.idempotency_key)
+        fp = fingerprint(target.name, request.method, request.endpoint, request.parameters)
+        while True:
+            outcome = await self.idempotency.begin(
+                key, fp, lease_s=max(deadline - time.monotonic(), 0.001)
+            )
+            if isinstance(outcome, Replay):
+                return self._replay(outcome.answer, request, ctx)
+            if isinstance(outcome, Conflict):
+                raise IdempotencyConflict(
+                    f"idempotency key {ctx.idempotency_key!r} was already used on target "
+                    f"{target.name!r} with a different request (method, endpoint or "
+                    "parameters differ); use a new key for a new request",
+                    details={"reason": "key_reused", "idempotency_key": ctx.idempotency_key},
+                )
+            if isinstance(outcome, InFlight):
+                stored = await self.idempotency.wait(key, fp, deadline=deadline)
+                if stored is not None:
+                    return self._replay(stored, request, ctx)
+                if time.monotonic() >= deadline:
+                    raise deadline_error("waiting for an identical call in flight")
+                continue
+            break
+        token = outcome.token
+        try:
+            response = await self._forward(request, target, ctx, deadline)
+        except UpstreamRejected as exc:
+            # The upstream's definitive answer to this request: replay it, like Stripe.
+            failed = self._failure(exc, ctx)
+            await self.idempotency.complete(
+                key, token, _stored(_answer_status(exc), failed), ttl_s=ttl_s
+            )
+            raise
+        except BaseException:
+            await asyncio.shield(self.idempotency.abandon(key, token))
+            raise
+        await self.idempotency.complete(key, token, _stored(200, response), ttl_s=ttl_s)
+        return 200, response
+
+    def _replay(
+        self, stored: bytes, request: ExternalCallRequest, ctx: CallContext
+    ) -> tuple[int, ExternalCallResponse]:
+        doc = json.loads(stored)
+        ctx.replayed = True
+        response = ExternalCallResponse.model_validate(doc["response"]).model_copy(
+            update={
+                "replayed": True,
+                "latency_ms": round((time.monotonic() - ctx.started) * 1000, 3),
+                "trace_id": request.trace_id,
+                "correlation_id": request.correlation_id,
+            }
+        )
+        return int(doc["status"]), response
+
+    async def _forward(
+        self,
         request: ExternalCallRequest,
         target: CompiledTarget,
         ctx: CallContext,
@@ -199,32 +297,55 @@ class Pipeline:
         else:
             ctx.request_sha256 = hashlib.sha256(urlencode(query).encode()).hexdigest()
         headers = {**spec.static_headers, **request.headers}
-        if spec.idempotency is not None and request.method in spec.idempotency.methods:
-            ctx.idempotency_key = request.idempotency_key or _derived_key(request)
+        if ctx.idempotency_key is not None and spec.idempotency is not None:
             headers[spec.idempotency.header] = ctx.idempotency_key
-        ctx.rate_limit_group = request.rate_limit_group or spec.rate_limit_group
-        if (
-            request.rate_limit_group
-            and request.rate_limit_group not in policy.policy.rate_limit_groups
-        ):
-            raise InvalidPayload(
-                f"rate_limit_group {request.rate_limit_group!r} is not defined in the policy",
-                details={"reason": "unknown_rate_limit_group", "group": request.rate_limit_group},
-            )
-
+        group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
+        reserved = 0
+        if group is not None and group.spec.tokens_per_minute:
+            reserved = estimate_tokens(request.parameters)
         resolved = await self._resolve(ctx, deadline)
-        outbound = OutboundRequest(
+        attempts = Attempts(
+            upstream=self.upstream,
             target=target,
-            method=request.method,
-            url=url,
-            query=query,
-            body=body,
-            headers=headers,
-            credential=_credential(target, resolved),
+            request=request,
+            outbound=OutboundRequest(
+                target=target,
+                method=request.method,
+                url=url,
+                query=query,
+                body=body,
+                headers=headers,
+                credential=_credential(target, resolved),
+            ),
+            deadline=deadline,
+            has_idempotency_key=ctx.idempotency_key is not None,
+            rng=self._rng,
+            group=group,
+            tokens_reserved=reserved,
+            breaker=self.breakers.get(target.name),
+            refresh_credential=(
+                self._refresher(target, ctx, deadline)
+                if resolved is not None and resolved.from_cache
+                else None
+            ),
         )
-        answer = await self._attempts(request, target, outbound, ctx, deadline, resolved)
+        ctx.attempt_log = attempts.log
+        try:
+            answer = await attempts.run()
+        except BaseException as exc:
+            if group is not None:
+                if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
+                    self.metrics.observe_ratelimit_rejection(group.name)
+                if attempts.log.admitted:
+                    group.reconcile(reserved, 0)  # no answer, no usage: refund the estimate
+            raise
+        finally:
+            if group is not None:
+                self.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
         data, _ = parse_body(answer.content_type, answer.body, answer.status)
         ctx.usage = extract_usage(spec.usage, data)
+        if group is not None:
+            group.reconcile(reserved, ctx.usage.total if ctx.usage else 0)
         return ExternalCallResponse(
             success=True,
             status_code=answer.status,
@@ -235,119 +356,50 @@ class Pipeline:
             correlation_id=request.correlation_id,
         )
 
+    def _refresher(
+        self, target: CompiledTarget, ctx: CallContext, deadline: float
+    ) -> Callable[[], Awaitable[Credential | None]]:
+        async def refresh() -> Credential | None:
+            assert ctx.api_key_ref is not None
+            self.resolvers.invalidate(parse_ref(ctx.api_key_ref))
+            return _credential(target, await self._resolve(ctx, deadline))
+
+        return refresh
+
     async def _resolve(self, ctx: CallContext, deadline: float) -> ResolvedSecret | None:
         if ctx.api_key_ref is None:
             return None
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _deadline_error("resolving the secret")
+            raise deadline_error("resolving the secret")
         try:
             async with asyncio.timeout(remaining):
                 resolved = await self.resolvers.resolve(parse_ref(ctx.api_key_ref))
         except TimeoutError:
-            raise _deadline_error("resolving the secret") from None
+            raise deadline_error("resolving the secret") from None
         ctx.warnings.extend(resolved.warnings)
         return resolved
 
-    async def _attempts(
-        self,
-        request: ExternalCallRequest,
-        target: CompiledTarget,
-        outbound: OutboundRequest,
-        ctx: CallContext,
-        deadline: float,
-        resolved: ResolvedSecret | None,
-    ) -> UpstreamResponse:
-        retry = target.spec.retry
-        retries_allowed = min(request.max_retries, retry.max_retries)
-        rotated = False
-        retry_number = 0
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise _deadline_error("waiting to retry")
-            ctx.attempts += 1
-            attempt_timeout = min(target.spec.timeout_s, remaining)
-            try:
-                answer = await self.upstream.send(outbound, timeout_s=attempt_timeout)
-            except TransportError as exc:
-                retryable, unknown = transport_retryable(
-                    exc.kind,
-                    sent=exc.sent,
-                    method=request.method,
-                    has_idempotency_key=ctx.idempotency_key is not None,
-                    retry_on=retry.retry_on,
-                )
-                if unknown:
-                    raise OutcomeUnknown(
-                        f"{exc.message} after the request was sent; it may or may not have "
-                        "been processed, and it was not resent because the call is not "
-                        "idempotent (no idempotency key). Check the upstream before retrying.",
-                        details={"reason": exc.kind, "target": target.name},
-                    ) from None
-                final = _transport_error(exc, time.monotonic() >= deadline - 0.001, target.name)
-                wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self._rng)
-                if not retryable or retry_number >= retries_allowed:
-                    raise final from None
-                await self._wait_or_raise(wait, deadline, final)
-                retry_number += 1
-                continue
-            ctx.upstream_latency_s = answer.elapsed_s
-            ctx.response_bytes = len(answer.body)
-            status = answer.status
-            if status < 300:
-                return answer
-            if status == 401 and resolved is not None and resolved.from_cache and not rotated:
-                # A cached credential that the upstream refuses may have been rotated.
-                rotated = True
-                assert ctx.api_key_ref is not None
-                ref = parse_ref(ctx.api_key_ref)
-                self.resolvers.invalidate(ref)
-                resolved = await self._resolve(ctx, deadline)
-                outbound = _with_credential(outbound, _credential(target, resolved))
-                ctx.warnings.append("credential refreshed after upstream 401")
-                continue
-            retry_after = parse_retry_after(answer.headers, time.time())
-            final_error = _status_error(answer, retry_after, target.name)
-            if not status_retryable(status, retry.retry_on) or retry_number >= retries_allowed:
-                raise final_error
-            wait = (
-                retry_after
-                if retry_after is not None
-                else backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self._rng)
-            )
-            await self._wait_or_raise(wait, deadline, final_error)
-            retry_number += 1
-
-    @staticmethod
-    async def _wait_or_raise(wait: float, deadline: float, final: GatewayError) -> None:
-        """Sleep ``wait`` seconds before a retry, or raise ``final`` if it would not fit."""
-        if time.monotonic() + wait >= deadline:
-            if final.retry_after_s is None:
-                final.retry_after_s = wait
-            final.details.setdefault("retry_stopped", "next wait would pass the deadline")
-            raise final
-        await asyncio.sleep(wait)
-
     # -- answers and audit ----------------------------------------------------------------
 
-    def _failure(self, exc: GatewayError, ctx: CallContext, agent_id: str) -> ExternalCallResponse:
+    def _failure(self, exc: GatewayError, ctx: CallContext) -> ExternalCallResponse:
         request = ctx.request
         return error_response(
             exc,
             latency_ms=(time.monotonic() - ctx.started) * 1000,
-            failed_agent=agent_id,
+            failed_agent=ctx.agent_id,
             trace_id=request.trace_id if request else None,
             correlation_id=request.correlation_id if request else None,
         )
 
-    def _write_audit(self, ctx: CallContext, response: ExternalCallResponse, agent_id: str) -> None:
+    def _write_audit(self, ctx: CallContext, response: ExternalCallResponse) -> None:
+        log = ctx.attempt_log
         request, target, usage, error = ctx.request, ctx.target, ctx.usage, response.error
         ids: dict[str, Any] = (
             {k: getattr(request, k) for k in _CLAIMED} if request else dict(ctx.claimed)
         )
         record: dict[str, Any] = {
-            "agent_id": agent_id if request else ids.get("agent_id") or agent_id,
+            "agent_id": ctx.agent_id if request else ids.get("agent_id") or ctx.agent_id,
             "trace_id": ids.get("trace_id"),
             "correlation_id": ids.get("correlation_id"),
             "target_system": ids.get("target_system"),
@@ -359,11 +411,11 @@ class Pipeline:
             "status_code": response.status_code,
             "error_code": error.code.value if error else None,
             "retryable": error.retryable if error else None,
-            "attempts": ctx.attempts,
+            "attempts": log.attempts,
             "latency_ms": response.latency_ms,
             "upstream_latency_ms": (
-                round(ctx.upstream_latency_s * 1000, 3)
-                if ctx.upstream_latency_s is not None
+                round(log.upstream_latency_s * 1000, 3)
+                if log.upstream_latency_s is not None
                 else None
             ),
             "tokens_used": usage.total if usage else None,
@@ -372,13 +424,13 @@ class Pipeline:
             "tokens_cached": usage.cached if usage else None,
             "request_bytes": ctx.request_bytes,
             "request_sha256": ctx.request_sha256,
-            "response_bytes": ctx.response_bytes,
+            "response_bytes": log.response_bytes,
             "api_key_ref": ctx.api_key_ref,
             "rate_limit_group": ctx.rate_limit_group,
-            "rate_limit_wait_ms": round(ctx.rate_limit_wait_s * 1000, 3),
+            "rate_limit_wait_ms": round(log.rate_limit_wait_s * 1000, 3),
             "idempotency_key": ctx.idempotency_key,
             "replayed": ctx.replayed,
-            "warnings": ctx.warnings,
+            "warnings": [*ctx.warnings, *log.warnings],
             "metadata": request.metadata if request else {},
         }
         if error is not None and error.code.value in ("EGRESS_DENIED",):
@@ -396,11 +448,11 @@ class Pipeline:
             outcome,
             response.error.code if response.error else None,
             response.latency_ms / 1000,
-            ctx.upstream_latency_s,
+            ctx.attempt_log.upstream_latency_s,
         )
         if ctx.usage is not None:
             self.metrics.observe_tokens(target, ctx.usage.input, ctx.usage.output, ctx.usage.cached)
-        for _ in range(max(ctx.attempts - 1, 0)):
+        for _ in range(max(ctx.attempt_log.attempts - 1, 0)):
             self.metrics.observe_retry(target)
 
 
@@ -409,7 +461,7 @@ def _interrupted_error(ctx: CallContext) -> GatewayError:
     safe = request is not None and (
         request.method in IDEMPOTENT_METHODS or ctx.idempotency_key is not None
     )
-    if ctx.attempts and not safe:
+    if ctx.attempt_log.attempts and not safe:
         return OutcomeUnknown(
             "the sidecar shut down while the request was with the upstream; it may or may "
             "not have been processed. Check the upstream before retrying.",
@@ -428,21 +480,6 @@ def _answer_status(exc: GatewayError) -> int:
     return exc.http_status
 
 
-def _derived_key(request: ExternalCallRequest) -> str:
-    """A stable key from the transaction and the operation: resending the same envelope
-    gives the same key."""
-    material = "\x1f".join(
-        (
-            request.trace_id,
-            request.correlation_id,
-            request.target_system,
-            request.method,
-            request.endpoint,
-        )
-    )
-    return "egw-" + hashlib.sha256(material.encode()).hexdigest()[:40]
-
-
 def _credential(target: CompiledTarget, resolved: ResolvedSecret | None) -> Credential | None:
     cred = target.spec.credential
     if cred is None or resolved is None:
@@ -450,61 +487,9 @@ def _credential(target: CompiledTarget, resolved: ResolvedSecret | None) -> Cred
     return Credential(resolved.secret, cred.header, cred.query_param, cred.format)
 
 
-def _with_credential(outbound: OutboundRequest, credential: Credential | None) -> OutboundRequest:
-    return replace(outbound, credential=credential)
-
-
-def _deadline_error(while_doing: str) -> DeadlineExceeded:
-    return DeadlineExceeded(
-        f"the call's deadline (the envelope's timeout) passed while {while_doing}",
-        details={"reason": "deadline"},
-    )
-
-
-def _transport_error(exc: TransportError, deadline_hit: bool, target: str) -> GatewayError:
-    if exc.kind == "timeout":
-        return DeadlineExceeded(
-            exc.message if not deadline_hit else f"{exc.message}; the call's deadline passed",
-            details={"reason": "deadline" if deadline_hit else "attempt_timeout", "target": target},
-        )
-    return DependencyFailed(
-        f"{exc.message}; the upstream could not be reached",
-        details={"reason": exc.kind, "target": target},
-    )
-
-
-def _status_error(answer: UpstreamResponse, retry_after: float | None, target: str) -> GatewayError:
-    status = answer.status
-    data, is_json = parse_body(answer.content_type, answer.body, status)
-    described = f"{status} {answer.reason}".strip()
-    if not is_json and answer.body:
-        described += f" with a {media_type(answer.content_type) or 'untyped'} body (not JSON)"
-    details: dict[str, Any] = {"target": target, "upstream_status": status}
-    common: Mapping[str, Any] = {"status_code": status, "data": data, "details": details}
-    if status == 429:
-        details["source"] = "upstream"
-        return CapacityExceeded(
-            f"the upstream is rate limiting: it answered {described}",
-            retry_after_s=retry_after,
-            **common,
-        )
-    if status >= 500:
-        return DependencyFailed(
-            f"the upstream failed: it answered {described}", retry_after_s=retry_after, **common
-        )
-    if status in (401, 403):
-        details["reason"] = "upstream_denied"
-        return PermissionDenied(
-            f"the upstream refused the credential or the operation: it answered {described}",
-            **common,
-        )
-    if status < 400:
-        return UpstreamRejected(
-            f"the upstream answered {described} (a redirect that was not followed)",
-            http_status=502,
-            **common,
-        )
-    return UpstreamRejected(f"the upstream rejected the request: it answered {described}", **common)
+def _stored(status: int, response: ExternalCallResponse) -> bytes:
+    """An answer as the idempotency store keeps it (HTTP status and the envelope)."""
+    return json.dumps({"status": status, "response": response.model_dump(mode="json")}).encode()
 
 
 def _trace(ctx: CallContext) -> str | None:

@@ -10,22 +10,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import IO
+from typing import IO, Literal
 
 from aiohttp.abc import AbstractResolver
 
 from gateway import audit
+from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import ShuttingDown
+from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
 from gateway.policy import PolicyError, PolicySet, load_policy
+from gateway.ratelimit import RateLimitGroups
 from gateway.secrets import SecretResolvers
 from gateway.secrets.env import EnvResolver
 from gateway.secrets.file import FileResolver
 from gateway.upstream import Upstream
 
 _log = audit.get_logger("gateway.runtime")
+_METRIC_STATE: dict[BreakerState, Literal["closed", "half-open", "open"]] = {
+    "closed": "closed",
+    "half_open": "half-open",
+    "open": "open",
+}
 
 
 def _server_hot_only(old: PolicySet, new: PolicySet) -> bool:
@@ -76,6 +84,9 @@ class Gateway:
             upstream=upstream,
             audit=audit.AuditLog(self.policy.policy.agent_id),
             metrics=self.metrics,
+            groups=RateLimitGroups(self.policy.policy.rate_limit_groups),
+            breakers=self._breakers(),
+            idempotency=MemoryIdempotencyStore(),
         )
         self.metrics.set_known(self.policy.targets, self.policy.policy.rate_limit_groups)
         _log.info(
@@ -131,10 +142,24 @@ class Gateway:
             )
         return True
 
+    def _breakers(self) -> CircuitBreakers:
+        breakers = CircuitBreakers(breaker_specs(self.policy.policy.targets))
+
+        def on_change(target: str, old: BreakerState, new: BreakerState) -> None:
+            self.metrics.observe_breaker_transition(target, _METRIC_STATE[new])
+            if self.pipeline is not None:
+                self.pipeline.audit.event(
+                    "breaker_state_change", target_system=target, old_state=old, new_state=new
+                )
+
+        breakers.on_state_change(on_change)
+        return breakers
+
     async def aclose(self) -> None:
         pipeline, self.pipeline = self.pipeline, None
         if pipeline is None:
             return
+        await pipeline.idempotency.aclose()
         await pipeline.resolvers.aclose()
         await pipeline.upstream.aclose()
 

@@ -1,0 +1,256 @@
+"""The attempts of one call: rate-limit admission, circuit breaker, send, retry.
+
+For each attempt, in order: wait for the rate-limit group (the first attempt reserves
+the call's token estimate, retries only a request slot), take a permit from the target's
+circuit breaker (CIRCUIT_OPEN at once when it is open or probing), send, record the
+outcome on the permit (5xx, 529, timeouts and connection failures count as failures;
+4xx do not; an interrupted attempt counts as nothing), feed the provider's rate-limit
+headers back to the group, then decide whether to retry (:mod:`gateway.retry`). Every
+wait fits inside the call's deadline; when the next one would not, the call ends at once
+with ``suggested_retry_after``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gateway.bodies import media_type, parse_body
+from gateway.breaker import Permit, TargetBreaker
+from gateway.envelope import ExternalCallRequest
+from gateway.errors import (
+    CapacityExceeded,
+    DeadlineExceeded,
+    DependencyFailed,
+    GatewayError,
+    OutcomeUnknown,
+    PermissionDenied,
+    UpstreamRejected,
+)
+from gateway.policy import CompiledTarget
+from gateway.ratelimit import RateLimitGroup, provider_hold_s
+from gateway.retry import backoff_s, parse_retry_after, status_retryable, transport_retryable
+from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
+
+#: TransportError kinds as the breaker names them.
+_BREAKER_KIND = {"connect": "connect", "timeout": "timeout", "reset": "disconnect"}
+
+
+@dataclass(slots=True)
+class AttemptLog:
+    """What the attempts learned, for the audit record and metrics."""
+
+    attempts: int = 0
+    upstream_latency_s: float | None = None
+    response_bytes: int | None = None
+    rate_limit_wait_s: float = 0.0
+    admitted: bool = False  # the first admission reserved the call's token estimate
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Attempts:
+    """Runs the attempts of one call. ``refresh_credential`` resolves the secret again
+    after an upstream 401 on a cached credential (once per call); it returns None when
+    the credential did not come from a cache."""
+
+    upstream: Upstream
+    target: CompiledTarget
+    request: ExternalCallRequest
+    outbound: OutboundRequest
+    deadline: float
+    has_idempotency_key: bool
+    rng: random.Random
+    group: RateLimitGroup | None = None
+    tokens_reserved: int = 0
+    breaker: TargetBreaker | None = None
+    refresh_credential: Callable[[], Awaitable[Credential | None]] | None = None
+    on_wait: Callable[[float], None] | None = None
+    log: AttemptLog = field(default_factory=AttemptLog)
+
+    async def run(self) -> UpstreamResponse:
+        """The upstream's final 2xx answer. Raises a GatewayError otherwise."""
+        retry = self.target.spec.retry
+        retries_allowed = min(self.request.max_retries, retry.max_retries)
+        retry_number = 0
+        refreshed = False
+        while True:
+            if self.deadline - time.monotonic() <= 0:
+                raise deadline_error("waiting to retry")
+            await self._admit(first=self.log.attempts == 0)
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise deadline_error("waiting for rate-limit capacity")
+            attempt_timeout = min(self.target.spec.timeout_s, remaining)
+            permit = (
+                self.breaker.acquire(attempt_timeout_s=attempt_timeout) if self.breaker else None
+            )
+            self.log.attempts += 1
+            try:
+                answer = await self.upstream.send(self.outbound, timeout_s=attempt_timeout)
+            except TransportError as exc:
+                _settle(permit, None, _BREAKER_KIND[exc.kind])
+                final = self._transport_failure(exc)
+                if final is None:
+                    raise self._unknown_outcome(exc) from None
+                if not _transport_ok(exc, self, retry.retry_on) or retry_number >= retries_allowed:
+                    raise final from None
+                wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
+                await wait_or_raise(wait, self.deadline, final)
+                retry_number += 1
+                continue
+            except BaseException:
+                if permit is not None:
+                    permit.release()  # interrupted or refused locally: counts as nothing
+                raise
+            _settle(permit, answer.status, None)
+            self.log.upstream_latency_s = answer.elapsed_s
+            self.log.response_bytes = len(answer.body)
+            self._feed_back(answer)
+            if answer.status < 300:
+                return answer
+            if answer.status == 401 and not refreshed and self.refresh_credential is not None:
+                refreshed = True
+                credential = await self.refresh_credential()
+                if credential is not None:
+                    # A cached credential refused: maybe rotated. Resolved again, sent again.
+                    self.outbound = replace(self.outbound, credential=credential)
+                    self.log.warnings.append("credential refreshed after upstream 401")
+                    continue
+            retry_after = parse_retry_after(answer.headers, time.time())
+            final_error = status_error(answer, retry_after, self.target.name)
+            if (
+                not status_retryable(answer.status, retry.retry_on)
+                or retry_number >= retries_allowed
+            ):
+                raise final_error
+            wait = (
+                retry_after
+                if retry_after is not None
+                else backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
+            )
+            await wait_or_raise(wait, self.deadline, final_error)
+            retry_number += 1
+
+    async def _admit(self, *, first: bool) -> None:
+        if self.group is None:
+            return
+        waited = await self.group.acquire(
+            tokens=self.tokens_reserved if first else 0, deadline=self.deadline
+        )
+        self.log.admitted = True
+        self.log.rate_limit_wait_s += waited
+        if self.on_wait is not None:
+            self.on_wait(waited)
+
+    def _feed_back(self, answer: UpstreamResponse) -> None:
+        if self.group is None:
+            return
+        hold = provider_hold_s(answer.headers, answer.status, time.time())
+        if hold:
+            self.group.hold_for(hold, reason=f"upstream {answer.status} rate-limit headers")
+
+    def _transport_failure(self, exc: TransportError) -> GatewayError | None:
+        """The error to answer with, or None when the outcome is unknown."""
+        _, unknown = transport_retryable(
+            exc.kind,
+            sent=exc.sent,
+            method=self.request.method,
+            has_idempotency_key=self.has_idempotency_key,
+            retry_on=self.target.spec.retry.retry_on,
+        )
+        if unknown:
+            return None
+        deadline_hit = time.monotonic() >= self.deadline - 0.001
+        if exc.kind == "timeout":
+            return DeadlineExceeded(
+                exc.message if not deadline_hit else f"{exc.message}; the call's deadline passed",
+                details={
+                    "reason": "deadline" if deadline_hit else "attempt_timeout",
+                    "target": self.target.name,
+                },
+            )
+        return DependencyFailed(
+            f"{exc.message}; the upstream could not be reached",
+            details={"reason": exc.kind, "target": self.target.name},
+        )
+
+    def _unknown_outcome(self, exc: TransportError) -> OutcomeUnknown:
+        return OutcomeUnknown(
+            f"{exc.message} after the request was sent; it may or may not have been "
+            "processed, and it was not resent because the call is not idempotent (no "
+            "idempotency key). Check the upstream before retrying.",
+            details={"reason": exc.kind, "target": self.target.name},
+        )
+
+
+def _transport_ok(exc: TransportError, attempts: Attempts, retry_on: Any) -> bool:
+    retryable, _ = transport_retryable(
+        exc.kind,
+        sent=exc.sent,
+        method=attempts.request.method,
+        has_idempotency_key=attempts.has_idempotency_key,
+        retry_on=retry_on,
+    )
+    return retryable
+
+
+def _settle(permit: Permit | None, status: int | None, kind: str | None) -> None:
+    if permit is not None:
+        permit.record(status, kind)
+
+
+async def wait_or_raise(wait: float, deadline: float, final: GatewayError) -> None:
+    """Sleep ``wait`` seconds before a retry, or raise ``final`` if it would not fit."""
+    if time.monotonic() + wait >= deadline:
+        if final.retry_after_s is None:
+            final.retry_after_s = wait
+        final.details.setdefault("retry_stopped", "next wait would pass the deadline")
+        raise final
+    await asyncio.sleep(wait)
+
+
+def deadline_error(while_doing: str) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        f"the call's deadline (the envelope's timeout) passed while {while_doing}",
+        details={"reason": "deadline"},
+    )
+
+
+def status_error(answer: UpstreamResponse, retry_after: float | None, target: str) -> GatewayError:
+    """The error for a non-2xx upstream answer (README, "Error codes")."""
+    status = answer.status
+    data, is_json = parse_body(answer.content_type, answer.body, status)
+    described = f"{status} {answer.reason}".strip()
+    if not is_json and answer.body:
+        described += f" with a {media_type(answer.content_type) or 'untyped'} body (not JSON)"
+    details: dict[str, Any] = {"target": target, "upstream_status": status}
+    common: Mapping[str, Any] = {"status_code": status, "data": data, "details": details}
+    if status == 429:
+        details["source"] = "upstream"
+        return CapacityExceeded(
+            f"the upstream is rate limiting: it answered {described}",
+            retry_after_s=retry_after,
+            **common,
+        )
+    if status >= 500:
+        return DependencyFailed(
+            f"the upstream failed: it answered {described}", retry_after_s=retry_after, **common
+        )
+    if status in (401, 403):
+        details["reason"] = "upstream_denied"
+        return PermissionDenied(
+            f"the upstream refused the credential or the operation: it answered {described}",
+            **common,
+        )
+    if status < 400:
+        return UpstreamRejected(
+            f"the upstream answered {described} (a redirect that was not followed)",
+            http_status=502,
+            **common,
+        )
+    return UpstreamRejected(f"the upstream rejected the request: it answered {described}", **common)
