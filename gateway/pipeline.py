@@ -107,7 +107,7 @@ class Pipeline:
                 ctx.claimed = {k: raw[k][:256] for k in _CLAIMED if isinstance(raw.get(k), str)}
             intake = parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields)
             request = ctx.request = intake.request
-            ctx.api_key_ref = request.api_key_ref
+            ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
             if intake.unknown_fields:
                 ctx.warnings.append("unknown envelope fields ignored: " + ", ".join(intake.unknown_fields))
                 _log.warning("unknown_envelope_fields", fields=list(intake.unknown_fields),
