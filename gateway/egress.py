@@ -26,9 +26,26 @@ from yarl import URL
 from gateway.envelope import QUERY_METHODS, ExternalCallRequest
 from gateway.errors import EgressDenied, PermissionDenied
 from gateway.policy import CompiledTarget, EgressSpec, PolicySet
+from gateway.secrets.refs import InvalidSecretRef, parse_ref
 
 _ENCODED_FORBIDDEN: Final = re.compile(r"%(2e|2f|5c|0[0-9a-f]|1[0-9a-f]|7f|25)", re.IGNORECASE)
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+
+
+#: Shown in errors and audit records instead of an ``api_key_ref`` that is not a secret
+#: reference: an agent that put a key where a reference goes must not have it copied.
+NOT_A_REFERENCE: Final = "[not a secret reference]"
+
+
+def loggable_ref(ref: str | None) -> str | None:
+    """``ref`` if it parses as a secret reference (safe to log), else :data:`NOT_A_REFERENCE`."""
+    if ref is None:
+        return None
+    try:
+        parse_ref(ref)
+    except InvalidSecretRef:
+        return NOT_A_REFERENCE
+    return ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +107,7 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
         if ref is not None:
             raise PermissionDenied(
                 f"target {target.name!r} takes no credential; do not send api_key_ref",
-                details={"reason": "ref_not_allowed", "api_key_ref": ref},
+                details={"reason": "ref_not_allowed", "api_key_ref": loggable_ref(ref)},
             )
     else:
         ref = ref or credential.default_ref
@@ -100,9 +117,10 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 details={"reason": "ref_missing"},
             )
         if ref not in target.permitted_refs:
+            shown = loggable_ref(ref)
             raise PermissionDenied(
-                f"api_key_ref {ref!r} may not be sent to target {target.name!r}",
-                details={"reason": "ref_not_allowed", "api_key_ref": ref},
+                f"api_key_ref {shown!r} may not be sent to target {target.name!r}",
+                details={"reason": "ref_not_allowed", "api_key_ref": shown},
             )
     for name in request.headers:
         if name.lower() not in target.forward_headers:
@@ -117,7 +135,9 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
 def upstream_url(target: CompiledTarget, endpoint: str) -> URL:
     """``base_url`` + ``endpoint`` (already checked by :func:`decide`), never another origin."""
     base = target.base_url
-    url = base.with_path(base.path.rstrip("/") + endpoint)
+    # The endpoint is a path as sent on the wire: keep its percent-escapes ("%20" stays
+    # "%20", not "%2520") and encode what must be (spaces, non-ASCII).
+    url = base.with_path(base.raw_path.rstrip("/") + URL(endpoint).raw_path, encoded=True)
     if url.origin() != target.origin:  # defence in depth: cannot happen for a clean path
         raise PermissionDenied(
             "endpoint would leave the target's origin", details={"reason": "origin_escape"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,10 +32,18 @@ class Intake:
 
 
 def decode_json(body: bytes) -> Any:
-    """Parse a JSON document. Raises :class:`InvalidPayload` naming line and column."""
+    """Parse a UTF-8 JSON document (RFC 8259; a leading BOM is ignored).
+
+    Raises :class:`InvalidPayload` whose ``details.reason`` is ``not_utf8``; ``not_json``
+    (with ``line`` and ``column`` for syntax errors); ``not_finite`` for ``NaN``,
+    ``Infinity`` and numbers too large for a float (not JSON numbers, and they could not
+    be forwarded untouched); or ``too_deep`` past the interpreter's recursion limit.
+    """
     try:
-        # RFC 8259 section 8.1: JSON between systems is UTF-8 (json.loads would guess UTF-16/32).
-        return json.loads(body.decode("utf-8"))
+        # Decode first: json.loads(bytes) would also accept UTF-16 and UTF-32 (RFC 8259 8.1).
+        return json.loads(
+            body.decode("utf-8-sig"), parse_constant=_refuse_constant, parse_float=_finite
+        )
     except UnicodeDecodeError:
         raise InvalidPayload(
             "the request body is not UTF-8 encoded JSON",
@@ -46,6 +55,36 @@ def decode_json(body: bytes) -> Any:
             f"column {exc.colno}",
             details={"reason": "not_json", "line": exc.lineno, "column": exc.colno},
         ) from None
+    except _NotFinite as exc:
+        raise InvalidPayload(
+            f"the request body is not valid JSON: {exc} is not a finite number",
+            details={"reason": "not_finite", "value": str(exc)},
+        ) from None
+    except RecursionError:
+        raise InvalidPayload(
+            "the request body is nested too deeply to be parsed",
+            details={"reason": "too_deep"},
+        ) from None
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+        raise InvalidPayload(
+            f"the request body cannot be parsed: {str(exc)[:200]}",
+            details={"reason": "not_json"},
+        ) from None
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotFinite(name)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _NotFinite(text[:32])
+    return value
 
 
 def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reject") -> Intake:

@@ -130,7 +130,7 @@ class Pipeline:
                 raise refuse
             intake = parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields)
             request = ctx.request = intake.request
-            ctx.api_key_ref = request.api_key_ref
+            ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
             if intake.unknown_fields:
                 ctx.warnings.append(
                     "unknown envelope fields ignored: " + ", ".join(intake.unknown_fields)

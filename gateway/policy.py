@@ -247,11 +247,15 @@ class TargetSpec(_Strict):
     @field_validator("base_url")
     @classmethod
     def _base_url(cls, v: str) -> str:
+        # The messages do not echo the URL: user info or a query may hold a credential.
         url = URL(v)
         if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError(f"{v!r} must be an absolute http:// or https:// URL with a host")
+            raise ValueError("must be an absolute http:// or https:// URL with a host")
         if url.user or url.password or url.query_string or url.fragment:
-            raise ValueError(f"{v!r} may hold only scheme, host, port and a base path")
+            raise ValueError(
+                "may hold only scheme, host, port and a base path (no user info, query or "
+                "fragment: credentials go in 'credential')"
+            )
         return v
 
     @field_validator("forward_headers")

@@ -54,7 +54,8 @@ def register(value: str) -> None:
         if value in _values:
             _values.move_to_end(value)
             return
-        forms = {value, json.dumps(value)[1:-1]}
+        # Both escapings: the audit renderer writes non-ASCII as is (ensure_ascii=False).
+        forms = {value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]}
         for piece in list(forms):
             forms.add(piece.replace("/", "\\/"))
         _values[value] = tuple(f for f in forms if len(f) >= MIN_SCRUB_LENGTH)

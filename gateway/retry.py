@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping
+from datetime import UTC
 from email.utils import parsedate_to_datetime
 from typing import Final, Literal
 
@@ -53,7 +54,9 @@ def parse_retry_after(headers: Mapping[str, str], now_epoch_s: float) -> float |
     except (TypeError, ValueError, IndexError):
         return None
     if when.tzinfo is None:
-        return None
+        # asctime dates (and "-0000") carry no zone; every HTTP-date is in GMT (RFC 9110
+        # section 5.6.7, which recipients must accept in all three formats).
+        when = when.replace(tzinfo=UTC)
     return min(max(when.timestamp() - now_epoch_s, 0.0), MAX_RETRY_AFTER_S)
 
 

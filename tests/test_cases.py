@@ -163,6 +163,7 @@ async def test_b04_the_same_envelope_twice_sends_the_same_derived_key(
     assert len(keys) == 2
     assert keys[0] != keys[1]
     status, _ = await sc.call(stripe_envelope(idempotency_key="agent-key-1"))
+    assert status == 200
     assert up.seen[-1].headers["Idempotency-Key"] == "agent-key-1"
 
 

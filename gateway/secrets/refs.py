@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Final
 
 SCHEMES: Final = ("vault", "env", "file")
+_SCHEME = re.compile(r"^[a-z][a-z0-9+.\-]{0,15}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _VAULT_PATH = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
@@ -45,9 +46,16 @@ def parse_ref(raw: str) -> SecretRef:
     """
     scheme, sep, rest = raw.partition("://")
     if not sep or scheme not in SCHEMES:
+        # The value is not echoed: text with no known scheme is most often a pasted key.
+        shown = (
+            f"got {scheme + '://'!r}"
+            if sep and _SCHEME.match(scheme)
+            else ("the value is not shown: it may be a key")
+        )
         raise InvalidSecretRef(
-            f"secret reference {raw!r} must start with one of "
+            "secret reference must start with one of "
             + ", ".join(f"{s}://" for s in SCHEMES)
+            + f" ({shown})"
         )
     if scheme == "env":
         if not _ENV_NAME.match(rest):

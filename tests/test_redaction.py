@@ -1,0 +1,243 @@
+"""Secrets stay out of text: the scrubber, the Secret holder, and the audit writer."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import pickle
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gateway import audit, redaction
+from gateway.audit_schema import AUDIT_SCHEMA_VERSION, CALL_EVENT
+from gateway.egress import NOT_A_REFERENCE
+from gateway.redaction import REDACTED, redact_mapping, register, scrub, scrub_bytes
+from gateway.runtime import Gateway
+from gateway.secrets import Secret
+from tests.conftest import compile_policy, envelope, openai_target
+
+
+def fresh(prefix: str = "sk-canary-") -> str:
+    """A value never registered before (the registry is process-wide)."""
+    return prefix + uuid.uuid4().hex
+
+
+# --- register / scrub ------------------------------------------------------------------------
+
+
+def test_scrub_removes_a_registered_value_everywhere() -> None:
+    value = fresh()
+    register(value)
+    text = f"key={value}; again {value}!"
+    assert scrub(text) == f"key={REDACTED}; again {REDACTED}!"
+    assert scrub_bytes(text.encode()) == f"key={REDACTED}; again {REDACTED}!".encode()
+
+
+def test_text_without_secrets_is_unchanged() -> None:
+    register(fresh())
+    assert scrub("nothing to see") == "nothing to see"
+    assert scrub_bytes(b"nothing to see") == b"nothing to see"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        'pa"ss\\word-' + uuid.uuid4().hex,  # quote and backslash
+        "line\nbreak\ttab-" + uuid.uuid4().hex,  # control characters
+        "https://user@host/path-" + uuid.uuid4().hex,  # slashes some encoders escape
+        "clé-secrète-" + uuid.uuid4().hex,  # non-ASCII
+        'clé"with-quote-' + uuid.uuid4().hex,  # non-ASCII and an escape together
+    ],
+)
+def test_scrub_removes_the_json_escaped_forms(value: str) -> None:
+    register(value)
+    renderings = [
+        json.dumps({"v": value}),
+        json.dumps({"v": value}, ensure_ascii=False),
+        json.dumps({"v": value}).replace("/", "\\/"),
+        value,
+    ]
+    for text in renderings:
+        scrubbed = scrub(text)
+        assert value not in scrubbed
+        assert REDACTED in scrubbed
+        assert json.dumps(value)[1:-1] not in scrubbed
+        assert json.dumps(value, ensure_ascii=False)[1:-1] not in scrubbed
+        assert scrub_bytes(text.encode()) == scrubbed.encode()
+
+
+@pytest.mark.parametrize("value", ["", "a", "hunter2", "1234567"])
+def test_values_shorter_than_the_minimum_are_not_scrubbed(value: str) -> None:
+    # They would mangle ordinary text, and no real credential is that short.
+    assert len(value) < redaction.MIN_SCRUB_LENGTH
+    register(value)
+    text = f"the word {value} stays"
+    assert scrub(text) == text
+
+
+def test_registering_twice_is_harmless() -> None:
+    value = fresh()
+    register(value)
+    register(value)
+    assert scrub(value) == REDACTED
+
+
+# --- the Secret holder ---------------------------------------------------------------------
+
+
+def test_secret_never_shows_its_value() -> None:
+    value = fresh()
+    secret = Secret(value)
+    for text in (repr(secret), str(secret), f"{secret}", f"{secret!r}", "%s" % secret,  # noqa: UP031
+                 repr([secret]), repr({"k": secret}), repr(ValueError(secret))):  # fmt: skip
+        assert value not in text
+        assert "*" in text
+    assert secret.reveal() == value
+
+
+def test_creating_a_secret_registers_it_for_scrubbing() -> None:
+    value = fresh()
+    Secret(value)
+    assert scrub(f"echo {value}") == f"echo {REDACTED}"
+
+
+def test_secret_refuses_pickling_and_copying() -> None:
+    secret = Secret(fresh())
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            pickle.dumps(secret, protocol=protocol)
+    with pytest.raises(TypeError):
+        copy.copy(secret)
+
+
+def test_secret_equality_compares_values() -> None:
+    value = fresh()
+    assert Secret(value) == Secret(value)
+    assert hash(Secret(value)) == hash(Secret(value))
+    assert Secret(value) != Secret(fresh())
+    assert Secret(value) != value
+
+
+# --- redact_mapping -------------------------------------------------------------------------
+
+
+def test_redact_mapping_replaces_sensitive_keys_case_insensitively() -> None:
+    headers: dict[str, object] = {
+        "Authorization": "Bearer x",
+        "X-API-Key": "k",
+        "api-key": "k",
+        "Cookie": "c",
+        "Proxy-Authorization": "p",
+        "Content-Type": "application/json",
+        "X-Request-Id": "r1",
+    }
+    redacted = redact_mapping(headers)
+    assert redacted == {
+        "Authorization": REDACTED,
+        "X-API-Key": REDACTED,
+        "api-key": REDACTED,
+        "Cookie": REDACTED,
+        "Proxy-Authorization": REDACTED,
+        "Content-Type": "application/json",
+        "X-Request-Id": "r1",
+    }
+    assert headers["Authorization"] == "Bearer x"  # a copy: the original is untouched
+
+
+def test_redact_mapping_is_shallow() -> None:
+    nested: dict[str, object] = {"outer": {"password": "p"}}
+    assert redact_mapping(nested) == nested
+
+
+# --- the audit writer ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def audit_stream() -> Iterator[io.StringIO]:
+    previous = audit._sink.stream
+    stream = io.StringIO()
+    audit.configure(stream)
+    yield stream
+    audit.configure(previous)
+
+
+def lines(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_audit_output_holds_no_secret_and_no_traceback_locals(audit_stream: io.StringIO) -> None:
+    value = fresh("sk-audit-canary-")
+    secret = Secret(value)
+    log = audit.get_logger("test")
+    log.info("nested", payload={"messages": [{"content": f"my key is {value}"}]}, count=1)
+    log.info("headers", authorization=f"Bearer {value}", Api_Key="k", note="kept")
+
+    def fail(credential: str) -> None:
+        local_copy = credential  # a local that show_locals would print
+        raise RuntimeError(f"upstream rejected {local_copy}")
+
+    try:
+        fail(secret.reveal())
+    except RuntimeError:
+        log.exception("call_failed", trace_id="tr-1")
+
+    text = audit_stream.getvalue()
+    assert value not in text
+    assert json.dumps(value)[1:-1] not in text
+    nested, headers, failed = lines(audit_stream)
+    assert nested["payload"] == {"messages": [{"content": f"my key is {REDACTED}"}]}
+    assert nested["count"] == 1
+    assert headers["authorization"] == REDACTED
+    assert headers["Api_Key"] == REDACTED
+    assert headers["note"] == "kept"
+    # The traceback is structured, scrubbed, and carries no local variables.
+    [exc] = failed["exception"]
+    assert exc["exc_type"] == "RuntimeError"
+    assert exc["exc_value"] == f"upstream rejected {REDACTED}"
+    assert [f["name"] for f in exc["frames"]][-1] == "fail"
+    assert all("locals" not in frame for frame in exc["frames"])
+    assert "local_copy" not in text
+    for line in (nested, headers, failed):
+        assert line["timestamp"].endswith("Z")
+        assert line["level"] in {"info", "error"}
+
+
+def test_audit_call_record_marks_schema_and_level(audit_stream: io.StringIO) -> None:
+    log = audit.AuditLog("agent-1")
+    log.call({"trace_id": "t1", "success": True})
+    log.call({"trace_id": "t2", "success": False})
+    log.event("policy_reloaded", source="p.yaml")
+    ok, failed, event = lines(audit_stream)
+    assert ok["event"] == CALL_EVENT
+    assert ok["audit_schema"] == AUDIT_SCHEMA_VERSION
+    assert ok["sidecar_id"] == audit.SIDECAR_ID
+    assert (ok["level"], failed["level"]) == ("info", "warning")
+    assert event["event"] == "policy_reloaded"
+    assert event["agent_id"] == "agent-1"
+
+
+async def test_a_key_sent_as_api_key_ref_is_not_copied_into_the_audit_record() -> None:
+    # An agent that puts its key where a reference goes is refused (nothing forwarded);
+    # neither the answer nor the audit record may repeat the key. No network is used:
+    # the call stops at the egress decision.
+    key = fresh("sk-proj-pasted-")
+    stream = io.StringIO()
+    policy = compile_policy({"fake-openai": openai_target("http://127.0.0.1:9")})
+    gateway = Gateway(policy, log_stream=stream)
+    await gateway.start()
+    try:
+        status, response = await gateway.call(json.dumps(envelope(api_key_ref=key)).encode())
+    finally:
+        await gateway.aclose()
+    assert status == 403
+    assert response.error is not None
+    assert response.error.details == {"reason": "ref_not_allowed", "api_key_ref": NOT_A_REFERENCE}
+    assert key not in response.model_dump_json()
+    assert key not in stream.getvalue()
+    [record] = [r for r in lines(stream) if r.get("event") == CALL_EVENT]
+    assert record["api_key_ref"] == NOT_A_REFERENCE
+    assert record["error_code"] == "PERMISSION_DENIED"
