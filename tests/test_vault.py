@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 import time
 import traceback
 import uuid
@@ -329,6 +330,10 @@ async def test_stale_if_error_while_vault_is_stopped(tmp_path: Path) -> None:
             key = ref("vault://app/key")
             assert not (await tolerant.resolve(key)).from_cache
             assert not (await strict.resolve(key)).from_cache
+            bao.root().sys.seal()  # a sealed Vault answers 503
+            sealed = await resolve_error(strict, "vault://app/key")
+            assert isinstance(sealed, SecretBackendUnavailable)
+            assert "VaultDown" in sealed.message
             bao.stop()
 
             stale = await tolerant.resolve(key)
@@ -341,13 +346,12 @@ async def test_stale_if_error_while_vault_is_stopped(tmp_path: Path) -> None:
             assert (await tolerant.resolve(key)).warnings
 
             started = time.monotonic()
-            for resolver, raw in ((strict, "vault://app/key"), (tolerant, "vault://app/never")):
-                err = await resolve_error(resolver, raw)
-                assert isinstance(err, SecretBackendUnavailable)
-                assert err.code is ErrorCode.DEPENDENCY_FAILED
-                assert err.retryable
-                assert err.details["reason"] == "vault_unavailable"
-            assert time.monotonic() - started < 2.5  # fails fast, no long timeouts
+            err = await resolve_error(tolerant, "vault://app/never")
+            assert isinstance(err, SecretBackendUnavailable)
+            assert err.code is ErrorCode.DEPENDENCY_FAILED
+            assert err.retryable
+            assert err.details["reason"] == "vault_unavailable"
+            assert time.monotonic() - started < 0.5  # fails fast: no wait on a dead Vault
     finally:
         bao.stop()
 
@@ -359,6 +363,42 @@ async def test_unreachable_vault_at_start(vault_lab: VaultLab) -> None:
         err = await resolve_error(resolver, "vault://app/openai")
         assert isinstance(err, SecretBackendUnavailable)
         assert err.retryable
+
+
+async def test_silent_vault_times_out_without_blocking_the_loop() -> None:
+    with socket.socket() as silent:  # accepts connections (backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        address = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        spec = make_spec(address=address, timeout_s=0.3)
+        async with running(spec, {"VAULT_TOKEN": "s.unused-TEST"}, start=False) as resolver:
+            task = asyncio.create_task(ticker())
+            started = time.monotonic()
+            err = await resolve_error(resolver, "vault://app/openai")
+            elapsed = time.monotonic() - started
+            task.cancel()
+            await asyncio.wait([task])
+    assert isinstance(err, SecretBackendUnavailable)
+    assert 0.25 <= elapsed < 2.0
+    assert ticks >= 5  # the event loop kept running while hvac waited in its thread
+
+
+async def test_missing_credential_file(vault_lab: VaultLab, tmp_path: Path) -> None:
+    spec = make_spec(vault_lab, auth={"method": "token", "token_file": str(tmp_path / "none")})
+    async with running(spec, {}) as resolver:
+        assert not resolver.ready()
+        err = await resolve_error(resolver, "vault://app/openai")
+    assert isinstance(err, SecretAccessDenied)
+    assert err.details["reason"] == "credential_file_missing"
+    assert str(tmp_path / "none") in err.message
 
 
 # --- auth methods, renewal, re-login ---------------------------------------------------
@@ -429,7 +469,15 @@ async def test_approle_login_from_files_and_environment(vault_lab: VaultLab) -> 
     bad = {"VAULT_ROLE_ID": role_id, "VAULT_SECRET_ID": "00000000-0000-0000-0000-000000000000"}
     async with running(make_spec(vault_lab, auth={"method": "approle"}), bad) as resolver:
         assert not resolver.ready()
-        err = await resolve_error(resolver, "vault://app/openai")
+        mark = vault_lab.bao.audit_mark()
+        # 20 calls during the login backoff: they fail fast, not with 20 logins.
+        errors = await asyncio.gather(
+            *(resolver.resolve(ref(f"vault://app/n{i}")) for i in range(20)),
+            return_exceptions=True,
+        )
+        assert len(vault_lab.bao.requests(mark, "auth/approle/login")) <= 1
+    for err in errors:
+        assert isinstance(err, SecretAccessDenied)
         assert err.details["reason"] == "vault_login_rejected"
 
 
@@ -437,10 +485,16 @@ async def test_approle_relogin_after_token_revocation(vault_lab: VaultLab) -> No
     env = {"VAULT_ROLE_ID": vault_lab.role_ids["gw"], "VAULT_SECRET_ID": vault_lab.secret_id("gw")}
     async with running(make_spec(vault_lab, auth={"method": "approle"}), env) as resolver:
         await resolver.resolve(ref("vault://app/openai"))
+        paths = [f"relogin/{uuid.uuid4().hex}" for _ in range(5)]
+        for path in paths:
+            vault_lab.bao.root().secrets.kv.v2.create_or_update_secret(
+                path, {"api_key": f"rl-TEST-{path[-8:]}"}, mount_point="kv2"
+            )
         assert vault_lab.revoke_tokens_of_role("gw") >= 1
         mark = vault_lab.bao.audit_mark()
-        got = await resolver.resolve(ref("vault://app/multi#password"))
-        assert got.secret.reveal() == KV2_PASSWORD
+        # Five reads meet the revoked token at once: one re-login, five retries.
+        got = await asyncio.gather(*(resolver.resolve(ref(f"vault://{p}")) for p in paths))
+        assert [g.secret.reveal() for g in got] == [f"rl-TEST-{p[-8:]}" for p in paths]
         assert len(vault_lab.bao.requests(mark, "auth/approle/login")) == 1
         assert resolver.ready()
 
@@ -451,8 +505,10 @@ async def test_token_renewed_before_expiry(vault_lab: VaultLab) -> None:
     mark = vault_lab.bao.audit_mark()
     async with running(make_spec(vault_lab), {"VAULT_TOKEN": token}) as resolver:
         await poll(
-            lambda: time.monotonic() - created > 2.5  # past the token's original expiry
-            and len(vault_lab.bao.requests(mark, "auth/token/renew-self")) >= 2
+            lambda: (
+                time.monotonic() - created > 2.5  # past the token's original expiry
+                and len(vault_lab.bao.requests(mark, "auth/token/renew-self")) >= 2
+            )
         )
         ttl = vault_lab.bao.root().auth.token.lookup(token)["data"]["ttl"]
         assert ttl >= 1  # still alive: renewed in time

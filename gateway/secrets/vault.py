@@ -37,7 +37,6 @@ from typing import Any, Final
 
 from hvac import exceptions as hvac_exc
 
-from gateway.audit import get_logger
 from gateway.errors import (
     SecretAccessDenied,
     SecretBackendUnavailable,
@@ -54,13 +53,13 @@ from gateway.secrets.vault_auth import (
     VaultAuth,
     VaultSettings,
     VaultUnavailable,
+    vault_log,
 )
 
 #: After Vault failed to answer, calls in this window do not wait on it again: they get
 #: a stale value or fail fast (a blackholed Vault would otherwise cost every call a
 #: full timeout).
 UNAVAILABLE_HOLD_S: Final = 1.0
-_log = get_logger("gateway.secrets.vault")
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,13 +179,19 @@ class VaultResolver:
         """The credential ``ref`` points to. Raises SecretNotFound, SecretAccessDenied or
         SecretBackendUnavailable (see the module docstring)."""
         loc = locate(self._spec, ref)
+        if self._closed:
+            raise SecretBackendUnavailable(
+                f"secret reference {ref.raw!r}: the Vault resolver is shut down",
+                details=self._details(ref, loc, "resolver_closed"),
+            )
         key = ref.raw
         now = time.monotonic()
         entry = self._cache.get(key)
         if entry is not None and now < entry.fresh_until:
             return ResolvedSecret(entry.secret, from_cache=True)
         if now < self._unavailable_until:
-            return self._stale_or_raise(ref, loc, self._unavailable(ref, loc, "recently"))
+            why = f"it failed less than {UNAVAILABLE_HOLD_S:g} s ago"
+            return self._stale_or_raise(ref, loc, self._unavailable(ref, loc, why))
         flight = self._inflight.get(key)
         if flight is None:
             flight = asyncio.create_task(self._fetch(ref, loc), name=f"vault-read {key}")
@@ -337,7 +342,7 @@ class VaultResolver:
         if now < entry.fresh_until:  # refreshed by another call meanwhile
             return ResolvedSecret(entry.secret, from_cache=True)
         late_s = now - entry.fresh_until
-        _log.warning(
+        vault_log().warning(
             "vault_stale_value_served",
             api_key_ref=ref.raw,
             vault_path=loc.api_path,

@@ -49,7 +49,13 @@ _TRUE: Final = frozenset({"1", "t", "true"})  # Go's strconv.ParseBool, as Vault
 _FALSE: Final = frozenset({"0", "f", "false"})
 
 T = TypeVar("T")
-_log = get_logger("gateway.secrets.vault")
+
+
+def vault_log() -> Any:
+    """The operational logger of the Vault resolver (structlog, via gateway.audit)."""
+    # Looked up per call: gateway.audit.get_logger binds the structlog configuration in
+    # force at call time, and audit.configure() may run after this module is imported.
+    return get_logger("gateway.secrets.vault")
 
 
 #: Vault answered, but cannot serve now: retry later rather than give up.
@@ -250,6 +256,7 @@ class VaultAuth:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._retry_at: float | None = None
+        self._last_error: Exception | None = None
         self._failures = 0
         self._task: asyncio.Task[None] | None = None
         self.generation = 0
@@ -263,10 +270,8 @@ class VaultAuth:
         renewer retries with backoff and ``ready()`` stays False meanwhile."""
         if self._task is not None:
             return
-        try:
-            await self.login()
-        except (VaultUnavailable, LoginRejected) as exc:
-            self._schedule_retry(exc)
+        with contextlib.suppress(VaultUnavailable, LoginRejected):
+            await self.login()  # a failure is logged and scheduled for retry
         self._task = asyncio.create_task(self._renew_forever(), name="vault-token-renewer")
 
     async def aclose(self) -> None:
@@ -280,11 +285,14 @@ class VaultAuth:
     async def ensure_token(self) -> int:
         """Log in unless a valid token is held; returns the token's ``generation``.
 
-        Raises VaultUnavailable or LoginRejected.
+        Raises VaultUnavailable or LoginRejected; while a failed login is backing off,
+        raises its error again without asking Vault (calls must not each log in).
         """
         if not self.ready():
+            self._raise_if_backing_off()
             async with self._lock:
                 if not self.ready():
+                    self._raise_if_backing_off()
                     await self._login_locked()
         return self.generation
 
@@ -304,7 +312,7 @@ class VaultAuth:
                 await self._run(self._client.auth.token.lookup_self)
                 return False
             except hvac_exc.Forbidden:
-                _log.warning("vault_token_rejected", auth_method=self._settings.method)
+                vault_log().warning("vault_token_rejected", auth_method=self._settings.method)
             self._lease = None
             await self._login_locked()
             return True
@@ -313,22 +321,27 @@ class VaultAuth:
 
     async def _login_locked(self) -> None:
         try:
-            lease = await self._run(self._login_sync)
-        except hvac_exc.VaultError as exc:
-            status = type(exc).__name__
-            if isinstance(exc, UNAVAILABLE_ERRORS):
-                raise VaultUnavailable(f"login failed: {status}") from exc
-            raise LoginRejected(
-                f"Vault refused the {self._settings.method} login at auth/"
-                f"{self._settings.mount_path} ({status})",
-                "vault_login_rejected",
-            ) from exc
+            try:
+                lease = await self._run(self._login_sync)
+            except hvac_exc.VaultError as exc:
+                status = type(exc).__name__
+                if isinstance(exc, UNAVAILABLE_ERRORS):
+                    raise VaultUnavailable(f"login failed: {status}") from exc
+                raise LoginRejected(
+                    f"Vault refused the {self._settings.method} login at auth/"
+                    f"{self._settings.mount_path} ({status})",
+                    "vault_login_rejected",
+                ) from exc
+        except (VaultUnavailable, LoginRejected) as exc:
+            self._schedule_retry(exc)
+            raise
         self._lease = lease
         self.generation += 1
         self._retry_at = None
+        self._last_error = None
         self._failures = 0
         self._wake.set()
-        _log.info(
+        vault_log().info(
             "vault_login",
             auth_method=self._settings.method,
             lease_s=lease.lease_s,
@@ -402,7 +415,10 @@ class VaultAuth:
                 continue
             try:
                 await self._renew_or_login()
-            except (VaultUnavailable, LoginRejected) as exc:
+            except (VaultUnavailable, LoginRejected):
+                pass  # logged and scheduled for retry where it happened
+            except Exception as exc:  # noqa: BLE001 - a dead renewer means an outage later
+                vault_log().error("vault_renewer_error", exc_info=True)
                 self._schedule_retry(exc)
 
     async def _renew_or_login(self) -> None:
@@ -412,9 +428,12 @@ class VaultAuth:
             return
         try:
             resp = await self._run(self._client.auth.token.renew_self)
+        except VaultUnavailable as exc:
+            self._schedule_retry(exc)
+            raise
         except hvac_exc.VaultError as exc:
             # 403: revoked or expired; 500 "past the max TTL": cannot be extended.
-            _log.warning("vault_renew_failed", error=type(exc).__name__)
+            vault_log().warning("vault_renew_failed", error=type(exc).__name__)
             await self.login()
             return
         auth = resp.get("auth") or {}
@@ -429,15 +448,24 @@ class VaultAuth:
                 self._lease = TokenLease(lease.token, new_lease, True, time.monotonic())
         self._retry_at = None
         self._failures = 0
-        _log.info("vault_token_renewed", lease_s=new_lease)
+        vault_log().info("vault_token_renewed", lease_s=new_lease)
+
+    def _raise_if_backing_off(self) -> None:
+        error = self._last_error
+        if error is None or self._retry_at is None or time.monotonic() >= self._retry_at:
+            return
+        if isinstance(error, LoginRejected):
+            raise LoginRejected(str(error), error.reason)
+        raise VaultUnavailable(f"{error}; retrying the login in the background")
 
     def _schedule_retry(self, exc: Exception) -> None:
+        self._last_error = exc
         self._failures += 1
         delay = min(RETRY_BASE_S * 2 ** (self._failures - 1), RETRY_MAX_S)
         if self._lease is not None and self._lease.valid(time.monotonic()):
             delay = min(delay, max(self._lease.lease_s / 10, MIN_RENEW_DELAY_S))
         self._retry_at = time.monotonic() + delay
-        _log.warning(
+        vault_log().warning(
             "vault_login_failed",
             auth_method=self._settings.method,
             reason=getattr(exc, "reason", "vault_unavailable"),
