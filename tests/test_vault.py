@@ -681,3 +681,26 @@ async def test_canary_values_appear_nowhere(vault_lab: VaultLab, tmp_path: Path)
     # First line of defence: values never reached a log line at all (so nothing needed
     # scrubbing) apart from the `secret=` key, which the key redactor replaces.
     assert sum("[REDACTED]" in line for line in lines) == 2
+
+
+# --- the operator docs ----------------------------------------------------------------
+
+
+def _doc_blocks(language: str) -> list[str]:
+    text = (Path(__file__).parent.parent / "docs" / "vault.md").read_text()
+    return [block.split("```")[0] for block in text.split(f"```{language}\n")[1:]]
+
+
+async def test_docs_examples_are_valid(vault_lab: VaultLab) -> None:
+    (yaml_block,) = _doc_blocks("yaml")
+    policy = parse_policy(yaml_block, "docs/vault.md")
+    assert policy.secrets.vault is not None
+    resolvers = build_secret_resolvers(policy, environ={})
+    assert isinstance(resolvers.get("vault"), VaultResolver)
+    await resolvers.aclose()
+    vault = policy.secrets.vault
+    assert locate(vault, ref("vault://openai-key")) == KvLocation(
+        "agents-kv", 2, "llm/openai", "api_key"
+    )
+    (hcl_block,) = _doc_blocks("hcl")
+    vault_lab.bao.root().sys.create_or_update_policy("docs-example", hcl_block)  # Vault parses it
