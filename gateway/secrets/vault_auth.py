@@ -191,14 +191,17 @@ class BlockingRunner:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._executor = ThreadPoolExecutor(HVAC_WORKERS, thread_name_prefix="vault-hvac")
+        # Calls queue here, not in the executor, so the timeout measures Vault's time only.
+        self._slots = asyncio.Semaphore(HVAC_WORKERS)
 
     async def __call__(self, fn: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(
-                loop.run_in_executor(self._executor, fn),
-                self.timeout_s + _THREAD_TIMEOUT_MARGIN_S,
-            )
+            async with self._slots:
+                return await asyncio.wait_for(
+                    loop.run_in_executor(self._executor, fn),
+                    self.timeout_s + _THREAD_TIMEOUT_MARGIN_S,
+                )
         except TimeoutError:
             raise VaultUnavailable(f"no answer within {self.timeout_s:g} s") from None
         except OSError as exc:
@@ -308,6 +311,8 @@ class VaultAuth:
         async with self._lock:
             if self.generation != generation:
                 return True
+            if self._lease is None:
+                self._raise_if_backing_off()  # another caller's re-login just failed
             try:
                 await self._run(self._client.auth.token.lookup_self)
                 return False
