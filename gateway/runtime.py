@@ -23,9 +23,7 @@ from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
 from gateway.policy import PolicyError, PolicySet, load_policy
 from gateway.ratelimit import RateLimitGroups
-from gateway.secrets import SecretResolvers
-from gateway.secrets.env import EnvResolver
-from gateway.secrets.file import FileResolver
+from gateway.secrets.factory import build_secret_resolvers, secrets_ready, start_secret_resolvers
 from gateway.upstream import Upstream
 
 _log = audit.get_logger("gateway.runtime")
@@ -41,11 +39,6 @@ def _server_hot_only(old: PolicySet, new: PolicySet) -> bool:
     hot = {"drain_s", "max_response_bytes", "debug"}
     a, b = old.policy.server.model_dump(), new.policy.server.model_dump()
     return all(a[k] == b[k] for k in a if k not in hot)
-
-
-def build_resolvers(policy: PolicySet) -> SecretResolvers:
-    """Resolvers for every scheme the policy can use."""
-    return SecretResolvers({"env": EnvResolver(), "file": FileResolver()})
 
 
 class Gateway:
@@ -77,7 +70,8 @@ class Gateway:
             resolver=self._dns_resolver,
         )
         await upstream.start()
-        resolvers = build_resolvers(self.policy)
+        resolvers = build_secret_resolvers(self.policy.policy)
+        await start_secret_resolvers(resolvers)
         self.pipeline = Pipeline(
             self.policy,
             resolvers=resolvers,
@@ -164,12 +158,16 @@ class Gateway:
         await pipeline.upstream.aclose()
 
     def ready(self) -> tuple[bool, dict[str, object]]:
-        """Readiness and why: policy loaded, not draining."""
+        """Readiness and why: policy loaded, secret store usable (a valid Vault token when
+        Vault is configured), not draining."""
+        pipeline = self.pipeline
+        secrets_ok = pipeline is not None and secrets_ready(pipeline.resolvers)
         checks: dict[str, object] = {
-            "policy_loaded": self.pipeline is not None,
+            "policy_loaded": pipeline is not None,
             "draining": self.draining,
+            "secrets": secrets_ok,
         }
-        return self.pipeline is not None and not self.draining, checks
+        return pipeline is not None and secrets_ok and not self.draining, checks
 
     async def call(self, body: bytes) -> tuple[int, ExternalCallResponse]:
         """Run one call (see :meth:`Pipeline.handle`), tracked as in flight.
