@@ -171,6 +171,7 @@ def follow(
     stream: IO[bytes] | None = None
     number = 0
     pending = b""
+    draining = False
     try:
         while not stop.is_set():
             if stream is None:
@@ -190,9 +191,15 @@ def follow(
                     if record is not None:
                         yield path, number, record
                 continue
-            if _replaced(stream, path):
+            if draining:
+                if pending:
+                    on_malformed(Malformed(path, number + 1, "truncated last line"))
                 stream.close()
-                stream = None  # the old file was read to its end above
+                stream, draining = None, False
+                continue
+            if _replaced(stream, path):
+                # Lines written before the rename may have landed since the last read.
+                draining = True
                 continue
             stop.wait(poll_s)
     finally:
