@@ -79,9 +79,7 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
     return record
 
 
-def write_calls(
-    n_calls: int, *, seed: int = 7, first: int = 0, breaker_every: int = 37
-) -> None:
+def write_calls(n_calls: int, *, seed: int = 7, first: int = 0, breaker_every: int = 37) -> None:
     """Write ``n_calls`` call records (and breaker events) to the configured audit sink."""
     rng = random.Random(seed)
     logs = {agent: audit.AuditLog(agent) for agent in AGENTS}
@@ -108,9 +106,7 @@ def write_log(
     max_bytes: int | None = None,
 ) -> None:
     """A generated log at ``path`` (rotated when ``max_bytes``), by the real writer."""
-    spec = AuditSpec(
-        sink="file", path=str(path), chain=chain, max_bytes=max_bytes, backup_count=50
-    )
+    spec = AuditSpec(sink="file", path=str(path), chain=chain, max_bytes=max_bytes, backup_count=50)
     audit.configure_from_spec(spec, stream=io.StringIO())
     try:
         write_calls(n_calls, seed=seed)

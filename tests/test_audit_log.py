@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 import statistics
 import threading
@@ -70,13 +71,14 @@ def test_unchained_records_validate_and_carry_no_chain_fields(tmp_path: Path) ->
     assert len(calls) == 30
     for call in calls:
         assert AuditRecord.model_validate(call).seq is None
-        assert "hash" not in call and "seq" not in call
+        assert "hash" not in call
+        assert "seq" not in call
 
 
 def test_chain_links_every_audit_record_in_order(lines: list[dict[str, Any]]) -> None:
     assert [line["seq"] for line in lines] == list(range(1, len(lines) + 1))
     assert lines[0]["prev_hash"] == GENESIS_HASH
-    for before, after in zip(lines, lines[1:], strict=False):
+    for before, after in itertools.pairwise(lines):
         assert after["prev_hash"] == before["hash"]
     assert all(line["hash"] == record_hash(line) for line in lines)
     events = Counter(line["event"] for line in lines)
@@ -300,21 +302,30 @@ def _select(filters: Filters, log_path: Path) -> list[str]:
 FILTER_CASES = [
     ("trace", Filters(trace=("trace-007",)), lambda c: c["trace_id"] == "trace-007"),
     ("trace glob", Filters(trace=("trace-01*",)), lambda c: c["trace_id"].startswith("trace-01")),
-    ("correlation", Filters(correlation=("corr-0005", "corr-0009")),
-     lambda c: c["correlation_id"] in ("corr-0005", "corr-0009")),
+    (
+        "correlation",
+        Filters(correlation=("corr-0005", "corr-0009")),
+        lambda c: c["correlation_id"] in ("corr-0005", "corr-0009"),
+    ),
     ("agent", Filters(agent=("coder-02",)), lambda c: c["agent_id"] == "coder-02"),
     ("target", Filters(target=("slack",)), lambda c: c["target_system"] == "slack"),
     ("endpoint", Filters(endpoint=("/v1/messages",)), lambda c: c["endpoint"] == "/v1/messages"),
     ("code", Filters(code=("CIRCUIT_OPEN",)), lambda c: c["error_code"] == "CIRCUIT_OPEN"),
     ("failed", Filters(failed=True), lambda c: not c["success"]),
     ("min latency", Filters(min_latency_ms=100.0), lambda c: c["latency_ms"] >= 100.0),
-    ("combined", Filters(agent=("planner-01",), target=("openai",), failed=True),
-     lambda c: c["agent_id"] == "planner-01" and c["target_system"] == "openai"
-     and not c["success"]),
+    (
+        "combined",
+        Filters(agent=("planner-01",), target=("openai",), failed=True),
+        lambda c: (
+            c["agent_id"] == "planner-01" and c["target_system"] == "openai" and not c["success"]
+        ),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "filters", "expected"), FILTER_CASES, ids=[c[0] for c in FILTER_CASES])
+@pytest.mark.parametrize(
+    ("name", "filters", "expected"), FILTER_CASES, ids=[c[0] for c in FILTER_CASES]
+)
 def test_filter(
     name: str, filters: Filters, expected: Any, log_path: Path, lines: list[dict[str, Any]]
 ) -> None:
@@ -334,7 +345,9 @@ def test_time_filters(log_path: Path, lines: list[dict[str, Any]]) -> None:
     want = [c["correlation_id"] for c in calls if middle <= when(c) <= late]
     assert 0 < len(want) < len(calls)
     assert _select(Filters(since=middle, until=late), log_path) == want
-    assert _select(Filters(since=parse_when("1h")), log_path) == [c["correlation_id"] for c in calls]
+    assert _select(Filters(since=parse_when("1h")), log_path) == [
+        c["correlation_id"] for c in calls
+    ]
     assert _select(Filters(until=parse_when("1h")), log_path) == []
 
 
@@ -388,9 +401,19 @@ def _expected_group(calls: list[dict[str, Any]], opens: int) -> dict[str, Any]:
 
 def _assert_figures(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got["latency_ms"] == pytest.approx(want["latency_ms"])
-    assert got["rate_limit_waits"]["total_ms"] == pytest.approx(want["rate_limit_waits"]["total_ms"])
+    assert got["rate_limit_waits"]["total_ms"] == pytest.approx(
+        want["rate_limit_waits"]["total_ms"]
+    )
     assert got["success_rate"] == pytest.approx(want["success_rate"])
-    for key in ("calls", "succeeded", "replays", "error_codes", "retries", "tokens", "breaker_opens"):
+    for key in (
+        "calls",
+        "succeeded",
+        "replays",
+        "error_codes",
+        "retries",
+        "tokens",
+        "breaker_opens",
+    ):
         assert got[key] == want[key], key
     assert got["rate_limit_waits"]["count"] == want["rate_limit_waits"]["count"]
 
@@ -416,7 +439,8 @@ def test_summary_figures(log_path: Path, lines: list[dict[str, Any]]) -> None:
         )
         _assert_figures(result["targets"][target], want)
     _assert_figures(result["total"], _expected_group(calls, len(opens)))
-    assert result["total"]["replays"] > 0 and result["total"]["retries"] > 0
+    assert result["total"]["replays"] > 0
+    assert result["total"]["retries"] > 0
     assert result["total"]["breaker_opens"] == 7
 
 
@@ -429,7 +453,8 @@ def test_summary_applies_filters_to_calls_and_breaker_events(
     ).to_dict()
     calls = [c for c in calls_of(lines) if c["target_system"] == "slack" and not c["success"]]
     opens = sum(
-        e["event"] == "breaker_state_change" and e["new_state"] == "open"
+        e["event"] == "breaker_state_change"
+        and e["new_state"] == "open"
         and e["target_system"] == "slack"
         for e in lines
     )

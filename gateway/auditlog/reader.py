@@ -61,7 +61,8 @@ def loads(raw: bytes) -> Any:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # NaN, huge ints, or really invalid: let json decide and explain
-    return json.loads(raw)
+    # Without the line ending, an error's column is the column on the line.
+    return json.loads(raw.rstrip(b"\r\n"))
 
 
 def dumps(obj: Any) -> str:
