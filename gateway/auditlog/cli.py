@@ -209,9 +209,7 @@ def _show(args: argparse.Namespace, files: list[str], io: _IO) -> int:
 def _summary(args: argparse.Namespace, files: list[str], io: _IO) -> int:
     filters = _filters(args)
     result = summarize(
-        records(files, io.report, stdin=io.stdin),
-        filters.call_predicate(),
-        filters.event_predicate(),
+        records(files, io.report, stdin=io.stdin), filters.call_filter(), filters.event_filter()
     )
     if args.format == "json":
         render.write_json_line(io.stdout, result.to_dict())

@@ -107,7 +107,20 @@ class Filters:
         return checks
 
     def call_predicate(self) -> Predicate:
-        """True for call records that match every filter."""
+        """True for call records (``event: egress_call``) that match every filter."""
+        return _all_of([_is_call, *self._call_checks()])
+
+    def call_filter(self) -> Predicate | None:
+        """Like :meth:`call_predicate` for records known to be calls; ``None``: no filter."""
+        checks = self._call_checks()
+        return _all_of(checks) if checks else None
+
+    def event_filter(self) -> Predicate | None:
+        """:meth:`event_predicate`, or ``None`` when it selects everything."""
+        checks = self._common()
+        return _all_of(checks) if checks else None
+
+    def _call_checks(self) -> list[Predicate]:
         checks = self._common()
         for field, values in (
             ("trace_id", self.trace),
@@ -127,7 +140,7 @@ class Filters:
                 return isinstance(latency, int | float) and latency >= floor
 
             checks.append(slow)
-        return _all_of([_is_call, *checks])
+        return checks
 
     def event_predicate(self) -> Predicate:
         """True for any record passing the agent, target and time filters."""

@@ -150,9 +150,27 @@ def records(
     *,
     stdin: IO[bytes] | None = None,
 ) -> Iterator[Record]:
-    """Every record of ``sources``, in order (see :func:`entries`)."""
-    for _, _, record in entries(sources, on_malformed, stdin=stdin):
-        yield record
+    """Every record of ``sources``, in order (see :func:`entries`).
+
+    The hot path of ``summary``: one generator, the fast parser called directly.
+    """
+    fast = orjson.loads if orjson is not None else json.loads
+    for source in sources:
+        name = "<stdin>" if source == STDIN else source
+        with open_source(source, stdin) as stream:
+            for number, raw in enumerate(stream, 1):
+                try:
+                    obj = fast(raw)
+                except ValueError:
+                    obj = parse_line(raw, name, number, on_malformed)
+                    if obj is None:
+                        continue
+                if type(obj) is dict:
+                    yield obj
+                else:
+                    on_malformed(
+                        Malformed(name, number, f"not a JSON object ({type(obj).__name__})")
+                    )
 
 
 def follow(

@@ -178,8 +178,8 @@ def _summary_table(title: str, groups: dict[str, GroupStats], total: GroupStats)
 
 def print_summary(console: Console, summary: Summary) -> None:
     """Two tables: by agent and by target, each with an ``all`` row."""
-    console.print(_summary_table("Calls by agent", summary.agents, summary.total))
-    console.print(_summary_table("Calls by target", summary.targets, summary.total))
+    console.print(_summary_table("Calls by agent", summary.agents(), summary.total()))
+    console.print(_summary_table("Calls by target", summary.targets(), summary.total()))
 
 
 def timeline(calls: Iterable[Record]) -> list[tuple[float, Record]]:

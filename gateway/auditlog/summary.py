@@ -37,8 +37,7 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     return sorted_values[low] + (h - low) * (sorted_values[low + 1] - sorted_values[low])
 
 
-def _number(value: Any) -> float:
-    return value if isinstance(value, int | float) and not isinstance(value, bool) else 0
+_NUMBERS: Final = frozenset({int, float})
 
 
 class GroupStats:
@@ -68,6 +67,22 @@ class GroupStats:
         self.error_codes: dict[str, int] = {}
         self.latencies_ms = array("d")
 
+    def merge(self, other: GroupStats) -> None:
+        """Add ``other``'s figures to these."""
+        self.calls += other.calls
+        self.succeeded += other.succeeded
+        self.replays += other.replays
+        self.retries += other.retries
+        self.tokens_input += other.tokens_input
+        self.tokens_output += other.tokens_output
+        self.tokens_cached += other.tokens_cached
+        self.rate_limit_waits += other.rate_limit_waits
+        self.rate_limit_wait_ms += other.rate_limit_wait_ms
+        self.breaker_opens += other.breaker_opens
+        for code, count in other.error_codes.items():
+            self.error_codes[code] = self.error_codes.get(code, 0) + count
+        self.latencies_ms.extend(other.latencies_ms)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready figures; latencies in ms, success_rate in [0, 1] (None: no calls)."""
         ordered = sorted(self.latencies_ms)
@@ -92,76 +107,119 @@ class GroupStats:
         }
 
 
+def _name(value: Any) -> str:
+    if type(value) is str and value:
+        return value
+    return NONE_KEY if value is None or value == "" else str(value)
+
+
 @dataclass
 class Summary:
-    """Figures per agent (``agent_id``), per target (``target_system``) and in total."""
+    """Figures per (agent, target) pair, merged per agent, per target and in total.
 
-    agents: dict[str, GroupStats] = field(default_factory=dict)
-    targets: dict[str, GroupStats] = field(default_factory=dict)
-    total: GroupStats = field(default_factory=GroupStats)
+    One group per pair keeps the per-record work to one update; :meth:`agents`,
+    :meth:`targets` and :meth:`total` merge the pairs when asked (once each).
+    """
 
-    def _groups(self, record: Record) -> tuple[GroupStats, GroupStats, GroupStats]:
-        agent = record.get("agent_id") or NONE_KEY
-        target = record.get("target_system") or NONE_KEY
-        by_agent = self.agents.get(agent)
-        if by_agent is None:
-            by_agent = self.agents[agent] = GroupStats()
-        by_target = self.targets.get(target)
-        if by_target is None:
-            by_target = self.targets[target] = GroupStats()
-        return by_agent, by_target, self.total
+    pairs: dict[tuple[str, str], GroupStats] = field(default_factory=dict)
+    _merged: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def _pair(self, record: Record) -> GroupStats:
+        key = (_name(record.get("agent_id")), _name(record.get("target_system")))
+        group = self.pairs.get(key)
+        if group is None:
+            group = self.pairs[key] = GroupStats()
+        return group
 
     def add_call(self, record: Record) -> None:
         """Count one call record (``event: egress_call``)."""
-        ok = record.get("success") is True
-        code = "" if ok else str(record.get("error_code") or NONE_KEY)
-        replayed = record.get("replayed") is True
-        latency = _number(record.get("latency_ms"))
-        retries = max(int(_number(record.get("attempts"))) - 1, 0)
-        tokens_in = int(_number(record.get("tokens_input")))
-        tokens_out = int(_number(record.get("tokens_output")))
-        tokens_cached = int(_number(record.get("tokens_cached")))
-        wait = _number(record.get("rate_limit_wait_ms"))
-        for group in self._groups(record):
-            group.calls += 1
-            if ok:
-                group.succeeded += 1
-            else:
-                group.error_codes[code] = group.error_codes.get(code, 0) + 1
-            if replayed:
-                group.replays += 1
-            group.latencies_ms.append(latency)
-            group.retries += retries
-            group.tokens_input += tokens_in
-            group.tokens_output += tokens_out
-            group.tokens_cached += tokens_cached
-            if wait > 0:
-                group.rate_limit_waits += 1
-                group.rate_limit_wait_ms += wait
+        get = record.get
+        group = self._pair(record)
+        group.calls += 1
+        if get("success") is True:
+            group.succeeded += 1
+        else:
+            code = get("error_code")
+            code = code if type(code) is str else _name(code)
+            group.error_codes[code] = group.error_codes.get(code, 0) + 1
+        if get("replayed") is True:
+            group.replays += 1
+        value: Any = get("latency_ms")
+        group.latencies_ms.append(value if type(value) in _NUMBERS else 0.0)
+        value = get("attempts")
+        if type(value) is int and value > 1:
+            group.retries += value - 1
+        value = get("tokens_input")
+        if type(value) is int:
+            group.tokens_input += value
+        value = get("tokens_output")
+        if type(value) is int:
+            group.tokens_output += value
+        value = get("tokens_cached")
+        if type(value) is int:
+            group.tokens_cached += value
+        value = get("rate_limit_wait_ms")
+        if type(value) in _NUMBERS and value > 0:
+            group.rate_limit_waits += 1
+            group.rate_limit_wait_ms += value
 
     def add_breaker_open(self, record: Record) -> None:
         """Count one ``breaker_state_change`` event whose ``new_state`` is ``open``."""
-        for group in self._groups(record):
-            group.breaker_opens += 1
+        self._pair(record).breaker_opens += 1
+
+    def _merge(self, by: int | None) -> dict[str, GroupStats]:
+        merged: dict[str, GroupStats] = {}
+        for key, group in sorted(self.pairs.items()):
+            name = "all" if by is None else key[by]
+            merged.setdefault(name, GroupStats()).merge(group)
+        return merged
+
+    def agents(self) -> dict[str, GroupStats]:
+        """Figures per ``agent_id``, by name."""
+        if "agents" not in self._merged:
+            self._merged["agents"] = self._merge(0)
+        return self._merged["agents"]  # type: ignore[no-any-return]
+
+    def targets(self) -> dict[str, GroupStats]:
+        """Figures per ``target_system``, by name."""
+        if "targets" not in self._merged:
+            self._merged["targets"] = self._merge(1)
+        return self._merged["targets"]  # type: ignore[no-any-return]
+
+    def total(self) -> GroupStats:
+        """Figures of every call."""
+        if "total" not in self._merged:
+            self._merged["total"] = self._merge(None).get("all", GroupStats())
+        return self._merged["total"]  # type: ignore[no-any-return]
 
     def to_dict(self) -> dict[str, Any]:
         """``{"agents": {name: figures}, "targets": {...}, "total": figures}``."""
         return {
-            "agents": {k: v.to_dict() for k, v in sorted(self.agents.items())},
-            "targets": {k: v.to_dict() for k, v in sorted(self.targets.items())},
-            "total": self.total.to_dict(),
+            "agents": {k: v.to_dict() for k, v in self.agents().items()},
+            "targets": {k: v.to_dict() for k, v in self.targets().items()},
+            "total": self.total().to_dict(),
         }
 
 
-def summarize(records: Iterable[Record], calls: Predicate, events: Predicate) -> Summary:
-    """Summarise ``records``: calls passing ``calls``, breaker opens passing ``events``."""
+def summarize(
+    records: Iterable[Record], calls: Predicate | None = None, events: Predicate | None = None
+) -> Summary:
+    """Summarise ``records``: calls passing ``calls``, breaker opens passing ``events``.
+
+    ``None`` selects all. Only ``egress_call`` records are counted as calls, whatever
+    the predicates say.
+    """
     summary = Summary()
     add_call, add_open = summary.add_call, summary.add_breaker_open
     for record in records:
         event = record.get("event")
         if event == CALL_EVENT:
-            if calls(record):
+            if calls is None or calls(record):
                 add_call(record)
-        elif event == BREAKER_EVENT and record.get("new_state") == "open" and events(record):
+        elif (
+            event == BREAKER_EVENT
+            and record.get("new_state") == "open"
+            and (events is None or events(record))
+        ):
             add_open(record)
     return summary
