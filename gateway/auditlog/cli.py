@@ -133,7 +133,7 @@ def run(
     """Run a parsed ``audit`` command; returns the exit status (0, 1 or 2)."""
     io = _IO(stdout or sys.stdout, stderr or sys.stderr, stdin, stop or threading.Event())
     files = list(args.files) or [STDIN]
-    if STDIN in files and stdin is None and sys.stdin.isatty():
+    if STDIN in files and stdin is None and _interactive(sys.stdin):
         io.stderr.write("error: no input: give FILE... or pipe a log into stdin\n")
         return 2
     command = {"show": _show, "summary": _summary, "trace": _trace, "verify": _verify}
@@ -146,6 +146,13 @@ def run(
         return 0
     finally:
         io.close()
+
+
+def _interactive(stream: IO[str] | None) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (OSError, ValueError):  # closed, or a test runner's placeholder
+        return False
 
 
 def _filters(args: argparse.Namespace, trace: tuple[str, ...] | None = None) -> Filters:
