@@ -11,12 +11,19 @@ Units: ``*_ms`` are milliseconds (float), ``*_bytes`` bytes, token counts are in
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 AUDIT_SCHEMA_VERSION: Final = 1
 CALL_EVENT: Final = "egress_call"
+BREAKER_EVENT: Final = "breaker_state_change"
+
+#: ``prev_hash`` of the first record of a chain (``seq`` 1): 64 zero hex digits.
+GENESIS_HASH: Final = "0" * 64
 
 Decision = Literal["allowed", "denied", "invalid", "replayed"]
 
@@ -67,3 +74,25 @@ class AuditRecord(BaseModel):
 
 
 AUDIT_FIELDS: Final = tuple(AuditRecord.model_fields)
+
+
+def canonical_text(record: Mapping[str, Any]) -> str:
+    """The canonical serialization the chain hashes: ``record`` without ``hash``.
+
+    JSON with keys sorted, no whitespace, ASCII only (non-ASCII as ``\\uXXXX``), floats
+    as Python's shortest round-trip repr, other objects as ``str()``:
+    ``json.dumps(..., sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+    default=str)``. A record parsed back from its JSON line gives the same text.
+    """
+    body = {k: v for k, v in record.items() if k != "hash"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+
+
+def hash_text(canonical: str) -> str:
+    """SHA-256 (hex, 64 chars) of a :func:`canonical_text` (ASCII)."""
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def record_hash(record: Mapping[str, Any]) -> str:
+    """The chain ``hash`` a record should carry: :func:`hash_text` of its canonical text."""
+    return hash_text(canonical_text(record))

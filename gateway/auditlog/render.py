@@ -1,0 +1,241 @@
+"""Output of the audit query tool: ``rich`` tables, a trace timeline, JSON.
+
+Tables have fixed column widths so that rows printed batch by batch (streaming, or
+``--follow``) line up under one header. Cell text is never read as ``rich`` markup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import IO, Any, Final
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from gateway.auditlog.filters import Record, record_time
+from gateway.auditlog.reader import dumps
+from gateway.auditlog.summary import GroupStats, Summary
+
+#: (header, width, justify)
+_CALL_COLUMNS: Final = (
+    ("time (UTC)", 23, "left"),
+    ("agent", 14, "left"),
+    ("target", 12, "left"),
+    ("call", 36, "left"),
+    ("status", 6, "right"),
+    ("outcome", 22, "left"),
+    ("tries", 5, "right"),
+    ("latency ms", 10, "right"),
+    ("tokens", 8, "right"),
+    ("trace", 24, "left"),
+)
+_BAR_WIDTH: Final = 32
+_WIDE: Final = 240
+
+
+def make_console(out: IO[str]) -> Console:
+    """A console on ``out``: plain text and wide lines unless ``out`` is a terminal."""
+    terminal = out.isatty()
+    return Console(
+        file=out,
+        width=None if terminal else _WIDE,
+        markup=False,
+        highlight=False,
+        emoji=False,
+        soft_wrap=False,
+    )
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _ms(value: Any) -> str:
+    return f"{value:.1f}" if isinstance(value, int | float) else "-"
+
+
+def outcome(record: Record) -> str:
+    """``ok``, the error code, with `` (replay)`` for replayed results."""
+    text = "ok" if record.get("success") is True else _text(record.get("error_code"))
+    return f"{text} (replay)" if record.get("replayed") is True else text
+
+
+def _call(record: Record) -> str:
+    return f"{_text(record.get('method'))} {_text(record.get('endpoint'))}"
+
+
+def _time(record: Record) -> str:
+    stamp = record.get("timestamp")
+    return stamp.replace("T", " ")[:23] if isinstance(stamp, str) else "-"
+
+
+def call_row(record: Record) -> list[str]:
+    """The cells of one call in the ``show`` table."""
+    return [
+        _time(record),
+        _text(record.get("agent_id")),
+        _text(record.get("target_system")),
+        _call(record),
+        _text(record.get("status_code")),
+        outcome(record),
+        _text(record.get("attempts")),
+        _ms(record.get("latency_ms")),
+        _text(record.get("tokens_used")),
+        _text(record.get("trace_id")),
+    ]
+
+
+def _calls_table(header: bool) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_header=header, show_edge=False, pad_edge=False)
+    for title, width, justify in _CALL_COLUMNS:
+        table.add_column(
+            title,
+            width=width,
+            no_wrap=True,
+            overflow="ellipsis",
+            justify=justify,  # type: ignore[arg-type]
+        )
+    return table
+
+
+class CallTable:
+    """Prints call records as table rows, ``batch`` at a time, the header once."""
+
+    def __init__(self, console: Console, batch: int = 500) -> None:
+        self._console = console
+        self._batch = batch
+        self._rows: list[list[str]] = []
+        self._header = True
+
+    def add(self, record: Record) -> None:
+        self._rows.append(call_row(record))
+        if len(self._rows) >= self._batch:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._rows:
+            return
+        table = _calls_table(self._header)
+        for row in self._rows:
+            table.add_row(*row)
+        self._console.print(table)
+        self._console.file.flush()
+        self._rows.clear()
+        self._header = False
+
+
+def write_json_line(out: IO[str], record: Record) -> None:
+    """One record as one JSON line."""
+    out.write(dumps(record) + "\n")
+
+
+def _percent(stats: GroupStats) -> str:
+    return f"{100 * stats.succeeded / stats.calls:.1f}" if stats.calls else "-"
+
+
+def _codes(stats: GroupStats, top: int = 3) -> str:
+    ordered = sorted(stats.error_codes.items(), key=lambda kv: (-kv[1], kv[0]))
+    text = ", ".join(f"{code} {count}" for code, count in ordered[:top])
+    return text + (f", +{len(ordered) - top} more" if len(ordered) > top else "")
+
+
+def _summary_table(title: str, groups: dict[str, GroupStats], total: GroupStats) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column(title.split()[-1], no_wrap=True)
+    for name in ("calls", "ok %", "replays"):
+        table.add_column(name, justify="right")
+    table.add_column("errors", overflow="fold")
+    for name in ("p50 ms", "p95 ms", "p99 ms", "retries", "tok in", "tok out", "tok cached"):
+        table.add_column(name, justify="right")
+    table.add_column("rl waits (ms)", justify="right")
+    table.add_column("breaker opens", justify="right")
+    rows = sorted(groups.items())
+    for index, (name, stats) in enumerate([*rows, ("all", total)]):
+        figures = stats.to_dict()
+        latency = figures["latency_ms"]
+        waits = figures["rate_limit_waits"]
+        table.add_row(
+            name,
+            str(stats.calls),
+            _percent(stats),
+            str(stats.replays),
+            _codes(stats),
+            _ms(latency["p50"]),
+            _ms(latency["p95"]),
+            _ms(latency["p99"]),
+            str(stats.retries),
+            str(stats.tokens_input),
+            str(stats.tokens_output),
+            str(stats.tokens_cached),
+            f"{waits['count']} ({waits['total_ms']:.0f})",
+            str(stats.breaker_opens),
+            end_section=index == len(rows) - 1,
+        )
+    return table
+
+
+def print_summary(console: Console, summary: Summary) -> None:
+    """Two tables: by agent and by target, each with an ``all`` row."""
+    console.print(_summary_table("Calls by agent", summary.agents(), summary.total()))
+    console.print(_summary_table("Calls by target", summary.targets(), summary.total()))
+
+
+def timeline(calls: Iterable[Record]) -> list[tuple[float, Record]]:
+    """``(start offset in ms from the first call's start, record)`` in start order.
+
+    A call started at ``timestamp`` (its end) minus ``latency_ms``. Records without a
+    readable timestamp are left out.
+    """
+    started = []
+    for record in calls:
+        end = record_time(record)
+        if end is None:
+            continue
+        latency = record.get("latency_ms")
+        ms = latency if isinstance(latency, int | float) else 0.0
+        started.append((end - timedelta(milliseconds=ms), record))
+    started.sort(key=lambda item: item[0])
+    if not started:
+        return []
+    origin = started[0][0]
+    return [((start - origin) / timedelta(milliseconds=1), rec) for start, rec in started]
+
+
+def _bar(start: float, length: float, span: float) -> str:
+    if span <= 0:
+        return "█" * _BAR_WIDTH
+    left = min(int(start / span * _BAR_WIDTH), _BAR_WIDTH - 1)
+    right = max(left + 1, min(round((start + length) / span * _BAR_WIDTH), _BAR_WIDTH))
+    return " " * left + "█" * (right - left) + " " * (_BAR_WIDTH - right)
+
+
+def print_timeline(console: Console, trace_id: str, steps: Sequence[tuple[float, Record]]) -> None:
+    """The calls of one trace as a table with a bar per call on a common time axis."""
+    span = max((offset + (_number(rec.get("latency_ms"))) for offset, rec in steps), default=0.0)
+    agents = sorted({_text(rec.get("agent_id")) for _, rec in steps})
+    title = f"trace {trace_id}: {len(steps)} calls over {span:.1f} ms (agents: {', '.join(agents)})"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name, justify in (("start ms", "right"), ("duration ms", "right"), ("", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for name in ("target", "call", "outcome", "tries", "tokens", "correlation"):
+        table.add_column(name, no_wrap=True, overflow="ellipsis")
+    for offset, rec in steps:
+        duration = _number(rec.get("latency_ms"))
+        table.add_row(
+            f"+{offset:.1f}",
+            _ms(duration),
+            _bar(offset, duration, span),
+            _text(rec.get("target_system")),
+            _call(rec),
+            outcome(rec),
+            _text(rec.get("attempts")),
+            _text(rec.get("tokens_used")),
+            _text(rec.get("correlation_id")),
+        )
+    console.print(table)
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0

@@ -1,0 +1,140 @@
+"""Verification of the audit hash chain (``audit.chain: true``) over one or more files.
+
+Each chained record carries ``seq`` (1, 2, ... per sidecar process), ``prev_hash`` (the
+previous record's ``hash``; 64 zeros for seq 1) and ``hash`` (SHA-256 of
+:func:`gateway.audit_schema.canonical_text` of the record without ``hash``). Chains are
+followed per ``sidecar_id``, so logs of several sidecars may be interleaved; files are
+read in the order given (rotated files oldest first: ``audit.log.2 audit.log.1
+audit.log``). A record with ``seq`` 1 and the genesis ``prev_hash`` starts a new chain
+(a restart).
+
+Reported as breaks, each with file and line: a line that is not JSON; a record whose
+``hash`` does not match its content (edited); a ``seq`` that skips (records missing) or
+goes back; a ``prev_hash`` that is not the previous record's ``hash`` (the previous
+record was replaced); a record of a chained sidecar without chain fields. What a plain
+hash chain cannot show: records cut from the very start or end of the log, or a log
+rewritten wholesale with new hashes; keep the latest ``hash`` elsewhere to catch those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from gateway.audit_schema import GENESIS_HASH, record_hash
+from gateway.auditlog.reader import Malformed, entries
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """Where and how the chain is broken."""
+
+    source: str
+    line: int
+    seq: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        seq = f" (seq {self.seq})" if self.seq is not None else ""
+        return f"{self.source}:{self.line}{seq}: {self.reason}"
+
+
+@dataclass
+class _Link:
+    seq: int
+    hash: str
+    where: str
+
+
+@dataclass
+class Verification:
+    """The outcome: ``ok`` when at least one chained record and no break were found."""
+
+    chained: int = 0
+    unchained: int = 0
+    chains: int = 0
+    breaks: list[Break] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.chained > 0 and not self.breaks
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "chained_records": self.chained,
+            "unchained_records": self.unchained,
+            "chains": self.chains,
+            "breaks": [
+                {"file": b.source, "line": b.line, "seq": b.seq, "reason": b.reason}
+                for b in self.breaks
+            ],
+            "notes": self.notes,
+        }
+
+
+def verify(sources: Iterable[str], *, stdin: IO[bytes] | None = None) -> Verification:
+    """Check the chains of ``sources`` (paths or ``-``), in order; see the module doc.
+
+    Raises ``OSError`` if a file cannot be read.
+    """
+    result = Verification()
+    last: dict[str, _Link] = {}
+
+    def malformed(bad: Malformed) -> None:
+        result.breaks.append(Break(bad.source, bad.line, None, bad.reason))
+
+    for source, line, record in entries(sources, malformed, stdin=stdin):
+        sidecar = record.get("sidecar_id")
+        if not isinstance(sidecar, str):
+            result.unchained += 1  # an operational log line, not an audit record
+            continue
+        seq, prev, stored = record.get("seq"), record.get("prev_hash"), record.get("hash")
+        where = f"{source}:{line}"
+        if seq is None and prev is None and stored is None:
+            result.unchained += 1
+            if sidecar in last:
+                result.breaks.append(
+                    Break(source, line, None, "record without chain fields inside a chain")
+                )
+            continue
+        if not (type(seq) is int and isinstance(prev, str) and isinstance(stored, str)):
+            result.breaks.append(Break(source, line, None, "chain fields missing or mistyped"))
+            continue
+        result.chained += 1
+        problem = _link_problem(seq, prev, last.get(sidecar), result, sidecar, where)
+        if problem:
+            result.breaks.append(Break(source, line, seq, problem))
+        if record_hash(record) != stored:
+            result.breaks.append(
+                Break(source, line, seq, "hash does not match the record: record edited")
+            )
+        last[sidecar] = _Link(seq, stored, where)
+    if result.chained == 0:
+        result.notes.append("no chained records found (is audit.chain true?)")
+    return result
+
+
+def _link_problem(
+    seq: int, prev: str, before: _Link | None, result: Verification, sidecar: str, where: str
+) -> str | None:
+    if seq == 1:
+        result.chains += 1
+        return None if prev == GENESIS_HASH else "seq 1 without the genesis prev_hash"
+    if before is None:
+        result.chains += 1
+        result.notes.append(
+            f"{where}: chain of {sidecar} starts at seq {seq}: "
+            "earlier records not given (rotated away?), not verified"
+        )
+        return None
+    if seq > before.seq + 1:
+        missing = seq - before.seq - 1
+        return f"seq jumps from {before.seq} ({before.where}): {missing} record(s) missing"
+    if seq <= before.seq:
+        return f"seq does not follow {before.seq} ({before.where}): record moved or repeated"
+    if prev != before.hash:
+        return f"prev_hash is not the hash of seq {before.seq} ({before.where}): record replaced"
+    return None
