@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gateway import __version__
+from gateway.auditlog import cli as audit_cli
 
 
 def _env_int(name: str) -> int | None:
@@ -133,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
     p.set_defaults(func=_cmd_call)
+
+    audit_cli.register(sub)
 
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
     p.add_argument("--policy", default="policies/demo.yaml")

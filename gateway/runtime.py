@@ -62,7 +62,7 @@ class Gateway:
         self._idle.set()
 
     async def start(self) -> None:
-        audit.configure(self._log_stream)
+        audit.configure_from_spec(self.policy.policy.audit, self._log_stream)
         server = self.policy.policy.server
         upstream = Upstream(
             self.policy.policy.egress,
@@ -156,6 +156,7 @@ class Gateway:
         await pipeline.idempotency.aclose()
         await pipeline.resolvers.aclose()
         await pipeline.upstream.aclose()
+        audit.close()
 
     def ready(self) -> tuple[bool, dict[str, object]]:
         """Readiness and why: policy loaded, secret store usable (a valid Vault token when

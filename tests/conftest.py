@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gateway.audit_schema import AuditRecord
 from gateway.policy import PolicySet, parse_policy
 from gateway.runtime import Gateway
 from gateway.server import create_app
@@ -184,7 +185,10 @@ class Sidecar:
         return [json.loads(line) for line in self.log.getvalue().splitlines() if line.strip()]
 
     def audit_records(self) -> list[dict[str, Any]]:
-        return [r for r in self.lines() if r.get("event") == "egress_call"]
+        records = [r for r in self.lines() if r.get("event") == "egress_call"]
+        for record in records:  # every record the sidecar writes matches the schema
+            AuditRecord.model_validate(record)
+        return records
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from gateway.audit_schema import AuditRecord
 from gateway.cli import main
 from gateway.demo import run_demo
 from tests.conftest import compile_policy, envelope, openai_target
@@ -29,6 +30,9 @@ async def test_demo_runs_every_example_as_expected(tmp_path, monkeypatch):
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     calls = [r for r in records if r["event"] == "egress_call"]
     assert len(calls) == len(examples)
+    for record in calls:  # every record the sidecar wrote matches the documented schema
+        AuditRecord.model_validate(record)
+    assert {r["decision"] for r in calls} == {"allowed", "denied", "invalid"}
     assert str(audit) in text
     for secret in ("sk-demo-0001", "ak-demo-0002", "xoxb-demo-0003"):
         assert secret not in audit.read_text()
