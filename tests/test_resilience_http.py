@@ -78,6 +78,7 @@ async def test_explicit_key_conflicts_across_correlation_ids(upstream_factory, s
     assert (await sc.call(refund(500, idempotency_key="k-1")))[0] == 200
     status, answer = await sc.call({**refund(700, idempotency_key="k-1"), "correlation_id": "c2"})
     assert status == 422
+    assert answer["error"]["details"]["idempotency_key"] == "k-1"
     assert up.hits == 1
 
 
@@ -137,6 +138,7 @@ async def test_b07_breaker_opens_after_three_failed_attempts(upstream_factory, s
     answers = [await sc.call(envelope(max_retries=0)) for _ in range(5)]
     assert up.hits == 3
     for status, answer in answers[:3]:
+        assert status == 502
         assert answer["status_code"] == 500
         assert answer["error"]["retryable"] is True
     for status, answer in answers[3:]:
@@ -162,6 +164,7 @@ async def test_breaker_counts_attempts_not_calls(upstream_factory, sidecar_facto
     up = await upstream_factory(_status(503))
     sc = await sidecar_factory(compile_policy({"fake-openai": breaker_target(up.url)}))
     status, answer = await sc.call(envelope(max_retries=5))
+    assert status == 503
     assert up.hits == 3  # the fourth attempt found the breaker open
     assert answer["error"]["code"] == "CIRCUIT_OPEN"
 
@@ -331,5 +334,6 @@ async def test_reload_keeps_breaker_state_of_unchanged_targets(
     path.write_text(policy_yaml({**targets, "other": openai_target(up.url)}))
     assert await sc.gateway.reload() is True
     status, answer = await sc.call(envelope(max_retries=0))
+    assert status == 503
     assert answer["error"]["code"] == "CIRCUIT_OPEN"
     assert up.hits == 3
