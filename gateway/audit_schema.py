@@ -67,6 +67,8 @@ class AuditRecord(BaseModel):
     replayed: bool
     warnings: list[str]
     metadata: dict[str, Any]
+    # W3C traceparent sent upstream (trace-id and this call's parent-id); added in 1.x.
+    traceparent: str | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar).
     seq: int | None = None
     prev_hash: str | None = None

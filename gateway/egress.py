@@ -27,6 +27,7 @@ from gateway.envelope import QUERY_METHODS, ExternalCallRequest
 from gateway.errors import EgressDenied, PermissionDenied
 from gateway.policy import CompiledTarget, EgressSpec, PolicySet
 from gateway.secrets.refs import InvalidSecretRef, parse_ref
+from gateway.tracing import TRACE_HEADERS
 
 _ENCODED_FORBIDDEN: Final = re.compile(r"%(2e|2f|5c|0[0-9a-f]|1[0-9a-f]|7f|25)", re.IGNORECASE)
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
@@ -123,7 +124,7 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 details={"reason": "ref_not_allowed", "api_key_ref": shown},
             )
     for name in request.headers:
-        if name.lower() not in target.forward_headers:
+        if name.lower() not in target.forward_headers and name.lower() not in TRACE_HEADERS:
             raise PermissionDenied(
                 f"header {name!r} may not be set by the agent on target {target.name!r} "
                 "(the policy's forward_headers lists those that may)",

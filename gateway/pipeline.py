@@ -46,6 +46,7 @@ from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.ratelimit import RateLimitGroups, estimate_tokens
 from gateway.secrets import ResolvedSecret, SecretResolvers, parse_ref
+from gateway.tracing import TRACE_HEADERS, outbound_headers
 from gateway.upstream import Credential, OutboundRequest, Upstream
 from gateway.usage import TokenUsage, extract_usage
 
@@ -69,6 +70,7 @@ class CallContext:
     rate_limit_group: str | None = None
     idempotency_key: str | None = None
     replayed: bool = False
+    traceparent: str | None = None
     decision: str = "invalid"
     warnings: list[str] = field(default_factory=list)
     #: Identifiers read from an envelope that failed validation, for its audit record.
@@ -296,7 +298,10 @@ class Pipeline:
             ctx.request_sha256 = hashlib.sha256(body).hexdigest()
         else:
             ctx.request_sha256 = hashlib.sha256(urlencode(query).encode()).hexdigest()
-        headers = {**spec.static_headers, **request.headers}
+        agent_headers = {k: v for k, v in request.headers.items() if k.lower() not in TRACE_HEADERS}
+        trace = outbound_headers(request.trace_id, request.headers)
+        ctx.traceparent = trace["traceparent"]
+        headers = {**spec.static_headers, **agent_headers, **trace}
         if ctx.idempotency_key is not None and spec.idempotency is not None:
             headers[spec.idempotency.header] = ctx.idempotency_key
         group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
@@ -432,6 +437,7 @@ class Pipeline:
             "replayed": ctx.replayed,
             "warnings": [*ctx.warnings, *log.warnings],
             "metadata": request.metadata if request else {},
+            "traceparent": ctx.traceparent,
         }
         if error is not None and error.code.value in ("EGRESS_DENIED",):
             record["warnings"] = [*ctx.warnings, f"egress denied: {error.message}"]

@@ -75,6 +75,7 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "replayed": replayed,
         "warnings": ["unknown envelope field 'foo' ignored"] if number % 17 == 0 else [],
         "metadata": {"step": number % 5, "tags": ["gen"]},
+        "traceparent": f"00-{number:032x}-{number + 1:016x}-01",
     }
     return record
 
