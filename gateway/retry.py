@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping
-from datetime import UTC
-from email.utils import parsedate_to_datetime
 from typing import Final, Literal
 
 from gateway.envelope import IDEMPOTENT_METHODS
+from gateway.ratelimit_headers import retry_after_s
 
 TransportKind = Literal["connect", "timeout", "reset"]
 #: An answer's Retry-After beyond this is treated as this (a day): it bounds arithmetic.
@@ -28,36 +27,11 @@ MAX_RETRY_AFTER_S: Final = 86400.0
 
 
 def parse_retry_after(headers: Mapping[str, str], now_epoch_s: float) -> float | None:
-    """Seconds the upstream asked us to wait, or None. ``headers`` keys are lower-case."""
-    raw_ms = headers.get("retry-after-ms")
-    if raw_ms is not None:
-        try:
-            ms = float(raw_ms)
-        except ValueError:
-            ms = -1.0
-        if ms >= 0 and ms == ms:  # not NaN
-            return min(ms / 1000.0, MAX_RETRY_AFTER_S)
-    raw = headers.get("retry-after")
-    if raw is None:
-        return None
-    raw = raw.strip()
-    if raw.isdigit():
-        return min(float(raw), MAX_RETRY_AFTER_S)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        pass
-    else:
-        return min(max(seconds, 0.0), MAX_RETRY_AFTER_S) if seconds == seconds else None
-    try:
-        when = parsedate_to_datetime(raw)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        # asctime dates (and "-0000") carry no zone; every HTTP-date is in GMT (RFC 9110
-        # section 5.6.7, which recipients must accept in all three formats).
-        when = when.replace(tzinfo=UTC)
-    return min(max(when.timestamp() - now_epoch_s, 0.0), MAX_RETRY_AFTER_S)
+    """Seconds the upstream asked us to wait (``retry-after-ms``, else ``Retry-After``),
+    capped at :data:`MAX_RETRY_AFTER_S`; None when absent or unreadable (then backoff
+    applies). The parsing rules live in :func:`gateway.ratelimit_headers.retry_after_s`."""
+    seconds = retry_after_s(headers, now_epoch_s)
+    return None if seconds is None else min(seconds, MAX_RETRY_AFTER_S)
 
 
 def backoff_s(retry_number: int, base_s: float, cap_s: float, rng: random.Random) -> float:

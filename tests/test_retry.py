@@ -29,9 +29,9 @@ DATE_EPOCH = calendar.timegm((2015, 10, 21, 7, 28, 0))
         ({"retry-after": " 7 "}, 7.0),
         ({"retry-after": "0"}, 0.0),
         ({"retry-after": "1.5"}, 1.5),  # not RFC delay-seconds, but sent in practice
-        ({"retry-after": "-5"}, 0.0),  # negative: clamped, never a negative wait
+        ({"retry-after": "-5"}, None),  # negative: meaningless, so backoff applies
         ({"retry-after": "99999999"}, MAX_RETRY_AFTER_S),
-        ({"retry-after": "inf"}, MAX_RETRY_AFTER_S),
+        ({"retry-after": "inf"}, None),  # not a number of seconds: backoff applies
         ({"retry-after": "nan"}, None),
         ({"retry-after": "NaN"}, None),
         ({"retry-after": ""}, None),
