@@ -116,11 +116,32 @@ class EgressSpec(_Strict):
     deny_cidrs: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = Field(default_factory=list)
 
     def allows(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        address = _embedded_ipv4(address)
         if any(address in net for net in self.deny_cidrs):
             return False
-        return address.is_global or any(address in net for net in self.allow_cidrs)
+        if any(address in net for net in self.allow_cidrs):
+            return True
+        return address.is_global and not address.is_multicast
+
+
+_NAT64: Final = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix
+_SIX_TO_FOUR: Final = ipaddress.IPv6Network("2002::/16")  # RFC 3056
+
+
+def _embedded_ipv4(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The IPv4 address an IPv6 one reaches (mapped, NAT64, 6to4), checked as IPv4: so
+    ``64:ff9b::a9fe:a9fe`` is the metadata address 169.254.169.254."""
+    if isinstance(address, ipaddress.IPv4Address):
+        return address
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address in _NAT64:
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if address.sixtofour is not None:
+        return address.sixtofour
+    return address
 
 
 class CredentialSpec(_Strict):
@@ -383,8 +404,9 @@ class Policy(_Strict):
                 address = None
             if address is not None and not self.egress.allows(address):
                 problems.append(
-                    f"targets.{name}.base_url: {host} is not a public address; "
-                    "list it in egress.allow_cidrs to allow it"
+                    f"targets.{name}.base_url: {host} is not allowed by the egress policy "
+                    "(not a public address, or in egress.deny_cidrs); list it in "
+                    "egress.allow_cidrs to allow it"
                 )
             needs_redis = target.idempotency is not None and target.idempotency.scope == "cluster"
             if needs_redis and self.redis is None:

@@ -292,7 +292,8 @@ class Upstream:
         if resp.status in (301, 302, 303) and method not in ("GET", "HEAD"):
             return None  # answered as is: resending a body to another path is a new call
         base_path = request.target.base_url.path.rstrip("/")
-        relative = location.path[len(base_path) :] if location.path.startswith(base_path) else ""
+        inside = location.path == base_path or location.path.startswith(base_path + "/")
+        relative = location.path[len(base_path) :] if inside else ""
         if (
             not relative
             or endpoint_problem(location.raw_path) is not None

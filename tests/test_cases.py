@@ -716,3 +716,16 @@ async def test_b21_one_event_bigger_than_read_buffer(upstream_factory, sidecar_f
     assert status == 200, answer["error"]
     assert answer["data"]["content"] == content
     assert answer["tokens_used"] == 3
+
+
+async def test_redirect_outside_the_base_path_is_refused(upstream_factory, sidecar_factory):
+    async def sideways(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=307, headers={"Location": "/basement/v1/models/x"})
+
+    up = await upstream_factory(sideways)
+    target = openai_target(up.url + "/base")
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    status, answer = await sc.call(envelope(method="GET", endpoint="/v1/models/x"))
+    assert status == 403
+    assert answer["error"]["details"]["reason"] == "redirect_outside_allowlist"
+    assert [s.path for s in up.seen] == ["/base/v1/models/x"]

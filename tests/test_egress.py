@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 import pytest
@@ -420,3 +421,25 @@ def test_check_address_follows_allow_and_deny() -> None:
     check_address(egress, "inventory.internal", "10.1.2.3")
     with pytest.raises(EgressDenied):
         check_address(egress, "inventory.internal", "10.0.0.5")
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "64:ff9b::a9fe:a9fe",  # NAT64 (RFC 6052) of 169.254.169.254
+        "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
+        "2002:a9fe:a9fe::1",  # 6to4 (RFC 3056) of 169.254.169.254
+        "224.0.0.251",  # multicast
+        "ff02::1",
+    ],
+)
+def test_ipv6_forms_of_private_addresses_are_checked_as_ipv4(address: str) -> None:
+    from gateway.policy import EgressSpec
+
+    assert EgressSpec().allows(ipaddress.ip_address(address)) is False
+
+
+def test_nat64_of_a_public_address_is_allowed() -> None:
+    from gateway.policy import EgressSpec
+
+    assert EgressSpec().allows(ipaddress.ip_address("64:ff9b::808:808")) is True  # 8.8.8.8

@@ -340,6 +340,7 @@ def test_loopback_literal_base_url_is_accepted_once_allowed() -> None:
     with pytest.raises(PolicyError) as info:
         compile_policy({"t": spec}, egress={})
     assert info.value.problems == [
-        "test-policy.yaml:1: targets.t.base_url: 127.0.0.1 is not a public address; "
+        "test-policy.yaml:1: targets.t.base_url: 127.0.0.1 is not allowed by the egress policy "
+        "(not a public address, or in egress.deny_cidrs); "
         "list it in egress.allow_cidrs to allow it"
     ]
