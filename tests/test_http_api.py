@@ -176,8 +176,8 @@ def test_private_literal_base_url_needs_allow_cidrs():
     with pytest.raises(PolicyError) as caught:
         compile_policy({"fake-openai": openai_target("http://10.1.2.3:8080")})
     assert caught.value.problems == [
-        "test-policy.yaml:1: targets.fake-openai.base_url: 10.1.2.3 is not allowed by the egress policy "
-        "(not a public address, or in egress.deny_cidrs); "
+        "test-policy.yaml:1: targets.fake-openai.base_url: 10.1.2.3 is not allowed by the "
+        "egress policy (not a public address, or in egress.deny_cidrs); "
         "list it in egress.allow_cidrs to allow it"
     ]
 
