@@ -241,3 +241,30 @@ async def test_a_key_sent_as_api_key_ref_is_not_copied_into_the_audit_record() -
     [record] = [r for r in lines(stream) if r.get("event") == CALL_EVENT]
     assert record["api_key_ref"] == NOT_A_REFERENCE
     assert record["error_code"] == "PERMISSION_DENIED"
+
+
+def test_sensitive_keys_are_redacted_at_any_depth() -> None:
+    import io
+    import json
+
+    from gateway import audit
+
+    stream = io.StringIO()
+    audit.configure(stream)
+    try:
+        audit.AuditLog("a").event(
+            "probe",
+            metadata={
+                "step": 1,
+                "creds": {"API_KEY": "agent-pasted-value-123"},
+                "list": [{"token": "another-pasted-value-456"}],
+            },
+        )
+    finally:
+        audit.configure()
+    line = json.loads(stream.getvalue().splitlines()[-1])
+    assert line["metadata"] == {
+        "step": 1,
+        "creds": {"API_KEY": "[REDACTED]"},
+        "list": [{"token": "[REDACTED]"}],
+    }
