@@ -17,7 +17,7 @@ from gateway.metrics import Metrics
 from gateway.policy import RateLimitGroupSpec, RedisSpec
 from gateway.ratelimit import RateLimitGroup, RateLimitGroups
 from gateway.ratelimit_cluster import ClusterLimits, ClusterRateLimitGroup
-from gateway.stores.redis import RedisClient, RedisUnavailable, redis_url
+from gateway.stores.redis import FAIL_FAST_S, RedisClient, RedisUnavailable, redis_url
 from tests.redis_fixtures import (
     SHARED_URL,
     PrivateRedis,
@@ -75,6 +75,19 @@ async def make_group(redis_prefix: str) -> AsyncIterator[MakeGroup]:
     for limits, client in made:
         await limits.aclose()
         await client.aclose()
+
+
+async def wait_until_up(client: RedisClient, timeout_s: float = 5.0) -> None:
+    """Poll (bounded) until the client reaches Redis again: it retries by itself once its
+    fail-fast window (FAIL_FAST_S) after the last failure has passed."""
+    deadline = now() + timeout_s
+    while True:
+        try:
+            await client.ping()
+            return
+        except RedisUnavailable:
+            assert now() < deadline, "the client did not reconnect"
+            await asyncio.sleep(0.02)
 
 
 # --- the script -------------------------------------------------------------------------
@@ -246,6 +259,36 @@ async def test_fail_closed_refuses_retryably(make_group: MakeGroup) -> None:
     assert "127.0.0.1" in err.message
 
 
+async def test_a_hung_redis_costs_one_timeout_per_fail_fast_window() -> None:
+    async def black_hole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)  # accepts, reads, never answers
+        writer.close()
+
+    server = await asyncio.start_server(black_hole, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    s = RedisSpec(key_prefix="hung", socket_timeout_s=0.1, connect_timeout_s=0.1)
+    client = RedisClient(s, url=f"redis://127.0.0.1:{port}/0")
+    limits = ClusterLimits(client)
+    group = limits.group("hung", spec(requests_per_second=1000.0, burst=100))
+    try:
+        started = now()
+        await group.acquire(deadline=FAR)  # waits for the timeout, then falls back
+        assert 0.1 <= now() - started < 0.5
+        started = now()
+        for _ in range(10):
+            await group.acquire(deadline=FAR)
+        assert now() - started < 0.1  # inside FAIL_FAST_S: no more waiting on Redis
+        await asyncio.sleep(FAIL_FAST_S)
+        started = now()
+        await group.acquire(deadline=FAR)
+        assert now() - started >= 0.1  # tried Redis again
+    finally:
+        await limits.aclose()
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_reconnects_when_redis_is_back_and_costs_one_script_call(
     private_redis: PrivateRedis,
 ) -> None:
@@ -261,6 +304,7 @@ async def test_reconnects_when_redis_is_back_and_costs_one_script_call(
         assert client.state == "unavailable"
         assert len(warnings) == 1
         private_redis.start()  # empty: no keys, no scripts
+        await wait_until_up(client)
         private_redis.reset_stats()
         warnings.clear()
         n = 30
