@@ -8,13 +8,14 @@ import asyncio
 import itertools
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.errors import CapacityExceeded
 from gateway.metrics import Metrics
-from gateway.policy import RateLimitGroupSpec, RedisSpec
+from gateway.policy import RateLimitGroupSpec, RedisSpec, parse_policy
 from gateway.ratelimit import RateLimitGroup, RateLimitGroups
 from gateway.ratelimit_cluster import ClusterLimits, ClusterRateLimitGroup
 from gateway.stores.redis import FAIL_FAST_S, RedisClient, RedisUnavailable, redis_url
@@ -368,6 +369,18 @@ async def test_groups_build_cluster_groups_by_scope(redis_prefix: str) -> None:
     finally:
         await limits.aclose()
         await client.aclose()
+
+
+def test_the_docs_example_is_a_valid_policy() -> None:
+    text = (Path(__file__).parent.parent / "docs" / "cluster.md").read_text()
+    example = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    policy = parse_policy(example, "docs/cluster.md")
+    assert policy.rate_limit_groups["openai-org"].scope == "cluster"
+    assert policy.redis is not None
+    assert policy.redis.pool_size == 32
+    payments = policy.targets["payments"].idempotency
+    assert payments is not None
+    assert payments.scope == "cluster"
 
 
 def test_redis_url_env_overrides_the_policy() -> None:

@@ -21,9 +21,17 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis
 from aiohttp import web
 
-from tests.conftest import FakeUpstream, envelope, policy_yaml, wait_for
+from tests.conftest import (
+    FakeUpstream,
+    Sidecar,
+    compile_policy,
+    envelope,
+    policy_yaml,
+    wait_for,
+)
 from tests.redis_fixtures import SHARED_URL, PrivateRedis, private_redis, redis_prefix
 from tests.test_lifecycle import ROOT, Process
 
@@ -286,3 +294,38 @@ async def test_redis_down_then_back(
         stats = private_redis.commandstats()
         # Cluster idempotency: begin before the call, complete after it (+ loads).
         assert stats["evalsha"] - stats.get("script|load", 0) == 2
+
+
+async def test_gateway_wires_cluster_stores_by_scope(
+    upstream: FakeUpstream,
+    sidecar_factory: Callable[..., Awaitable[Sidecar]],
+    redis_prefix: str,
+) -> None:
+    policy = compile_policy(
+        {
+            "shared": _target(
+                upstream.url,
+                rate_limit_group="g",
+                idempotency={"scope": "cluster", "methods": ["POST"]},
+            ),
+            "mine": _target(upstream.url, idempotency={"scope": "local", "methods": ["POST"]}),
+        },
+        rate_limit_groups={"g": {"requests_per_second": 100, "burst": 5, "scope": "cluster"}},
+        redis={"url": SHARED_URL, "key_prefix": redis_prefix},
+    )
+    side = await sidecar_factory(policy)
+    gateway = side.gateway
+    assert gateway.redis is not None
+    assert gateway.redis.state == "unused"  # no connection before the first cluster call
+    status, answer = await side.call(_call("shared", "a", "POST", idempotency_key="k-1"))
+    assert status == 200, answer
+    status, answer = await side.call(_call("mine", "b", "POST", idempotency_key="k-2"))
+    assert status == 200, answer
+    assert gateway.ready()[1]["redis"] == "ok"
+    with redis.Redis.from_url(SHARED_URL) as client:
+        keys = {k.decode() for k in client.scan_iter(match=f"{redis_prefix}:*")}
+    # The cluster group and the cluster target live in Redis; the local target does not.
+    assert keys == {f"{redis_prefix}:rl:{{g}}:req", f"{redis_prefix}:idem:shared:k-1"}
+    assert [r["warnings"] for r in side.audit_records()] == [[], []]
+    await gateway.aclose()
+    assert gateway.pipeline is None
