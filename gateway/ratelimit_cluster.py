@@ -292,13 +292,14 @@ class ClusterRateLimitGroup(RateLimitGroup):
             if not booking.booked:
                 raise self._refusal(booking.wait_s, limit, hold=booking.hold_s > budget)
             if booking.wait_s > 0:
+                known_hold = self._hold_until
                 try:
                     await self._sleep(booking.wait_s)
                 except asyncio.CancelledError:
                     self._refund(tokens)
                     raise
-                if self._hold_until > loop.time():
-                    # Learnt of a hold while sleeping: the booked slot falls inside it.
+                if self._hold_until > known_hold and self._hold_until > loop.time():
+                    # A hold came while sleeping: the booked slot falls inside it.
                     self._refund(tokens)
                     continue
             if self._on_admit is not None:

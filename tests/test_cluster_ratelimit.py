@@ -226,6 +226,22 @@ async def test_provider_hold_reaches_the_other_sidecars(make_group: MakeGroup) -
     assert b.held_for_s() == 0
 
 
+async def test_a_hold_during_the_wait_moves_the_booked_call_after_it(
+    make_group: MakeGroup,
+) -> None:
+    admitted: list[float] = []
+    group = await make_group(
+        "hw", spec(requests_per_second=10.0), on_admit=lambda _, t: admitted.append(t)
+    )
+    await group.acquire(deadline=FAR)
+    waiter = asyncio.create_task(group.acquire(deadline=FAR))  # booked ~0.1 s ahead
+    await asyncio.sleep(0.02)
+    held_at = now()
+    group.hold_for(0.3, reason="retry-after")  # the provider says: not before +0.3 s
+    await waiter
+    assert admitted[-1] >= held_at + 0.3
+
+
 # --- Redis unavailable --------------------------------------------------------------------
 
 
