@@ -140,7 +140,9 @@ class Attempts:
         if self.group is None:
             return
         waited = await self.group.acquire(
-            tokens=self.tokens_reserved if first else 0, deadline=self.deadline
+            tokens=self.tokens_reserved if first else 0,
+            deadline=self.deadline,
+            warnings=self.log.warnings,  # e.g. a cluster group that fell back to local
         )
         self.log.admitted = True
         self.log.rate_limit_wait_s += waited

@@ -21,6 +21,7 @@ tokens_total                           counter    target, kind (input|output|cac
 retries_total                          counter    target
 ratelimit_wait_seconds                 histogram  group
 ratelimit_rejections_total             counter    group
+redis_fallbacks_total                  counter    group
 breaker_state                          gauge      target (0 closed, 1 half-open, 2 open)
 breaker_transitions_total              counter    target, to
 secret_cache_total                     counter    result (hit|miss|stale)
@@ -109,6 +110,11 @@ class Metrics:
         )  # fmt: skip
         self.ratelimit_rejections = Counter(
             "ratelimit_rejections", "Calls refused because the group could not admit in time.",
+            ["group"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.redis_fallbacks = Counter(
+            "redis_fallbacks",
+            "Calls a fail-open cluster group admitted locally because Redis was unavailable.",
             ["group"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
         self.breaker_state = Gauge(
@@ -210,6 +216,11 @@ class Metrics:
     def observe_ratelimit_rejection(self, group: str) -> None:
         """Count one call the rate-limit group refused (CAPACITY_EXCEEDED)."""
         self.ratelimit_rejections.labels(self._group(group)).inc()
+
+    def observe_redis_fallback(self, group: str) -> None:
+        """Count one call a cluster-scope group admitted with its local limiter (fail-open)
+        because Redis was unavailable."""
+        self.redis_fallbacks.labels(self._group(group)).inc()
 
     def observe_breaker_transition(self, target: str, to: BreakerState) -> None:
         """Record a circuit breaker state change: sets the gauge, counts the transition."""

@@ -41,9 +41,10 @@ from gateway.errors import (
 )
 from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Replay
 from gateway.idempotency.keys import derive_key, fingerprint, store_key
+from gateway.idempotency.scopes import IdempotencyStores
 from gateway.intake import decode_json, parse_request
 from gateway.metrics import Metrics, Outcome
-from gateway.policy import CompiledTarget, PolicySet
+from gateway.policy import CompiledTarget, IdempotencySpec, PolicySet
 from gateway.ratelimit import RateLimitGroups, estimate_tokens
 from gateway.secrets import ResolvedSecret, SecretResolvers, parse_ref
 from gateway.tracing import TRACE_HEADERS, outbound_headers
@@ -90,12 +91,17 @@ class Pipeline:
         metrics: Metrics,
         groups: RateLimitGroups,
         breakers: CircuitBreakers,
-        idempotency: IdempotencyStore,
+        idempotency: IdempotencyStores | IdempotencyStore,
         rng: random.Random | None = None,
     ) -> None:
         self.groups = groups
         self.breakers = breakers
-        self.idempotency = idempotency
+        #: The idempotency stores by scope (a single store serves every scope).
+        self.idempotency = (
+            idempotency
+            if isinstance(idempotency, IdempotencyStores)
+            else IdempotencyStores(idempotency)
+        )
         self.policy = policy
         self.resolvers = resolvers
         self.upstream = upstream
@@ -212,7 +218,7 @@ class Pipeline:
                 request.method,
                 request.endpoint,
             )
-            return await self._idempotent(request, target, ctx, deadline, spec.idempotency.ttl_s)
+            return await self._idempotent(request, target, ctx, deadline, spec.idempotency)
         return 200, await self._forward(request, target, ctx, deadline)
 
     async def _idempotent(
@@ -221,17 +227,18 @@ class Pipeline:
         target: CompiledTarget,
         ctx: CallContext,
         deadline: float,
-        ttl_s: float,
+        idempotency: IdempotencySpec,
     ) -> tuple[int, ExternalCallResponse]:
         """One upstream call per idempotency key: replay a stored answer, wait for an
-        identical call in flight, or refuse a reused key whose request differs."""
+        identical call in flight, or refuse a reused key whose request differs. The
+        store is the one of the target's ``idempotency.scope``."""
         assert ctx.idempotency_key is not None
+        store = self.idempotency.for_scope(idempotency.scope)
+        ttl_s = idempotency.ttl_s
         key = store_key(target.name, ctx.idempotency_key)
         fp = fingerprint(target.name, request.method, request.endpoint, request.parameters)
         while True:
-            outcome = await self.idempotency.begin(
-                key, fp, lease_s=max(deadline - time.monotonic(), 0.001)
-            )
+            outcome = await store.begin(key, fp, lease_s=max(deadline - time.monotonic(), 0.001))
             if isinstance(outcome, Replay):
                 return self._replay(outcome.answer, request, ctx)
             if isinstance(outcome, Conflict):
@@ -242,7 +249,7 @@ class Pipeline:
                     details={"reason": "key_reused", "idempotency_key": ctx.idempotency_key},
                 )
             if isinstance(outcome, InFlight):
-                stored = await self.idempotency.wait(key, fp, deadline=deadline)
+                stored = await store.wait(key, fp, deadline=deadline)
                 if stored is not None:
                     return self._replay(stored, request, ctx)
                 if time.monotonic() >= deadline:
@@ -255,14 +262,12 @@ class Pipeline:
         except UpstreamRejected as exc:
             # The upstream's definitive answer to this request: replay it, like Stripe.
             failed = self._failure(exc, ctx)
-            await self.idempotency.complete(
-                key, token, _stored(_answer_status(exc), failed), ttl_s=ttl_s
-            )
+            await store.complete(key, token, _stored(_answer_status(exc), failed), ttl_s=ttl_s)
             raise
         except BaseException:
-            await asyncio.shield(self.idempotency.abandon(key, token))
+            await asyncio.shield(store.abandon(key, token))
             raise
-        await self.idempotency.complete(key, token, _stored(200, response), ttl_s=ttl_s)
+        await store.complete(key, token, _stored(200, response), ttl_s=ttl_s)
         return 200, response
 
     def _replay(

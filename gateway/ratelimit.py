@@ -34,8 +34,11 @@ makes the group admit nothing until the provider's reset time, capped at
 ``MAX_PROVIDER_HOLD_S``.
 
 Policy keys: ``rate_limit_groups.<name>.requests_per_second``, ``.burst``,
-``.tokens_per_minute``, ``.max_queue_s``; ``targets.<name>.rate_limit_group``. ``scope:
-cluster`` groups are limited per process here (the Redis limiter is separate work).
+``.tokens_per_minute``, ``.max_queue_s``; ``targets.<name>.rate_limit_group``. Groups
+with ``scope: cluster`` are built by the ``cluster`` factory given to
+:class:`RateLimitGroups` (:class:`gateway.ratelimit_cluster.ClusterLimits`: shared through
+Redis, with this module's limiter as the fail-open fallback); without one they are
+limited per process.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ from gateway.ratelimit_headers import provider_hold_s, retry_after_s
 
 __all__ = [
     "MAX_PROVIDER_HOLD_S",
+    "AdmitHook",
+    "GroupFactory",
     "RateLimitGroup",
     "RateLimitGroups",
     "estimate_tokens",
@@ -85,6 +90,8 @@ _MIN_STEP_S: Final = 1e-6
 _SLACK_S: Final = 1e-6
 
 AdmitHook = Callable[[str, float], None]
+#: Builds the group of a ``scope: cluster`` spec: ``(name, spec, on_admit) -> group``.
+GroupFactory = Callable[[str, RateLimitGroupSpec, AdmitHook | None], "RateLimitGroup"]
 
 
 def estimate_tokens(parameters: Mapping[str, Any]) -> int:
@@ -214,7 +221,9 @@ class RateLimitGroup:
         """Calls waiting now."""
         return len(self._queue)
 
-    async def acquire(self, *, tokens: int = 0, deadline: float) -> float:
+    async def acquire(
+        self, *, tokens: int = 0, deadline: float, warnings: list[str] | None = None
+    ) -> float:
         """Wait for capacity for one call reserving ``tokens``; return the seconds waited.
 
         ``deadline`` is absolute, on ``loop.time()``. Waits at most
@@ -223,15 +232,19 @@ class RateLimitGroup:
         "deadline" or "provider_hold", ``retry_after_s`` = seconds until the group could
         admit it) at once if it cannot be admitted in time, or later if a provider hold
         or a token charge pushes it past its budget; non-retryable with reason
-        "too_large" if ``tokens`` exceeds ``tokens_per_minute``.
+        "too_large" if ``tokens`` exceeds ``tokens_per_minute``. ``warnings``, if given,
+        receives the call's warnings for its audit record (a local group has none).
         """
+        tokens = self._checked_tokens(tokens)
+        return await self._acquire_local(tokens, deadline, asyncio.get_running_loop().time())
+
+    def _checked_tokens(self, tokens: int) -> int:
+        """``tokens`` to reserve (0 without a token budget); refuses impossible requests."""
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
-        loop = asyncio.get_running_loop()
-        now = loop.time()
         if self._tokens is None:
-            tokens = 0
-        elif tokens > self._tokens.max_rate:
+            return 0
+        if tokens > self._tokens.max_rate:
             raise CapacityExceeded(
                 f"the call's token estimate ({tokens}) exceeds rate-limit group "
                 f"{self.name!r}'s tokens_per_minute ({self.spec.tokens_per_minute}); "
@@ -239,10 +252,22 @@ class RateLimitGroup:
                 details={"group": self.name, "reason": "too_large", "tokens": tokens},
                 retryable=False,
             )
-        if deadline - now < self.spec.max_queue_s:
-            budget, limit = max(deadline - now, 0.0), "deadline"
-        else:
-            budget, limit = self.spec.max_queue_s, "queue_timeout"
+        return tokens
+
+    def _budget(self, now: float, deadline: float, arrived_at: float) -> tuple[float, str]:
+        """Seconds a call that arrived at ``arrived_at`` may still wait at ``now``, and
+        which limit binds ("deadline" or "queue_timeout")."""
+        queue_left = self.spec.max_queue_s - (now - arrived_at)
+        if deadline - now < queue_left:
+            return max(deadline - now, 0.0), "deadline"
+        return max(queue_left, 0.0), "queue_timeout"
+
+    async def _acquire_local(self, tokens: int, deadline: float, arrived_at: float) -> float:
+        """:meth:`acquire` on this process's buckets for checked ``tokens``, counting the
+        queue budget from ``arrived_at`` (loop time); the seconds waited from now."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        budget, limit = self._budget(now, deadline, arrived_at)
         if not self._queue and now >= self._hold_until:
             admitted_at = self._try_admit(tokens)
             if admitted_at is not None:
@@ -412,16 +437,28 @@ class RateLimitGroup:
 
 
 class RateLimitGroups:
-    """The rate-limit groups of a policy (``rate_limit_groups``), by name."""
+    """The rate-limit groups of a policy (``rate_limit_groups``), by name.
+
+    ``cluster`` builds the groups whose spec says ``scope: cluster``
+    (:meth:`gateway.ratelimit_cluster.ClusterLimits.group`); without it every group is
+    local to this process.
+    """
 
     def __init__(
         self,
         specs: Mapping[str, RateLimitGroupSpec],
         *,
         on_admit: AdmitHook | None = None,
+        cluster: GroupFactory | None = None,
     ) -> None:
         self._on_admit = on_admit
-        self._groups = {n: RateLimitGroup(n, s, on_admit=on_admit) for n, s in specs.items()}
+        self._cluster = cluster
+        self._groups = {n: self._make(n, s) for n, s in specs.items()}
+
+    def _make(self, name: str, spec: RateLimitGroupSpec) -> RateLimitGroup:
+        if spec.scope == "cluster" and self._cluster is not None:
+            return self._cluster(name, spec, self._on_admit)
+        return RateLimitGroup(name, spec, on_admit=self._on_admit)
 
     def get(self, name: str) -> RateLimitGroup | None:
         return self._groups.get(name)
@@ -433,14 +470,14 @@ class RateLimitGroups:
         """Hot reload (call on the event loop): unchanged groups keep their state (same
         object); changed groups start from the old group's usage clamped to the new
         sizes, and its hold; removed groups are dropped (calls already waiting on them
-        finish there)."""
+        finish there). A cluster group's shared state stays in Redis, under its name."""
         groups: dict[str, RateLimitGroup] = {}
         for name, spec in specs.items():
             old = self._groups.get(name)
             if old is not None and old.spec == spec:
                 groups[name] = old
                 continue
-            group = RateLimitGroup(name, spec, on_admit=self._on_admit)
+            group = self._make(name, spec)
             if old is not None:
                 group._inherit(old)
             groups[name] = group

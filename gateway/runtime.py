@@ -19,11 +19,15 @@ from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import ShuttingDown
 from gateway.idempotency.memory import MemoryIdempotencyStore
+from gateway.idempotency.redis import RedisIdempotencyStore
+from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
 from gateway.policy import PolicyError, PolicySet, load_policy
 from gateway.ratelimit import RateLimitGroups
+from gateway.ratelimit_cluster import ClusterLimits
 from gateway.secrets.factory import build_secret_resolvers, secrets_ready, start_secret_resolvers
+from gateway.stores.redis import RedisClient
 from gateway.upstream import Upstream
 
 _log = audit.get_logger("gateway.runtime")
@@ -55,6 +59,9 @@ class Gateway:
         self._dns_resolver = resolver
         self._log_stream = log_stream
         self.pipeline: Pipeline | None = None
+        #: The Redis client and the cluster-scope groups' owner, with a ``redis:`` section.
+        self.redis: RedisClient | None = None
+        self.cluster_limits: ClusterLimits | None = None
         self.metrics = Metrics()
         self.draining = False
         self._tasks: set[asyncio.Task[tuple[int, ExternalCallResponse]]] = set()
@@ -72,15 +79,29 @@ class Gateway:
         await upstream.start()
         resolvers = build_secret_resolvers(self.policy.policy)
         await start_secret_resolvers(resolvers)
+        redis_spec = self.policy.policy.redis
+        if redis_spec is not None:
+            # Connects lazily: no connection until a cluster-scope group or target is used
+            # (built whenever configured, so a reload that turns on cluster scope works).
+            self.redis = RedisClient(redis_spec)
+            self.cluster_limits = ClusterLimits(
+                self.redis, on_fallback=self.metrics.observe_redis_fallback
+            )
         self.pipeline = Pipeline(
             self.policy,
             resolvers=resolvers,
             upstream=upstream,
             audit=audit.AuditLog(self.policy.policy.agent_id),
             metrics=self.metrics,
-            groups=RateLimitGroups(self.policy.policy.rate_limit_groups),
+            groups=RateLimitGroups(
+                self.policy.policy.rate_limit_groups,
+                cluster=self.cluster_limits.group if self.cluster_limits else None,
+            ),
             breakers=self._breakers(),
-            idempotency=MemoryIdempotencyStore(),
+            idempotency=IdempotencyStores(
+                MemoryIdempotencyStore(),
+                RedisIdempotencyStore(self.redis) if self.redis is not None else None,
+            ),
         )
         self.metrics.set_known(self.policy.targets, self.policy.policy.rate_limit_groups)
         _log.info(
@@ -154,13 +175,20 @@ class Gateway:
         if pipeline is None:
             return
         await pipeline.idempotency.aclose()
+        if self.cluster_limits is not None:
+            await self.cluster_limits.aclose()
+        if self.redis is not None:
+            await self.redis.aclose()
         await pipeline.resolvers.aclose()
         await pipeline.upstream.aclose()
         audit.close()
 
     def ready(self) -> tuple[bool, dict[str, object]]:
         """Readiness and why: policy loaded, secret store usable (a valid Vault token when
-        Vault is configured), not draining."""
+        Vault is configured), not draining. ``checks["redis"]`` (with a ``redis:``
+        section) is the last Redis operation's outcome, "unused", "ok" or "unavailable":
+        reported, never gating, as every sidecar shares the one Redis; calls answer for
+        an outage themselves (fail-open groups fall back, the others refuse, retryable)."""
         pipeline = self.pipeline
         secrets_ok = pipeline is not None and secrets_ready(pipeline.resolvers)
         checks: dict[str, object] = {
@@ -168,6 +196,8 @@ class Gateway:
             "draining": self.draining,
             "secrets": secrets_ok,
         }
+        if self.redis is not None:
+            checks["redis"] = self.redis.state
         return pipeline is not None and secrets_ok and not self.draining, checks
 
     async def call(self, body: bytes) -> tuple[int, ExternalCallResponse]:
