@@ -172,7 +172,14 @@ def _redact_nested(value: Any, depth: int) -> Any:
 
 
 def _dumps(event_dict: EventDict) -> str:
-    return json.dumps(event_dict, ensure_ascii=False, separators=(",", ":"), default=str)
+    line = json.dumps(event_dict, ensure_ascii=False, separators=(",", ":"), default=str)
+    if not line.isascii():
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate has no UTF-8 form; escaped, the record is still written.
+            line = json.dumps(event_dict, ensure_ascii=True, separators=(",", ":"), default=str)
+    return line
 
 
 def _render(_: WrappedLogger, __: str, event_dict: EventDict) -> str:

@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 from typing import Any, Final
 
+from gateway.intake import has_lone_surrogates
+from gateway.redaction import scrub_cut
+
 ERROR_TEXT_LIMIT: Final = 512
 
 
@@ -36,12 +39,15 @@ def parse_body(content_type: str | None, body: bytes, status: int) -> tuple[Any,
         return parse_sse(body), False
     if is_json_type(mtype) or not mtype:
         try:
-            return json.loads(body), True
-        except (ValueError, UnicodeDecodeError):
+            value = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
             pass
+        else:
+            if not has_lone_surrogates(body, value):
+                return value, True
     text = body.decode("utf-8", errors="replace")
     if status >= 400 and len(text) > ERROR_TEXT_LIMIT:
-        text = text[:ERROR_TEXT_LIMIT]
+        text = scrub_cut(text, ERROR_TEXT_LIMIT)
     return {"content_type": mtype or None, "text": text}, False
 
 

@@ -24,13 +24,15 @@ from typing import Any, Final
 from yarl import URL
 
 from gateway.envelope import QUERY_METHODS, ExternalCallRequest
-from gateway.errors import EgressDenied, PermissionDenied
+from gateway.errors import EgressDenied, InvalidPayload, PermissionDenied
 from gateway.policy import CompiledTarget, EgressSpec, PolicySet
 from gateway.secrets.refs import InvalidSecretRef, parse_ref
 from gateway.tracing import TRACE_HEADERS
 
 _ENCODED_FORBIDDEN: Final = re.compile(r"%(2e|2f|5c|0[0-9a-f]|1[0-9a-f]|7f|25)", re.IGNORECASE)
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+_HEADER_VALUE_BAD: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # HTAB is allowed
+_HEADER_NAME: Final = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token
 
 
 #: Shown in errors and audit records instead of an ``api_key_ref`` that is not a secret
@@ -73,7 +75,8 @@ def endpoint_problem(endpoint: str) -> str | None:
         return "query_or_fragment"
     if _ENCODED_FORBIDDEN.search(endpoint):
         return "encoded_separator"
-    if any(seg in (".", "..") for seg in endpoint.split("/")):
+    # "..;x" is ".." to Tomcat and Spring (path parameters are dropped before resolving).
+    if any(seg.split(";", 1)[0] in (".", "..") for seg in endpoint.split("/")):
         return "dot_segment"
     return None
 
@@ -123,7 +126,13 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 f"api_key_ref {shown!r} may not be sent to target {target.name!r}",
                 details={"reason": "ref_not_allowed", "api_key_ref": shown},
             )
-    for name in request.headers:
+    for name, value in request.headers.items():
+        if _HEADER_VALUE_BAD.search(value) or not _HEADER_NAME.match(name):
+            raise InvalidPayload(
+                f"header {name!r}: names must be RFC 9110 tokens and values may not "
+                "contain control characters (CR, LF, NUL...)",
+                details={"reason": "invalid_header", "header": name[:64]},
+            )
         if name.lower() not in target.forward_headers and name.lower() not in TRACE_HEADERS:
             raise PermissionDenied(
                 f"header {name!r} may not be set by the agent on target {target.name!r} "

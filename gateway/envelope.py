@@ -13,10 +13,11 @@ and suggest the closest known field.
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 #: Protocol versions this sidecar speaks. An envelope naming another gets SCHEMA_MISMATCH.
 SUPPORTED_PROTOCOL_VERSIONS: Final = frozenset({"1"})
@@ -27,6 +28,8 @@ DEFAULT_TIMEOUT_S: Final = 30.0
 MAX_TIMEOUT_S: Final = 600.0
 DEFAULT_MAX_RETRIES: Final = 3
 MAX_RETRIES_LIMIT: Final = 10
+#: ``metadata`` is copied into the audit record: it is bounded (JSON bytes).
+MAX_METADATA_BYTES: Final = 16 * 1024
 
 HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 #: Methods that RFC 9110 section 9.2.2 defines as idempotent: safe to resend after a lost answer.
@@ -85,6 +88,17 @@ class ExternalCallRequest(BaseModel):
     agent_id: Identifier | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
+        size = len(json.dumps(value, ensure_ascii=False, default=str).encode("utf-8", "replace"))
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(
+                f"metadata is {size} bytes of JSON; at most {MAX_METADATA_BYTES} are kept in "
+                "the audit record (put payloads in parameters)"
+            )
+        return value
 
 
 class ErrorPayload(BaseModel):

@@ -31,19 +31,24 @@ class Intake:
     unknown_fields: tuple[str, ...] = ()
 
 
-def decode_json(body: bytes) -> Any:
+def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
     """Parse a UTF-8 JSON document (RFC 8259; a leading BOM is ignored).
 
     Raises :class:`InvalidPayload` whose ``details.reason`` is ``not_utf8``; ``not_json``
     (with ``line`` and ``column`` for syntax errors); ``not_finite`` for ``NaN``,
     ``Infinity`` and numbers too large for a float (not JSON numbers, and they could not
-    be forwarded untouched); or ``too_deep`` past the interpreter's recursion limit.
+    be forwarded untouched); ``lone_surrogate`` for a ``\\uD800``-style escape that
+    is not half of a pair (no Unicode character: it cannot be re-encoded as UTF-8); or
+    ``too_deep`` past the interpreter's recursion limit.
     """
     try:
         # Decode first: json.loads(bytes) would also accept UTF-16 and UTF-32 (RFC 8259 8.1).
-        return json.loads(
+        value = json.loads(
             body.decode("utf-8-sig"), parse_constant=_refuse_constant, parse_float=_finite
         )
+        if check_surrogates:
+            refuse_lone_surrogates(body, value)
+        return value
     except UnicodeDecodeError:
         raise InvalidPayload(
             "the request body is not UTF-8 encoded JSON",
@@ -70,6 +75,28 @@ def decode_json(body: bytes) -> Any:
             f"the request body cannot be parsed: {str(exc)[:200]}",
             details={"reason": "not_json"},
         ) from None
+
+
+def refuse_lone_surrogates(raw: bytes, value: Any) -> None:
+    """Raise :class:`InvalidPayload` (reason ``lone_surrogate``) if ``value`` holds one."""
+    if has_lone_surrogates(raw, value):
+        raise InvalidPayload(
+            "the request body contains a \\u escape of a lone UTF-16 surrogate "
+            "(\\uD800-\\uDFFF without its pair), which is not a character",
+            details={"reason": "lone_surrogate"},
+        )
+
+
+def has_lone_surrogates(raw: bytes, value: Any) -> bool:
+    """True if the parsed ``value`` of JSON text ``raw`` holds a lone surrogate. Cheap
+    unless ``raw`` contains a ``\\uD8xx``-``\\uDFxx`` escape at all."""
+    if b"\\ud" not in raw and b"\\uD" not in raw:
+        return False
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 class _NotFinite(ValueError):

@@ -42,7 +42,7 @@ from gateway.errors import (
 from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Replay
 from gateway.idempotency.keys import derive_key, fingerprint, store_key
 from gateway.idempotency.scopes import IdempotencyStores
-from gateway.intake import decode_json, parse_request
+from gateway.intake import decode_json, parse_request, refuse_lone_surrogates
 from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget, IdempotencySpec, PolicySet
 from gateway.ratelimit import RateLimitGroups, estimate_tokens
@@ -131,9 +131,10 @@ class Pipeline:
         ctx.request_bytes = len(body)
         status, response = 500, None
         try:
-            raw = decode_json(body)
+            raw = decode_json(body, check_surrogates=False)
             if isinstance(raw, dict):
                 ctx.claimed = {k: raw[k][:256] for k in _CLAIMED if isinstance(raw.get(k), str)}
+            refuse_lone_surrogates(body, raw)
             if refuse is not None:
                 raise refuse
             intake = parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields)
@@ -398,8 +399,11 @@ class Pipeline:
             exc,
             latency_ms=(time.monotonic() - ctx.started) * 1000,
             failed_agent=ctx.agent_id,
-            trace_id=request.trace_id if request else None,
-            correlation_id=request.correlation_id if request else None,
+            # An envelope that failed validation still gets its ids back, when it had them.
+            trace_id=request.trace_id if request else ctx.claimed.get("trace_id"),
+            correlation_id=(
+                request.correlation_id if request else ctx.claimed.get("correlation_id")
+            ),
         )
 
     def _write_audit(self, ctx: CallContext, response: ExternalCallResponse) -> None:

@@ -56,6 +56,11 @@ DEFAULT_K8S_JWT_PATH: Final = "/var/run/secrets/kubernetes.io/serviceaccount/tok
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
+# CIDRs are written as strings in YAML: parsed leniently although the models are strict.
+Cidr = (
+    Annotated[ipaddress.IPv4Network, Field(strict=False)]
+    | Annotated[ipaddress.IPv6Network, Field(strict=False)]
+)
 RetryOn = int | Literal["timeout", "connect"]
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token
 _PATH_PATTERN = re.compile(r"^(/([A-Za-z0-9_.~\-:@!$&'()+,;=]+|\*|\*\*))+/?$|^/$")
@@ -83,7 +88,7 @@ FORBIDDEN_FORWARD_HEADERS: Final = frozenset(
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ServerSpec(_Strict):
@@ -112,8 +117,8 @@ class EgressSpec(_Strict):
     RFC 1918, link-local (the cloud metadata service), CGNAT and ULA ranges are refused.
     """
 
-    allow_cidrs: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = Field(default_factory=list)
-    deny_cidrs: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = Field(default_factory=list)
+    allow_cidrs: list[Cidr] = Field(default_factory=list)
+    deny_cidrs: list[Cidr] = Field(default_factory=list)
 
     def allows(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         address = _embedded_ipv4(address)
@@ -272,11 +277,32 @@ class TargetSpec(_Strict):
         url = URL(v)
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError("must be an absolute http:// or https:// URL with a host")
+        host = url.host
+        if re.fullmatch(r"[0-9.]+|0[xX][0-9a-fA-F.xX]*", host) and not _canonical_ipv4(host):
+            raise ValueError(
+                "the host is a numeric form that is not a dotted-quad IPv4 address "
+                "(e.g. 2130706433, 127.1, 0177.0.0.1): write the address out in full"
+            )
         if url.user or url.password or url.query_string or url.fragment:
             raise ValueError(
                 "may hold only scheme, host, port and a base path (no user info, query or "
                 "fragment: credentials go in 'credential')"
             )
+        return v
+
+    @field_validator("static_headers")
+    @classmethod
+    def _static(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if not _HEADER_NAME.match(name):
+                raise ValueError(f"{name!r} is not a valid HTTP header name")
+            if name.lower() in FORBIDDEN_FORWARD_HEADERS:
+                raise ValueError(
+                    f"{name!r} is set by the sidecar (hosts, framing and credentials never "
+                    "come from static headers; credentials belong in 'credential')"
+                )
+            if re.search(r"[\x00-\x08\x0a-\x1f\x7f]", value):
+                raise ValueError(f"the value of {name!r} contains control characters")
         return v
 
     @field_validator("forward_headers")
@@ -288,6 +314,13 @@ class TargetSpec(_Strict):
             if name.lower() in FORBIDDEN_FORWARD_HEADERS:
                 raise ValueError(f"{name!r} is set by the sidecar and cannot be forwarded")
         return v
+
+
+def _canonical_ipv4(host: str) -> bool:
+    try:
+        return str(ipaddress.IPv4Address(host)) == host
+    except ValueError:
+        return False
 
 
 class RateLimitGroupSpec(_Strict):

@@ -19,6 +19,8 @@ REDACTED: Final = "[REDACTED]"
 #: real credential is that short.
 MIN_SCRUB_LENGTH: Final = 8
 _MAX_TRACKED: Final = 4096
+#: A secret's first characters shorter than this, left at a cut, are not masked.
+_MIN_PREFIX: Final = 4
 
 #: Keys whose values are replaced in audit and log records wherever they appear.
 SENSITIVE_KEYS: Final = frozenset(
@@ -71,6 +73,21 @@ def scrub(text: str) -> str:
         for form in forms:
             if form in text:
                 text = text.replace(form, REDACTED)
+    return text
+
+
+def scrub_cut(text: str, limit: int) -> str:
+    """``text`` scrubbed, then cut to ``limit`` characters, with any start of a secret
+    left at the cut masked too (cutting first would leave all but its tail visible)."""
+    text = scrub(text)
+    if len(text) <= limit:
+        return text
+    text = text[:limit]
+    for forms in tuple(_values.values()):
+        for form in forms:
+            for size in range(min(len(form) - 1, len(text)), _MIN_PREFIX - 1, -1):
+                if text.endswith(form[:size]):
+                    return text[:-size] + REDACTED
     return text
 
 

@@ -403,3 +403,65 @@ def test_every_error_code_is_documented_in_the_readme():
     readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
     for code in ErrorCode:
         assert f"| `{code.value}` |" in readme, code
+
+
+# -- found by the adversarial review ------------------------------------------------------
+
+
+async def test_lone_surrogate_is_refused_and_audited(upstream_factory, sidecar_factory):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    body = json.dumps(envelope(metadata={"k": "X"})).replace('"X"', '"\\udc00"').encode()
+    status, answer = await sc.call(body)
+    _assert_error(status, answer, 400, "INVALID_PAYLOAD", False)
+    assert answer["error"]["details"]["reason"] == "lone_surrogate"
+    assert up.hits == 0
+    [record] = sc.audit_records()
+    assert record["trace_id"] == "tr-test-0001"
+
+
+async def test_invalid_envelope_answer_keeps_the_callers_ids(upstream_factory, sidecar_factory):
+    _, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    status, answer = await sc.call(envelope(endpoint=5))
+    assert status == 400
+    assert (answer["trace_id"], answer["correlation_id"]) == ("tr-test-0001", "corr-test-0001")
+
+
+@pytest.mark.parametrize("value", ["a\r\nX-Injected: 1", "a\x00b", "a\nb"])
+async def test_control_characters_in_header_values_are_refused(
+    upstream_factory, sidecar_factory, value
+):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory, forward_headers=["X-Custom"])
+    status, answer = await sc.call(envelope(headers={"X-Custom": value}))
+    _assert_error(status, answer, 400, "INVALID_PAYLOAD", False)
+    assert answer["error"]["details"]["reason"] == "invalid_header"
+    assert up.hits == 0
+
+
+async def test_env_secret_with_trailing_newline_is_trimmed(
+    upstream_factory, sidecar_factory, monkeypatch
+):
+    monkeypatch.setenv("TEST_OPENAI_KEY", "sk-fake-TEST-0001-NOTREAL\n")
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    assert (await sc.call(envelope()))[0] == 200
+    assert up.seen[0].headers["Authorization"] == "Bearer sk-fake-TEST-0001-NOTREAL"
+    monkeypatch.setenv("TEST_OPENAI_KEY", "sk-fake-TEST\n0001-NOTREAL")
+    status, answer = await sc.call(envelope(correlation_id="c2"))
+    _assert_error(status, answer, 500, "SECRET_NOT_FOUND", False)
+    assert answer["error"]["details"]["reason"] == "invalid_value"
+    assert up.hits == 1
+
+
+async def test_tomcat_dot_dot_semicolon_is_refused(upstream_factory, sidecar_factory):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    status, answer = await sc.call(envelope(method="GET", endpoint="/v1/models/..;/admin"))
+    _assert_error(status, answer, 403, "PERMISSION_DENIED", False)
+    assert answer["error"]["details"]["problem"] == "dot_segment"
+    assert up.hits == 0
+
+
+async def test_metadata_is_bounded(upstream_factory, sidecar_factory):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    status, answer = await sc.call(envelope(metadata={"blob": "x" * 20_000}))
+    _assert_error(status, answer, 400, "INVALID_PAYLOAD", False)
+    assert "metadata" in answer["error"]["message"]
+    assert up.hits == 0

@@ -344,3 +344,48 @@ def test_loopback_literal_base_url_is_accepted_once_allowed() -> None:
         "(not a public address, or in egress.deny_cidrs); "
         "list it in egress.allow_cidrs to allow it"
     ]
+
+
+@pytest.mark.parametrize(
+    ("snippet", "problem"),
+    [
+        ("server: {port: '8181'}", "server.port: Input should be a valid integer"),
+        ("server: {debug: 'yes'}", "server.debug: Input should be a valid boolean"),
+        ("server: {drain_s: '20'}", "server.drain_s: Input should be a valid number"),
+    ],
+)
+def test_policy_values_are_strictly_typed(snippet: str, problem: str) -> None:
+    text = f"version: 1\nagent_id: a\n{snippet}\n"
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    assert info.value.problems == [f"p.yaml:3: {problem}"]
+
+
+@pytest.mark.parametrize("host", ["2130706433", "127.1", "0177.0.0.1", "0x7f.0.0.1"])
+def test_ambiguous_numeric_hosts_are_refused(host: str) -> None:
+    text = (
+        f"version: 1\nagent_id: a\ntargets:\n  t:\n    base_url: http://{host}:80\n"
+        "    endpoints: [{path: /x, methods: [GET]}]\n"
+    )
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    assert "numeric form that is not a dotted-quad IPv4 address" in info.value.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("headers", "problem"),
+    [
+        ("{Host: evil.example}", "'Host' is set by the sidecar"),
+        ("{Content-Length: '5'}", "'Content-Length' is set by the sidecar"),
+        ("{Authorization: Bearer hardcoded}", "'Authorization' is set by the sidecar"),
+        ('{X-Ok: "a\\r\\nX-Injected: 1"}', "the value of 'X-Ok' contains control characters"),
+    ],
+)
+def test_static_headers_cannot_set_framing_hosts_or_credentials(headers: str, problem: str):
+    text = (
+        "version: 1\nagent_id: a\ntargets:\n  t:\n    base_url: https://api.example.com\n"
+        f"    endpoints: [{{path: /x, methods: [GET]}}]\n    static_headers: {headers}\n"
+    )
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    assert problem in info.value.problems[0]

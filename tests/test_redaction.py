@@ -268,3 +268,18 @@ def test_sensitive_keys_are_redacted_at_any_depth() -> None:
         "creds": {"API_KEY": "[REDACTED]"},
         "list": [{"token": "[REDACTED]"}],
     }
+
+
+def test_a_secret_cut_by_truncation_is_still_masked() -> None:
+    from gateway import redaction
+    from gateway.bodies import ERROR_TEXT_LIMIT, parse_body
+
+    secret = "CANARYxq7Zk93PLmv-cut-test"
+    redaction.register(secret)
+    for pad in range(ERROR_TEXT_LIMIT - len(secret) - 2, ERROR_TEXT_LIMIT + 2):
+        body = ("x" * pad + "Bearer " + secret + " trailing").encode()
+        data, _ = parse_body("text/plain", body, 400)
+        assert len(data["text"]) <= ERROR_TEXT_LIMIT + len(redaction.REDACTED)
+        for size in range(4, len(secret) + 1):
+            assert not data["text"].endswith(secret[:size]), (pad, size)
+        assert secret[:6] not in data["text"]

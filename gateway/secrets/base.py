@@ -9,12 +9,15 @@ request.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from gateway import redaction
 from gateway.errors import SecretNotFound
 from gateway.secrets.refs import SecretRef
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class Secret:
@@ -95,7 +98,14 @@ class SecretResolvers:
                 "(for vault:// refs, add secrets.vault to the policy)",
                 details={"api_key_ref": ref.raw, "reason": "no_resolver"},
             )
-        return await resolver.resolve(ref)
+        resolved = await resolver.resolve(ref)
+        if _CONTROL.search(resolved.secret.reveal()):
+            raise SecretNotFound(
+                f"secret reference {ref.raw!r}: the value contains control characters (a "
+                "newline inside it?) and cannot be sent in a header or URL; fix the secret",
+                details={"api_key_ref": ref.raw, "reason": "invalid_value"},
+            )
+        return resolved
 
     def invalidate(self, ref: SecretRef) -> None:
         resolver = self._resolvers.get(ref.scheme)

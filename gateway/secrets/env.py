@@ -13,7 +13,9 @@ class EnvResolver:
     """Reads ``os.environ`` (cheap, so nothing is cached)."""
 
     async def resolve(self, ref: SecretRef) -> ResolvedSecret:
-        value = os.environ.get(ref.path)
+        # A trailing newline is how values often arrive (echo, Kubernetes secrets): cut it,
+        # as for file:// refs.
+        value = os.environ.get(ref.path, "").removesuffix("\n").removesuffix("\r")
         if not value:
             raise SecretNotFound(
                 f"secret reference {ref.raw!r}: environment variable {ref.path} is not set "
