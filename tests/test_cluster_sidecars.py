@@ -102,6 +102,17 @@ def _call(target: str, name: str, method: str = "GET", **extra: Any) -> dict[str
     )
 
 
+async def _record_of(sidecar: Process, endpoint: str) -> dict[str, Any]:
+    """The audit record of the last call to ``endpoint``, once it has come through the
+    process's stdout pipe (it may arrive after the answer)."""
+
+    def found() -> list[dict[str, Any]]:
+        return [r for r in sidecar.events("egress_call") if r["endpoint"] == endpoint]
+
+    await wait_for(lambda: bool(found()))
+    return found()[-1]
+
+
 async def _post(
     session: aiohttp.ClientSession, sidecar: Process, env: dict[str, Any]
 ) -> tuple[int, dict[str, Any]]:
@@ -196,6 +207,7 @@ async def test_one_upstream_call_per_key_across_two_sidecars(
         assert [status for status, _ in pair] == [200, 200]
         assert [body["data"] for _, body in pair] == [{"charged": f"/items/{key}"}] * 2
         assert sorted(body["replayed"] for _, body in pair) == [False, True]
+    await wait_for(lambda: len(a.events("egress_call")) + len(b.events("egress_call")) == 8)
     records = a.events("egress_call") + b.events("egress_call")
     assert sorted(r["decision"] for r in records) == ["allowed"] * 4 + ["replayed"] * 4
 
@@ -243,7 +255,7 @@ async def test_redis_down_then_back(
         assert status == 200  # fail-open: admitted by the sidecar's own limiter
         assert answer["success"]
         assert time.monotonic() - started < 2
-        record = side.events("egress_call")[-1]
+        record = await _record_of(side, "/items/down")
         assert record["warnings"] == [
             "rate-limit group 'open': Redis unavailable, admitted by this sidecar's own "
             "limiter (fail_open)"
@@ -280,7 +292,7 @@ async def test_redis_down_then_back(
             status, answer = await _post(session, side, _call("closed", f"back-{k}"))
             assert status == 200, answer
         assert (await _post(session, side, _call("open", "back")))[0] == 200
-        assert side.events("egress_call")[-1]["warnings"] == []
+        assert (await _record_of(side, "/items/back"))["warnings"] == []
         assert await _metric(session, side, fallbacks) == 1  # no more fallbacks
         assert (await _ready(session, side))[1]["checks"]["redis"] == "ok"
         stats = private_redis.commandstats()
