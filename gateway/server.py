@@ -57,7 +57,7 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
             raise
         code_exc: GatewayError = InvalidPayload(
             f"{request.method} {request.path}: {exc.reason}; the sidecar serves "
-            f"POST {CALLS_PATH}, GET /healthz and GET /readyz",
+            f"POST {CALLS_PATH}, GET /healthz, GET /readyz and GET /metrics",
             details={"reason": "route", "http_status": exc.status},
             http_status=exc.status,
         )
