@@ -1,0 +1,84 @@
+"""The compiled policy the pipeline reads: parsed URLs, origins, endpoint matchers.
+
+A :class:`PolicySet` is built once from a validated :class:`Policy` and replaced whole on
+reload, never mutated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from yarl import URL
+
+from gateway.policy.models import Policy, TargetSpec
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledTarget:
+    """A target ready for the hot path: parsed URL, origin, matcher, header sets."""
+
+    name: str
+    spec: TargetSpec
+    base_url: URL
+    origin: URL
+    permitted_refs: frozenset[str]
+    forward_headers: frozenset[str]
+    _rules: tuple[tuple[tuple[str, ...], bool, frozenset[str]], ...] = field(repr=False)
+
+    def allows(self, path: str, method: str) -> bool | None:
+        """True if allowed, False if the path matches but not the method, None if no rule."""
+        segments = tuple(path.strip("/").split("/")) if path.strip("/") else ()
+        path_matched = False
+        for pattern, tail, methods in self._rules:
+            if _segments_match(pattern, tail, segments):
+                if method in methods:
+                    return True
+                path_matched = True
+        return False if path_matched else None
+
+
+def _segments_match(pattern: tuple[str, ...], tail: bool, segments: tuple[str, ...]) -> bool:
+    if tail:
+        if len(segments) < len(pattern):
+            return False
+        segments = segments[: len(pattern)]
+    elif len(segments) != len(pattern):
+        return False
+    return all(p in ("*", s) for p, s in zip(pattern, segments, strict=True))
+
+
+def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
+    rules = []
+    for rule in spec.endpoints:
+        parts = tuple(p for p in rule.path.strip("/").split("/") if p)
+        tail = bool(parts) and parts[-1] == "**"
+        if tail:
+            parts = parts[:-1]
+        rules.append((parts, tail, frozenset(rule.methods)))
+    base = URL(spec.base_url)
+    return CompiledTarget(
+        name=name,
+        spec=spec,
+        base_url=base,
+        origin=base.origin(),
+        permitted_refs=spec.credential.permitted_refs() if spec.credential else frozenset(),
+        forward_headers=frozenset(h.lower() for h in spec.forward_headers),
+        _rules=tuple(rules),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySet:
+    """The compiled policy the pipeline reads; replaced whole on reload, never mutated."""
+
+    policy: Policy
+    source: str
+    targets: dict[str, CompiledTarget]
+
+    @classmethod
+    def compile(cls, policy: Policy, source: str = "<memory>") -> PolicySet:
+        return cls(
+            policy=policy,
+            source=source,
+            targets={n: _compile_target(n, t) for n, t in policy.targets.items()},
+        )
