@@ -383,12 +383,17 @@ class Pipeline:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise deadline_error("resolving the secret")
+        ref = parse_ref(ctx.api_key_ref)
         try:
             async with asyncio.timeout(remaining):
-                resolved = await self.resolvers.resolve(parse_ref(ctx.api_key_ref))
+                resolved = await self.resolvers.resolve(ref)
         except TimeoutError:
             raise deadline_error("resolving the secret") from None
         ctx.warnings.extend(resolved.warnings)
+        if ref.scheme == "vault":  # the only cached scheme
+            self.metrics.observe_secret_cache(
+                "stale" if resolved.warnings else "hit" if resolved.from_cache else "miss"
+            )
         return resolved
 
     # -- answers and audit ----------------------------------------------------------------

@@ -168,6 +168,11 @@ async def test_upstream_401_on_a_cached_key_rotates_it(
     ]
     record = sc.audit_records()[-1]
     assert "credential refreshed after upstream 401" in record["warnings"]
+    async with sc.session.get(sc.url + "/metrics") as resp:
+        metrics = await resp.text()
+    # First call: miss; second: hit, then a miss after the 401 dropped the cached key.
+    assert 'egress_gateway_secret_cache_total{result="hit"} 1.0' in metrics
+    assert 'egress_gateway_secret_cache_total{result="miss"} 2.0' in metrics
     assert record["attempts"] == 2
 
     # A key that is simply wrong is refused once more, not looped on.
