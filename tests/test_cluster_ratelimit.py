@@ -19,6 +19,7 @@ from gateway.policy import RateLimitGroupSpec, RedisSpec, parse_policy
 from gateway.ratelimit import RateLimitGroup, RateLimitGroups
 from gateway.ratelimit_cluster import ClusterLimits, ClusterRateLimitGroup
 from gateway.stores.redis import FAIL_FAST_S, RedisClient, RedisUnavailable, redis_url
+from tests.conftest import wait_for
 from tests.redis_fixtures import (
     SHARED_URL,
     PrivateRedis,
@@ -175,8 +176,7 @@ async def test_cancelled_waiter_gives_its_tokens_back(make_group: MakeGroup) -> 
     group = await make_group("c", spec(requests_per_second=100.0, tokens_per_minute=600))
     await group.acquire(tokens=10, deadline=FAR)
     task = asyncio.create_task(group.acquire(tokens=595, deadline=FAR))  # books ~0.5 s ahead
-    await asyncio.sleep(0.05)
-    assert group.queued == 1
+    await wait_for(lambda: group.queued == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
