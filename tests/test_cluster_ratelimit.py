@@ -185,7 +185,7 @@ async def test_cancelled_waiter_gives_its_tokens_back(make_group: MakeGroup) -> 
     # kept (~0.5 s ahead); without the refund they would fit in about a minute.
     booking = await group.reserve(590, 1.0)
     assert booking.booked
-    assert booking.wait_s < 0.5
+    assert booking.wait_s < 0.6  # the kept slot is <= 0.5 s ahead (+ scheduling slack)
 
 
 # --- tokens and holds are shared --------------------------------------------------------
