@@ -57,7 +57,10 @@ class MemoryIdempotencyStore:
             raise ValueError("max_entries and max_bytes must be >= 1")
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._entries: dict[str, _Entry] = {}
+        # Completed entries only, least recently used first: eviction pops the front in
+        # O(1) instead of walking past the entries in flight.
+        self._done: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._expiry: list[tuple[float, int, str, _Entry]] = []  # a heap; stale items skipped
         self._seq = 0
@@ -77,7 +80,7 @@ class MemoryIdempotencyStore:
             if entry.fingerprint != fingerprint:
                 return Conflict()
             if entry.token is None:
-                self._entries.move_to_end(key)
+                self._done.move_to_end(key)
                 return Replay(entry.answer)
             return InFlight()
         size = len(key.encode()) + len(fingerprint)
@@ -141,6 +144,7 @@ class MemoryIdempotencyStore:
         for entry in self._entries.values():
             entry.done.set()
         self._entries.clear()
+        self._done.clear()
         self._expiry.clear()
         self._bytes = 0
 
@@ -148,6 +152,8 @@ class MemoryIdempotencyStore:
 
     def _insert(self, key: str, entry: _Entry) -> None:
         self._entries[key] = entry
+        if entry.token is None:
+            self._done[key] = entry
         self._bytes += entry.size
         self._seq += 1
         heapq.heappush(self._expiry, (entry.expires_at, self._seq, key, entry))
@@ -160,6 +166,7 @@ class MemoryIdempotencyStore:
     def _remove(self, key: str, entry: _Entry) -> None:
         if self._entries.get(key) is entry:
             del self._entries[key]
+            self._done.pop(key, None)
             self._bytes -= entry.size
 
     def _expire(self) -> None:
@@ -179,10 +186,6 @@ class MemoryIdempotencyStore:
                 or self._bytes + extra_bytes > self.max_bytes
             )
 
-        if not over():
-            return
-        for key, entry in list(self._entries.items()):
-            if entry.token is None:
-                self._remove(key, entry)
-                if not over():
-                    return
+        while self._done and over():
+            key, entry = self._done.popitem(last=False)
+            self._remove(key, entry)
