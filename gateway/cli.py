@@ -2,7 +2,8 @@
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
-GATEWAY_URL (for ``call``). Exit codes: 0 success, 1 a failed check or call, 2 usage.
+GATEWAY_URL (for ``call``), GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see
+:mod:`gateway.eventloop`). Exit codes: 0 success, 1 a failed check or call, 2 usage.
 """
 
 from __future__ import annotations
@@ -27,10 +28,16 @@ def _env_int(name: str) -> int | None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from gateway import eventloop
     from gateway.policy import PolicyError, load_policy
     from gateway.runtime import Gateway
     from gateway.server import serve
 
+    try:
+        eventloop.loop_factory(os.environ.get("GATEWAY_LOOP"))
+    except ValueError as exc:
+        print(f"egress-gateway serve: {exc}", file=sys.stderr)
+        return 2
     try:
         policy = load_policy(args.policy)
     except PolicyError as exc:
@@ -40,14 +47,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or os.environ.get("GATEWAY_HOST") or server.host
     port = args.port if args.port is not None else _env_int("GATEWAY_PORT")
     ops_port = args.ops_port if args.ops_port is not None else _env_int("GATEWAY_OPS_PORT")
-    asyncio.run(
+    eventloop.run(
         serve(
             Gateway(policy),
             host=host,
             port=port if port is not None else server.port,
             ops_host=args.ops_host or os.environ.get("GATEWAY_OPS_HOST") or server.ops_host,
             ops_port=ops_port if ops_port is not None else server.ops_port,
-        )
+        ),
+        os.environ.get("GATEWAY_LOOP"),
     )
     return 0
 
