@@ -159,9 +159,15 @@ class MemoryIdempotencyStore:
         heapq.heappush(self._expiry, (entry.expires_at, self._seq, key, entry))
         if len(self._expiry) > 2 * len(self._entries) + 64:
             # Evicted and completed entries leave stale heap items until their old
-            # expiry; rebuild so the heap stays proportional to the table.
-            self._expiry = [i for i in self._expiry if self._entries.get(i[2]) is i[3]]
+            # expiry; rebuild so the heap stays proportional to the table. An item is
+            # live on the same terms as in _expire: a completed entry keeps its object
+            # but not its in-flight expiry.
+            self._expiry = [i for i in self._expiry if self._live(i)]
             heapq.heapify(self._expiry)
+
+    def _live(self, item: tuple[float, int, str, _Entry]) -> bool:
+        at, _, key, entry = item
+        return self._entries.get(key) is entry and entry.expires_at == at
 
     def _remove(self, key: str, entry: _Entry) -> None:
         if self._entries.get(key) is entry:
@@ -172,8 +178,9 @@ class MemoryIdempotencyStore:
     def _expire(self) -> None:
         now = time.monotonic()
         while self._expiry and self._expiry[0][0] <= now:
-            at, _, key, entry = heapq.heappop(self._expiry)
-            if self._entries.get(key) is entry and entry.expires_at == at:
+            item = heapq.heappop(self._expiry)
+            if self._live(item):
+                _, _, key, entry = item
                 self._remove(key, entry)
                 entry.done.set()  # waiters on a lost owner wake up and may take over
 
