@@ -364,8 +364,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="3 s runs, 50k-call soak")
     parser.add_argument("--duration", type=float, help="seconds per measured run (default 10)")
     parser.add_argument("--soak-calls", type=int, help="calls in the soak (default 1,000,000)")
-    parser.add_argument("--soak-budget-s", type=float, default=900.0,
-                        help="stop the soak after this many seconds (default 900)")  # fmt: skip
+    parser.add_argument("--soak-budget-s", type=float, default=1500.0,
+                        help="stop the soak after this many seconds (default 1500)")  # fmt: skip
     parser.add_argument("--no-features", action="store_true", help="skip the feature costs")
     parser.add_argument("--no-soak", action="store_true", help="skip the soak")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results")
