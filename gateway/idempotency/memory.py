@@ -25,7 +25,7 @@ import heapq
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 from gateway.errors import CapacityExceeded
@@ -44,7 +44,9 @@ class _Entry:
     expires_at: float
     size: int
     answer: bytes = b""  # meaningful once token is None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Created by the first waiter only: most entries are never waited on, and 10,000
+    # idle Events (each with a deque) would double what the cyclic GC walks.
+    waiters: asyncio.Event | None = None
 
 
 class MemoryIdempotencyStore:
@@ -103,7 +105,7 @@ class MemoryIdempotencyStore:
             return False
         entry.answer = answer
         entry.token = None
-        entry.done.set()
+        _wake(entry)
         self._remove(key, entry)
         size = entry.size + len(answer)
         if size > self.max_bytes:
@@ -118,7 +120,7 @@ class MemoryIdempotencyStore:
         entry = self._entries.get(key)
         if entry is not None and entry.token == token:
             self._remove(key, entry)
-            entry.done.set()
+            _wake(entry)
 
     async def wait(self, key: str, fingerprint: str, *, deadline: float) -> bytes | None:
         self._expire()
@@ -134,7 +136,9 @@ class MemoryIdempotencyStore:
                 return None
             try:
                 async with asyncio.timeout(remaining):
-                    await entry.done.wait()
+                    if entry.waiters is None:
+                        entry.waiters = asyncio.Event()
+                    await entry.waiters.wait()
             except TimeoutError:
                 return None
         # Woken by complete (token cleared), or by abandon/expiry (token kept).
@@ -142,7 +146,7 @@ class MemoryIdempotencyStore:
 
     async def aclose(self) -> None:
         for entry in self._entries.values():
-            entry.done.set()
+            _wake(entry)
         self._entries.clear()
         self._done.clear()
         self._expiry.clear()
@@ -182,7 +186,7 @@ class MemoryIdempotencyStore:
             if self._live(item):
                 _, _, key, entry = item
                 self._remove(key, entry)
-                entry.done.set()  # waiters on a lost owner wake up and may take over
+                _wake(entry)  # waiters on a lost owner wake up and may take over
 
     def _evict(self, *, extra_entries: int, extra_bytes: int) -> None:
         """Drop least recently used completed entries until the extra fits (if it can)."""
@@ -196,3 +200,9 @@ class MemoryIdempotencyStore:
         while self._done and over():
             key, entry = self._done.popitem(last=False)
             self._remove(key, entry)
+
+
+def _wake(entry: _Entry) -> None:
+    event, entry.waiters = entry.waiters, None  # the waiters hold it; the entry need not
+    if event is not None:
+        event.set()
