@@ -49,9 +49,12 @@ if stop_after > 0 then
     if answered == stop_after then
       wrk.thread:stop()
       -- wrk's main thread sleeps for -d regardless; SIGINT ends the sleep, then it
-      -- reports as usual (the shell's parent is wrk; popen, unlike system(), leaves
-      -- SIGINT handled).
-      io.popen("kill -INT $PPID"):close()
+      -- reports as usual. The signal must reach the main thread, which it does once
+      -- this thread has exited: so a background shell ($PPID is wrk) repeats it until
+      -- wrk is gone. popen, unlike system(), leaves wrk's SIGINT handler in place.
+      io.popen("(for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do " ..
+               "sleep 0.25; kill -INT $PPID 2>/dev/null || exit 0; done) " ..
+               ">/dev/null 2>&1 &"):close()
     end
   end
 end

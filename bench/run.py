@@ -274,7 +274,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     {"variant": variant, "off": what, "c16": c16.as_json(), "c1": c1.as_json()}
                 )
                 cpu = c16.cpu_us_per_call(child.name) or 0
-                print(f"  feature {variant:15s} {c16.rps:7.0f} req/s  {cpu:6.0f} us CPU/call")
+                print(
+                    f"  feature {variant:15s} {c16.rps:7.0f} req/s  {cpu:6.0f} us CPU/call",
+                    flush=True,
+                )
                 bench.stop(child)
 
         soak: dict[str, Any] = {"skipped": True}
@@ -311,9 +314,13 @@ def run_soak(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             if elapsed > args.soak_budget_s:
                 stopped = f"time budget of {args.soak_budget_s:.0f} s reached"
                 break
-            res = bench.load(
-                "soak", url, 16, 3600, [child, bench.upstream], stop_after=checkpoint - total
-            )
+            try:
+                res = bench.load(
+                    "soak", url, 16, 3600, [child, bench.upstream], stop_after=checkpoint - total
+                )
+            except BenchError as exc:
+                stopped = f"error: {exc}"
+                break
             total += res.requests
             mem = child.memory_kib()
             points.append({
