@@ -35,7 +35,7 @@ typecheck: $(VENV)/.dev
 unit: $(VENV)/.dev
 	$(BIN)/python -m pytest
 
-# Needs wrk (Debian: apt-get install -y wrk). About 25 minutes on 2 cores; bench-quick ~3.
+# Needs wrk (Debian: apt-get install -y wrk). About 20 minutes on 2 cores; bench-quick ~3.
 bench: $(VENV)/.fast
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
