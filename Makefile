@@ -3,12 +3,17 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit clean
+.PHONY: demo test lint typecheck unit bench bench-quick clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	touch $@
+
+# The benchmark measures what the image ships: the runtime plus the optional `fast` extra.
+$(VENV)/.fast: $(VENV)/.runtime
+	$(BIN)/python -m pip install --quiet -e '.[fast]'
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.runtime
@@ -29,6 +34,13 @@ typecheck: $(VENV)/.dev
 
 unit: $(VENV)/.dev
 	$(BIN)/python -m pytest
+
+# Needs wrk (Debian: apt-get install -y wrk). About 20 minutes on 2 cores; bench-quick ~3.
+bench: $(VENV)/.fast
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+bench-quick: $(VENV)/.fast
+	$(BIN)/python bench/run.py --quick $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage demo-audit.jsonl

@@ -9,7 +9,8 @@ chain:
 
 Operational lines (``get_logger()``) go to the log stream (stdout by default). Audit
 records (``AuditLog``) go to the audit sink: the same stream, or a size-rotated file
-(``audit: {sink: file, path: ..., max_bytes: ..., backup_count: ...}``). Audit records
+(``audit: {sink: file, path: ..., max_bytes: ..., backup_count: ...}``,
+:mod:`gateway.audit_file`). Audit records
 are written whatever the operational log level.
 
 With ``audit.chain: true`` every audit record carries ``seq`` (1, 2, ... per sidecar
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import logging.handlers
 import os
 import socket
 import sys
@@ -36,6 +36,7 @@ from structlog.tracebacks import ExceptionDictTransformer
 from structlog.types import EventDict, WrappedLogger
 
 from gateway import redaction
+from gateway.audit_file import RotatingFile
 from gateway.audit_schema import (
     AUDIT_SCHEMA_VERSION,
     CALL_EVENT,
@@ -55,13 +56,13 @@ class _Sink:
 
     def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
-        self.handler: logging.handlers.RotatingFileHandler | None = None
+        self.handler: RotatingFile | None = None
         self._lock = threading.Lock()
 
     def msg(self, line: str) -> None:
         if self.handler is not None:
-            # The handler locks, rolls over before a line would pass max_bytes, flushes.
-            self.handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))
+            # It locks, rolls over before a line would reach max_bytes, flushes.
+            self.handler.write(line)
             return
         with self._lock:
             self.stream.write(line + "\n")
@@ -74,10 +75,7 @@ class _Sink:
     def to_file(self, path: str, max_bytes: int, backup_count: int) -> None:
         """Append to ``path``; past ``max_bytes`` (0: never) rename to ``path.1``..."""
         self.close()
-        self.handler = logging.handlers.RotatingFileHandler(
-            path, maxBytes=max_bytes, backupCount=backup_count, encoding="utf-8"
-        )
-        self.handler.setFormatter(logging.Formatter("%(message)s"))
+        self.handler = RotatingFile(path, max_bytes, backup_count)
 
     def close(self) -> None:
         if self.handler is not None:
@@ -217,7 +215,7 @@ def configure_from_spec(
 
     Operational lines go to ``stream`` (default stdout). Audit records go there too with
     ``sink: stdout``; with ``sink: file`` they are appended to ``spec.path`` and rotated
-    by size (stdlib ``RotatingFileHandler``: past ``max_bytes`` the file becomes
+    by size (as stdlib ``RotatingFileHandler`` does: past ``max_bytes`` the file becomes
     ``path.1``, older ones shift up to ``path.<backup_count>``; no ``max_bytes``: never
     rotated). ``spec.chain`` turns on the hash chain (a new chain starts). Raises
     ``OSError`` if the file cannot be opened.

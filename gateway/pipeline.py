@@ -509,7 +509,8 @@ def _credential(target: CompiledTarget, resolved: ResolvedSecret | None) -> Cred
 
 def _stored(status: int, response: ExternalCallResponse) -> bytes:
     """An answer as the idempotency store keeps it (HTTP status and the envelope)."""
-    return json.dumps({"status": status, "response": response.model_dump(mode="json")}).encode()
+    # pydantic's JSON writer (Rust): one pass instead of model_dump + json.dumps.
+    return b'{"status":%d,"response":%s}' % (status, response.model_dump_json().encode())
 
 
 def _trace(ctx: CallContext) -> str | None:

@@ -45,6 +45,14 @@ def _server_hot_only(old: PolicySet, new: PolicySet) -> bool:
     return all(a[k] == b[k] for k in a if k not in hot)
 
 
+def _refusal() -> ShuttingDown:
+    return ShuttingDown(
+        "the sidecar is shutting down and accepts no new calls; retry shortly "
+        "(another replica, or this one after its restart)",
+        retry_after_s=1.0,
+    )
+
+
 class Gateway:
     """Everything a running sidecar holds. One per process (tests may run several)."""
 
@@ -205,15 +213,10 @@ class Gateway:
 
         Raises :class:`ShuttingDown` once draining has begun.
         """
-        refusal = ShuttingDown(
-            "the sidecar is shutting down and accepts no new calls; retry shortly "
-            "(another replica, or this one after its restart)",
-            retry_after_s=1.0,
-        )
         if self.pipeline is None:
-            raise refusal
+            raise _refusal()
         if self.draining:
-            return await self.pipeline.handle(body, refuse=refusal)
+            return await self.pipeline.handle(body, refuse=_refusal())
         task = asyncio.create_task(self._tracked(self.pipeline, body), name="egress-call")
         self._tasks.add(task)
         self._idle.clear()

@@ -26,6 +26,7 @@ from gateway import redaction
 from gateway.audit import get_logger
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
+from gateway.eventloop import loop_name
 from gateway.reload import PolicyWatcher
 from gateway.runtime import Gateway
 
@@ -185,7 +186,12 @@ async def serve(
         for site in sites:
             await site.start()
         bound = [_bound(site) for site in sites]
-        _log.info("listening", calls=bound[0], ops=bound[1] if len(bound) > 1 else None)
+        _log.info(
+            "listening",
+            calls=bound[0],
+            ops=bound[1] if len(bound) > 1 else None,
+            loop=loop_name(loop),
+        )
         watcher.start()
         if started is not None:
             started.set()

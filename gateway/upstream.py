@@ -49,6 +49,7 @@ USER_AGENT: Final = f"egress-gateway/{__version__}"
 _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _READ_CHUNK: Final = 64 * 1024
 _LARGE_BODY: Final = 512 * 1024
+_MAX_ALLOWED_HOSTS: Final = 1024  # hosts come from the policy; this only bounds reloads
 
 
 class TransportError(Exception):
@@ -150,6 +151,9 @@ class Upstream:
         self.max_response_bytes = max_response_bytes
         self._limit_per_host = limit_per_host
         self._session: aiohttp.ClientSession | None = None
+        #: Hosts of the egress policy in force that checked out as allowed (names or IP
+        #: literals): the check is pure, so it is made once per host and policy.
+        self._allowed_hosts: set[str] = set()
 
     @property
     def egress(self) -> EgressSpec:
@@ -158,6 +162,7 @@ class Upstream:
     @egress.setter
     def egress(self, value: EgressSpec) -> None:
         self._resolver.egress = value
+        self._allowed_hosts = set()
 
     async def start(self) -> None:
         trace = aiohttp.TraceConfig()
@@ -251,11 +256,17 @@ class Upstream:
 
     def _check_literal(self, url: URL) -> None:
         host = url.host or ""
+        if host in self._allowed_hosts:
+            return
         try:
             ipaddress.ip_address(host)
         except ValueError:
-            return
-        check_address(self.egress, host, host)
+            pass  # a name: its addresses are checked by the resolver, at each resolution
+        else:
+            check_address(self.egress, host, host)
+        if len(self._allowed_hosts) >= _MAX_ALLOWED_HOSTS:
+            self._allowed_hosts.clear()
+        self._allowed_hosts.add(host)
 
     @staticmethod
     def _outgoing(

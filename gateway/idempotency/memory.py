@@ -25,7 +25,7 @@ import heapq
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 from gateway.errors import CapacityExceeded
@@ -44,7 +44,9 @@ class _Entry:
     expires_at: float
     size: int
     answer: bytes = b""  # meaningful once token is None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Created by the first waiter only: most entries are never waited on, and 10,000
+    # idle Events (each with a deque) would double what the cyclic GC walks.
+    waiters: asyncio.Event | None = None
 
 
 class MemoryIdempotencyStore:
@@ -57,7 +59,10 @@ class MemoryIdempotencyStore:
             raise ValueError("max_entries and max_bytes must be >= 1")
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._entries: dict[str, _Entry] = {}
+        # Completed entries only, least recently used first: eviction pops the front in
+        # O(1) instead of walking past the entries in flight.
+        self._done: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._expiry: list[tuple[float, int, str, _Entry]] = []  # a heap; stale items skipped
         self._seq = 0
@@ -77,7 +82,7 @@ class MemoryIdempotencyStore:
             if entry.fingerprint != fingerprint:
                 return Conflict()
             if entry.token is None:
-                self._entries.move_to_end(key)
+                self._done.move_to_end(key)
                 return Replay(entry.answer)
             return InFlight()
         size = len(key.encode()) + len(fingerprint)
@@ -100,7 +105,7 @@ class MemoryIdempotencyStore:
             return False
         entry.answer = answer
         entry.token = None
-        entry.done.set()
+        _wake(entry)
         self._remove(key, entry)
         size = entry.size + len(answer)
         if size > self.max_bytes:
@@ -115,7 +120,7 @@ class MemoryIdempotencyStore:
         entry = self._entries.get(key)
         if entry is not None and entry.token == token:
             self._remove(key, entry)
-            entry.done.set()
+            _wake(entry)
 
     async def wait(self, key: str, fingerprint: str, *, deadline: float) -> bytes | None:
         self._expire()
@@ -131,7 +136,9 @@ class MemoryIdempotencyStore:
                 return None
             try:
                 async with asyncio.timeout(remaining):
-                    await entry.done.wait()
+                    if entry.waiters is None:
+                        entry.waiters = asyncio.Event()
+                    await entry.waiters.wait()
             except TimeoutError:
                 return None
         # Woken by complete (token cleared), or by abandon/expiry (token kept).
@@ -139,8 +146,9 @@ class MemoryIdempotencyStore:
 
     async def aclose(self) -> None:
         for entry in self._entries.values():
-            entry.done.set()
+            _wake(entry)
         self._entries.clear()
+        self._done.clear()
         self._expiry.clear()
         self._bytes = 0
 
@@ -148,27 +156,37 @@ class MemoryIdempotencyStore:
 
     def _insert(self, key: str, entry: _Entry) -> None:
         self._entries[key] = entry
+        if entry.token is None:
+            self._done[key] = entry
         self._bytes += entry.size
         self._seq += 1
         heapq.heappush(self._expiry, (entry.expires_at, self._seq, key, entry))
         if len(self._expiry) > 2 * len(self._entries) + 64:
             # Evicted and completed entries leave stale heap items until their old
-            # expiry; rebuild so the heap stays proportional to the table.
-            self._expiry = [i for i in self._expiry if self._entries.get(i[2]) is i[3]]
+            # expiry; rebuild so the heap stays proportional to the table. An item is
+            # live on the same terms as in _expire: a completed entry keeps its object
+            # but not its in-flight expiry.
+            self._expiry = [i for i in self._expiry if self._live(i)]
             heapq.heapify(self._expiry)
+
+    def _live(self, item: tuple[float, int, str, _Entry]) -> bool:
+        at, _, key, entry = item
+        return self._entries.get(key) is entry and entry.expires_at == at
 
     def _remove(self, key: str, entry: _Entry) -> None:
         if self._entries.get(key) is entry:
             del self._entries[key]
+            self._done.pop(key, None)
             self._bytes -= entry.size
 
     def _expire(self) -> None:
         now = time.monotonic()
         while self._expiry and self._expiry[0][0] <= now:
-            at, _, key, entry = heapq.heappop(self._expiry)
-            if self._entries.get(key) is entry and entry.expires_at == at:
+            item = heapq.heappop(self._expiry)
+            if self._live(item):
+                _, _, key, entry = item
                 self._remove(key, entry)
-                entry.done.set()  # waiters on a lost owner wake up and may take over
+                _wake(entry)  # waiters on a lost owner wake up and may take over
 
     def _evict(self, *, extra_entries: int, extra_bytes: int) -> None:
         """Drop least recently used completed entries until the extra fits (if it can)."""
@@ -179,10 +197,12 @@ class MemoryIdempotencyStore:
                 or self._bytes + extra_bytes > self.max_bytes
             )
 
-        if not over():
-            return
-        for key, entry in list(self._entries.items()):
-            if entry.token is None:
-                self._remove(key, entry)
-                if not over():
-                    return
+        while self._done and over():
+            key, entry = self._done.popitem(last=False)
+            self._remove(key, entry)
+
+
+def _wake(entry: _Entry) -> None:
+    event, entry.waiters = entry.waiters, None  # the waiters hold it; the entry need not
+    if event is not None:
+        event.set()

@@ -2,17 +2,26 @@
 
 Kept out of ``gateway/secrets/__init__.py`` on purpose: :mod:`gateway.policy` imports
 ``gateway.secrets.refs``, so the package must not import the policy (or hvac) itself.
+
+The Vault resolver (hvac, and through it requests) is imported only when the policy has
+``secrets.vault``: a sidecar without Vault does not carry it in memory (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeGuard
 
 from gateway.policy import Policy
 from gateway.secrets.base import SecretResolver, SecretResolvers
 from gateway.secrets.env import EnvResolver
 from gateway.secrets.file import FileResolver
-from gateway.secrets.vault import VaultResolver
+
+if TYPE_CHECKING:
+    from gateway.secrets.vault import VaultResolver
+
+_VAULT_MODULE = "gateway.secrets.vault"
 
 
 def build_secret_resolvers(
@@ -26,6 +35,8 @@ def build_secret_resolvers(
     """
     resolvers: dict[str, SecretResolver] = {"env": EnvResolver(), "file": FileResolver()}
     if policy.secrets.vault is not None:
+        from gateway.secrets.vault import VaultResolver
+
         resolvers["vault"] = VaultResolver(policy.secrets.vault, environ=environ)
     return SecretResolvers(resolvers)
 
@@ -34,11 +45,17 @@ async def start_secret_resolvers(resolvers: SecretResolvers) -> None:
     """Log in to Vault and start its token renewer, if a Vault resolver is registered.
     Does not raise when Vault is down: :func:`secrets_ready` reports it."""
     vault = resolvers.get("vault")
-    if isinstance(vault, VaultResolver):
+    if _is_vault(vault):
         await vault.start()
 
 
 def secrets_ready(resolvers: SecretResolvers) -> bool:
     """For ``/readyz``: False while a configured Vault resolver holds no valid token."""
     vault = resolvers.get("vault")
-    return not isinstance(vault, VaultResolver) or vault.ready()
+    return not _is_vault(vault) or vault.ready()
+
+
+def _is_vault(resolver: SecretResolver | None) -> TypeGuard[VaultResolver]:
+    # No VaultResolver can exist unless its module was imported.
+    module = sys.modules.get(_VAULT_MODULE)
+    return module is not None and isinstance(resolver, module.VaultResolver)

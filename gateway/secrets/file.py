@@ -1,12 +1,22 @@
 """``file:///path`` references: a mounted Kubernetes secret or any file holding one value.
 
-The file is read at each call, so a secret rotated by the kubelet (an atomic symlink
-swap) is picked up without a restart. One trailing newline is removed.
+The file is checked at each call, so a secret rotated by the kubelet (an atomic symlink
+swap) or rewritten in place is picked up without a restart. One trailing newline is
+removed.
+
+Each call ``stat``s the file (one system call) and reads it again only when what stat
+reports changed (device, inode, size, mtime, ctime; ctime also moves on a chmod, so a
+revoked permission is noticed). Like git's "racy" index entries, a file modified within
+:data:`RACY_S` of being read is not trusted to the cache: file timestamps tick at the
+kernel's clock granularity, so a same-size rewrite in the same tick would look unchanged.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
+from typing import Final
 
 from gateway.errors import SecretAccessDenied, SecretNotFound
 from gateway.secrets.base import ResolvedSecret, Secret
@@ -14,14 +24,40 @@ from gateway.secrets.refs import SecretRef
 
 #: A credential file larger than this is a mistake (a mounted directory, a log file).
 MAX_SECRET_FILE_BYTES = 64 * 1024
+#: A file changed less than this many seconds before it was read is read again next time.
+RACY_S: Final = 2.0
+#: Distinct files cached at most (refs are bounded by the policy; this bounds reloads).
+MAX_CACHED_FILES: Final = 256
+
+_Stamp = tuple[int, int, int, int, int]
 
 
 class FileResolver:
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[_Stamp, ResolvedSecret]] = {}
+
     async def resolve(self, ref: SecretRef) -> ResolvedSecret:
+        try:
+            st = os.stat(ref.path)
+        except OSError:
+            st = None  # reading reports why, with the usual errors
+        if st is not None:
+            stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            cached = self._cache.get(ref.path)
+            if cached is not None and cached[0] == stamp:
+                return cached[1]
+        resolved = self._read(ref)
+        if st is not None and time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_S * 1e9:
+            if len(self._cache) >= MAX_CACHED_FILES:
+                self._cache.clear()
+            self._cache[ref.path] = (stamp, resolved)
+        return resolved
+
+    def _read(self, ref: SecretRef) -> ResolvedSecret:
         path = Path(ref.path)
         try:
             # A small read from tmpfs: cheaper than a thread hop.
-            with path.open("rb") as fh:  # noqa: ASYNC230 - a few bytes from tmpfs
+            with path.open("rb") as fh:
                 raw = fh.read(MAX_SECRET_FILE_BYTES + 1)
         except FileNotFoundError:
             raise SecretNotFound(
@@ -59,7 +95,7 @@ class FileResolver:
         return ResolvedSecret(Secret(value))
 
     def invalidate(self, ref: SecretRef) -> None:
-        """Nothing is cached."""
+        self._cache.pop(ref.path, None)
 
     async def aclose(self) -> None:
-        """Nothing to close."""
+        self._cache.clear()
