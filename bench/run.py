@@ -67,6 +67,7 @@ FEATURES: dict[str, str] = {
     "no_breaker": "circuit_breaker: null",
     "no_usage": "usage: none (no token parsing)",
     "minimal": "all of the above off (audit to /dev/null)",
+    "cluster_group": "the rate-limit group with scope: cluster on Redis 127.0.0.1:6379",
 }
 
 
@@ -128,6 +129,14 @@ def policy_for(upstream: str, secret_file: Path, audit_file: Path, variant: str)
         target["circuit_breaker"] = None
     if variant in ("no_usage", "minimal"):
         target["usage"] = "none"
+    if variant == "cluster_group":
+        # One Lua script per admission on the local Redis (docs/cluster.md); a private
+        # key prefix so runs do not share buckets.
+        policy["rate_limit_groups"]["llm"]["scope"] = "cluster"
+        policy["redis"] = {
+            "url": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+            "key_prefix": f"egw-bench-{os.getpid()}",
+        }
     return policy
 
 
@@ -289,11 +298,6 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "loop": loop,
             "features": features,
             "soak": soak,
-            "cluster": {
-                "status": "TODO",
-                "note": "this build has no 'scope: cluster' rate-limit groups (Redis); "
-                "the harness has a slot for it once it lands",
-            },
         }
     finally:
         bench.close()
