@@ -166,5 +166,4 @@ def table(results: dict[str, Any]) -> str:
         lines.append(
             f"  {'MET ' if t['met'] else 'MISS'} {name:22s} {t['value']!s:>8s}  ({t['target']})"
         )
-    lines.append(f"  TODO cluster-scope group on Redis vs local: {results['cluster']['note']}")
     return "\n".join(lines)
