@@ -18,15 +18,14 @@ import random
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlencode
 
 from gateway import egress as egress_rules
-from gateway.attempts import AttemptLog, Attempts, deadline_error
+from gateway.attempts import Attempts, deadline_error
 from gateway.audit import AuditLog, get_logger
 from gateway.bodies import parse_body
 from gateway.breaker import CircuitBreakers, breaker_specs
+from gateway.callrecord import CLAIMED, CallContext, audit_record, observe
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     CapacityExceeded,
@@ -43,39 +42,15 @@ from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Repla
 from gateway.idempotency.keys import derive_key, fingerprint, store_key
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.intake import decode_json, parse_request, refuse_lone_surrogates
-from gateway.metrics import Metrics, Outcome
+from gateway.metrics import Metrics
 from gateway.policy import CompiledTarget, IdempotencySpec, PolicySet
 from gateway.ratelimit import RateLimitGroups, estimate_tokens
 from gateway.secrets import ResolvedSecret, SecretResolvers, parse_ref
 from gateway.tracing import TRACE_HEADERS, outbound_headers
 from gateway.upstream import Credential, OutboundRequest, Upstream
-from gateway.usage import TokenUsage, extract_usage
+from gateway.usage import extract_usage
 
 _log = get_logger("gateway.pipeline")
-_CLAIMED = ("trace_id", "correlation_id", "target_system", "endpoint", "method", "agent_id")
-
-
-@dataclass(slots=True)
-class CallContext:
-    """What one call learned on its way; becomes the audit record."""
-
-    started: float
-    agent_id: str
-    request: ExternalCallRequest | None = None
-    target: CompiledTarget | None = None
-    api_key_ref: str | None = None
-    attempt_log: AttemptLog = field(default_factory=AttemptLog)
-    usage: TokenUsage | None = None
-    request_bytes: int = 0
-    request_sha256: str | None = None
-    rate_limit_group: str | None = None
-    idempotency_key: str | None = None
-    replayed: bool = False
-    traceparent: str | None = None
-    decision: str = "invalid"
-    warnings: list[str] = field(default_factory=list)
-    #: Identifiers read from an envelope that failed validation, for its audit record.
-    claimed: dict[str, str] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -133,7 +108,7 @@ class Pipeline:
         try:
             raw = decode_json(body, check_surrogates=False)
             if isinstance(raw, dict):
-                ctx.claimed = {k: raw[k][:256] for k in _CLAIMED if isinstance(raw.get(k), str)}
+                ctx.claimed = {k: raw[k][:256] for k in CLAIMED if isinstance(raw.get(k), str)}
             refuse_lone_surrogates(body, raw)
             if refuse is not None:
                 raise refuse
@@ -412,68 +387,8 @@ class Pipeline:
         )
 
     def _write_audit(self, ctx: CallContext, response: ExternalCallResponse) -> None:
-        log = ctx.attempt_log
-        request, target, usage, error = ctx.request, ctx.target, ctx.usage, response.error
-        ids: dict[str, Any] = (
-            {k: getattr(request, k) for k in _CLAIMED} if request else dict(ctx.claimed)
-        )
-        record: dict[str, Any] = {
-            "agent_id": ctx.agent_id if request else ids.get("agent_id") or ctx.agent_id,
-            "trace_id": ids.get("trace_id"),
-            "correlation_id": ids.get("correlation_id"),
-            "target_system": ids.get("target_system"),
-            "endpoint": ids.get("endpoint"),
-            "method": ids.get("method"),
-            "upstream": egress_rules.origin_label(target.base_url) if target else None,
-            "decision": "replayed" if ctx.replayed else ctx.decision,
-            "success": response.success,
-            "status_code": response.status_code,
-            "error_code": error.code.value if error else None,
-            "retryable": error.retryable if error else None,
-            "attempts": log.attempts,
-            "latency_ms": response.latency_ms,
-            "upstream_latency_ms": (
-                round(log.upstream_latency_s * 1000, 3)
-                if log.upstream_latency_s is not None
-                else None
-            ),
-            "tokens_used": usage.total if usage else None,
-            "tokens_input": usage.input if usage else None,
-            "tokens_output": usage.output if usage else None,
-            "tokens_cached": usage.cached if usage else None,
-            "request_bytes": ctx.request_bytes,
-            "request_sha256": ctx.request_sha256,
-            "response_bytes": log.response_bytes,
-            "api_key_ref": ctx.api_key_ref,
-            "rate_limit_group": ctx.rate_limit_group,
-            "rate_limit_wait_ms": round(log.rate_limit_wait_s * 1000, 3),
-            "idempotency_key": ctx.idempotency_key,
-            "replayed": ctx.replayed,
-            "warnings": [*ctx.warnings, *log.warnings],
-            "metadata": request.metadata if request else {},
-            "traceparent": ctx.traceparent,
-        }
-        if error is not None and error.code.value in ("EGRESS_DENIED",):
-            record["warnings"] = [*ctx.warnings, f"egress denied: {error.message}"]
-        self.audit.call(record)
-        self._observe(record, ctx, response)
-
-    def _observe(
-        self, record: dict[str, Any], ctx: CallContext, response: ExternalCallResponse
-    ) -> None:
-        target = record["target_system"] or "_none"
-        outcome: Outcome = "replay" if ctx.replayed else "success" if response.success else "error"
-        self.metrics.observe_call(
-            target,
-            outcome,
-            response.error.code if response.error else None,
-            response.latency_ms / 1000,
-            ctx.attempt_log.upstream_latency_s,
-        )
-        if ctx.usage is not None:
-            self.metrics.observe_tokens(target, ctx.usage.input, ctx.usage.output, ctx.usage.cached)
-        for _ in range(max(ctx.attempt_log.attempts - 1, 0)):
-            self.metrics.observe_retry(target)
+        self.audit.call(audit_record(ctx, response))
+        observe(self.metrics, ctx, response)
 
 
 def _interrupted_error(ctx: CallContext) -> GatewayError:
