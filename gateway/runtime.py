@@ -107,7 +107,10 @@ class Gateway:
             ),
             breakers=self._breakers(),
             idempotency=IdempotencyStores(
-                MemoryIdempotencyStore(),
+                MemoryIdempotencyStore(
+                    max_entries=server.idempotency_max_entries,
+                    max_bytes=server.idempotency_max_bytes,
+                ),
                 RedisIdempotencyStore(self.redis) if self.redis is not None else None,
             ),
         )

@@ -337,3 +337,18 @@ async def test_reload_keeps_breaker_state_of_unchanged_targets(
     assert status == 503
     assert answer["error"]["code"] == "CIRCUIT_OPEN"
     assert up.hits == 3
+
+
+async def test_idempotency_store_bound_comes_from_the_policy(upstream_factory, sidecar_factory):
+    up = await upstream_factory(_status(200, {"id": "re"}))
+    policy = compile_policy({"fake-stripe": stripe(up.url)}, server={"idempotency_max_entries": 2})
+    sc = await sidecar_factory(policy)
+    for n in range(3):  # three keys: the first answer is evicted (least recently used)
+        assert (await sc.call({**refund(500), "correlation_id": f"c{n}"}))[0] == 200
+    status, answer = await sc.call({**refund(500), "correlation_id": "c0"})
+    assert status == 200
+    assert answer["replayed"] is False  # evicted, so it went upstream again
+    assert up.hits == 4
+    status, answer = await sc.call({**refund(500), "correlation_id": "c2"})
+    assert answer["replayed"] is True
+    assert up.hits == 4

@@ -41,6 +41,8 @@ DEFAULT_FAIL_MAX: Final = 5
 DEFAULT_RESET_TIMEOUT_S: Final = 30.0
 DEFAULT_MAX_QUEUE_S: Final = 5.0
 DEFAULT_IDEMPOTENCY_TTL_S: Final = 86400.0
+DEFAULT_IDEMPOTENCY_MAX_ENTRIES: Final = 10_000
+DEFAULT_IDEMPOTENCY_MAX_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_VAULT_CACHE_TTL_S: Final = 300.0
 DEFAULT_VAULT_STALE_IF_ERROR_S: Final = 3600.0
 DEFAULT_VAULT_TIMEOUT_S: Final = 5.0
@@ -95,6 +97,10 @@ class ServerSpec(_Strict):
     drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=3600)
     reload_interval_s: float = Field(DEFAULT_RELOAD_INTERVAL_S, ge=0, le=3600)  # 0: SIGHUP only
     debug: bool = False  # stack traces in UNKNOWN answers: development only
+    # Bounds of the in-memory idempotency store (scope: local): completed answers are
+    # evicted least recently used first; the main lever on the sidecar's memory.
+    idempotency_max_entries: int = Field(DEFAULT_IDEMPOTENCY_MAX_ENTRIES, ge=1, le=10_000_000)
+    idempotency_max_bytes: int = Field(DEFAULT_IDEMPOTENCY_MAX_BYTES, ge=4096)
 
 
 class EnvelopeSpec(_Strict):
