@@ -103,7 +103,6 @@ class Pipeline:
         """
         policy = self.policy  # one policy for the whole call, even across a reload
         ctx = CallContext(started=time.monotonic(), agent_id=policy.policy.agent_id)
-        ctx.request_bytes = len(body)
         status, response = 500, None
         try:
             raw = decode_json(body, check_surrogates=False)
@@ -272,13 +271,19 @@ class Pipeline:
         url = egress_rules.upstream_url(target, request.endpoint)
         query = egress_rules.query_items(request.method, request.parameters)
         body = None
+        summary = self.policy.policy.audit.payloads == "summary"  # "none": no hash either
         if query is None:
             body = json.dumps(
                 request.parameters, ensure_ascii=False, separators=(",", ":")
             ).encode()
-            ctx.request_sha256 = hashlib.sha256(body).hexdigest()
+            ctx.request_bytes = len(body)
+            if summary:
+                ctx.request_sha256 = hashlib.sha256(body).hexdigest()
         else:
-            ctx.request_sha256 = hashlib.sha256(urlencode(query).encode()).hexdigest()
+            encoded = urlencode(query).encode()
+            ctx.request_bytes = len(encoded)
+            if summary:
+                ctx.request_sha256 = hashlib.sha256(encoded).hexdigest()
         agent_headers = {k: v for k, v in request.headers.items() if k.lower() not in TRACE_HEADERS}
         trace = outbound_headers(request.trace_id, request.headers)
         ctx.traceparent = trace["traceparent"]

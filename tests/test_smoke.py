@@ -26,3 +26,19 @@ async def test_forwards_and_injects_credential(upstream_factory, sidecar_factory
     [record] = sc.audit_records()
     assert record["tokens_input"] == 7
     assert "sk-fake" not in sc.log.getvalue()
+
+
+async def test_audit_payload_summary_is_size_and_hash(upstream, sidecar_factory):
+    import hashlib
+
+    for payloads in ("summary", "none"):
+        policy = compile_policy(
+            {"fake-openai": openai_target(upstream.url)}, audit={"payloads": payloads}
+        )
+        sc = await sidecar_factory(policy)
+        assert (await sc.call(envelope()))[0] == 200
+        [record] = sc.audit_records()
+        sent = upstream.seen[-1].body
+        expected = hashlib.sha256(sent).hexdigest() if payloads == "summary" else None
+        assert record["request_sha256"] == expected
+        assert record["request_bytes"] == len(sent)
