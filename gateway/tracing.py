@@ -10,8 +10,8 @@ else the first 32 hex digits of its SHA-256, so one agent transaction is one tra
 from __future__ import annotations
 
 import hashlib
+import random
 import re
-import secrets
 from collections.abc import Mapping
 from typing import Final
 
@@ -35,7 +35,9 @@ def outbound_headers(envelope_trace_id: str, agent_headers: Mapping[str, str]) -
     given = {k.lower(): v for k, v in agent_headers.items() if k.lower() in TRACE_HEADERS}
     parent = given.get("traceparent", "").strip()
     match = _TRACEPARENT.match(parent)
-    span = secrets.token_hex(8)
+    # A parent-id needs to be unique, not secret (W3C Trace Context 3.2.2.4): the
+    # Mersenne Twister is enough and skips a getrandom(2) call per request.
+    span = f"{random.getrandbits(64) or 1:016x}"
     if match and match[1] != "ff" and match[2] != _ZERO_TRACE and match[3] != _ZERO_SPAN:
         headers = {"traceparent": f"00-{match[2]}-{span}-{match[4]}"}
         if "tracestate" in given:
