@@ -147,26 +147,8 @@ def _redact_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
             event_dict[key] = redaction.REDACTED
         elif isinstance(value, dict | list):
             # Nested values too: an agent's metadata may carry {"api_key": ...}.
-            event_dict[key] = _redact_nested(value, 0)
+            event_dict[key] = redaction.redact_value(value)
     return event_dict
-
-
-_MAX_REDACT_DEPTH: Final = 16
-
-
-def _redact_nested(value: Any, depth: int) -> Any:
-    if depth > _MAX_REDACT_DEPTH:
-        return value
-    if isinstance(value, dict):
-        return {
-            k: redaction.REDACTED
-            if isinstance(k, str) and k.lower() in redaction.SENSITIVE_KEYS
-            else _redact_nested(v, depth + 1)
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [_redact_nested(v, depth + 1) for v in value]
-    return value
 
 
 def _dumps(event_dict: EventDict) -> str:

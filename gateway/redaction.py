@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Final
+from typing import Any, Final
 
 REDACTED: Final = "[REDACTED]"
 #: Values shorter than this are not scrubbed: they would mangle ordinary text, and no
 #: real credential is that short.
 MIN_SCRUB_LENGTH: Final = 8
 _MAX_TRACKED: Final = 4096
+MAX_REDACT_DEPTH: Final = 16
 #: A secret's first characters shorter than this, left at a cut, are not masked.
 _MIN_PREFIX: Final = 4
 
@@ -103,6 +104,18 @@ def scrub_bytes(data: bytes) -> bytes:
     return data
 
 
-def redact_mapping(mapping: dict[str, object]) -> dict[str, object]:
-    """A copy of ``mapping`` with the values of :data:`SENSITIVE_KEYS` replaced."""
-    return {k: (REDACTED if k.lower() in SENSITIVE_KEYS else v) for k, v in mapping.items()}
+def redact_value(value: Any, depth: int = 0) -> Any:
+    """A copy of ``value`` with the values of :data:`SENSITIVE_KEYS` replaced in every
+    mapping, at any depth (up to :data:`MAX_REDACT_DEPTH` levels; below that, as is)."""
+    if depth > MAX_REDACT_DEPTH:
+        return value
+    if isinstance(value, dict):
+        return {
+            k: REDACTED
+            if isinstance(k, str) and k.lower() in SENSITIVE_KEYS
+            else redact_value(v, depth + 1)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [redact_value(v, depth + 1) for v in value]
+    return value

@@ -15,7 +15,7 @@ import pytest
 from gateway import audit, redaction
 from gateway.audit_schema import AUDIT_SCHEMA_VERSION, CALL_EVENT
 from gateway.egress import NOT_A_REFERENCE
-from gateway.redaction import REDACTED, redact_mapping, register, scrub, scrub_bytes
+from gateway.redaction import REDACTED, redact_value, register, scrub, scrub_bytes
 from gateway.runtime import Gateway
 from gateway.secrets import Secret
 from tests.conftest import compile_policy, envelope, openai_target
@@ -122,10 +122,10 @@ def test_secret_equality_compares_values() -> None:
     assert Secret(value) != value
 
 
-# --- redact_mapping -------------------------------------------------------------------------
+# --- redact_value ---------------------------------------------------------------------------
 
 
-def test_redact_mapping_replaces_sensitive_keys_case_insensitively() -> None:
+def test_redact_value_replaces_sensitive_keys_case_insensitively() -> None:
     headers: dict[str, object] = {
         "Authorization": "Bearer x",
         "X-API-Key": "k",
@@ -135,7 +135,7 @@ def test_redact_mapping_replaces_sensitive_keys_case_insensitively() -> None:
         "Content-Type": "application/json",
         "X-Request-Id": "r1",
     }
-    redacted = redact_mapping(headers)
+    redacted = redact_value(headers)
     assert redacted == {
         "Authorization": REDACTED,
         "X-API-Key": REDACTED,
@@ -148,9 +148,9 @@ def test_redact_mapping_replaces_sensitive_keys_case_insensitively() -> None:
     assert headers["Authorization"] == "Bearer x"  # a copy: the original is untouched
 
 
-def test_redact_mapping_is_shallow() -> None:
-    nested: dict[str, object] = {"outer": {"password": "p"}}
-    assert redact_mapping(nested) == nested
+def test_redact_value_reaches_every_depth() -> None:
+    nested: dict[str, object] = {"outer": {"password": "p", "list": [{"token": "t"}]}}
+    assert redact_value(nested) == {"outer": {"password": REDACTED, "list": [{"token": REDACTED}]}}
 
 
 # --- the audit writer ----------------------------------------------------------------------

@@ -56,7 +56,10 @@ Cidr = (
     | Annotated[ipaddress.IPv6Network, Field(strict=False)]
 )
 RetryOn = int | Literal["timeout", "connect"]
-_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token
+#: A header name: an RFC 9110 token.
+HEADER_NAME: Final = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+#: What a header value may not hold: control characters other than HTAB (RFC 9110 5.5).
+HEADER_VALUE_FORBIDDEN: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _PATH_PATTERN = re.compile(r"^(/([A-Za-z0-9_.~\-:@!$&'()+,;=]+|\*|\*\*))+/?$|^/$")
 #: Headers an envelope may never set, whatever the policy says (hop-by-hop, framing,
 #: routing and credentials belong to the sidecar).
@@ -159,7 +162,7 @@ class CredentialSpec(_Strict):
     @field_validator("header")
     @classmethod
     def _header_token(cls, v: str | None) -> str | None:
-        if v is not None and not _HEADER_NAME.match(v):
+        if v is not None and not HEADER_NAME.match(v):
             raise ValueError(f"{v!r} is not a valid HTTP header name")
         return v
 
@@ -250,7 +253,7 @@ class IdempotencySpec(_Strict):
     @field_validator("header")
     @classmethod
     def _header_token(cls, v: str) -> str:
-        if not _HEADER_NAME.match(v):
+        if not HEADER_NAME.match(v):
             raise ValueError(f"{v!r} is not a valid HTTP header name")
         return v
 
@@ -292,14 +295,14 @@ class TargetSpec(_Strict):
     @classmethod
     def _static(cls, v: dict[str, str]) -> dict[str, str]:
         for name, value in v.items():
-            if not _HEADER_NAME.match(name):
+            if not HEADER_NAME.match(name):
                 raise ValueError(f"{name!r} is not a valid HTTP header name")
             if name.lower() in FORBIDDEN_FORWARD_HEADERS:
                 raise ValueError(
                     f"{name!r} is set by the sidecar (hosts, framing and credentials never "
                     "come from static headers; credentials belong in 'credential')"
                 )
-            if re.search(r"[\x00-\x08\x0a-\x1f\x7f]", value):
+            if HEADER_VALUE_FORBIDDEN.search(value):
                 raise ValueError(f"the value of {name!r} contains control characters")
         return v
 
@@ -307,7 +310,7 @@ class TargetSpec(_Strict):
     @classmethod
     def _forwardable(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not _HEADER_NAME.match(name):
+            if not HEADER_NAME.match(name):
                 raise ValueError(f"{name!r} is not a valid HTTP header name")
             if name.lower() in FORBIDDEN_FORWARD_HEADERS:
                 raise ValueError(f"{name!r} is set by the sidecar and cannot be forwarded")
