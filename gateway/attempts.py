@@ -94,10 +94,17 @@ class Attempts:
                 answer = await self.upstream.send(self.outbound, timeout_s=attempt_timeout)
             except TransportError as exc:
                 _settle(permit, None, _BREAKER_KIND[exc.kind])
-                final = self._transport_failure(exc)
-                if final is None:
+                retryable, unknown = transport_retryable(
+                    exc.kind,
+                    sent=exc.sent,
+                    method=self.request.method,
+                    has_idempotency_key=self.has_idempotency_key,
+                    retry_on=retry.retry_on,
+                )
+                if unknown:
                     raise self._unknown_outcome(exc) from None
-                if not _transport_ok(exc, self, retry.retry_on) or retry_number >= retries_allowed:
+                final = self._transport_failure(exc)
+                if not retryable or retry_number >= retries_allowed:
                     raise final from None
                 wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
                 await wait_or_raise(wait, self.deadline, final)
@@ -156,17 +163,8 @@ class Attempts:
         if hold:
             self.group.hold_for(hold, reason=f"upstream {answer.status} rate-limit headers")
 
-    def _transport_failure(self, exc: TransportError) -> GatewayError | None:
-        """The error to answer with, or None when the outcome is unknown."""
-        _, unknown = transport_retryable(
-            exc.kind,
-            sent=exc.sent,
-            method=self.request.method,
-            has_idempotency_key=self.has_idempotency_key,
-            retry_on=self.target.spec.retry.retry_on,
-        )
-        if unknown:
-            return None
+    def _transport_failure(self, exc: TransportError) -> GatewayError:
+        """The error to answer with for a transport failure whose outcome is known."""
         deadline_hit = time.monotonic() >= self.deadline - 0.001
         if exc.kind == "timeout":
             return DeadlineExceeded(
@@ -188,17 +186,6 @@ class Attempts:
             "idempotency key). Check the upstream before retrying.",
             details={"reason": exc.kind, "target": self.target.name},
         )
-
-
-def _transport_ok(exc: TransportError, attempts: Attempts, retry_on: Any) -> bool:
-    retryable, _ = transport_retryable(
-        exc.kind,
-        sent=exc.sent,
-        method=attempts.request.method,
-        has_idempotency_key=attempts.has_idempotency_key,
-        retry_on=retry_on,
-    )
-    return retryable
 
 
 def _settle(permit: Permit | None, status: int | None, kind: str | None) -> None:

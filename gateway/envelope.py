@@ -92,6 +92,8 @@ class ExternalCallRequest(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _bounded_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not value:
+            return value
         size = len(json.dumps(value, ensure_ascii=False, default=str).encode("utf-8", "replace"))
         if size > MAX_METADATA_BYTES:
             raise ValueError(
