@@ -251,7 +251,8 @@ class Gateway:
         was already with the upstream). Returns how many were cancelled."""
         self.draining = True
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
         left = list(self._tasks)
         if left and self.pipeline is not None:
             self.pipeline.aborting = True

@@ -218,7 +218,7 @@ class VaultResolver:
         for flight in flights:
             flight.cancel()
         if flights:
-            await asyncio.wait(flights)
+            await asyncio.wait(flights, timeout=5.0)  # bounded: shutdown never hangs
         self._cache.clear()
         self._run.close()
         self._client.adapter.close()

@@ -44,7 +44,8 @@ MIN_RENEW_DELAY_S: Final = 0.1  # never spin on a lease of a few hundred ms
 RETRY_BASE_S: Final = 0.5  # backoff after a failed renewal or login ...
 RETRY_MAX_S: Final = 30.0  # ... doubling up to this
 HVAC_WORKERS: Final = 4
-_THREAD_TIMEOUT_MARGIN_S: Final = 0.25  # let requests' own timeout fire first
+_THREAD_TIMEOUT_MARGIN_S: Final = 0.25
+_CLOSE_TIMEOUT_S: Final = 5.0  # let requests' own timeout fire first
 _TRUE: Final = frozenset({"1", "t", "true"})  # Go's strconv.ParseBool, as Vault's CLI
 _FALSE: Final = frozenset({"0", "f", "false"})
 
@@ -197,11 +198,10 @@ class BlockingRunner:
     async def __call__(self, fn: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
         try:
-            async with self._slots:
-                return await asyncio.wait_for(
-                    loop.run_in_executor(self._executor, fn),
-                    self.timeout_s + _THREAD_TIMEOUT_MARGIN_S,
-                )
+            async with self._slots, asyncio.timeout(self.timeout_s + _THREAD_TIMEOUT_MARGIN_S):
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+                # cancellation that races with completion (gh-86296).
+                return await loop.run_in_executor(self._executor, fn)
         except TimeoutError:
             raise VaultUnavailable(f"no answer within {self.timeout_s:g} s") from None
         except OSError as exc:
@@ -282,7 +282,9 @@ class VaultAuth:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            await asyncio.wait([task])
+            done, _ = await asyncio.wait([task], timeout=_CLOSE_TIMEOUT_S)
+            if not done:  # never wait forever at shutdown
+                vault_log().warning("vault_renewer_did_not_stop")
         self._login_client.adapter.close()
 
     async def ensure_token(self) -> int:
@@ -415,8 +417,12 @@ class VaultAuth:
             if due is None or due > 0:
                 # A login elsewhere sets _wake: recompute the schedule for the new token.
                 self._wake.clear()
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow the
+                # cancellation of aclose() when _wake is set at the same moment (gh-86296),
+                # and this loop would then never end.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), due)
+                    async with asyncio.timeout(due):
+                        await self._wake.wait()
                 continue
             try:
                 await self._renew_or_login()
