@@ -293,8 +293,9 @@ async def _run(
         f"\n{records} audit records (one per call) are in [bold]{audit_path}[/bold] as JSON lines."
     )
     console.print(
-        f"Summarise them with [bold]egress-gateway audit summary {audit_path}[/bold], or list "
-        f"the failures with [bold]egress-gateway audit show --failed {audit_path}[/bold]."
+        f"Summarise them with [bold]egress-gateway audit summary {audit_path}[/bold], list "
+        f"the failures with [bold]egress-gateway audit show --failed {audit_path}[/bold], or "
+        f"check their hash chain with [bold]egress-gateway audit verify {audit_path}[/bold]."
     )
     if unexpected:
         console.print(f"[red]unexpected answers: {', '.join(unexpected)}[/red]")

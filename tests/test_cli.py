@@ -33,6 +33,9 @@ async def test_demo_runs_every_example_as_expected(tmp_path, monkeypatch):
     for record in calls:  # every record the sidecar wrote matches the documented schema
         AuditRecord.model_validate(record)
     assert {r["decision"] for r in calls} == {"allowed", "denied", "invalid"}
+    from gateway.auditlog.verify import verify
+
+    assert verify([str(audit)]).ok  # the demo's policy turns the hash chain on
     assert str(audit) in text
     for secret in ("sk-demo-0001", "ak-demo-0002", "xoxb-demo-0003"):
         assert secret not in audit.read_text()
