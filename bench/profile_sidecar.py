@@ -1,6 +1,6 @@
 """Profile the sidecar's hot path under load with py-spy (not a test).
 
-    python bench/profile.py [--variant full] [--duration 15] [--concurrency 16] [--top 40]
+    python bench/profile_sidecar.py [--variant full] [--duration 15] [--concurrency 16] [--top 40]
 
 Starts the benchmark's upstream and one sidecar (a policy variant of bench/run.py), runs
 wrk against it while ``py-spy record --format raw`` samples the sidecar, then prints
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import BenchError
-from run import FEATURES, PY, BENCH_DIR, Bench
+from run import BENCH_DIR, FEATURES, PY, Bench
 
 
 def _frames(stack: str) -> list[str]:

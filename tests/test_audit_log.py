@@ -460,3 +460,37 @@ def test_summary_applies_filters_to_calls_and_breaker_events(
     )
     assert list(result["targets"]) == ["slack"]
     _assert_figures(result["total"], _expected_group(calls, opens))
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"task": "t", "n": 1, "ratio": 0.1, "tiny": 1e-05, "big": 1e300, "ok": True, "x": None},
+        {"nested": [{"api_key": "s", "deep": {"Token": "s2"}}], "name": "Zoë ☃"},
+        {"huge": 2**70},  # past 64 bits: orjson refuses it, the stdlib writes it
+        {"keys": {2: "a", 10: "b"}},  # non-string keys: the stdlib's way
+        {"lone": "\ud800"},  # no UTF-8 form: escaped by the stdlib path
+    ],
+    ids=["scalars", "nested-redacted", "huge-int", "int-keys", "lone-surrogate"],
+)
+def test_fast_and_stdlib_json_paths_write_the_same_record(
+    metadata: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def write(buffer: io.StringIO) -> dict[str, Any]:
+        audit.configure(buffer, chain=True)
+        try:
+            audit.AuditLog("a").event("probe", metadata=metadata, api_key="sk-never-written")
+        finally:
+            audit.configure(io.StringIO())
+        [line] = buffer.getvalue().splitlines()
+        assert "sk-never-written" not in line
+        doc: dict[str, Any] = json.loads(line)
+        assert doc["hash"] == record_hash(doc)  # the chain hashes what a reader parses
+        del doc["timestamp"], doc["hash"]  # the time differs, and so the hash
+        return doc
+
+    fast = write(io.StringIO())
+    monkeypatch.setattr(audit, "orjson", None)  # our own optional import, not a library
+    plain = write(io.StringIO())
+    assert fast == plain
+    assert fast["api_key"] == "[REDACTED]"
