@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 from aiohttp.abc import AbstractResolver
 
@@ -72,7 +72,7 @@ class Gateway:
         self.cluster_limits: ClusterLimits | None = None
         self.metrics = Metrics()
         self.draining = False
-        self._tasks: set[asyncio.Task[tuple[int, ExternalCallResponse]]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -212,31 +212,30 @@ class Gateway:
         return pipeline is not None and secrets_ok and not self.draining, checks
 
     async def call(self, body: bytes) -> tuple[int, ExternalCallResponse]:
-        """Run one call (see :meth:`Pipeline.handle`), tracked as in flight.
+        """Run one call (see :meth:`Pipeline.handle`) in the current task, tracked as in
+        flight so that :meth:`drain` can wait for it and, past the drain time, cancel it.
 
+        The server runs each call in its request handler's task, which aiohttp does not
+        cancel when the agent hangs up (``handler_cancellation`` off), so a call the
+        agent gave up on still finishes, is audited and settles its idempotency key.
         Raises :class:`ShuttingDown` once draining has begun.
         """
         if self.pipeline is None:
             raise _refusal()
         if self.draining:
             return await self.pipeline.handle(body, refuse=_refusal())
-        task = asyncio.create_task(self._tracked(self.pipeline, body), name="egress-call")
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - always called from a task
+            raise RuntimeError("Gateway.call must run in an asyncio task")
         self._tasks.add(task)
         self._idle.clear()
         try:
-            # Shielded: an agent hanging up must not cancel the call half-way.
-            return await asyncio.shield(task)
+            with self.metrics.track_inflight():
+                return await self.pipeline.handle(body)
         finally:
-            if task.done():
-                self._forget(task)
-            else:
-                task.add_done_callback(self._forget)
+            self._forget(task)
 
-    async def _tracked(self, pipeline: Pipeline, body: bytes) -> tuple[int, ExternalCallResponse]:
-        with self.metrics.track_inflight():
-            return await pipeline.handle(body)
-
-    def _forget(self, task: asyncio.Task[tuple[int, ExternalCallResponse]]) -> None:
+    def _forget(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not self._tasks:
             self._idle.set()

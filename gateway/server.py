@@ -174,7 +174,11 @@ async def serve(
         task.add_done_callback(lambda _: watcher.mark_seen())
 
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
-    runner = web.AppRunner(create_app(gateway), access_log=None, handle_signals=False)
+    # handler_cancellation off (aiohttp's default, made explicit): an agent hanging up
+    # must not cancel its call half-way (Gateway.call).
+    runner = web.AppRunner(
+        create_app(gateway), access_log=None, handle_signals=False, handler_cancellation=False
+    )
     await runner.setup()
     sites = [web.TCPSite(runner, host, port, reuse_address=True)]
     ops_runner = None

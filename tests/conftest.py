@@ -161,6 +161,15 @@ def envelope(**overrides: Any) -> dict[str, Any]:
     return {k: v for k, v in env.items() if v is not ...}
 
 
+class SidecarServer(TestServer):
+    """A test server run as ``gateway serve`` runs the calls listener: aiohttp's test
+    server cancels a handler when its client hangs up, the sidecar never does."""
+
+    async def _make_runner(self, **kwargs: Any) -> web.AppRunner:
+        kwargs["handler_cancellation"] = False
+        return web.AppRunner(self.app, **kwargs)
+
+
 @dataclass
 class Sidecar:
     gateway: Gateway
@@ -198,7 +207,7 @@ async def sidecar_factory() -> AsyncIterator[Callable[..., Awaitable[Sidecar]]]:
     async def make(policy: PolicySet, **gateway_kwargs: Any) -> Sidecar:
         log = io.StringIO()
         gateway = Gateway(policy, log_stream=log, **gateway_kwargs)
-        server = TestServer(create_app(gateway), host="127.0.0.1")
+        server = SidecarServer(create_app(gateway), host="127.0.0.1")
         await server.start_server()
         session = aiohttp.ClientSession()
         sidecar = Sidecar(gateway, server, session, log)

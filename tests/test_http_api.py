@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -385,6 +387,41 @@ async def test_drain_answers_calls_that_outlive_it(upstream_factory, sidecar_fac
     _assert_error(status, answer, 503, "SHUTTING_DOWN", True)
     [record] = sc.audit_records()
     assert record["error_code"] == "SHUTTING_DOWN"
+
+
+async def test_a_call_the_agent_hangs_up_on_still_finishes_and_is_audited(
+    upstream_factory, sidecar_factory
+):
+    release = asyncio.Event()
+
+    async def slow(_: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.json_response({"ok": 1, "usage": {"prompt_tokens": 2, "completion_tokens": 3}})
+
+    up = await upstream_factory(slow)
+    target = openai_target(up.url, idempotency={"methods": ["POST"]})
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    from tests.conftest import wait_for
+
+    async with aiohttp.ClientSession() as agent:
+        hung_up = asyncio.create_task(
+            agent.post(sc.url + "/v1/calls", json=envelope(timeout=30))  # never read
+        )
+        await wait_for(lambda: up.hits == 1)
+        hung_up.cancel()  # the agent gives up and closes its connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await hung_up
+    release.set()
+    await wait_for(lambda: len(sc.audit_records()) == 1)
+    [record] = sc.audit_records()
+    assert record["success"] is True, (record["error_code"], record["warnings"])
+    assert record["tokens_used"] == 5
+    assert sc.gateway.inflight == 0
+    # The idempotency key was settled: the agent's retry is a replay, not a second call.
+    status, answer = await sc.call(envelope(timeout=30))
+    assert status == 200
+    assert answer["replayed"] is True
+    assert up.hits == 1
 
 
 async def test_health_and_readiness(upstream_factory, sidecar_factory):
