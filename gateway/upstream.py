@@ -28,12 +28,13 @@ import ipaddress
 import socket
 import time
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any, Final
+from typing import Final
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.connector import Connection
 from yarl import URL
 
 from gateway import __version__
@@ -136,6 +137,29 @@ class EgressResolver(AbstractResolver):
         await self._inner.close()
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """Whether the current attempt reached the point where the upstream may have it."""
+
+    sent: bool = False
+
+
+#: The attempt the current task is sending (set by :meth:`Upstream.send`).
+_ATTEMPT: ContextVar[_Attempt | None] = ContextVar("egress_attempt", default=None)
+
+
+class _MarkingRequest(aiohttp.ClientRequest):
+    """aiohttp's request, marking the attempt as sent when aiohttp starts writing it on
+    a connection it holds: from then on a failure may have reached the upstream (when in
+    doubt, sent). Cheaper than a TraceConfig, whose signals run on every request."""
+
+    async def send(self, conn: Connection) -> aiohttp.ClientResponse:
+        attempt = _ATTEMPT.get()
+        if attempt is not None:
+            attempt.sent = True
+        return await super().send(conn)
+
+
 class Upstream:
     """The process's outbound HTTP client. Create with :meth:`start`, close with :meth:`aclose`."""
 
@@ -165,8 +189,6 @@ class Upstream:
         self._allowed_hosts = set()
 
     async def start(self) -> None:
-        trace = aiohttp.TraceConfig()
-        trace.on_request_headers_sent.append(_mark_sent)
         connector = aiohttp.TCPConnector(
             resolver=self._resolver,
             limit=0,
@@ -175,7 +197,7 @@ class Upstream:
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
-            trace_configs=[trace],
+            request_class=_MarkingRequest,
             headers={"User-Agent": USER_AGENT},
             cookie_jar=aiohttp.DummyCookieJar(),  # no state leaks between agents' calls
             auto_decompress=True,
@@ -192,7 +214,8 @@ class Upstream:
         if self._session is None:
             raise RuntimeError("Upstream.start() was not called")
         started = time.monotonic()
-        state = SimpleNamespace(sent=False)
+        state = _Attempt()
+        token = _ATTEMPT.set(state)
         try:
             async with asyncio.timeout(timeout_s):
                 return await self._send(request, timeout_s, state, started)
@@ -202,9 +225,11 @@ class Upstream:
                 sent=state.sent,
                 message=f"{origin_label(request.url)} did not answer within {timeout_s:.3g} s",
             ) from None
+        finally:
+            _ATTEMPT.reset(token)
 
     async def _send(
-        self, request: OutboundRequest, timeout_s: float, state: SimpleNamespace, started: float
+        self, request: OutboundRequest, timeout_s: float, state: _Attempt, started: float
     ) -> UpstreamResponse:
         assert self._session is not None
         method, url, body = request.method, request.url, request.body
@@ -228,7 +253,6 @@ class Upstream:
                     headers=headers,
                     allow_redirects=False,
                     timeout=timeout,
-                    trace_request_ctx=state,
                 ) as resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
                         next_hop = self._redirect(request, url, method, resp)
@@ -320,8 +344,13 @@ class Upstream:
     async def _read(self, resp: aiohttp.ClientResponse, url: URL) -> bytes:
         limit = self.max_response_bytes
         declared = resp.content_length
-        if declared is not None and declared > limit:
-            raise _too_large(url, limit, resp.status)
+        if declared is not None:
+            if declared > limit:
+                raise _too_large(url, limit, resp.status)
+            if "Content-Encoding" not in resp.headers:
+                # At most Content-Length bytes, in one read; a compressed body may inflate
+                # past the limit, so it is counted chunk by chunk below.
+                return await resp.read()
         buf = bytearray()
         async for chunk in resp.content.iter_chunked(_READ_CHUNK):
             buf += chunk
@@ -337,10 +366,6 @@ def _too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:
         details={"limit_bytes": limit},
         status_code=status,
     )
-
-
-async def _mark_sent(_: Any, ctx: SimpleNamespace, __: Any) -> None:
-    ctx.trace_request_ctx.sent = True
 
 
 def _translate(exc: aiohttp.ClientError, url: URL, sent: bool) -> Exception:

@@ -342,6 +342,33 @@ async def test_response_too_large(upstream_factory, sidecar_factory):
     assert answer["error"]["details"]["limit_bytes"] == 2048
 
 
+@pytest.mark.parametrize("encoding", ["gzip", None])
+async def test_a_body_is_limited_after_decompression(upstream_factory, sidecar_factory, encoding):
+    import gzip
+
+    body = json.dumps({"blob": "x" * 100_000}).encode()
+
+    async def bomb(_: web.Request) -> web.StreamResponse:
+        # ~300 bytes on the wire (Content-Length), 100 kB once inflated.
+        packed = gzip.compress(body) if encoding else body[:1000]
+        headers = {"Content-Type": "application/json"}
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        return web.Response(body=packed, headers=headers)
+
+    up = await upstream_factory(bomb)
+    policy = compile_policy(
+        {"fake-openai": openai_target(up.url)}, server={"max_response_bytes": 2048}
+    )
+    sc = await sidecar_factory(policy)
+    status, answer = await sc.call(envelope())
+    if encoding:
+        _assert_error(status, answer, 502, "RESPONSE_TOO_LARGE", False)
+    else:  # 1000 declared bytes, under the limit: read whole (a cut JSON: text)
+        assert status == 200, answer
+        assert answer["data"]["text"] == body[:1000].decode()
+
+
 async def test_outcome_unknown_when_post_without_key_loses_connection(
     upstream_factory, sidecar_factory
 ):
