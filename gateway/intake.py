@@ -12,8 +12,9 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import ValidationError
 
@@ -175,3 +176,25 @@ def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reje
             details={"reason": "invalid_fields", "errors": errors},
         ) from None
     return Intake(request, tuple(str(k) for k in unknown))
+
+
+#: Envelope text the fast path leaves to :func:`decode_json` and :func:`parse_request`:
+#: pydantic's JSON parser reads ``NaN``, ``Infinity`` and overflowing numbers (an
+#: exponent of three digits, 309 digits in a row) as floats, which this sidecar refuses.
+#: A match inside a string is harmless: that envelope just takes the exact path.
+_NEEDS_EXACT_PATH: Final = re.compile(rb"NaN|Infinity|[eE][+-]?[0-9]{3}|[0-9]{309}")
+
+
+def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
+    """The envelope in ``body`` validated in one pass by pydantic's JSON parser, or None
+    when the exact path must decide (anything invalid, unknown fields, another
+    ``protocol_version``, a BOM, non-finite numbers): that path gives the same request
+    for any envelope this one accepts, and the precise error for the others."""
+    if _NEEDS_EXACT_PATH.search(body):
+        return None
+    try:
+        # Strict, extra fields forbidden; a lone surrogate escape is a JSON error here.
+        request = ExternalCallRequest.model_validate_json(body)
+    except ValidationError:
+        return None
+    return request if request.protocol_version in SUPPORTED_PROTOCOL_VERSIONS else None

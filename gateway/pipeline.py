@@ -41,7 +41,13 @@ from gateway.errors import (
 from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Replay
 from gateway.idempotency.keys import derive_key, fingerprint, store_key
 from gateway.idempotency.scopes import IdempotencyStores
-from gateway.intake import decode_json, parse_request, refuse_lone_surrogates
+from gateway.intake import (
+    Intake,
+    decode_json,
+    parse_envelope_fast,
+    parse_request,
+    refuse_lone_surrogates,
+)
 from gateway.metrics import Metrics
 from gateway.policy import CompiledTarget, IdempotencySpec, PolicySet
 from gateway.ratelimit import RateLimitGroups, estimate_tokens
@@ -105,13 +111,8 @@ class Pipeline:
         ctx = CallContext(started=time.monotonic(), agent_id=policy.policy.agent_id)
         status, response = 500, None
         try:
-            raw = decode_json(body, check_surrogates=False)
-            if isinstance(raw, dict):
-                ctx.claimed = {k: raw[k][:256] for k in CLAIMED if isinstance(raw.get(k), str)}
-            refuse_lone_surrogates(body, raw)
-            if refuse is not None:
-                raise refuse
-            intake = parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields)
+            fast = parse_envelope_fast(body) if refuse is None else None
+            intake = Intake(fast) if fast is not None else self._intake(body, ctx, refuse, policy)
             request = ctx.request = intake.request
             ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
             if intake.unknown_fields:
@@ -165,6 +166,19 @@ class Pipeline:
             if response is not None:
                 self._write_audit(ctx, response)
         return status, response
+
+    @staticmethod
+    def _intake(
+        body: bytes, ctx: CallContext, refuse: GatewayError | None, policy: PolicySet
+    ) -> Intake:
+        """The exact path: parse, keep the ids an invalid envelope claims, validate."""
+        raw = decode_json(body, check_surrogates=False)
+        if isinstance(raw, dict):
+            ctx.claimed = {k: raw[k][:256] for k in CLAIMED if isinstance(raw.get(k), str)}
+        refuse_lone_surrogates(body, raw)
+        if refuse is not None:
+            raise refuse
+        return parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields)
 
     # -- stages ---------------------------------------------------------------------------
 

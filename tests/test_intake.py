@@ -450,3 +450,83 @@ def test_decode_json_turns_deep_nesting_into_invalid_payload() -> None:
     with pytest.raises(InvalidPayload) as info:
         decode_json(b"[" * 100_000)
     assert info.value.details == {"reason": "too_deep"}
+
+
+# --- the fast path (pydantic's JSON parser) agrees with the exact path ----------------------
+
+_BASE = json.dumps(MINIMAL)[:-1]  # '{"trace_id": ..., "method": "POST"' without the brace
+
+
+def _with(fields: str) -> bytes:
+    return (_BASE + (", " + fields if fields else "") + "}").encode()
+
+
+_FAST_CORPUS: dict[str, bytes] = {
+    "minimal": _with(""),
+    "full": json.dumps(
+        raw(
+            parameters={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            api_key_ref="vault://openai-key",
+            rate_limit_group="llm",
+            timeout=12.5,
+            max_retries=0,
+            idempotency_key="k-1",
+            protocol_version=PROTOCOL_VERSION,
+            agent_id="a-1",
+            headers={"X-Request-Id": "r"},
+            metadata={"task": "t", "n": [1, 2.5, None, True]},
+        )
+    ).encode(),
+    "int-timeout": _with('"timeout": 5'),
+    "floats": _with('"parameters": {"a": 1e5, "b": 1.5e-7, "c": 1E+2, "d": -0.0}'),
+    "underflow": _with('"parameters": {"a": 1e-400}'),  # 0.0 both ways, via the exact one
+    "big-float": _with('"parameters": {"a": 1e308}'),
+    "big-int": _with('"parameters": {"a": 123456789012345678901234567890}'),
+    "escapes": _with(r'"parameters": {"a": "\ud83d\ude00 \u00e9 \n \" \\ \/"}'),
+    "raw-unicode": _with('"parameters": {"a": "Zoë ☃ 😀"}').decode().encode("utf-8"),
+    "whitespace": b"\n\t " + _with("") + b" \r\n",
+    "duplicate-key": _with('"max_retries": 1, "max_retries": 2'),
+    "nulls": _with('"api_key_ref": null, "rate_limit_group": null, "idempotency_key": null'),
+    # Everything below must be refused by both paths, or left to the exact one.
+    "nan": _with('"parameters": {"a": NaN}'),
+    "infinity": _with('"parameters": {"a": -Infinity}'),
+    "overflow": _with('"parameters": {"a": 1e400}'),
+    "long-mantissa": _with('"parameters": {"a": ' + "9" * 400 + ".0}"),
+    "lone-surrogate": _with(r'"metadata": {"a": "\udc00"}'),
+    "bom": b"\xef\xbb\xbf" + _with(""),
+    "utf16": _with("").decode().encode("utf-16"),
+    "not-utf8": _with('"metadata": {"a": "X"}').replace(b"X", b"\xff"),
+    "raw-control-char": _with('"metadata": {"a": "line\nbreak"}'),
+    "trailing-comma": _with('"max_retries": 1,'),
+    "unknown-field": _with('"max_retires": 1'),
+    "string-timeout": _with('"timeout": "5"'),
+    "float-retries": _with('"max_retries": 1.0'),
+    "bool-retries": _with('"max_retries": true'),
+    "lowercase-method": _BASE.replace('"POST"', '"post"').encode() + b"}",
+    "other-version": _with('"protocol_version": "2"'),
+    "header-int": _with('"headers": {"X-A": 1}'),
+    "big-metadata": _with('"metadata": {"a": "' + "x" * 20_000 + '"}'),
+    "not-object": b"[1, 2]",
+    "empty": b"",
+}
+_TAKES_FAST_PATH = {
+    "minimal", "full", "int-timeout", "floats", "big-int", "escapes", "raw-unicode",
+    "whitespace", "duplicate-key", "nulls",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(_FAST_CORPUS))
+def test_fast_path_agrees_with_the_exact_path(name: str) -> None:
+    from gateway.intake import parse_envelope_fast
+
+    body = _FAST_CORPUS[name]
+    fast = parse_envelope_fast(body)
+    try:
+        exact: ExternalCallRequest | None = parse_request(decode_json(body)).request
+    except (InvalidPayload, SchemaMismatch):
+        exact = None
+    if fast is not None:
+        assert exact is not None, "the fast path accepted what the exact path refuses"
+        assert fast == exact
+        assert json.dumps(fast.parameters) == json.dumps(exact.parameters)  # -0.0, types
+    assert (fast is not None) == (name in _TAKES_FAST_PATH)
