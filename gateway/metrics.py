@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -82,6 +82,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._targets: frozenset[str] = frozenset()
         self._groups: frozenset[str] = frozenset()
+        self._children: dict[tuple[Counter | Histogram, tuple[str, ...]], Any] = {}
         r = self.registry
         self.calls = Counter(
             "calls", "Calls answered, by target, outcome and error code (OK on success).",
@@ -155,6 +156,16 @@ class Metrics:
         self._targets = targets
         self._groups = frozenset(groups)
 
+    def _child(self, metric: Counter | Histogram, *values: str) -> Any:
+        """``metric.labels(*values)``, remembered: prometheus-client validates the values
+        and takes a lock on every ``labels()``. Label values are policy names and fixed
+        enums, so this holds at most what the registry itself holds."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def _target(self, name: str) -> str:
         return name if name in self._targets else UNKNOWN_LABEL
 
@@ -179,14 +190,15 @@ class Metrics:
         """
         target = self._target(target)
         code_label = OK_CODE if code is None else str(code)
-        self.calls.labels(
+        self._child(
+            self.calls,
             target,
             outcome if outcome in _OUTCOMES else UNKNOWN_LABEL,
             code_label if code_label in _CODES else UNKNOWN_LABEL,
         ).inc()
-        self.call_duration.labels(target).observe(max(latency_s, 0.0))
+        self._child(self.call_duration, target).observe(max(latency_s, 0.0))
         if upstream_latency_s is not None:
-            self.upstream_duration.labels(target).observe(max(upstream_latency_s, 0.0))
+            self._child(self.upstream_duration, target).observe(max(upstream_latency_s, 0.0))
 
     def observe_tokens(
         self,
@@ -203,15 +215,15 @@ class Metrics:
             ("cached", cached_tokens),
         ):
             if count is not None and count > 0:
-                self.tokens.labels(target, kind).inc(count)
+                self._child(self.tokens, target, kind).inc(count)
 
     def observe_retry(self, target: str) -> None:
         """Count one retry (an upstream attempt after the first)."""
-        self.retries.labels(self._target(target)).inc()
+        self._child(self.retries, self._target(target)).inc()
 
     def observe_ratelimit_wait(self, group: str, wait_s: float) -> None:
         """Record the time a call waited for its rate-limit group, in seconds."""
-        self.ratelimit_wait.labels(self._group(group)).observe(max(wait_s, 0.0))
+        self._child(self.ratelimit_wait, self._group(group)).observe(max(wait_s, 0.0))
 
     def observe_ratelimit_rejection(self, group: str) -> None:
         """Count one call the rate-limit group refused (CAPACITY_EXCEEDED)."""
@@ -233,7 +245,7 @@ class Metrics:
 
     def observe_secret_cache(self, result: CacheResult) -> None:
         """Count one secret cache lookup: ``hit``, ``miss`` or ``stale``."""
-        self.secret_cache.labels(result if result in _CACHE_RESULTS else UNKNOWN_LABEL).inc()
+        self._child(self.secret_cache, result if result in _CACHE_RESULTS else UNKNOWN_LABEL).inc()
 
     def observe_policy_reload(self, ok: bool) -> None:
         """Count one policy reload attempt (``ok`` False: refused, the old policy stays)."""
