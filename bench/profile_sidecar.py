@@ -85,7 +85,7 @@ def main() -> int:
         bench.load("warmup", url, args.concurrency, 3, [child, up])
         raw = workdir / "stacks.txt"
         spy_proc = subprocess.Popen(
-            [spy, "record", "--format", "raw", "--rate", "250", "--nonblocking",
+            [spy, "record", "--format", "raw", "--rate", "400", "--nonblocking",
              "--duration", str(round(args.duration)), "--pid", str(child.pid),
              "--output", str(raw)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

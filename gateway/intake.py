@@ -178,11 +178,24 @@ def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reje
     return Intake(request, tuple(str(k) for k in unknown))
 
 
-#: Envelope text the fast path leaves to :func:`decode_json` and :func:`parse_request`:
-#: pydantic's JSON parser reads ``NaN``, ``Infinity`` and overflowing numbers (an
-#: exponent of three digits, 309 digits in a row) as floats, which this sidecar refuses.
+#: The fast path leaves to :func:`decode_json` and :func:`parse_request` what pydantic's
+#: JSON parser reads differently: ``NaN`` and ``Infinity`` (accepted there) and numbers
+#: that overflow a float (read as infinities). An overflow needs 309 digits before the
+#: point or an exponent of three digits; in JSON an exponent always follows a digit
+#: (RFC 8259, section 6), so the regex runs only on a body with a digit before an ``e``.
 #: A match inside a string is harmless: that envelope just takes the exact path.
-_NEEDS_EXACT_PATH: Final = re.compile(rb"NaN|Infinity|[eE][+-]?[0-9]{3}|[0-9]{309}")
+_DIGITS_AS_ZERO: Final = bytes.maketrans(b"123456789E", b"000000000e")
+_LONG_MANTISSA: Final = b"0" * 309
+_BIG_EXPONENT: Final = re.compile(rb"[0-9][eE][+-]?[0-9]{3}")
+
+
+def _needs_exact_path(body: bytes) -> bool:
+    if b"NaN" in body or b"Infinity" in body:
+        return True
+    digits = body.translate(_DIGITS_AS_ZERO)
+    if _LONG_MANTISSA in digits:
+        return True
+    return b"0e" in digits and _BIG_EXPONENT.search(body) is not None
 
 
 def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
@@ -190,7 +203,7 @@ def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
     when the exact path must decide (anything invalid, unknown fields, another
     ``protocol_version``, a BOM, non-finite numbers): that path gives the same request
     for any envelope this one accepts, and the precise error for the others."""
-    if _NEEDS_EXACT_PATH.search(body):
+    if _needs_exact_path(body):
         return None
     try:
         # Strict, extra fields forbidden; a lone surrogate escape is a JSON error here.

@@ -486,11 +486,29 @@ _FAST_CORPUS: dict[str, bytes] = {
     "raw-unicode": _with('"parameters": {"a": "Zoë ☃ 😀"}').decode().encode("utf-8"),
     "whitespace": b"\n\t " + _with("") + b" \r\n",
     "duplicate-key": _with('"max_retries": 1, "max_retries": 2'),
+    "openai": json.dumps(
+        raw(
+            parameters={
+                "model": "gpt-4o",
+                "messages": [{"role": "user", "content": "Sum 1e3 and 2e-5; year 2024."}],
+                "max_tokens": 1024,
+                "temperature": 0.7,
+                "stream": True,
+                "n": 1,
+                "logit_bias": {"50256": -100},
+                "seed": 123456789,
+                "stop": ["\n\n"],
+            },
+            timeout=120,
+            metadata={"attempt": 100, "flags": [True, 1000, False, 2000]},
+        )
+    ).encode(),
     "nulls": _with('"api_key_ref": null, "rate_limit_group": null, "idempotency_key": null'),
     # Everything below must be refused by both paths, or left to the exact one.
     "nan": _with('"parameters": {"a": NaN}'),
     "infinity": _with('"parameters": {"a": -Infinity}'),
     "overflow": _with('"parameters": {"a": 1e400}'),
+    "overflow-upper": _with('"parameters": {"a": [1, -2.5E+400]}'),
     "long-mantissa": _with('"parameters": {"a": ' + "9" * 400 + ".0}"),
     "lone-surrogate": _with(r'"metadata": {"a": "\udc00"}'),
     "bom": b"\xef\xbb\xbf" + _with(""),
@@ -511,7 +529,7 @@ _FAST_CORPUS: dict[str, bytes] = {
 }
 _TAKES_FAST_PATH = {
     "minimal", "full", "int-timeout", "floats", "big-int", "escapes", "raw-unicode",
-    "whitespace", "duplicate-key", "nulls",
+    "whitespace", "duplicate-key", "nulls", "openai",
 }  # fmt: skip
 
 
