@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from urllib.parse import urlencode
 
 from gateway import egress as egress_rules
+from gateway import fastjson
 from gateway.attempts import Attempts, deadline_error
 from gateway.audit import AuditLog, get_logger
 from gateway.bodies import parse_body
@@ -287,9 +288,7 @@ class Pipeline:
         body = None
         summary = self.policy.policy.audit.payloads == "summary"  # "none": no hash either
         if query is None:
-            body = json.dumps(
-                request.parameters, ensure_ascii=False, separators=(",", ":")
-            ).encode()
+            body = fastjson.compact(request.parameters)
             ctx.request_bytes = len(body)
             if summary:
                 ctx.request_sha256 = hashlib.sha256(body).hexdigest()
@@ -378,11 +377,14 @@ class Pipeline:
         if remaining <= 0:
             raise deadline_error("resolving the secret")
         ref = parse_ref(ctx.api_key_ref)
-        try:
-            async with asyncio.timeout(remaining):
-                resolved = await self.resolvers.resolve(ref)
-        except TimeoutError:
-            raise deadline_error("resolving the secret") from None
+        if self.resolvers.is_local(ref.scheme):
+            resolved = await self.resolvers.resolve(ref)  # a file or the environment
+        else:
+            try:
+                async with asyncio.timeout(remaining):
+                    resolved = await self.resolvers.resolve(ref)
+            except TimeoutError:
+                raise deadline_error("resolving the secret") from None
         ctx.warnings.extend(resolved.warnings)
         if ref.scheme == "vault":  # the only cached scheme
             self.metrics.observe_secret_cache(

@@ -44,7 +44,6 @@ limited per process.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -53,6 +52,7 @@ from typing import Any, Final
 
 from aiolimiter import AsyncLimiter
 
+from gateway import fastjson
 from gateway.errors import CapacityExceeded
 from gateway.policy import RateLimitGroupSpec
 from gateway.ratelimit_headers import provider_hold_s, retry_after_s
@@ -118,13 +118,11 @@ def estimate_tokens(parameters: Mapping[str, Any]) -> int:
         if key not in parameters:
             continue
         value = parameters[key]
-        text = value if isinstance(value, str) else _compact_json(value)
-        prompt_bytes += len(text.encode("utf-8"))
+        if isinstance(value, str):
+            prompt_bytes += len(value.encode("utf-8"))
+        else:
+            prompt_bytes += len(fastjson.compact(value, default=str))
     return output + math.ceil(prompt_bytes / PROMPT_BYTES_PER_TOKEN)
-
-
-def _compact_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 class _Bucket(AsyncLimiter):

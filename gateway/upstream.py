@@ -46,6 +46,7 @@ from gateway.secrets import Secret
 
 MAX_REDIRECTS: Final = 5
 CONNECT_TIMEOUT_CAP_S: Final = 10.0
+_CONNECT_TIMEOUT: Final = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_CAP_S)
 USER_AGENT: Final = f"egress-gateway/{__version__}"
 _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _READ_CHUNK: Final = 64 * 1024
@@ -233,8 +234,12 @@ class Upstream:
     ) -> UpstreamResponse:
         assert self._session is not None
         method, url, body = request.method, request.url, request.body
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=min(timeout_s, CONNECT_TIMEOUT_CAP_S), sock_read=timeout_s
+        # The attempt as a whole is bounded by send()'s asyncio.timeout; aiohttp's own
+        # timeout only tells a slow connect apart (nothing sent: safe to retry).
+        timeout = (
+            _CONNECT_TIMEOUT
+            if timeout_s >= CONNECT_TIMEOUT_CAP_S
+            else aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)
         )
         for _hop in range(MAX_REDIRECTS + 1):
             self._check_literal(url)

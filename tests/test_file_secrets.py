@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from gateway.errors import SecretNotFound
+from gateway.secrets import ResolvedSecret
 from gateway.secrets import file as file_secrets
 from gateway.secrets.file import FileResolver
-from gateway.secrets.refs import parse_ref
+from gateway.secrets.refs import SecretRef, parse_ref
 
 
 @pytest.fixture
@@ -85,3 +86,22 @@ async def test_a_file_changed_just_now_is_not_trusted_to_the_cache(tmp_path: Pat
     # A same-size rewrite within the same clock tick still shows.
     key.write_text("sk-other-value-0002")
     assert (await resolver.resolve(ref)).secret.reveal() == "sk-other-value-0002"
+
+
+def test_only_local_resolvers_skip_the_deadline_timer() -> None:
+    from gateway.secrets import SecretResolvers
+    from gateway.secrets.env import EnvResolver
+
+    class Remote:  # a resolver that waits on a network: no `local` attribute
+        async def resolve(self, ref: SecretRef) -> ResolvedSecret:
+            raise NotImplementedError
+
+        def invalidate(self, ref: SecretRef) -> None: ...
+
+        async def aclose(self) -> None: ...
+
+    resolvers = SecretResolvers({"file": FileResolver(), "env": EnvResolver(), "x": Remote()})
+    assert resolvers.is_local("file")
+    assert resolvers.is_local("env")
+    assert not resolvers.is_local("x")
+    assert not resolvers.is_local("vault")  # not registered

@@ -90,6 +90,12 @@ class SecretResolvers:
     def get(self, scheme: str) -> SecretResolver | None:
         return self._resolvers.get(scheme)
 
+    def is_local(self, scheme: str) -> bool:
+        """True if the resolver of ``scheme`` reads only local state (the environment, a
+        file) and so never waits: the pipeline then spares it a deadline timer. A
+        resolver says so with a class attribute ``local = True``."""
+        return getattr(self._resolvers.get(scheme), "local", False) is True
+
     async def resolve(self, ref: SecretRef) -> ResolvedSecret:
         resolver = self._resolvers.get(ref.scheme)
         if resolver is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Final
 
 from gateway.errors import SecretNotFound
 from gateway.secrets.base import ResolvedSecret, Secret
@@ -11,6 +12,9 @@ from gateway.secrets.refs import SecretRef
 
 class EnvResolver:
     """Reads ``os.environ`` (cheap, so nothing is cached)."""
+
+    #: Reads local state only, never waits (SecretResolvers.is_local).
+    local: Final = True
 
     async def resolve(self, ref: SecretRef) -> ResolvedSecret:
         # A trailing newline is how values often arrive (echo, Kubernetes secrets): cut it,

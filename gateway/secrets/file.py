@@ -33,6 +33,9 @@ _Stamp = tuple[int, int, int, int, int]
 
 
 class FileResolver:
+    #: Reads local state only, never waits (SecretResolvers.is_local).
+    local: Final = True
+
     def __init__(self) -> None:
         self._cache: dict[str, tuple[_Stamp, ResolvedSecret]] = {}
 

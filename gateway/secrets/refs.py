@@ -12,6 +12,7 @@ A reference is not a secret: it may be logged and audited. The value it resolves
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Final
@@ -39,6 +40,7 @@ class SecretRef:
         return self.raw
 
 
+@functools.lru_cache(maxsize=1024)  # refs are few (bound by the policy); parsing is pure
 def parse_ref(raw: str) -> SecretRef:
     """Parse ``raw`` into a :class:`SecretRef`.
 
