@@ -16,6 +16,7 @@ Rules (the README's "Egress rules"):
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import re
@@ -64,6 +65,7 @@ class Decision:
     api_key_ref: str | None
 
 
+@functools.lru_cache(maxsize=4096)  # pure; agents call the same few endpoints
 def endpoint_problem(endpoint: str) -> str | None:
     """Why ``endpoint`` is not a clean absolute path, or None if it is."""
     if _CONTROL.search(endpoint):

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from gateway import fastjson
+
 #: Protocol versions this sidecar speaks. An envelope naming another gets SCHEMA_MISMATCH.
 SUPPORTED_PROTOCOL_VERSIONS: Final = frozenset({"1"})
 PROTOCOL_VERSION: Final = "1"
@@ -28,7 +30,8 @@ DEFAULT_TIMEOUT_S: Final = 30.0
 MAX_TIMEOUT_S: Final = 600.0
 DEFAULT_MAX_RETRIES: Final = 3
 MAX_RETRIES_LIMIT: Final = 10
-#: ``metadata`` is copied into the audit record: it is bounded (JSON bytes).
+#: ``metadata`` is copied into the audit record: it is bounded (UTF-8 bytes of its
+#: compact JSON, as the audit line holds it).
 MAX_METADATA_BYTES: Final = 16 * 1024
 
 HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
@@ -94,7 +97,11 @@ class ExternalCallRequest(BaseModel):
     def _bounded_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
         if not value:
             return value
-        size = len(json.dumps(value, ensure_ascii=False, default=str).encode("utf-8", "replace"))
+        try:
+            size = len(fastjson.compact(value, default=str))
+        except UnicodeEncodeError:  # a lone surrogate: refused at intake, counted here
+            text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+            size = len(text.encode("utf-8", "replace"))
         if size > MAX_METADATA_BYTES:
             raise ValueError(
                 f"metadata is {size} bytes of JSON; at most {MAX_METADATA_BYTES} are kept in "

@@ -548,3 +548,20 @@ def test_fast_path_agrees_with_the_exact_path(name: str) -> None:
         assert fast == exact
         assert json.dumps(fast.parameters) == json.dumps(exact.parameters)  # -0.0, types
     assert (fast is not None) == (name in _TAKES_FAST_PATH)
+
+
+def test_metadata_is_bounded_by_the_bytes_of_its_compact_json() -> None:
+    from gateway.envelope import MAX_METADATA_BYTES
+
+    overhead = len('{"k":""}')
+    fits = {"k": "é" * ((MAX_METADATA_BYTES - overhead) // 2)}  # 2 bytes each in UTF-8
+    assert len(json.dumps(fits, ensure_ascii=False, separators=(",", ":")).encode()) == (
+        MAX_METADATA_BYTES
+    )
+    assert parse_request(raw(metadata=fits)).request.metadata == fits
+    over = {"k": fits["k"] + "x"}
+    with pytest.raises(InvalidPayload) as caught:
+        parse_request(raw(metadata=over))
+    [error] = invalid_fields(caught.value)
+    assert error["field"] == "metadata"
+    assert f"{MAX_METADATA_BYTES + 1} bytes" in error["problem"]

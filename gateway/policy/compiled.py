@@ -7,10 +7,15 @@ reload, never mutated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from yarl import URL
 
 from gateway.policy.models import Policy, TargetSpec
+
+_UNSEEN: Final = object()
+#: Distinct (endpoint, method) verdicts remembered per target.
+_MAX_VERDICTS: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,9 +29,22 @@ class CompiledTarget:
     permitted_refs: frozenset[str]
     forward_headers: frozenset[str]
     _rules: tuple[tuple[tuple[str, ...], bool, frozenset[str]], ...] = field(repr=False)
+    #: Verdicts of :meth:`allows` already computed (the rules never change; bounded).
+    _verdicts: dict[tuple[str, str], bool | None] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def allows(self, path: str, method: str) -> bool | None:
         """True if allowed, False if the path matches but not the method, None if no rule."""
+        key = (path, method)
+        verdict = self._verdicts.get(key, _UNSEEN)
+        if verdict is _UNSEEN:
+            if len(self._verdicts) >= _MAX_VERDICTS:
+                self._verdicts.clear()
+            verdict = self._verdicts[key] = self._match(path, method)
+        return verdict  # type: ignore[return-value]
+
+    def _match(self, path: str, method: str) -> bool | None:
         segments = tuple(path.strip("/").split("/")) if path.strip("/") else ()
         path_matched = False
         for pattern, tail, methods in self._rules:
