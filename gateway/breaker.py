@@ -257,6 +257,8 @@ class TargetBreaker:
                 return
         elif ok is None or state != STATE_CLOSED:
             return
+        elif ok and self._cb.fail_counter == 0:
+            return  # pybreaker's success when closed resets the failure count: already 0
         # pybreaker re-raises a counted failure (as CircuitBreakerError when it trips).
         with contextlib.suppress(_AttemptFailed, CircuitBreakerError):
             self._cb.call(_succeed if ok else _fail)
