@@ -281,3 +281,25 @@ async def test_aclose_wakes_waiters() -> None:
 def test_bounds_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_entries"):
         MemoryIdempotencyStore(max_entries=0)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["plain", 'q"uote\\back', "ctl\n\t\x00\x1f\x7f", "Zoë ☃ 😀 \u2028", "", "/v1/a?b=c&d"],
+)
+def test_keys_and_fingerprints_are_the_canonical_json_ones(text: str) -> None:
+    """Built piecewise for speed, they must stay the documented SHA-256 of canonical
+    JSON: keys are stored (in Redis too) and must not change across versions."""
+    import hashlib
+
+    from gateway.idempotency.keys import DERIVED_KEY_PREFIX, canonical_json
+
+    parts = [text, "corr-1", "openai", "POST", "/v1/" + text]
+    assert derive_key(*parts[:3], "post", parts[4]) == DERIVED_KEY_PREFIX + (
+        hashlib.sha256(canonical_json(parts)).hexdigest()
+    )
+    params = {"b": [1, 2.5, None], "a": {"z": text, "y": True}}
+    whole = {"target_system": text, "method": "PATCH", "endpoint": "/e/" + text}
+    assert fingerprint(text, "patch", "/e/" + text, params) == (
+        hashlib.sha256(canonical_json({**whole, "parameters": params})).hexdigest()
+    )

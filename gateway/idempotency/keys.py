@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from json.encoder import encode_basestring as _encode_str  # what json.dumps uses for str
 from typing import Any, Final
 
 __all__ = ["DERIVED_KEY_PREFIX", "canonical_json", "derive_key", "fingerprint", "store_key"]
@@ -35,19 +36,22 @@ def derive_key(
 ) -> str:
     """The idempotency key of an envelope that gives none: the same transaction and
     operation give the same key. ``method`` is compared case-insensitively."""
-    parts = [trace_id, correlation_id, target_system, method.upper(), endpoint]
-    return DERIVED_KEY_PREFIX + hashlib.sha256(canonical_json(parts)).hexdigest()
+    parts = (trace_id, correlation_id, target_system, method.upper(), endpoint)
+    # = canonical_json(list(parts)), built from the stdlib's own string encoder.
+    text = "[" + ",".join(map(_encode_str, parts)) + "]"
+    return DERIVED_KEY_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def fingerprint(target_system: str, method: str, endpoint: str, parameters: Any) -> str:
     """SHA-256 hex of the request a key stands for (target, method, endpoint, parameters)."""
-    request = {
-        "target_system": target_system,
-        "method": method.upper(),
-        "endpoint": endpoint,
-        "parameters": parameters,
-    }
-    return hashlib.sha256(canonical_json(request)).hexdigest()
+    # = canonical_json({"target_system": ..., "method": ..., "endpoint": ...,
+    # "parameters": ...}): keys in sorted order, the strings by the stdlib's encoder.
+    params = canonical_json(parameters)
+    head = (
+        '{"endpoint":' + _encode_str(endpoint) + ',"method":' + _encode_str(method.upper())
+    ).encode("utf-8")
+    tail = (',"target_system":' + _encode_str(target_system) + "}").encode("utf-8")
+    return hashlib.sha256(head + b',"parameters":' + params + tail).hexdigest()
 
 
 def store_key(target_system: str, idempotency_key: str) -> str:
