@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import BenchError
-from run import FEATURES, PY, BENCH_DIR, Bench
+from run import BENCH_DIR, FEATURES, PY, Bench
 
 
 def _frames(stack: str) -> list[str]:
