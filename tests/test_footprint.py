@@ -1,7 +1,8 @@
 """What a serving process imports: only what its policy needs (docs/performance.md, "Memory").
 
 redis-py (6.7 MiB of RSS) is imported only with a ``redis:`` section, although pybreaker
-would import it whenever it is installed. The processes are
+would import it whenever it is installed; rich (3 MiB, the audit CLI's tables) never in
+``serve``, although structlog would import it whenever it is installed. The processes are
 real ``python -v -m gateway serve``; the import log is their stderr, where ``import 'name'``
 lines name the modules actually loaded (an import blocked on purpose loads nothing).
 """
@@ -30,7 +31,7 @@ from tests.test_lifecycle import ROOT, Process
 __all__ = ["redis_prefix"]  # a fixture, imported for pytest
 
 #: Top-level packages a sidecar without a ``redis:`` section and without Vault must not load.
-NOT_NEEDED = {"redis", "hvac", "requests"}
+NOT_NEEDED = {"redis", "rich", "pygments", "hvac", "requests"}
 
 Serve = Callable[[Path], Awaitable[tuple[Process, Path]]]
 
@@ -109,7 +110,7 @@ async def _post(session: aiohttp.ClientSession, sidecar: Process, env: dict[str,
 GROUPS = {"g": {"requests_per_second": 100, "burst": 10}}
 
 
-async def test_serve_without_redis_section_does_not_import_redis(
+async def test_serve_without_redis_section_imports_neither_redis_nor_rich(
     upstream: FakeUpstream, serve_traced: Serve, tmp_path: Path
 ) -> None:
     policy = tmp_path / "policy.yaml"
@@ -163,6 +164,7 @@ async def test_redis_section_then_cluster_scope_by_reload(
     assert await sidecar.stop() == 0
     assert upstream.hits == 2
     assert {"redis", "redis.asyncio", "gateway.stores.redis"} <= imported(log)
+    assert "rich" not in packages(imported(log))
 
 
 def _python(code: str) -> list[Any]:
