@@ -4,6 +4,7 @@ joiners, abandon, expiry, bounds)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import pytest
@@ -264,6 +265,28 @@ async def test_byte_bound_holds_and_oversized_answers_still_reach_waiters() -> N
     assert await waiter == bytes(5000)
     assert isinstance(await store.begin("big", FP, lease_s=30), Proceed)  # not stored
     assert store.size_bytes <= 1000
+
+
+async def test_an_evicted_answer_is_released_at_once() -> None:
+    # Expiry items hold the key, not the entry: an evicted answer is not kept alive by
+    # its stale item until the expiry heap is next rebuilt (memory, docs/performance.md).
+    store = MemoryIdempotencyStore(max_entries=2)
+    answer = bytes(1000)
+    await store.complete("k1", await proceed(store, "k1"), answer, ttl_s=60)
+    held = sys.getrefcount(answer)  # ours, getrefcount's and the store's
+    for key in ("k2", "k3"):
+        await store.complete(key, await proceed(store, key), key.encode(), ttl_s=60)
+    assert isinstance(await store.begin("k1", FP, lease_s=30), Proceed)  # k1 was evicted
+    assert sys.getrefcount(answer) == held - 1
+
+
+async def test_size_counts_the_key_in_utf8() -> None:
+    store = MemoryIdempotencyStore()
+    await proceed(store, "ключ")  # 4 characters, 8 bytes
+    assert store.size_bytes == 8 + len(FP)
+    token = await proceed(store, "key")
+    await store.complete("key", token, b"12345", ttl_s=60)
+    assert store.size_bytes == 8 + len(FP) + 3 + len(FP) + 5
 
 
 async def test_aclose_wakes_waiters() -> None:
