@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from aiohttp.abc import AbstractResolver
 
@@ -19,16 +19,18 @@ from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import ShuttingDown
 from gateway.idempotency.memory import MemoryIdempotencyStore
-from gateway.idempotency.redis import RedisIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
 from gateway.pipeline import Pipeline
 from gateway.policy import PolicyError, PolicySet, load_policy
 from gateway.ratelimit import RateLimitGroups
-from gateway.ratelimit_cluster import ClusterLimits
 from gateway.secrets.factory import build_secret_resolvers, secrets_ready, start_secret_resolvers
-from gateway.stores.redis import RedisClient
 from gateway.upstream import Upstream
+
+if TYPE_CHECKING:
+    # Imported in start() only with a ``redis:`` section: redis-py is 6.7 MiB of RSS.
+    from gateway.ratelimit_cluster import ClusterLimits
+    from gateway.stores.redis import RedisClient
 
 _log = audit.get_logger("gateway.runtime")
 _METRIC_STATE: dict[BreakerState, Literal["closed", "half-open", "open"]] = {
@@ -89,6 +91,10 @@ class Gateway:
         await start_secret_resolvers(resolvers)
         redis_spec = self.policy.policy.redis
         if redis_spec is not None:
+            from gateway.idempotency.redis import RedisIdempotencyStore
+            from gateway.ratelimit_cluster import ClusterLimits
+            from gateway.stores.redis import RedisClient
+
             # Connects lazily: no connection until a cluster-scope group or target is used
             # (built whenever configured, so a reload that turns on cluster scope works).
             self.redis = RedisClient(redis_spec)

@@ -4,6 +4,7 @@ joiners, abandon, expiry, bounds)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import pytest
@@ -264,6 +265,51 @@ async def test_byte_bound_holds_and_oversized_answers_still_reach_waiters() -> N
     assert await waiter == bytes(5000)
     assert isinstance(await store.begin("big", FP, lease_s=30), Proceed)  # not stored
     assert store.size_bytes <= 1000
+
+
+async def test_an_evicted_answer_is_released_at_once() -> None:
+    # Expiry items hold the key, not the entry: an evicted answer is not kept alive by
+    # its stale item until the expiry heap is next rebuilt (memory, docs/performance.md).
+    store = MemoryIdempotencyStore(max_entries=2)
+    answer = bytes(1000)
+    await store.complete("k1", await proceed(store, "k1"), answer, ttl_s=60)
+    held = sys.getrefcount(answer)  # ours, getrefcount's and the store's
+    for key in ("k2", "k3"):
+        await store.complete(key, await proceed(store, key), key.encode(), ttl_s=60)
+    assert isinstance(await store.begin("k1", FP, lease_s=30), Proceed)  # k1 was evicted
+    assert sys.getrefcount(answer) == held - 1
+
+
+async def test_expiry_heap_stays_within_a_quarter_of_the_table() -> None:
+    # Two stale items per call once the store is full (the lease's, the evicted
+    # entry's): the heap is rebuilt at a quarter over the table; replay, eviction and
+    # expiry work the same after many rebuilds.
+    store = MemoryIdempotencyStore(max_entries=400)
+    largest = 0
+    for i in range(3000):
+        key = f"k{i}"
+        await store.complete(key, await proceed(store, key), key.encode(), ttl_s=60)
+        largest = max(largest, len(store._expiry))
+    assert store.entries == 400
+    assert 400 < largest <= 400 + 100 + 64
+    assert await store.begin("k2600", FP, lease_s=30) == Replay(b"k2600")
+    assert isinstance(await store.begin("k2599", FP, lease_s=30), Proceed)  # evicted
+
+    await store.complete("short", await proceed(store, "short"), b"s", ttl_s=0.05)
+    t0 = time.monotonic()
+    while not isinstance(await store.begin("short", FP, lease_s=30), Proceed):
+        assert time.monotonic() - t0 < 2, "the short answer did not expire"
+        await asyncio.sleep(0.005)
+    assert time.monotonic() - t0 >= 0.04
+
+
+async def test_size_counts_the_key_in_utf8() -> None:
+    store = MemoryIdempotencyStore()
+    await proceed(store, "ключ")  # 4 characters, 8 bytes
+    assert store.size_bytes == 8 + len(FP)
+    token = await proceed(store, "key")
+    await store.complete("key", token, b"12345", ttl_s=60)
+    assert store.size_bytes == 8 + len(FP) + 3 + len(FP) + 5
 
 
 async def test_aclose_wakes_waiters() -> None:

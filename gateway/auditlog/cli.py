@@ -22,13 +22,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
-from gateway.auditlog import render
 from gateway.auditlog.filters import Filters, Predicate, Record, parse_when
 from gateway.auditlog.reader import STDIN, Malformed, entries, follow, records
 from gateway.auditlog.summary import summarize
 from gateway.auditlog.verify import verify
 
 _MAX_REPORTED: Final = 50
+
+# The commands import gateway.auditlog.render (and rich, 3 MiB of RSS) when they run, not
+# at module level: `egress-gateway serve` builds this parser too, and never prints a table.
 
 
 def _when(text: str) -> Any:
@@ -197,6 +199,8 @@ def _matching(
 
 
 def _show(args: argparse.Namespace, files: list[str], io: _IO) -> int:
+    from gateway.auditlog import render
+
     match = _filters(args).call_predicate()
     if args.format == "json":
         for record in _matching(args, files, io, match):
@@ -214,6 +218,8 @@ def _show(args: argparse.Namespace, files: list[str], io: _IO) -> int:
 
 
 def _summary(args: argparse.Namespace, files: list[str], io: _IO) -> int:
+    from gateway.auditlog import render
+
     filters = _filters(args)
     result = summarize(
         records(files, io.report, stdin=io.stdin), filters.call_filter(), filters.event_filter()
@@ -226,6 +232,8 @@ def _summary(args: argparse.Namespace, files: list[str], io: _IO) -> int:
 
 
 def _trace(args: argparse.Namespace, files: list[str], io: _IO) -> int:
+    from gateway.auditlog import render
+
     match = _filters(args, trace=(args.trace_id,)).call_predicate()
     steps = render.timeline(r for r in records(files, io.report, stdin=io.stdin) if match(r))
     if not steps:
@@ -240,6 +248,8 @@ def _trace(args: argparse.Namespace, files: list[str], io: _IO) -> int:
 
 
 def _verify(args: argparse.Namespace, files: list[str], io: _IO) -> int:
+    from gateway.auditlog import render
+
     result = verify(files, stdin=io.stdin)
     if args.format == "json":
         render.write_json_line(io.stdout, result.to_dict())

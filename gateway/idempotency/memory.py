@@ -16,6 +16,11 @@ keys behave as new: the next call with that key goes upstream again.
 Concurrency: the methods do not await between reading and writing the table, so on one
 event loop each is atomic; concurrent ``begin`` calls on a fresh key yield exactly one
 :class:`Proceed`.
+
+Memory: besides the bytes counted above, an entry costs about 600 bytes of bookkeeping
+(its slots, the two tables, one expiry item). Expiry items hold the key and the expiry
+time, not the entry: an item left behind by an eviction keeps no answer alive while it
+waits for the heap's next rebuild.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeAlias
 
 from gateway.errors import CapacityExceeded
 from gateway.idempotency.base import Conflict, InFlight, Outcome, Proceed, Replay
@@ -42,11 +47,20 @@ class _Entry:
     fingerprint: str
     token: str | None  # the owner's while in flight; None once completed
     expires_at: float
-    size: int
     answer: bytes = b""  # meaningful once token is None
     # Created by the first waiter only: most entries are never waited on, and 10,000
     # idle Events (each with a deque) would double what the cyclic GC walks.
     waiters: asyncio.Event | None = None
+
+
+#: (expires_at, key): live while the key's entry still expires at that instant.
+_Expiry: TypeAlias = tuple[float, str]
+
+
+def _size(key: str, entry: _Entry) -> int:
+    """What an entry counts against ``max_bytes``: key (UTF-8), fingerprint, answer."""
+    key_bytes = len(key) if key.isascii() else len(key.encode())
+    return key_bytes + len(entry.fingerprint) + len(entry.answer)
 
 
 class MemoryIdempotencyStore:
@@ -64,8 +78,7 @@ class MemoryIdempotencyStore:
         # O(1) instead of walking past the entries in flight.
         self._done: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
-        self._expiry: list[tuple[float, int, str, _Entry]] = []  # a heap; stale items skipped
-        self._seq = 0
+        self._expiry: list[_Expiry] = []  # a heap; stale items skipped
 
     @property
     def entries(self) -> int:
@@ -85,16 +98,15 @@ class MemoryIdempotencyStore:
                 self._done.move_to_end(key)
                 return Replay(entry.answer)
             return InFlight()
-        size = len(key.encode()) + len(fingerprint)
-        self._evict(extra_entries=1, extra_bytes=size)
+        entry = _Entry(fingerprint, None, time.monotonic() + lease_s)
+        self._evict(extra_entries=1, extra_bytes=_size(key, entry))
         if len(self._entries) >= self.max_entries:
             raise CapacityExceeded(
                 f"the idempotency store holds {len(self._entries)} calls in flight, its "
                 "limit; retry when some have finished",
                 details={"reason": "idempotency_store_full"},
             )
-        token = secrets.token_urlsafe(16)
-        entry = _Entry(fingerprint, token, time.monotonic() + lease_s, size)
+        entry.token = token = secrets.token_urlsafe(16)
         self._insert(key, entry)
         return Proceed(token)
 
@@ -103,14 +115,13 @@ class MemoryIdempotencyStore:
         entry = self._entries.get(key)
         if entry is None or entry.token != token:
             return False
+        self._remove(key, entry)
         entry.answer = answer
         entry.token = None
         _wake(entry)
-        self._remove(key, entry)
-        size = entry.size + len(answer)
+        size = _size(key, entry)
         if size > self.max_bytes:
             return False
-        entry.size = size
         entry.expires_at = time.monotonic() + ttl_s
         self._evict(extra_entries=1, extra_bytes=size)
         self._insert(key, entry)
@@ -158,34 +169,39 @@ class MemoryIdempotencyStore:
         self._entries[key] = entry
         if entry.token is None:
             self._done[key] = entry
-        self._bytes += entry.size
-        self._seq += 1
-        heapq.heappush(self._expiry, (entry.expires_at, self._seq, key, entry))
-        if len(self._expiry) > 2 * len(self._entries) + 64:
+        self._bytes += _size(key, entry)
+        heapq.heappush(self._expiry, (entry.expires_at, key))
+        if len(self._expiry) > len(self._entries) + len(self._entries) // 4 + 64:
             # Evicted and completed entries leave stale heap items until their old
-            # expiry; rebuild so the heap stays proportional to the table. An item is
-            # live on the same terms as in _expire: a completed entry keeps its object
-            # but not its in-flight expiry.
-            self._expiry = [i for i in self._expiry if self._live(i)]
+            # expiry (two per call once the store is full); rebuild so the heap stays
+            # proportional to the table. At a quarter over, a rebuild every L/8 calls
+            # costs ~0.3 us per call and holds ~1 MiB fewer stale items (and evicted
+            # keys) at 10,000 entries than at twice the table.
+            self._expiry = [item for item in self._expiry if self._live(item) is not None]
             heapq.heapify(self._expiry)
 
-    def _live(self, item: tuple[float, int, str, _Entry]) -> bool:
-        at, _, key, entry = item
-        return self._entries.get(key) is entry and entry.expires_at == at
+    def _live(self, item: _Expiry) -> _Entry | None:
+        """The entry ``item`` stands for, or None if the item is stale (the key's entry
+        was removed, or now expires at another instant: completed after its lease, or a
+        new entry under the same key; a new entry expiring at the very same instant is
+        due then anyway)."""
+        at, key = item
+        entry = self._entries.get(key)
+        return entry if entry is not None and entry.expires_at == at else None
 
     def _remove(self, key: str, entry: _Entry) -> None:
         if self._entries.get(key) is entry:
             del self._entries[key]
             self._done.pop(key, None)
-            self._bytes -= entry.size
+            self._bytes -= _size(key, entry)
 
     def _expire(self) -> None:
         now = time.monotonic()
         while self._expiry and self._expiry[0][0] <= now:
             item = heapq.heappop(self._expiry)
-            if self._live(item):
-                _, _, key, entry = item
-                self._remove(key, entry)
+            entry = self._live(item)
+            if entry is not None:
+                self._remove(item[1], entry)
                 _wake(entry)  # waiters on a lost owner wake up and may take over
 
     def _evict(self, *, extra_entries: int, extra_bytes: int) -> None:
