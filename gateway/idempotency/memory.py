@@ -35,11 +35,13 @@ from typing import Final, TypeAlias
 
 from gateway.errors import CapacityExceeded
 from gateway.idempotency.base import Conflict, InFlight, Outcome, Proceed, Replay
+from gateway.policy.models import DEFAULT_IDEMPOTENCY_MAX_BYTES, DEFAULT_IDEMPOTENCY_MAX_ENTRIES
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_ENTRIES", "MemoryIdempotencyStore"]
 
-DEFAULT_MAX_ENTRIES: Final = 10_000
-DEFAULT_MAX_BYTES: Final = 64 * 1024 * 1024
+#: The policy's defaults (``server.idempotency_max_entries`` / ``_max_bytes``).
+DEFAULT_MAX_ENTRIES: Final = DEFAULT_IDEMPOTENCY_MAX_ENTRIES
+DEFAULT_MAX_BYTES: Final = DEFAULT_IDEMPOTENCY_MAX_BYTES
 
 
 @dataclass(eq=False, slots=True)
