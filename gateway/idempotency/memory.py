@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import secrets
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -81,6 +81,7 @@ class MemoryIdempotencyStore:
         self._done: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._expiry: list[_Expiry] = []  # a heap; stale items skipped
+        self._tokens = itertools.count(1)
 
     @property
     def entries(self) -> int:
@@ -108,7 +109,9 @@ class MemoryIdempotencyStore:
                 "limit; retry when some have finished",
                 details={"reason": "idempotency_store_full"},
             )
-        entry.token = token = secrets.token_urlsafe(16)
+        # The owner's token only has to differ from every other owner's in this process
+        # (it never leaves it): a counter, not a random value from a system call.
+        entry.token = token = f"m{next(self._tokens)}"
         self._insert(key, entry)
         return Proceed(token)
 
@@ -208,14 +211,8 @@ class MemoryIdempotencyStore:
 
     def _evict(self, *, extra_entries: int, extra_bytes: int) -> None:
         """Drop least recently used completed entries until the extra fits (if it can)."""
-
-        def over() -> bool:
-            return (
-                len(self._entries) + extra_entries > self.max_entries
-                or self._bytes + extra_bytes > self.max_bytes
-            )
-
-        while self._done and over():
+        max_entries, max_bytes = self.max_entries - extra_entries, self.max_bytes - extra_bytes
+        while self._done and (len(self._entries) > max_entries or self._bytes > max_bytes):
             key, entry = self._done.popitem(last=False)
             self._remove(key, entry)
 
