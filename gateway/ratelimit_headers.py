@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Final
 
+from multidict import CIMultiDict, CIMultiDictProxy
+
 _OPENAI_KINDS: Final = ("requests", "tokens")
 _ANTHROPIC_KINDS: Final = ("requests", "tokens", "input-tokens", "output-tokens")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|us|µs|ns|m|s)")
@@ -81,7 +83,9 @@ def provider_hold_s(headers: Mapping[str, str], status: int, now: float) -> floa
     return max(positive) if positive else None
 
 
-def _lowered(headers: Mapping[str, str]) -> dict[str, str]:
+def _lowered(headers: Mapping[str, str]) -> Mapping[str, str]:
+    if isinstance(headers, CIMultiDictProxy | CIMultiDict):
+        return headers  # already case-insensitive (aiohttp's response headers)
     return {k.lower(): v for k, v in headers.items()}
 
 

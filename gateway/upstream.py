@@ -90,7 +90,7 @@ class OutboundRequest:
 class UpstreamResponse:
     status: int
     reason: str
-    headers: Mapping[str, str]  # lower-case names, first value of each
+    headers: Mapping[str, str]  # aiohttp's CIMultiDictProxy: case-insensitive names
     content_type: str | None
     body: bytes
     elapsed_s: float
@@ -271,7 +271,7 @@ class Upstream:
                     return UpstreamResponse(
                         status=resp.status,
                         reason=resp.reason or "",
-                        headers={k.lower(): v for k, v in resp.headers.items()},
+                        headers=resp.headers,
                         content_type=resp.headers.get("Content-Type"),
                         body=content,
                         elapsed_s=time.monotonic() - started,

@@ -117,3 +117,16 @@ def test_retry_after(headers: dict[str, str], expected: float | None) -> None:
 def test_provider_hold(headers: dict[str, str], status: int, expected: float | None) -> None:
     got = provider_hold_s(headers, status, NOW)
     assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_aiohttp_header_mappings_are_read_case_insensitively_as_they_are() -> None:
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    raw = CIMultiDict(
+        [("X-RateLimit-Remaining-Requests", "0"), ("X-RateLimit-Reset-Requests", "1.5s")]
+    )
+    raw.add("Retry-After", "7")
+    for headers in (raw, CIMultiDictProxy(raw)):
+        assert provider_hold_s(headers, 429, 0.0) == 7.0
+        assert provider_hold_s(headers, 200, 0.0) == 1.5
+        assert retry_after_s(headers, 0.0) == 7.0
