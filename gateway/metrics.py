@@ -35,8 +35,7 @@ base units, ``_total`` for counters, ``_seconds`` for durations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any, Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -251,15 +250,6 @@ class Metrics:
         """Count one policy reload attempt (``ok`` False: refused, the old policy stays)."""
         result: ReloadResult = "ok" if ok else "error"
         self.policy_reloads.labels(result).inc()
-
-    @contextmanager
-    def track_inflight(self) -> Iterator[None]:
-        """Count a call as in flight for the duration of the ``with`` block."""
-        self.inflight.inc()
-        try:
-            yield
-        finally:
-            self.inflight.dec()
 
     # --- exposition -----------------------------------------------------------------------
 

@@ -235,10 +235,12 @@ class Gateway:
             raise RuntimeError("Gateway.call must run in an asyncio task")
         self._tasks.add(task)
         self._idle.clear()
+        inflight = self.metrics.inflight
+        inflight.inc()
         try:
-            with self.metrics.track_inflight():
-                return await self.pipeline.handle(body)
+            return await self.pipeline.handle(body)
         finally:
+            inflight.dec()
             self._forget(task)
 
     def _forget(self, task: asyncio.Task[Any]) -> None:

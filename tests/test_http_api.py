@@ -451,6 +451,33 @@ async def test_a_call_the_agent_hangs_up_on_still_finishes_and_is_audited(
     assert up.hits == 1
 
 
+async def test_inflight_gauge_counts_calls_inside_and_returns_to_zero(
+    upstream_factory, sidecar_factory, unused_tcp_port
+):
+    release = asyncio.Event()
+
+    async def slow(_: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.json_response({"ok": 1})
+
+    up = await upstream_factory(slow)
+    dead = openai_target(f"http://127.0.0.1:{unused_tcp_port}")
+    sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url), "dead": dead}))
+    from tests.conftest import wait_for
+
+    def gauge() -> float | None:
+        return sc.gateway.metrics.registry.get_sample_value("egress_gateway_inflight_calls")
+
+    calls = [asyncio.create_task(sc.call(envelope(timeout=30))) for _ in range(2)]
+    await wait_for(lambda: up.hits == 2)
+    assert gauge() == 2
+    release.set()
+    assert [status for status, _ in await asyncio.gather(*calls)] == [200, 200]
+    status, _ = await sc.call(envelope(target_system="dead", max_retries=0))
+    assert status == 502
+    assert gauge() == 0
+
+
 async def test_health_and_readiness(upstream_factory, sidecar_factory):
     _, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
     async with sc.session.get(sc.url + "/healthz") as resp:

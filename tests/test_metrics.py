@@ -177,22 +177,6 @@ def test_secret_cache_and_policy_reloads(m: Metrics) -> None:
     assert value(m, "egress_gateway_policy_reloads_total", result="error") == 2
 
 
-def test_inflight_gauge_returns_to_zero_on_error(m: Metrics) -> None:
-    gauge = "egress_gateway_inflight_calls"
-    assert value(m, gauge) == 0
-    with m.track_inflight(), m.track_inflight():
-        assert value(m, gauge) == 2
-
-    def fail_inside() -> None:
-        with m.track_inflight():
-            assert value(m, gauge) == 1
-            raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        fail_inside()
-    assert value(m, gauge) == 0
-
-
 def test_registries_are_isolated_from_each_other_and_the_global_one() -> None:
     a, b = Metrics(), Metrics()
     a.set_known(["openai"], [])
