@@ -42,9 +42,9 @@ DEFAULT_RESET_TIMEOUT_S: Final = 30.0
 DEFAULT_MAX_QUEUE_S: Final = 5.0
 DEFAULT_IDEMPOTENCY_TTL_S: Final = 86400.0
 #: Bounds of the in-memory idempotency store. An entry costs about 1.4 kB plus its
-#: answer beyond ~700 bytes; 5,000 keep a sidecar with the benchmark's policy under
-#: 64 MiB resident (docs/performance.md, "Memory"); the byte bound caps the store when
-#: answers are large.
+#: answer beyond ~700 bytes; with 5,000 a sidecar with the benchmark's policy stays at
+#: about 65 MiB resident (docs/performance.md, "Memory"); the byte bound caps the store
+#: when answers are large.
 DEFAULT_IDEMPOTENCY_MAX_ENTRIES: Final = 5_000
 DEFAULT_IDEMPOTENCY_MAX_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_VAULT_CACHE_TTL_S: Final = 300.0
