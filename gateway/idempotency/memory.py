@@ -11,16 +11,19 @@ handed to the waiters but not stored.
 Expiry: a completed entry lives ``ttl_s`` after completion (policy
 ``targets.<name>.idempotency.ttl_s``); an entry in flight lives ``lease_s`` after
 ``begin``, so a lost owner blocks its key for at most its lease. Evicted or expired
-keys behave as new: the next call with that key goes upstream again.
+keys behave as new: the next call with that key goes upstream again. An expired entry
+is never served: every lookup checks the time. Expired completed entries are also
+dropped as calls pass, a few per call from the least recently used end (in O(1), never
+a walk of the table that would stall the event loop); entries in flight whose lease
+ends are dropped from a heap of leases, which holds only the calls in flight and a
+bounded number of stale items.
 
 Concurrency: the methods do not await between reading and writing the table, so on one
 event loop each is atomic; concurrent ``begin`` calls on a fresh key yield exactly one
 :class:`Proceed`.
 
-Memory: besides the bytes counted above, an entry costs about 600 bytes of bookkeeping
-(its slots, the two tables, one expiry item). Expiry items hold the key and the expiry
-time, not the entry: an item left behind by an eviction keeps no answer alive while it
-waits for the heap's next rebuild.
+Memory: besides the bytes counted above, an entry costs about 500 bytes of bookkeeping
+(its slots and the two tables).
 """
 
 from __future__ import annotations
@@ -55,8 +58,11 @@ class _Entry:
     waiters: asyncio.Event | None = None
 
 
-#: (expires_at, key): live while the key's entry still expires at that instant.
-_Expiry: TypeAlias = tuple[float, str]
+#: (expires_at, key) of a lease: live while the key's entry is still in flight and
+#: expires at that instant.
+_Lease: TypeAlias = tuple[float, str]
+#: Expired completed entries dropped per store operation, from the LRU end.
+_SWEEP_PER_CALL: Final = 2
 
 
 def _size(key: str, entry: _Entry) -> int:
@@ -80,7 +86,7 @@ class MemoryIdempotencyStore:
         # O(1) instead of walking past the entries in flight.
         self._done: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
-        self._expiry: list[_Expiry] = []  # a heap; stale items skipped
+        self._leases: list[_Lease] = []  # a heap of the in-flight entries' leases
         self._tokens = itertools.count(1)
 
     @property
@@ -92,8 +98,9 @@ class MemoryIdempotencyStore:
         return self._bytes
 
     async def begin(self, key: str, fingerprint: str, *, lease_s: float) -> Outcome:
-        self._expire()
-        entry = self._entries.get(key)
+        now = time.monotonic()
+        self._expire(now)
+        entry = self._lookup(key, now)
         if entry is not None:
             if entry.fingerprint != fingerprint:
                 return Conflict()
@@ -101,7 +108,7 @@ class MemoryIdempotencyStore:
                 self._done.move_to_end(key)
                 return Replay(entry.answer)
             return InFlight()
-        entry = _Entry(fingerprint, None, time.monotonic() + lease_s)
+        entry = _Entry(fingerprint, None, now + lease_s)
         self._evict(extra_entries=1, extra_bytes=_size(key, entry))
         if len(self._entries) >= self.max_entries:
             raise CapacityExceeded(
@@ -116,7 +123,8 @@ class MemoryIdempotencyStore:
         return Proceed(token)
 
     async def complete(self, key: str, token: str, answer: bytes, *, ttl_s: float) -> bool:
-        self._expire()
+        now = time.monotonic()
+        self._expire(now)
         entry = self._entries.get(key)
         if entry is None or entry.token != token:
             return False
@@ -127,7 +135,7 @@ class MemoryIdempotencyStore:
         size = _size(key, entry)
         if size > self.max_bytes:
             return False
-        entry.expires_at = time.monotonic() + ttl_s
+        entry.expires_at = now + ttl_s
         self._evict(extra_entries=1, extra_bytes=size)
         self._insert(key, entry)
         return True
@@ -139,8 +147,9 @@ class MemoryIdempotencyStore:
             _wake(entry)
 
     async def wait(self, key: str, fingerprint: str, *, deadline: float) -> bytes | None:
-        self._expire()
-        entry = self._entries.get(key)
+        now = time.monotonic()
+        self._expire(now)
+        entry = self._lookup(key, now)
         if entry is None or entry.fingerprint != fingerprint:
             return None
         if entry.token is not None:
@@ -165,40 +174,44 @@ class MemoryIdempotencyStore:
             _wake(entry)
         self._entries.clear()
         self._done.clear()
-        self._expiry.clear()
+        self._leases.clear()
         self._bytes = 0
 
     # --- internals ------------------------------------------------------------------
 
     def _insert(self, key: str, entry: _Entry) -> None:
         self._entries[key] = entry
+        self._bytes += _size(key, entry)
         if entry.token is None:
             self._done[key] = entry
-        self._bytes += _size(key, entry)
-        heapq.heappush(self._expiry, (entry.expires_at, key))
-        if len(self._expiry) > len(self._entries) + len(self._entries) // 4 + 64:
-            # Evicted and completed entries leave stale heap items until their old
-            # expiry (two per call once the store is full); rebuild so the heap stays
-            # proportional to the table. At a quarter over, a rebuild every L/8 calls
-            # costs ~0.3 us per call and holds ~1 MiB fewer stale items (and evicted
-            # keys) at 10,000 entries than at twice the table.
-            # _live() inlined: this walks the whole heap, in the middle of one call.
-            entries = self._entries
-            self._expiry = [
-                item
-                for item in self._expiry
-                if (e := entries.get(item[1])) is not None and e.expires_at == item[0]
-            ]
-            heapq.heapify(self._expiry)
+            return
+        heapq.heappush(self._leases, (entry.expires_at, key))
+        in_flight = len(self._entries) - len(self._done)
+        if len(self._leases) > 2 * in_flight + 64:
+            # A completed call leaves its lease behind until the lease's end; dropping
+            # the stale ones when they reach twice the calls in flight keeps this heap
+            # small (a few dozen items under load), so a rebuild costs microseconds.
+            self._leases = [lease for lease in self._leases if self._live(lease) is not None]
+            heapq.heapify(self._leases)
 
-    def _live(self, item: _Expiry) -> _Entry | None:
-        """The entry ``item`` stands for, or None if the item is stale (the key's entry
-        was removed, or now expires at another instant: completed after its lease, or a
-        new entry under the same key; a new entry expiring at the very same instant is
-        due then anyway)."""
-        at, key = item
+    def _live(self, lease: _Lease) -> _Entry | None:
+        """The entry in flight ``lease`` stands for, or None if the lease is stale (the
+        entry completed, was abandoned or expired; or the key is in flight again under a
+        later lease)."""
+        at, key = lease
         entry = self._entries.get(key)
-        return entry if entry is not None and entry.expires_at == at else None
+        if entry is None or entry.token is None or entry.expires_at != at:
+            return None
+        return entry
+
+    def _lookup(self, key: str, now: float) -> _Entry | None:
+        """The key's entry, unless it has expired (then it is dropped here)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry.expires_at <= now:
+            self._remove(key, entry)
+            _wake(entry)  # waiters on a lost owner wake up and may take over
+            return None
+        return entry
 
     def _remove(self, key: str, entry: _Entry) -> None:
         if self._entries.get(key) is entry:
@@ -206,14 +219,23 @@ class MemoryIdempotencyStore:
             self._done.pop(key, None)
             self._bytes -= _size(key, entry)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._expiry and self._expiry[0][0] <= now:
-            item = heapq.heappop(self._expiry)
-            entry = self._live(item)
+    def _expire(self, now: float) -> None:
+        leases = self._leases
+        while leases and leases[0][0] <= now:
+            lease = heapq.heappop(leases)
+            entry = self._live(lease)
             if entry is not None:
-                self._remove(item[1], entry)
+                self._remove(lease[1], entry)
                 _wake(entry)  # waiters on a lost owner wake up and may take over
+        done = self._done
+        for _ in range(_SWEEP_PER_CALL):
+            if not done:
+                break
+            key = next(iter(done))
+            entry = done[key]
+            if entry.expires_at > now:
+                break
+            self._remove(key, entry)
 
     def _evict(self, *, extra_entries: int, extra_bytes: int) -> None:
         """Drop least recently used completed entries until the extra fits (if it can)."""
