@@ -65,9 +65,19 @@ class Decision:
     api_key_ref: str | None
 
 
-@functools.lru_cache(maxsize=4096)  # pure; agents call the same few endpoints
 def endpoint_problem(endpoint: str) -> str | None:
     """Why ``endpoint`` is not a clean absolute path, or None if it is."""
+    if len(endpoint) > _MAX_REMEMBERED_ENDPOINT:
+        return _endpoint_problem(endpoint)  # agent-chosen and long: not kept in memory
+    return _remembered_endpoint_problem(endpoint)
+
+
+#: Endpoints of at most this many characters have their verdict remembered (pure; agents
+#: call the same few endpoints): 1,024 of them, ~0.4 MB at most.
+_MAX_REMEMBERED_ENDPOINT: Final = 256
+
+
+def _endpoint_problem(endpoint: str) -> str | None:
     if _CONTROL.search(endpoint):
         return "control_characters"
     if not endpoint.startswith("/"):
@@ -86,6 +96,9 @@ def endpoint_problem(endpoint: str) -> str | None:
     if any(seg.split(";", 1)[0] in (".", "..") for seg in endpoint.split("/")):
         return "dot_segment"
     return None
+
+
+_remembered_endpoint_problem = functools.lru_cache(maxsize=1024)(_endpoint_problem)
 
 
 def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:

@@ -443,3 +443,23 @@ def test_nat64_of_a_public_address_is_allowed() -> None:
     from gateway.policy import EgressSpec
 
     assert EgressSpec().allows(ipaddress.ip_address("64:ff9b::808:808")) is True  # 8.8.8.8
+
+
+def test_remembered_verdicts_are_bounded_and_long_endpoints_are_not_kept() -> None:
+    target = compile_policy(
+        {
+            "t": {
+                "base_url": "https://api.example",
+                "endpoints": [{"path": "/v1/models/*", "methods": ["GET"]}],
+            }
+        }
+    ).targets["t"]
+    long_path = "/v1/models/" + "m" * 300
+    assert target.allows(long_path, "GET") is True
+    assert target._verdicts == {}  # an agent's long endpoint is not kept in memory
+    for i in range(3000):
+        assert target.allows(f"/v1/models/m{i}", "GET") is True
+        assert len(target._verdicts) <= 1024
+    assert target.allows("/v1/other", "GET") is None
+    assert target.allows("/v1/models/x", "DELETE") is False  # the verdicts stay right
+    assert endpoint_problem("/" + "a/" * 200 + "..") == "dot_segment"  # long: computed

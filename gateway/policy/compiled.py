@@ -14,8 +14,10 @@ from yarl import URL
 from gateway.policy.models import Policy, TargetSpec
 
 _UNSEEN: Final = object()
-#: Distinct (endpoint, method) verdicts remembered per target.
-_MAX_VERDICTS: Final = 4096
+#: Distinct (endpoint, method) verdicts remembered per target, for endpoints of at most
+#: _MAX_REMEMBERED_PATH characters: at most ~0.4 MB per target whatever agents send.
+_MAX_VERDICTS: Final = 1024
+_MAX_REMEMBERED_PATH: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,8 @@ class CompiledTarget:
 
     def allows(self, path: str, method: str) -> bool | None:
         """True if allowed, False if the path matches but not the method, None if no rule."""
+        if len(path) > _MAX_REMEMBERED_PATH:
+            return self._match(path, method)  # agent-chosen and long: not kept in memory
         key = (path, method)
         verdict = self._verdicts.get(key, _UNSEEN)
         if verdict is _UNSEEN:
