@@ -9,9 +9,7 @@ lines name the modules actually loaded (an import blocked on purpose loads nothi
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
@@ -27,6 +25,7 @@ import redis
 from tests.conftest import FakeUpstream, envelope, policy_yaml, wait_for
 from tests.redis_fixtures import SHARED_URL, redis_prefix
 from tests.test_lifecycle import ROOT, Process
+from tests.test_lifecycle import _target as lifecycle_target
 
 __all__ = ["redis_prefix"]  # a fixture, imported for pytest
 
@@ -55,38 +54,26 @@ async def serve_traced(tmp_path: Path) -> AsyncIterator[Serve]:
 
     async def start(policy: Path) -> tuple[Process, Path]:
         log = tmp_path / f"imports-{len(started)}.log"
-        env = {
-            k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_") and k != "REDIS_URL"
-        }
         with log.open("wb") as stderr:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-v", "-m", "gateway", "serve",
-                "--policy", str(policy), "--port", "0", "--ops-port", "0",
-                cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=stderr,
-            )  # fmt: skip
-        process = Process(proc)
+            process = await Process.start(
+                policy, python_flags=["-v"], stderr=stderr, drop_env={"REDIS_URL"}, timeout_s=30
+            )
         started.append(process)
-        await wait_for(lambda: bool(process.calls_url) or proc.returncode is not None, 30)
         assert process.calls_url, f"the sidecar did not start: {log.read_text()[-2000:]}"
         return process, log
 
     yield start
     for process in started:
-        if process.proc.returncode is None:
-            process.proc.kill()
-            await process.proc.wait()
+        await process.kill()
 
 
 def _target(url: str, **extra: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "base_url": url,
-        "endpoints": [{"path": "/items/*", "methods": ["GET", "POST"]}],
+    defaults = {
         "retry": {"max_retries": 0},
         "circuit_breaker": {"fail_max": 3, "reset_timeout_s": 30},
         "rate_limit_group": "g",
     }
-    spec.update(extra)
-    return spec
+    return lifecycle_target(url, **{**defaults, **extra})
 
 
 def _post_item(target: str, name: str, key: str) -> dict[str, Any]:

@@ -8,9 +8,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 import pytest
@@ -46,6 +46,38 @@ class Process:
                 self.calls_url = "http://" + record["calls"]
                 self.ops_url = "http://" + record["ops"]
 
+    @classmethod
+    async def start(
+        cls,
+        policy_path: Path,
+        *,
+        python_flags: Sequence[str] = (),
+        stderr: IO[bytes] | None = None,
+        drop_env: Collection[str] = (),
+        timeout_s: float = 20,
+    ) -> Process:
+        """``python [python_flags] -m gateway serve`` on ephemeral ports, without the
+        caller's ``GATEWAY_*`` variables (and ``drop_env``); returned once it listens, or
+        once it exited (then ``calls_url`` is empty)."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("GATEWAY_") and k not in drop_env
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, *python_flags, "-m", "gateway", "serve",
+            "--policy", str(policy_path), "--port", "0", "--ops-port", "0",
+            cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=stderr,
+        )  # fmt: skip
+        process = cls(proc)
+        await wait_for(lambda: bool(process.calls_url) or proc.returncode is not None, timeout_s)
+        return process
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
     def events(self, name: str) -> list[dict[str, Any]]:
         return [line for line in self.lines if line.get("event") == name]
 
@@ -66,33 +98,14 @@ async def serve() -> AsyncIterator[Any]:
     started: list[Process] = []
 
     async def start(policy_path: Path) -> Process:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "gateway",
-            "serve",
-            "--policy",
-            str(policy_path),
-            "--port",
-            "0",
-            "--ops-port",
-            "0",
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        process = Process(proc)
+        process = await Process.start(policy_path)
         started.append(process)
-        await wait_for(lambda: bool(process.calls_url) or proc.returncode is not None, 20)
         assert process.calls_url, "the sidecar did not start"
         return process
 
     yield start
     for process in started:
-        if process.proc.returncode is None:
-            process.proc.kill()
-            await process.proc.wait()
+        await process.kill()
 
 
 def _target(url: str, **extra: Any) -> dict[str, Any]:
