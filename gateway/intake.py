@@ -180,12 +180,14 @@ def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reje
 
 #: The fast path leaves to :func:`decode_json` and :func:`parse_request` what pydantic's
 #: JSON parser reads differently: ``NaN`` and ``Infinity`` (accepted there) and numbers
-#: that overflow a float (read as infinities). An overflow needs 309 digits before the
-#: point or an exponent of three digits; in JSON an exponent always follows a digit
-#: (RFC 8259, section 6), so the regex runs only on a body with a digit before an ``e``.
-#: A match inside a string is harmless: that envelope just takes the exact path.
+#: that overflow a float (read as infinities). An overflow needs at least 309 digits
+#: before the point, or an exponent: of three digits, or of two after at least 210
+#: digits (10^(209 + 99)). In JSON an exponent always follows a digit (RFC 8259,
+#: section 6), so the regex runs only on a body with a digit before an ``e``. A match
+#: inside a string is harmless: that envelope just takes the exact path.
 _DIGITS_AS_ZERO: Final = bytes.maketrans(b"123456789E", b"000000000e")
 _LONG_MANTISSA: Final = b"0" * 309
+_LONG_WITH_EXPONENT: Final = b"0" * 200  # fewer than 210, to be safe
 _BIG_EXPONENT: Final = re.compile(rb"[0-9][eE][+-]?[0-9]{3}")
 
 
@@ -193,9 +195,9 @@ def _needs_exact_path(body: bytes) -> bool:
     if b"NaN" in body or b"Infinity" in body:
         return True
     digits = body.translate(_DIGITS_AS_ZERO)
-    if _LONG_MANTISSA in digits:
-        return True
-    return b"0e" in digits and _BIG_EXPONENT.search(body) is not None
+    if b"0e" not in digits:  # no exponent anywhere
+        return _LONG_MANTISSA in digits
+    return _LONG_WITH_EXPONENT in digits or _BIG_EXPONENT.search(body) is not None
 
 
 def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:

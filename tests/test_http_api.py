@@ -556,3 +556,17 @@ async def test_metadata_is_bounded(upstream_factory, sidecar_factory):
     _assert_error(status, answer, 400, "INVALID_PAYLOAD", False)
     assert "metadata" in answer["error"]["message"]
     assert up.hits == 0
+
+
+async def test_a_number_that_overflows_a_float_is_refused_not_forwarded(
+    upstream_factory, sidecar_factory
+):
+    up, sc = await _policy_sidecar(upstream_factory, sidecar_factory)
+    overflow = "9" * 300 + "e99"  # ~1e399: no 309-digit run, no 3-digit exponent
+    body = json.dumps(envelope(parameters={"a": "X"}, metadata={"m": "Y", "big": 2**70}))
+    status, answer = await sc.call(body.replace('"X"', overflow).replace('"Y"', "1").encode())
+    _assert_error(status, answer, 400, "INVALID_PAYLOAD", False)
+    assert answer["error"]["details"]["reason"] == "not_finite"
+    assert up.hits == 0
+    for line in sc.log.getvalue().splitlines():  # every line stays RFC 8259 JSON
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}"))

@@ -510,6 +510,8 @@ _FAST_CORPUS: dict[str, bytes] = {
     "overflow": _with('"parameters": {"a": 1e400}'),
     "overflow-upper": _with('"parameters": {"a": [1, -2.5E+400]}'),
     "long-mantissa": _with('"parameters": {"a": ' + "9" * 400 + ".0}"),
+    "long-mantissa-2-digit-exponent": _with('"parameters": {"a": ' + "9" * 300 + "e99}"),
+    "long-mantissa-1-digit-exponent": _with('"metadata": {"a": -' + "9" * 305 + ".5E+9}"),
     "lone-surrogate": _with(r'"metadata": {"a": "\udc00"}'),
     "bom": b"\xef\xbb\xbf" + _with(""),
     "utf16": _with("").decode().encode("utf-16"),
