@@ -223,17 +223,18 @@ async def test_lost_owner_blocks_its_key_only_for_its_lease() -> None:
     assert await store.begin("k", FP, lease_s=30) == Replay(b"fresh")
 
 
-async def test_entry_bound_evicts_least_recently_used_completed() -> None:
+async def test_entry_bound_evicts_the_answers_closest_to_expiry() -> None:
     store = MemoryIdempotencyStore(max_entries=3)
-    for key in ("k1", "k2", "k3"):
-        await store.complete(key, await proceed(store, key), key.encode(), ttl_s=60)
-    assert await store.begin("k1", FP, lease_s=30) == Replay(b"k1")  # k1 is now recent
+    for key, ttl in (("k1", 60.0), ("k2", 600.0), ("k3", 60.0)):
+        await store.complete(key, await proceed(store, key), key.encode(), ttl_s=ttl)
+    assert await store.begin("k1", FP, lease_s=30) == Replay(b"k1")  # no longer a "use"
     await store.complete("k4", await proceed(store, "k4"), b"k4", ttl_s=60)
     assert store.entries == 3
-    assert isinstance(await store.begin("k2", FP, lease_s=30), Proceed)  # k2 was evicted
-    assert store.entries == 3  # ... and k3 made room for the new k2 claim
-    assert await store.begin("k1", FP, lease_s=30) == Replay(b"k1")
+    assert isinstance(await store.begin("k1", FP, lease_s=30), Proceed)  # k1 expired first
+    assert store.entries == 3  # ... and k3, next to expire, made room for the k1 claim
+    assert await store.begin("k2", FP, lease_s=30) == Replay(b"k2")
     assert await store.begin("k4", FP, lease_s=30) == Replay(b"k4")
+    assert isinstance(await store.begin("k3", FP, lease_s=30), Proceed)
 
 
 async def test_in_flight_entries_are_never_evicted() -> None:
@@ -369,3 +370,33 @@ def test_keys_and_fingerprints_are_the_canonical_json_ones(text: str) -> None:
     assert fingerprint(text, "patch", "/e/" + text, params) == (
         hashlib.sha256(canonical_json({**whole, "parameters": params})).hexdigest()
     )
+
+
+async def test_expired_answers_go_before_a_live_one_is_evicted() -> None:
+    # Found by review: with a sweep from the least recently used end only, expired
+    # answers behind a live one kept their room and a live answer was evicted instead,
+    # so a retry within its ttl went upstream again.
+    store = MemoryIdempotencyStore(max_entries=4)
+    for key, ttl in (("pay", 86_400.0), ("s1", 0.05), ("s2", 0.05), ("s3", 0.05)):
+        await store.complete(key, await proceed(store, key), b"answer-" + key.encode(), ttl_s=ttl)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.07:
+        await asyncio.sleep(0.01)
+    assert isinstance(await store.begin("new", FP, lease_s=30), Proceed)
+    assert await store.begin("pay", FP, lease_s=30) == Replay(b"answer-pay")
+
+
+async def test_a_replay_does_not_extend_an_answer_and_eviction_takes_the_soonest() -> None:
+    store = MemoryIdempotencyStore(max_entries=3)
+    await store.complete("a", await proceed(store, "a"), b"A", ttl_s=0.05)
+    await store.complete("b", await proceed(store, "b"), b"B", ttl_s=60)
+    assert await store.begin("a", FP, lease_s=30) == Replay(b"A")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.07:
+        await asyncio.sleep(0.01)
+    await store.complete("c", await proceed(store, "c"), b"C", ttl_s=120)
+    assert isinstance(await store.begin("d", FP, lease_s=30), Proceed)  # a (expired) went
+    assert await store.begin("b", FP, lease_s=30) == Replay(b"B")
+    await store.complete("e", await proceed(store, "e"), b"E", ttl_s=30)  # full: b goes
+    assert isinstance(await store.begin("b", FP, lease_s=30), Proceed)  # soonest to expire
+    assert await store.begin("c", FP, lease_s=30) == Replay(b"C")

@@ -3,27 +3,30 @@
 Bounds (checkable with :attr:`MemoryIdempotencyStore.entries` and ``.size_bytes``): at most
 ``max_entries`` keys and at most ``max_bytes`` bytes, counting each entry's key,
 fingerprint and stored answer. When a new entry or a completed answer would exceed a
-bound, completed entries are evicted least recently used first (a replay counts as a
-use). Entries in flight are never evicted: if they alone fill ``max_entries``,
-``begin`` raises :class:`CapacityExceeded`. An answer larger than ``max_bytes`` is
-handed to the waiters but not stored.
+bound, completed entries are evicted closest to their expiry first: expired ones before
+any live one, then those with the least time left (a replay does not extend an answer's
+life, as with Stripe's keys). Entries in flight are never evicted: if they alone fill
+``max_entries``, ``begin`` raises :class:`CapacityExceeded`. An answer larger than
+``max_bytes`` is handed to the waiters but not stored.
 
 Expiry: a completed entry lives ``ttl_s`` after completion (policy
 ``targets.<name>.idempotency.ttl_s``); an entry in flight lives ``lease_s`` after
 ``begin``, so a lost owner blocks its key for at most its lease. Evicted or expired
 keys behave as new: the next call with that key goes upstream again. An expired entry
-is never served: every lookup checks the time. Expired completed entries are also
-dropped as calls pass, a few per call from the least recently used end (in O(1), never
-a walk of the table that would stall the event loop); entries in flight whose lease
-ends are dropped from a heap of leases, which holds only the calls in flight and a
-bounded number of stale items.
+is never served: every lookup checks the time. Completed entries are kept in one queue
+per ``ttl_s`` in completion order, which is their expiry order, so the soonest to expire
+is always at the front of one of a few queues: expired entries are dropped a few per
+call and eviction takes the earliest front, each in O(1) per queue, never a walk of the
+table that would stall the event loop. Entries in flight whose lease ends are dropped
+from a heap of leases, which holds only the calls in flight and a bounded number of
+stale items.
 
 Concurrency: the methods do not await between reading and writing the table, so on one
 event loop each is atomic; concurrent ``begin`` calls on a fresh key yield exactly one
 :class:`Proceed`.
 
 Memory: besides the bytes counted above, an entry costs about 500 bytes of bookkeeping
-(its slots and the two tables).
+(its slots, the table and its queue).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class _Entry:
     token: str | None  # the owner's while in flight; None once completed
     expires_at: float
     answer: bytes = b""  # meaningful once token is None
+    ttl_s: float = 0.0  # the completed entry's queue (meaningful once token is None)
     # Created by the first waiter only: most entries are never waited on, and 10,000
     # idle Events (each with a deque) would double what the cyclic GC walks.
     waiters: asyncio.Event | None = None
@@ -61,7 +65,7 @@ class _Entry:
 #: (expires_at, key) of a lease: live while the key's entry is still in flight and
 #: expires at that instant.
 _Lease: TypeAlias = tuple[float, str]
-#: Expired completed entries dropped per store operation, from the LRU end.
+#: Expired completed entries dropped per store operation (the queues' earliest fronts).
 _SWEEP_PER_CALL: Final = 2
 
 
@@ -82,9 +86,10 @@ class MemoryIdempotencyStore:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._entries: dict[str, _Entry] = {}
-        # Completed entries only, least recently used first: eviction pops the front in
-        # O(1) instead of walking past the entries in flight.
-        self._done: OrderedDict[str, _Entry] = OrderedDict()
+        # Completed entries by ttl_s, each queue in completion (so expiry) order; the
+        # queues are as many as the policy has distinct ttl_s, and empty ones go.
+        self._done: dict[float, OrderedDict[str, _Entry]] = {}
+        self._completed = 0
         self._bytes = 0
         self._leases: list[_Lease] = []  # a heap of the in-flight entries' leases
         self._tokens = itertools.count(1)
@@ -105,7 +110,6 @@ class MemoryIdempotencyStore:
             if entry.fingerprint != fingerprint:
                 return Conflict()
             if entry.token is None:
-                self._done.move_to_end(key)
                 return Replay(entry.answer)
             return InFlight()
         entry = _Entry(fingerprint, None, now + lease_s)
@@ -136,6 +140,7 @@ class MemoryIdempotencyStore:
         if size > self.max_bytes:
             return False
         entry.expires_at = now + ttl_s
+        entry.ttl_s = ttl_s
         self._evict(extra_entries=1, extra_bytes=size)
         self._insert(key, entry)
         return True
@@ -174,6 +179,7 @@ class MemoryIdempotencyStore:
             _wake(entry)
         self._entries.clear()
         self._done.clear()
+        self._completed = 0
         self._leases.clear()
         self._bytes = 0
 
@@ -183,10 +189,14 @@ class MemoryIdempotencyStore:
         self._entries[key] = entry
         self._bytes += _size(key, entry)
         if entry.token is None:
-            self._done[key] = entry
+            queue = self._done.get(entry.ttl_s)
+            if queue is None:
+                queue = self._done[entry.ttl_s] = OrderedDict()
+            queue[key] = entry
+            self._completed += 1
             return
         heapq.heappush(self._leases, (entry.expires_at, key))
-        in_flight = len(self._entries) - len(self._done)
+        in_flight = len(self._entries) - self._completed
         if len(self._leases) > 2 * in_flight + 64:
             # A completed call leaves its lease behind until the lease's end; dropping
             # the stale ones when they reach twice the calls in flight keeps this heap
@@ -216,8 +226,13 @@ class MemoryIdempotencyStore:
     def _remove(self, key: str, entry: _Entry) -> None:
         if self._entries.get(key) is entry:
             del self._entries[key]
-            self._done.pop(key, None)
             self._bytes -= _size(key, entry)
+            if entry.token is None:
+                queue = self._done[entry.ttl_s]
+                del queue[key]
+                self._completed -= 1
+                if not queue:
+                    del self._done[entry.ttl_s]
 
     def _expire(self, now: float) -> None:
         leases = self._leases
@@ -227,22 +242,31 @@ class MemoryIdempotencyStore:
             if entry is not None:
                 self._remove(lease[1], entry)
                 _wake(entry)  # waiters on a lost owner wake up and may take over
-        done = self._done
         for _ in range(_SWEEP_PER_CALL):
-            if not done:
+            soonest = self._soonest()
+            if soonest is None or soonest[1].expires_at > now:
                 break
-            key = next(iter(done))
-            entry = done[key]
-            if entry.expires_at > now:
-                break
-            self._remove(key, entry)
+            self._remove(*soonest)
+
+    def _soonest(self) -> tuple[str, _Entry] | None:
+        """The completed entry closest to its expiry: the earliest of the queues' fronts."""
+        best: tuple[str, _Entry] | None = None
+        for queue in self._done.values():
+            key = next(iter(queue))
+            entry = queue[key]
+            if best is None or entry.expires_at < best[1].expires_at:
+                best = (key, entry)
+        return best
 
     def _evict(self, *, extra_entries: int, extra_bytes: int) -> None:
-        """Drop least recently used completed entries until the extra fits (if it can)."""
+        """Drop completed entries, closest to expiry first (expired ones before any live
+        one), until the extra fits (if it can)."""
         max_entries, max_bytes = self.max_entries - extra_entries, self.max_bytes - extra_bytes
-        while self._done and (len(self._entries) > max_entries or self._bytes > max_bytes):
-            key, entry = self._done.popitem(last=False)
-            self._remove(key, entry)
+        while len(self._entries) > max_entries or self._bytes > max_bytes:
+            soonest = self._soonest()
+            if soonest is None:
+                return  # only entries in flight left: never evicted
+            self._remove(*soonest)
 
 
 def _wake(entry: _Entry) -> None:

@@ -105,7 +105,7 @@ class ServerSpec(_Strict):
     reload_interval_s: float = Field(DEFAULT_RELOAD_INTERVAL_S, ge=0, le=3600)  # 0: SIGHUP only
     debug: bool = False  # stack traces in UNKNOWN answers: development only
     # Bounds of the in-memory idempotency store (scope: local): completed answers are
-    # evicted least recently used first; the main lever on the sidecar's memory.
+    # evicted closest to their expiry first; the main lever on the sidecar's memory.
     idempotency_max_entries: int = Field(DEFAULT_IDEMPOTENCY_MAX_ENTRIES, ge=1, le=10_000_000)
     idempotency_max_bytes: int = Field(DEFAULT_IDEMPOTENCY_MAX_BYTES, ge=4096)
 
