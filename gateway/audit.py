@@ -172,7 +172,7 @@ def _redact_audit_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> Even
 def _redact_fields(event_dict: EventDict, keys: Iterable[str]) -> None:
     for key in keys:
         value = event_dict[key]
-        if key.lower() in redaction.SENSITIVE_KEYS:
+        if redaction.is_sensitive_key(key):
             event_dict[key] = redaction.REDACTED
         elif value and isinstance(value, _NESTED):
             # Nested values too: an agent's metadata may carry {"api_key": ...}.

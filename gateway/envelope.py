@@ -19,7 +19,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from gateway import fastjson
+from gateway import fastjson, redaction
 
 #: Protocol versions this sidecar speaks. An envelope naming another gets SCHEMA_MISMATCH.
 SUPPORTED_PROTOCOL_VERSIONS: Final = frozenset({"1"})
@@ -102,6 +102,11 @@ class ExternalCallRequest(BaseModel):
         except UnicodeEncodeError:  # a lone surrogate: refused at intake, counted here
             text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
             size = len(text.encode("utf-8", "replace"))
+        if redaction.nesting_depth(value) > redaction.MAX_REDACT_DEPTH:
+            raise ValueError(
+                f"metadata is nested more than {redaction.MAX_REDACT_DEPTH} levels deep; "
+                "the audit record could not be searched for sensitive keys below that"
+            )
         if size > MAX_METADATA_BYTES:
             raise ValueError(
                 f"metadata is {size} bytes of JSON; at most {MAX_METADATA_BYTES} are kept in "

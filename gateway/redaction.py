@@ -23,7 +23,9 @@ MAX_REDACT_DEPTH: Final = 16
 #: A secret's first characters shorter than this, left at a cut, are not masked.
 _MIN_PREFIX: Final = 4
 
-#: Keys whose values are replaced in audit and log records wherever they appear.
+#: Keys whose values are replaced in audit and log records wherever they appear: these
+#: names, and any name ending in one of :data:`SENSITIVE_SUFFIXES`, compared after
+#: :func:`is_sensitive_key`'s normalisation (case, surrounding spaces, ``-`` as ``_``).
 SENSITIVE_KEYS: Final = frozenset(
     {
         "authorization",
@@ -42,8 +44,34 @@ SENSITIVE_KEYS: Final = frozenset(
         "jwt",
         "access_token",
         "refresh_token",
+        "bearer",
+        "private_key",
+        "credentials",
     }
 )
+#: Name endings that mark a secret: ``client_secret``, ``openai_api_key``, ``id_token``.
+SENSITIVE_SUFFIXES: Final = (
+    "_token", "_secret", "_password", "_passwd", "_api_key", "_apikey", "_private_key",
+    "_authorization", "_cookie", "_credentials",
+)  # fmt: skip
+_NORMALISED: dict[str, bool] = {}
+_MAX_NORMALISED: Final = 4096
+
+
+def is_sensitive_key(key: str) -> bool:
+    """True if a value under ``key`` must not be written: see :data:`SENSITIVE_KEYS`."""
+    known = _NORMALISED.get(key)
+    if known is None:
+        name = key.strip().lower().replace("-", "_")
+        known = name in _SENSITIVE_NORMALISED or name.endswith(SENSITIVE_SUFFIXES)
+        if len(_NORMALISED) >= _MAX_NORMALISED:
+            _NORMALISED.clear()
+        if len(key) <= 64:  # agent-chosen names: keep only short ones
+            _NORMALISED[key] = known
+    return known
+
+
+_SENSITIVE_NORMALISED: Final = frozenset(k.replace("-", "_") for k in SENSITIVE_KEYS)
 
 _lock = threading.Lock()
 _values: OrderedDict[str, tuple[str, ...]] = OrderedDict()
@@ -92,6 +120,17 @@ def scrub_cut(text: str, limit: int) -> str:
     return text
 
 
+def nesting_depth(value: Any, limit: int = MAX_REDACT_DEPTH + 1) -> int:
+    """Levels of dicts and lists in ``value`` (a scalar: 0, ``{}``: 1), counted up to
+    ``limit`` (deeper values report ``limit``)."""
+    if not isinstance(value, dict | list):
+        return 0
+    if limit <= 1:
+        return 1
+    items = value.values() if isinstance(value, dict) else value
+    return 1 + max((nesting_depth(item, limit - 1) for item in items), default=0)
+
+
 def scrub_bytes(data: bytes) -> bytes:
     """:func:`scrub` for UTF-8 encoded text (the answer and audit line writers)."""
     if not _values:
@@ -105,14 +144,16 @@ def scrub_bytes(data: bytes) -> bytes:
 
 
 def redact_value(value: Any, depth: int = 0) -> Any:
-    """A copy of ``value`` with the values of :data:`SENSITIVE_KEYS` replaced in every
-    mapping, at any depth (up to :data:`MAX_REDACT_DEPTH` levels; below that, as is)."""
+    """A copy of ``value`` with the values of sensitive keys (:func:`is_sensitive_key`)
+    replaced in every mapping. A container nested more than :data:`MAX_REDACT_DEPTH`
+    levels down is replaced whole (it is not searched, so it is not written either; the
+    envelope's ``metadata`` is refused deeper than that)."""
     if depth > MAX_REDACT_DEPTH:
-        return value
+        return REDACTED if isinstance(value, dict | list) else value
     if isinstance(value, dict):
         return {
             k: REDACTED
-            if isinstance(k, str) and k.lower() in SENSITIVE_KEYS
+            if isinstance(k, str) and is_sensitive_key(k)
             else redact_value(v, depth + 1)
             for k, v in value.items()
         }

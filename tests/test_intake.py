@@ -567,3 +567,20 @@ def test_metadata_is_bounded_by_the_bytes_of_its_compact_json() -> None:
     [error] = invalid_fields(caught.value)
     assert error["field"] == "metadata"
     assert f"{MAX_METADATA_BYTES + 1} bytes" in error["problem"]
+
+
+def test_metadata_nested_past_the_redaction_depth_is_refused() -> None:
+    from gateway.redaction import MAX_REDACT_DEPTH
+
+    def nested(levels: int) -> dict[str, Any]:
+        value: dict[str, Any] = {"api_key": "sk"}
+        for _ in range(levels - 1):
+            value = {"l": value}
+        return value
+
+    assert parse_request(raw(metadata=nested(MAX_REDACT_DEPTH))).request.metadata
+    with pytest.raises(InvalidPayload) as caught:
+        parse_request(raw(metadata=nested(MAX_REDACT_DEPTH + 1)))
+    [error] = invalid_fields(caught.value)
+    assert error["field"] == "metadata"
+    assert "nested more than" in error["problem"]

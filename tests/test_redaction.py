@@ -283,3 +283,34 @@ def test_a_secret_cut_by_truncation_is_still_masked() -> None:
         for size in range(4, len(secret) + 1):
             assert not data["text"].endswith(secret[:size]), (pad, size)
         assert secret[:6] not in data["text"]
+
+
+# --- sensitive keys (found by review: name variants and deep nesting) ------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["api_key", "API-Key", "Authorization ", "access-token", "client_secret", "private_key",
+     "openai_api_key", "Bearer", "x-api-key", "id_token", "db_password", "credentials"],
+)  # fmt: skip
+def test_sensitive_key_variants_are_redacted(key: str) -> None:
+    assert redaction.is_sensitive_key(key)
+    assert redact_value({"a": [{key: "sk-x"}]}) == {"a": [{key: REDACTED}]}
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "tokens_used", "model", "idempotency_key", "task"])
+def test_ordinary_keys_are_kept(key: str) -> None:
+    assert not redaction.is_sensitive_key(key)
+    assert redact_value({key: 5}) == {key: 5}
+
+
+def test_values_nested_past_the_depth_limit_are_replaced_whole() -> None:
+    deep: dict[str, Any] = {"password": "pw-deep"}
+    for _ in range(redaction.MAX_REDACT_DEPTH + 3):
+        deep = {"l": deep}
+    assert "pw-deep" not in json.dumps(redact_value(deep))
+    shallow: dict[str, Any] = {"password": "pw", "n": 1}
+    for _ in range(redaction.MAX_REDACT_DEPTH - 1):
+        shallow = {"l": shallow}
+    assert '"n": 1' in json.dumps(redact_value(shallow))  # searched, not replaced
+    assert "pw" not in json.dumps(redact_value(shallow)).replace("REDACTED", "")
