@@ -176,6 +176,10 @@ class Upstream:
         self.max_response_bytes = max_response_bytes
         self._limit_per_host = limit_per_host
         self._session: aiohttp.ClientSession | None = None
+        #: Attempts in flight per session; a session replaced by an egress change is
+        #: closed when its last attempt ends.
+        self._users: dict[aiohttp.ClientSession, int] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         #: Hosts of the egress policy in force that checked out as allowed (names or IP
         #: literals): the check is pure, so it is made once per host and policy.
         self._allowed_hosts: set[str] = set()
@@ -186,17 +190,28 @@ class Upstream:
 
     @egress.setter
     def egress(self, value: EgressSpec) -> None:
+        changed = value != self._resolver.egress
         self._resolver.egress = value
         self._allowed_hosts = set()
+        if changed and self._session is not None:
+            # Pooled keep-alive connections (and the DNS cache) were checked against the
+            # old rules: new attempts get a new pool, so a tightened egress applies at
+            # once; attempts in flight finish on the old one, which then closes.
+            old, self._session = self._session, self._new_session()
+            if not self._users.get(old):
+                self._close_later(old)
 
     async def start(self) -> None:
+        self._session = self._new_session()
+
+    def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
             resolver=self._resolver,
             limit=0,
             limit_per_host=self._limit_per_host,
             ttl_dns_cache=10,
         )
-        self._session = aiohttp.ClientSession(
+        return aiohttp.ClientSession(
             connector=connector,
             request_class=_MarkingRequest,
             headers={"User-Agent": USER_AGENT},
@@ -205,10 +220,20 @@ class Upstream:
             raise_for_status=False,
         )
 
+    def _close_later(self, session: aiohttp.ClientSession) -> None:
+        task = asyncio.get_running_loop().create_task(session.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def aclose(self) -> None:
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
+        for old in list(self._users):
+            await old.close()
+        self._users.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def send(self, request: OutboundRequest, *, timeout_s: float) -> UpstreamResponse:
         """Send one attempt and read the answer, all within ``timeout_s`` seconds."""
@@ -217,9 +242,12 @@ class Upstream:
         started = time.monotonic()
         state = _Attempt()
         token = _ATTEMPT.set(state)
+        session = self._session
+        users = self._users
+        users[session] = users.get(session, 0) + 1
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._send(request, timeout_s, state, started)
+                return await self._send(session, request, timeout_s, state, started)
         except TimeoutError:
             raise TransportError(
                 "timeout",
@@ -228,11 +256,22 @@ class Upstream:
             ) from None
         finally:
             _ATTEMPT.reset(token)
+            left = users[session] - 1
+            if left:
+                users[session] = left
+            else:
+                del users[session]
+                if session is not self._session and self._session is not None:
+                    self._close_later(session)  # replaced by an egress change
 
     async def _send(
-        self, request: OutboundRequest, timeout_s: float, state: _Attempt, started: float
+        self,
+        session: aiohttp.ClientSession,
+        request: OutboundRequest,
+        timeout_s: float,
+        state: _Attempt,
+        started: float,
     ) -> UpstreamResponse:
-        assert self._session is not None
         method, url, body = request.method, request.url, request.body
         # The attempt as a whole is bounded by send()'s asyncio.timeout; aiohttp's own
         # timeout only tells a slow connect apart (nothing sent: safe to retry).
@@ -250,7 +289,7 @@ class Upstream:
                 data: bytes | io.BytesIO | None = body
                 if body is not None and len(body) > _LARGE_BODY:
                     data = io.BytesIO(body)
-                async with self._session.request(
+                async with session.request(
                     method,
                     url,
                     params=query,

@@ -572,3 +572,57 @@ async def test_a_number_that_overflows_a_float_is_refused_not_forwarded(
     for line in sc.log.getvalue().splitlines():
         json.loads(line, parse_constant=constants.append)
     assert constants == []
+
+
+async def test_a_tightened_egress_applies_at_once_to_pooled_connections(
+    upstream_factory, sidecar_factory
+):
+    # Found by review: keep-alive connections checked under the old rules kept a now
+    # denied destination reachable for as long as calls kept them busy.
+    up = await upstream_factory()
+    by_name = up.url.replace("127.0.0.1", "localhost")  # checked when connecting
+    sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(by_name)}))
+    status, _ = await sc.call(envelope())
+    assert status == 200
+    denied = compile_policy({"fake-openai": openai_target(by_name)}, egress={})
+    assert sc.gateway.pipeline is not None
+    sc.gateway.pipeline.apply_policy(denied)  # what a reload does once the file parses
+    status, answer = await sc.call(envelope())
+    _assert_error(status, answer, 403, "EGRESS_DENIED", False)
+    assert up.hits == 1
+    sc.gateway.pipeline.apply_policy(compile_policy({"fake-openai": openai_target(by_name)}))
+    status, _ = await sc.call(envelope())
+    assert status == 200
+    assert up.hits == 2
+
+
+async def test_calls_in_flight_finish_on_the_old_pool_which_then_closes(
+    upstream_factory, sidecar_factory
+):
+    release = asyncio.Event()
+
+    async def slow(_: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.json_response({"ok": 1})
+
+    up = await upstream_factory(slow)
+    sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url)}))
+    from tests.conftest import wait_for
+
+    call = asyncio.create_task(sc.call(envelope(timeout=30)))
+    await wait_for(lambda: up.hits == 1)
+    assert sc.gateway.pipeline is not None
+    upstream = sc.gateway.pipeline.upstream
+    old = upstream._session
+    other = {"allow_cidrs": ["127.0.0.0/8"], "deny_cidrs": ["10.9.8.0/24"]}
+    sc.gateway.pipeline.apply_policy(
+        compile_policy({"fake-openai": openai_target(up.url)}, egress=other)
+    )
+    assert upstream._session is not old
+    assert old is not None
+    assert not old.closed  # the call in flight still uses it
+    release.set()
+    status, _ = await call
+    assert status == 200
+    await wait_for(lambda: old.closed)
+    assert upstream._users == {}
