@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -292,10 +294,11 @@ async def _run(
     console.print(
         f"\n{records} audit records (one per call) are in [bold]{audit_path}[/bold] as JSON lines."
     )
+    cmd = _program()
     console.print(
-        f"Summarise them with [bold]egress-gateway audit summary {audit_path}[/bold], list "
-        f"the failures with [bold]egress-gateway audit show --failed {audit_path}[/bold], or "
-        f"check their hash chain with [bold]egress-gateway audit verify {audit_path}[/bold]."
+        f"Summarise them with [bold]{cmd} audit summary {audit_path}[/bold], list "
+        f"the failures with [bold]{cmd} audit show --failed {audit_path}[/bold], or "
+        f"check their hash chain with [bold]{cmd} audit verify {audit_path}[/bold]."
     )
     if unexpected:
         console.print(f"[red]unexpected answers: {', '.join(unexpected)}[/red]")
@@ -328,3 +331,15 @@ async def _send(session: aiohttp.ClientSession, url: str, path: Path) -> tuple[s
         "-" if expected is None else "yes" if expected == outcome else f"no ({expected})",
         str(metadata.get("demo_note", "")),
     )
+
+
+def _program() -> str:
+    """How to run ``egress-gateway`` from here: its name if it is on PATH, else its path
+    beside this interpreter (``.venv/bin/egress-gateway`` after ``make demo``)."""
+    if shutil.which("egress-gateway") is not None:
+        return "egress-gateway"
+    beside = Path(sys.executable).with_name("egress-gateway")
+    try:
+        return os.path.relpath(beside)
+    except ValueError:  # another drive (Windows)
+        return str(beside)
