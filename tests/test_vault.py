@@ -666,6 +666,9 @@ async def test_canary_values_appear_nowhere(vault_lab: VaultLab, tmp_path: Path)
                     texts += _texts_of(exc)
                     log.exception("resolve_failed", api_key_ref=raw, error=exc.to_payload())
             await poll(lambda: len(vault_lab.bao.requests(mark, "auth/token/renew-self")) >= 1)
+            # Vault records the request before the sidecar has its answer and logs it:
+            # wait for the line itself, or closing the resolver may cancel it (a flake).
+            await poll(lambda: '"vault_token_renewed"' in stream.getvalue())
         k8s = make_spec(
             vault_lab, auth={"method": "kubernetes", "role": "planner", "jwt_path": str(jwt_path)}
         )
