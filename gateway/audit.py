@@ -159,8 +159,8 @@ def _redact_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
 
 
 #: Audit record fields the schema types as scalars (str, int, float, bool or null): no
-#: nested value and no sensitive name among them, so the audit chain checks only the
-#: others (``metadata``, ``warnings`` and any field of a non-call event).
+#: nested value and no sensitive name among them, so the audit processors search only
+#: the others (``metadata``, ``warnings`` and any field of a non-call event).
 _SCALAR_AUDIT_FIELDS: Final = frozenset(AUDIT_FIELDS) - {"metadata", "warnings"}
 
 

@@ -97,16 +97,16 @@ class ExternalCallRequest(BaseModel):
     def _bounded_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
         if not value:
             return value
-        try:
-            size = len(fastjson.compact(value, default=str))
-        except UnicodeEncodeError:  # a lone surrogate: refused at intake, counted here
-            text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
-            size = len(text.encode("utf-8", "replace"))
         if redaction.nesting_depth(value) > redaction.MAX_REDACT_DEPTH:
             raise ValueError(
                 f"metadata is nested more than {redaction.MAX_REDACT_DEPTH} levels deep; "
                 "the audit record could not be searched for sensitive keys below that"
             )
+        try:
+            size = len(fastjson.compact(value, default=str))
+        except UnicodeEncodeError:  # a lone surrogate: refused at intake, counted here
+            text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+            size = len(text.encode("utf-8", "replace"))
         if size > MAX_METADATA_BYTES:
             raise ValueError(
                 f"metadata is {size} bytes of JSON; at most {MAX_METADATA_BYTES} are kept in "

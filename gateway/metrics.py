@@ -226,12 +226,12 @@ class Metrics:
 
     def observe_ratelimit_rejection(self, group: str) -> None:
         """Count one call the rate-limit group refused (CAPACITY_EXCEEDED)."""
-        self.ratelimit_rejections.labels(self._group(group)).inc()
+        self._child(self.ratelimit_rejections, self._group(group)).inc()
 
     def observe_redis_fallback(self, group: str) -> None:
         """Count one call a cluster-scope group admitted with its local limiter (fail-open)
         because Redis was unavailable."""
-        self.redis_fallbacks.labels(self._group(group)).inc()
+        self._child(self.redis_fallbacks, self._group(group)).inc()
 
     def observe_breaker_transition(self, target: str, to: BreakerState) -> None:
         """Record a circuit breaker state change: sets the gauge, counts the transition."""
@@ -240,7 +240,7 @@ class Metrics:
             return
         target = self._target(target)
         self.breaker_state.labels(target).set(value)
-        self.breaker_transitions.labels(target, to).inc()
+        self._child(self.breaker_transitions, target, to).inc()
 
     def observe_secret_cache(self, result: CacheResult) -> None:
         """Count one secret cache lookup: ``hit``, ``miss`` or ``stale``."""
@@ -249,7 +249,7 @@ class Metrics:
     def observe_policy_reload(self, ok: bool) -> None:
         """Count one policy reload attempt (``ok`` False: refused, the old policy stays)."""
         result: ReloadResult = "ok" if ok else "error"
-        self.policy_reloads.labels(result).inc()
+        self._child(self.policy_reloads, result).inc()
 
     # --- exposition -----------------------------------------------------------------------
 

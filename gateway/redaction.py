@@ -49,6 +49,7 @@ SENSITIVE_KEYS: Final = frozenset(
         "credentials",
     }
 )
+_SENSITIVE_NORMALISED: Final = frozenset(k.replace("-", "_") for k in SENSITIVE_KEYS)
 #: Name endings that mark a secret: ``client_secret``, ``openai_api_key``, ``id_token``.
 SENSITIVE_SUFFIXES: Final = (
     "_token", "_secret", "_password", "_passwd", "_api_key", "_apikey", "_private_key",
@@ -70,8 +71,6 @@ def is_sensitive_key(key: str) -> bool:
             _NORMALISED[key] = known
     return known
 
-
-_SENSITIVE_NORMALISED: Final = frozenset(k.replace("-", "_") for k in SENSITIVE_KEYS)
 
 _lock = threading.Lock()
 _values: OrderedDict[str, tuple[str, ...]] = OrderedDict()

@@ -57,8 +57,8 @@ class _Entry:
     expires_at: float
     answer: bytes = b""  # meaningful once token is None
     ttl_s: float = 0.0  # the completed entry's queue (meaningful once token is None)
-    # Created by the first waiter only: most entries are never waited on, and 10,000
-    # idle Events (each with a deque) would double what the cyclic GC walks.
+    # Created by the first waiter only: most entries are never waited on, and thousands
+    # of idle Events (each with a deque) would double what the cyclic GC walks.
     waiters: asyncio.Event | None = None
 
 
@@ -148,8 +148,7 @@ class MemoryIdempotencyStore:
     async def abandon(self, key: str, token: str) -> None:
         entry = self._entries.get(key)
         if entry is not None and entry.token == token:
-            self._remove(key, entry)
-            _wake(entry)
+            self._drop(key, entry)
 
     async def wait(self, key: str, fingerprint: str, *, deadline: float) -> bytes | None:
         now = time.monotonic()
@@ -218,8 +217,7 @@ class MemoryIdempotencyStore:
         """The key's entry, unless it has expired (then it is dropped here)."""
         entry = self._entries.get(key)
         if entry is not None and entry.expires_at <= now:
-            self._remove(key, entry)
-            _wake(entry)  # waiters on a lost owner wake up and may take over
+            self._drop(key, entry)
             return None
         return entry
 
@@ -234,14 +232,19 @@ class MemoryIdempotencyStore:
                 if not queue:
                     del self._done[entry.ttl_s]
 
+    def _drop(self, key: str, entry: _Entry) -> None:
+        """Remove an entry that will not complete here (abandoned, expired) and wake its
+        waiters: one of them may take over the key."""
+        self._remove(key, entry)
+        _wake(entry)
+
     def _expire(self, now: float) -> None:
         leases = self._leases
         while leases and leases[0][0] <= now:
             lease = heapq.heappop(leases)
             entry = self._live(lease)
             if entry is not None:
-                self._remove(lease[1], entry)
-                _wake(entry)  # waiters on a lost owner wake up and may take over
+                self._drop(lease[1], entry)
         for _ in range(_SWEEP_PER_CALL):
             soonest = self._soonest()
             if soonest is None or soonest[1].expires_at > now:
