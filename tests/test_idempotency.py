@@ -26,6 +26,14 @@ from gateway.idempotency import (
 FP = "f" * 64
 
 
+async def outlive(seconds: float) -> None:
+    """Let ``seconds`` of monotonic time pass: the store reads the clock itself, so an
+    answer's ttl can only run out in real time."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        await asyncio.sleep(end - time.monotonic())
+
+
 def in_s(seconds: float) -> float:
     return asyncio.get_running_loop().time() + seconds
 
@@ -306,15 +314,13 @@ async def test_lease_heap_stays_small_and_expiry_works_without_table_walks() -> 
 
 async def test_expired_answers_are_dropped_as_calls_pass() -> None:
     # Not only on lookup: an answer past its ttl leaves memory while other calls go on,
-    # a few per call from the least recently used end.
+    # a few per call, the closest to expiry first.
     store = MemoryIdempotencyStore()
     for key in ("old1", "old2", "old3"):
         await store.complete(key, await proceed(store, key), bytes(100), ttl_s=0.02)
     await store.complete("keep", await proceed(store, "keep"), b"k", ttl_s=60)
     assert store.entries == 4
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 0.03:
-        await asyncio.sleep(0.005)
+    await outlive(0.03)
     for i in range(2):  # each store operation drops up to two expired answers
         await store.complete(f"n{i}", await proceed(store, f"n{i}"), b"n", ttl_s=60)
     assert store.entries == 3  # keep, n0, n1
@@ -379,9 +385,7 @@ async def test_expired_answers_go_before_a_live_one_is_evicted() -> None:
     store = MemoryIdempotencyStore(max_entries=4)
     for key, ttl in (("pay", 86_400.0), ("s1", 0.05), ("s2", 0.05), ("s3", 0.05)):
         await store.complete(key, await proceed(store, key), b"answer-" + key.encode(), ttl_s=ttl)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 0.07:
-        await asyncio.sleep(0.01)
+    await outlive(0.07)
     assert isinstance(await store.begin("new", FP, lease_s=30), Proceed)
     assert await store.begin("pay", FP, lease_s=30) == Replay(b"answer-pay")
 
@@ -391,9 +395,7 @@ async def test_a_replay_does_not_extend_an_answer_and_eviction_takes_the_soonest
     await store.complete("a", await proceed(store, "a"), b"A", ttl_s=0.05)
     await store.complete("b", await proceed(store, "b"), b"B", ttl_s=60)
     assert await store.begin("a", FP, lease_s=30) == Replay(b"A")
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 0.07:
-        await asyncio.sleep(0.01)
+    await outlive(0.07)
     await store.complete("c", await proceed(store, "c"), b"C", ttl_s=120)
     assert isinstance(await store.begin("d", FP, lease_s=30), Proceed)  # a (expired) went
     assert await store.begin("b", FP, lease_s=30) == Replay(b"B")
