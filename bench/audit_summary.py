@@ -3,7 +3,7 @@
     /work/venv/bin/python bench/audit_summary.py [--records N] [--keep]
 
 Writes N records shaped like the writer's (every AuditRecord field, chained-size lines)
-to a temporary file, then times ``python -m gateway.auditlog summary FILE --format json``
+to a temporary file, then times ``python -m gateway.audit.query summary FILE --format json``
 in a child process pinned to one core, and prints records/s and the child's peak RSS.
 Not part of the test suite.
 """
@@ -94,7 +94,7 @@ def main() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the child inherits it
     began = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.auditlog", "summary", str(path), "--format", "json"],
+        [sys.executable, "-m", "gateway.audit.query", "summary", str(path), "--format", "json"],
         capture_output=True,
         text=True,
         check=True,

@@ -3,7 +3,7 @@
     /work/venv/bin/python bench/cluster_ratelimit.py [--calls N] [--concurrency C]
 
 Starts a private ``redis-server`` on a free loopback port, admits N calls through a
-:class:`gateway.ratelimit_cluster.ClusterRateLimitGroup` whose limits never bind (C at a
+:class:`gateway.ratelimit.cluster.ClusterRateLimitGroup` whose limits never bind (C at a
 time), once without and once with a token budget (each call then also reconciles its
 usage), and prints, from the server's own ``INFO commandstats``, the commands the client
 sent per call, with the admission latency percentiles. Not part of the test suite.
@@ -27,7 +27,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.policy import RateLimitGroupSpec, RedisSpec
-from gateway.ratelimit_cluster import ClusterLimits
+from gateway.ratelimit.cluster import ClusterLimits
 from gateway.stores.redis import RedisClient
 
 #: Commands that only run inside the Lua scripts (not round trips).

@@ -3,7 +3,7 @@
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
 GATEWAY_URL (for ``call``), GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see
-:mod:`gateway.eventloop`). Exit codes: 0 success, 1 a failed check or call, 2 usage.
+:mod:`gateway.server.eventloop`). Exit codes: 0 success, 1 a failed check or call, 2 usage.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Final
 
 from gateway import __version__
-from gateway.auditlog import cli as audit_cli
-from gateway.imports import without
+from gateway.audit.query import cli as audit_cli
 
 
 def _env_int(name: str) -> int | None:
@@ -35,13 +34,8 @@ GC_THRESHOLDS: Final = (50_000, 20, 20)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    # structlog imports rich when it is installed (for its ConsoleRenderer's tracebacks;
-    # the sidecar renders JSON): 3 MiB of RSS that serve never uses.
-    with without("rich"):
-        from gateway import eventloop
-        from gateway.policy import PolicyError, load_policy
-        from gateway.runtime import Gateway
-        from gateway.server import serve
+    from gateway.policy import PolicyError, load_policy
+    from gateway.server import Gateway, eventloop, serve
 
     try:
         eventloop.loop_factory(os.environ.get("GATEWAY_LOOP"))

@@ -7,7 +7,7 @@ may be added, never renamed or removed (the agent decides from ``code`` and ``re
 
 This module is the contract: it imports nothing else of the package. The models are
 frozen and strictly typed (``"5"`` is not an int, ``true`` is not an int); unknown
-top-level fields of a request are handled by :mod:`gateway.intake`, which can name them
+top-level fields of a request are handled by :mod:`gateway.call.intake`, which can name them
 and suggest the closest known field.
 """
 

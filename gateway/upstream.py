@@ -38,10 +38,10 @@ from aiohttp.connector import Connection
 from yarl import URL
 
 from gateway import __version__
-from gateway.egress import check_address, endpoint_problem, origin_label
+from gateway.call.retry import TransportKind
 from gateway.errors import EgressDenied, PermissionDenied, ResponseTooLarge
 from gateway.policy import CompiledTarget, EgressSpec
-from gateway.retry import TransportKind
+from gateway.policy.egress import check_address, endpoint_problem, origin_label
 from gateway.secrets import Secret
 
 MAX_REDIRECTS: Final = 5

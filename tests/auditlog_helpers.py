@@ -14,8 +14,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from gateway import audit
-from gateway.audit_schema import CALL_EVENT
+from gateway.audit import log as audit
+from gateway.audit.schema import CALL_EVENT
 from gateway.policy import AuditSpec
 
 AGENTS = ("planner-01", "coder-02", "reviewer-03")

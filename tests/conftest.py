@@ -21,10 +21,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.audit_schema import AuditRecord
+from gateway.audit.schema import AuditRecord
 from gateway.policy import PolicySet, parse_policy
-from gateway.runtime import Gateway
 from gateway.server import create_app
+from gateway.server.runtime import Gateway
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

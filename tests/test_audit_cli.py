@@ -1,4 +1,4 @@
-"""The ``audit`` command (``python -m gateway.auditlog`` / ``egress-gateway audit``).
+"""The ``audit`` command (``python -m gateway.audit.query`` / ``egress-gateway audit``).
 
 Runs the real argparse front end over logs written by the real writer; expected values
 come from the file parsed here with plain ``json``.
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from gateway import audit
-from gateway.auditlog.cli import main, register
+from gateway.audit import log as audit
+from gateway.audit.query.cli import main, register
 from gateway.policy import AuditSpec
 from tests.auditlog_helpers import calls_of, read_json, write_log
 
@@ -295,7 +295,7 @@ def test_register_adds_the_audit_command_to_a_parent_parser(log_path: Path) -> N
 
 def test_module_entry_point(log_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.auditlog", "verify", str(log_path)],
+        [sys.executable, "-m", "gateway.audit.query", "verify", str(log_path)],
         capture_output=True,
         text=True,
         timeout=30,

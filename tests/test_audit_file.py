@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.audit_file import RotatingFile
+from gateway.audit.file import RotatingFile
 
 
 def _lines(seed: int, count: int) -> list[str]:

@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 
-from gateway import audit, redaction
-from gateway.audit_schema import AUDIT_FIELDS, GENESIS_HASH, AuditRecord, record_hash
-from gateway.auditlog.filters import Filters, parse_when
-from gateway.auditlog.reader import Malformed, entries, follow, records
-from gateway.auditlog.summary import percentile, summarize
-from gateway.auditlog.verify import verify
+from gateway import fastjson, redaction
+from gateway.audit import log as audit
+from gateway.audit.query.filters import Filters, parse_when
+from gateway.audit.query.reader import Malformed, entries, follow, records
+from gateway.audit.query.summary import percentile, summarize
+from gateway.audit.query.verify import verify
+from gateway.audit.schema import AUDIT_FIELDS, GENESIS_HASH, AuditRecord, record_hash
 from gateway.policy import AuditSpec
 from tests.auditlog_helpers import AGENTS, calls_of, read_json, write_calls, write_log
 
@@ -490,7 +491,7 @@ def test_fast_and_stdlib_json_paths_write_the_same_record(
         return doc
 
     fast = write(io.StringIO())
-    monkeypatch.setattr(audit, "orjson", None)  # our own optional import, not a library
+    monkeypatch.setattr(fastjson, "orjson", None)  # our own optional import, not a library
     plain = write(io.StringIO())
     assert fast == plain
     assert fast["api_key"] == "[REDACTED]"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.bodies import ERROR_TEXT_LIMIT, is_json_type, media_type, parse_body, parse_sse
+from gateway.call.bodies import ERROR_TEXT_LIMIT, is_json_type, media_type, parse_body, parse_sse
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gateway import audit
+from gateway.audit import log as audit
 from gateway.breaker import (
     MIN_PROBE_RETRY_AFTER_S,
     BreakerState,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gateway.audit_schema import AuditRecord
+from gateway.audit.schema import AuditRecord
 from gateway.cli import main
 from gateway.demo import run_demo
 from tests.conftest import compile_policy, envelope, openai_target
@@ -33,7 +33,7 @@ async def test_demo_runs_every_example_as_expected(tmp_path, monkeypatch):
     for record in calls:  # every record the sidecar wrote matches the documented schema
         AuditRecord.model_validate(record)
     assert {r["decision"] for r in calls} == {"allowed", "denied", "invalid"}
-    from gateway.auditlog.verify import verify
+    from gateway.audit.query.verify import verify
 
     assert verify([str(audit)]).ok  # the demo's policy turns the hash chain on
     assert str(audit) in text
@@ -74,7 +74,7 @@ def test_serve_refuses_a_bad_policy(tmp_path, capsys):
 
 
 def test_demo_falls_back_to_env_refs_without_openbao():
-    from gateway.demo_vault import without_vault
+    from gateway.demo.vault import without_vault
     from gateway.policy import load_policy
 
     policy = without_vault(

@@ -17,7 +17,7 @@ from gateway.errors import CapacityExceeded
 from gateway.metrics import Metrics
 from gateway.policy import RateLimitGroupSpec, RedisSpec, parse_policy
 from gateway.ratelimit import RateLimitGroup, RateLimitGroups
-from gateway.ratelimit_cluster import ClusterLimits, ClusterRateLimitGroup
+from gateway.ratelimit.cluster import ClusterLimits, ClusterRateLimitGroup
 from gateway.stores.redis import FAIL_FAST_S, RedisClient, RedisUnavailable, redis_url
 from tests.conftest import wait_for
 from tests.redis_fixtures import (

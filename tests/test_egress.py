@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 from yarl import URL
 
-from gateway.egress import (
+from gateway.envelope import ExternalCallRequest
+from gateway.errors import EgressDenied, PermissionDenied
+from gateway.policy import CompiledTarget, EgressSpec
+from gateway.policy.egress import (
     NOT_A_REFERENCE,
     check_address,
     decide,
@@ -18,9 +21,6 @@ from gateway.egress import (
     query_items,
     upstream_url,
 )
-from gateway.envelope import ExternalCallRequest
-from gateway.errors import EgressDenied, PermissionDenied
-from gateway.policy import CompiledTarget, EgressSpec
 from tests.conftest import compile_policy
 
 # --- endpoint hygiene ------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The serving event loop choice (gateway.eventloop) and GATEWAY_LOOP on the command line."""
+"""The serving event loop choice (gateway.server.eventloop) and GATEWAY_LOOP on the command line."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import importlib.util
 
 import pytest
 
-from gateway import eventloop
 from gateway.cli import main
+from gateway.server import eventloop
 
 HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from gateway.errors import SecretNotFound
+from gateway.policy.refs import SecretRef, parse_ref
 from gateway.secrets import ResolvedSecret
 from gateway.secrets import file as file_secrets
 from gateway.secrets.file import FileResolver
-from gateway.secrets.refs import SecretRef, parse_ref
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Envelope intake: strict types, unknown fields, protocol versions, JSON decoding.
 
-Pure tests of ``gateway.intake`` and ``gateway.envelope`` (no sockets).
+Pure tests of ``gateway.call.intake`` and ``gateway.envelope`` (no sockets).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from gateway.call.intake import Intake, decode_json, parse_request
 from gateway.envelope import (
     DEFAULT_MAX_RETRIES,
     DEFAULT_TIMEOUT_S,
@@ -22,7 +23,6 @@ from gateway.envelope import (
     ExternalCallResponse,
 )
 from gateway.errors import InvalidPayload, SchemaMismatch
-from gateway.intake import Intake, decode_json, parse_request
 
 MINIMAL: dict[str, Any] = {
     "trace_id": "tr-1",
@@ -537,7 +537,7 @@ _TAKES_FAST_PATH = {
 
 @pytest.mark.parametrize("name", sorted(_FAST_CORPUS))
 def test_fast_path_agrees_with_the_exact_path(name: str) -> None:
-    from gateway.intake import parse_envelope_fast
+    from gateway.call.intake import parse_envelope_fast
 
     body = _FAST_CORPUS[name]
     fast = parse_envelope_fast(body)

@@ -11,13 +11,9 @@ import pytest
 
 from gateway.errors import CapacityExceeded
 from gateway.policy import RateLimitGroupSpec
-from gateway.ratelimit import (
-    MAX_PROVIDER_HOLD_S,
-    RateLimitGroup,
-    RateLimitGroups,
-    _Bucket,
-    estimate_tokens,
-)
+from gateway.providers import estimate_tokens
+from gateway.ratelimit import MAX_PROVIDER_HOLD_S, RateLimitGroup, RateLimitGroups
+from gateway.ratelimit.local import _Bucket
 
 FAR = 1e9  # a deadline that never binds
 

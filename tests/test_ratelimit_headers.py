@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.ratelimit_headers import provider_hold_s, retry_after_s
+from gateway.ratelimit.headers import provider_hold_s, retry_after_s
 
 NOW = 1_700_000_000.0  # 2023-11-14T22:13:20Z
 

@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
-from gateway import audit, redaction
-from gateway.audit_schema import AUDIT_SCHEMA_VERSION, CALL_EVENT
-from gateway.egress import NOT_A_REFERENCE
+from gateway import redaction
+from gateway.audit import log as audit
+from gateway.audit.schema import AUDIT_SCHEMA_VERSION, CALL_EVENT
+from gateway.policy.egress import NOT_A_REFERENCE
 from gateway.redaction import REDACTED, redact_value, register, scrub, scrub_bytes
-from gateway.runtime import Gateway
 from gateway.secrets import Secret
+from gateway.server.runtime import Gateway
 from tests.conftest import compile_policy, envelope, openai_target
 
 
@@ -247,7 +248,7 @@ def test_sensitive_keys_are_redacted_at_any_depth() -> None:
     import io
     import json
 
-    from gateway import audit
+    from gateway.audit import log as audit
 
     stream = io.StringIO()
     audit.configure(stream)
@@ -272,7 +273,7 @@ def test_sensitive_keys_are_redacted_at_any_depth() -> None:
 
 def test_a_secret_cut_by_truncation_is_still_masked() -> None:
     from gateway import redaction
-    from gateway.bodies import ERROR_TEXT_LIMIT, parse_body
+    from gateway.call.bodies import ERROR_TEXT_LIMIT, parse_body
 
     secret = "CANARYxq7Zk93PLmv-cut-test"
     redaction.register(secret)

@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from gateway.policy import DEFAULT_RETRY_ON
-from gateway.retry import (
+from gateway.call.retry import (
     MAX_RETRY_AFTER_S,
     backoff_s,
     parse_retry_after,
     status_retryable,
     transport_retryable,
 )
+from gateway.policy import DEFAULT_RETRY_ON
 
 # 2015-10-21 07:28:00 GMT, the example date of RFC 9110 section 5.6.7.
 DATE = "Wed, 21 Oct 2015 07:28:00 GMT"

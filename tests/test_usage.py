@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.bodies import parse_body
-from gateway.usage import TokenUsage, extract_usage
+from gateway.call.bodies import parse_body
+from gateway.providers import TokenUsage, extract_usage
 
 OPENAI_CHAT = {
     "id": "chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT",

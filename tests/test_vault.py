@@ -22,7 +22,7 @@ import hvac
 import hvac.exceptions
 import pytest
 
-from gateway import audit
+from gateway.audit import log as audit
 from gateway.envelope import ErrorCode
 from gateway.errors import (
     SecretAccessDenied,

@@ -22,7 +22,7 @@ from pydantic import (
 from yarl import URL
 
 from gateway.envelope import HttpMethod
-from gateway.secrets.refs import InvalidSecretRef, parse_ref
+from gateway.policy.refs import InvalidSecretRef, parse_ref
 
 # Defaults, in one place. Units are in the names.
 DEFAULT_HOST: Final = "127.0.0.1"

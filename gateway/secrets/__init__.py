@@ -1,7 +1,7 @@
 """Secret references and their resolvers (``vault://``, ``env://``, ``file://``)."""
 
+from gateway.policy.refs import InvalidSecretRef, SecretRef, parse_ref
 from gateway.secrets.base import ResolvedSecret, Secret, SecretResolver, SecretResolvers
-from gateway.secrets.refs import InvalidSecretRef, SecretRef, parse_ref
 
 __all__ = [
     "InvalidSecretRef",

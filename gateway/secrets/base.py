@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from gateway import redaction
 from gateway.errors import SecretNotFound
-from gateway.secrets.refs import SecretRef
+from gateway.policy.refs import SecretRef
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

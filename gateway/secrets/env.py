@@ -6,8 +6,8 @@ import os
 from typing import Final
 
 from gateway.errors import SecretNotFound
+from gateway.policy.refs import SecretRef
 from gateway.secrets.base import ResolvedSecret, Secret
-from gateway.secrets.refs import SecretRef
 
 
 class EnvResolver:

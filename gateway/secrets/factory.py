@@ -1,7 +1,7 @@
 """Builds the process's :class:`SecretResolvers` from the policy.
 
 Kept out of ``gateway/secrets/__init__.py`` on purpose: :mod:`gateway.policy` imports
-``gateway.secrets.refs``, so the package must not import the policy (or hvac) itself.
+``gateway.policy.refs``, so the package must not import the policy (or hvac) itself.
 
 The Vault resolver (hvac, and through it requests) is imported only when the policy has
 ``secrets.vault``: a sidecar without Vault does not carry it in memory (docs/performance.md).

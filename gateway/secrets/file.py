@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Final
 
 from gateway.errors import SecretAccessDenied, SecretNotFound
+from gateway.policy.refs import SecretRef
 from gateway.secrets.base import ResolvedSecret, Secret
-from gateway.secrets.refs import SecretRef
 
 #: A credential file larger than this is a mistake (a mounted directory, a log file).
 MAX_SECRET_FILE_BYTES = 64 * 1024

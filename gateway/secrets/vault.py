@@ -44,8 +44,8 @@ from gateway.errors import (
     SecretNotFound,
 )
 from gateway.policy import VaultSpec
+from gateway.policy.refs import SecretRef
 from gateway.secrets.base import ResolvedSecret, Secret
-from gateway.secrets.refs import SecretRef
 from gateway.secrets.vault_auth import (
     UNAVAILABLE_ERRORS,
     BlockingRunner,

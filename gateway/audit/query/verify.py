@@ -2,7 +2,7 @@
 
 Each chained record carries ``seq`` (1, 2, ... per sidecar process), ``prev_hash`` (the
 previous record's ``hash``; 64 zeros for seq 1) and ``hash`` (SHA-256 of
-:func:`gateway.audit_schema.canonical_text` of the record without ``hash``). Chains are
+:func:`gateway.audit.schema.canonical_text` of the record without ``hash``). Chains are
 followed per ``sidecar_id``, so logs of several sidecars may be interleaved; files are
 read in the order given (rotated files oldest first: ``audit.log.2 audit.log.1
 audit.log``). A record with ``seq`` 1 and the genesis ``prev_hash`` starts a new chain
@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from gateway.audit_schema import GENESIS_HASH, record_hash
-from gateway.auditlog.reader import Malformed, entries
+from gateway.audit.query.reader import Malformed, entries
+from gateway.audit.schema import GENESIS_HASH, record_hash
 
 
 @dataclass(frozen=True, slots=True)

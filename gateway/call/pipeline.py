@@ -20,13 +20,19 @@ import traceback
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlencode
 
-from gateway import egress as egress_rules
 from gateway import fastjson
-from gateway.attempts import Attempts, deadline_error
 from gateway.audit import AuditLog, get_logger
-from gateway.bodies import parse_body
 from gateway.breaker import CircuitBreakers, breaker_specs
-from gateway.callrecord import CLAIMED, CallContext, audit_record, observe
+from gateway.call.attempts import Attempts, deadline_error
+from gateway.call.bodies import parse_body
+from gateway.call.intake import (
+    Intake,
+    decode_json,
+    parse_envelope_fast,
+    parse_request,
+    refuse_lone_surrogates,
+)
+from gateway.call.record import CLAIMED, CallContext, audit_record, observe
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     CapacityExceeded,
@@ -42,20 +48,14 @@ from gateway.errors import (
 from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Replay
 from gateway.idempotency.keys import derive_key, fingerprint, store_key
 from gateway.idempotency.scopes import IdempotencyStores
-from gateway.intake import (
-    Intake,
-    decode_json,
-    parse_envelope_fast,
-    parse_request,
-    refuse_lone_surrogates,
-)
 from gateway.metrics import Metrics
 from gateway.policy import CompiledTarget, IdempotencySpec, PolicySet
-from gateway.ratelimit import RateLimitGroups, estimate_tokens
+from gateway.policy import egress as egress_rules
+from gateway.providers import estimate_tokens, extract_usage
+from gateway.ratelimit import RateLimitGroups
 from gateway.secrets import ResolvedSecret, SecretResolvers, parse_ref
 from gateway.tracing import TRACE_HEADERS, outbound_headers
 from gateway.upstream import Credential, OutboundRequest, Upstream
-from gateway.usage import extract_usage
 
 _log = get_logger("gateway.pipeline")
 

@@ -22,14 +22,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
-from gateway.auditlog.filters import Filters, Predicate, Record, parse_when
-from gateway.auditlog.reader import STDIN, Malformed, entries, follow, records
-from gateway.auditlog.summary import summarize
-from gateway.auditlog.verify import verify
+from gateway.audit.query.filters import Filters, Predicate, Record, parse_when
+from gateway.audit.query.reader import STDIN, Malformed, entries, follow, records
+from gateway.audit.query.summary import summarize
+from gateway.audit.query.verify import verify
 
 _MAX_REPORTED: Final = 50
 
-# The commands import gateway.auditlog.render (and rich, 3 MiB of RSS) when they run, not
+# The commands import gateway.audit.query.render (and rich, 3 MiB of RSS) when they run, not
 # at module level: `egress-gateway serve` builds this parser too, and never prints a table.
 
 
@@ -199,7 +199,7 @@ def _matching(
 
 
 def _show(args: argparse.Namespace, files: list[str], io: _IO) -> int:
-    from gateway.auditlog import render
+    from gateway.audit.query import render
 
     match = _filters(args).call_predicate()
     if args.format == "json":
@@ -218,7 +218,7 @@ def _show(args: argparse.Namespace, files: list[str], io: _IO) -> int:
 
 
 def _summary(args: argparse.Namespace, files: list[str], io: _IO) -> int:
-    from gateway.auditlog import render
+    from gateway.audit.query import render
 
     filters = _filters(args)
     result = summarize(
@@ -232,7 +232,7 @@ def _summary(args: argparse.Namespace, files: list[str], io: _IO) -> int:
 
 
 def _trace(args: argparse.Namespace, files: list[str], io: _IO) -> int:
-    from gateway.auditlog import render
+    from gateway.audit.query import render
 
     match = _filters(args, trace=(args.trace_id,)).call_predicate()
     steps = render.timeline(r for r in records(files, io.report, stdin=io.stdin) if match(r))
@@ -248,7 +248,7 @@ def _trace(args: argparse.Namespace, files: list[str], io: _IO) -> int:
 
 
 def _verify(args: argparse.Namespace, files: list[str], io: _IO) -> int:
-    from gateway.auditlog import render
+    from gateway.audit.query import render
 
     result = verify(files, stdin=io.stdin)
     if args.format == "json":
@@ -279,9 +279,9 @@ def main(
     stdin: IO[bytes] | None = None,
     stop: threading.Event | None = None,
 ) -> int:
-    """``python -m gateway.auditlog COMMAND ...``: the ``audit`` commands on their own."""
+    """``python -m gateway.audit.query COMMAND ...``: the ``audit`` commands on their own."""
     parser = argparse.ArgumentParser(
-        prog="python -m gateway.auditlog",
+        prog="python -m gateway.audit.query",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -2,7 +2,7 @@
 
 :class:`CallContext` collects what a call learned on its way through the pipeline;
 :func:`audit_record` turns it into the canonical audit record (fields:
-:mod:`gateway.audit_schema`), and :func:`observe` into metrics.
+:mod:`gateway.audit.schema`), and :func:`observe` into metrics.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from gateway.attempts import AttemptLog
-from gateway.egress import origin_label
+from gateway.call.attempts import AttemptLog
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
 from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget
-from gateway.usage import TokenUsage
+from gateway.policy.egress import origin_label
+from gateway.providers import TokenUsage
 
 #: Envelope fields copied into the audit record, even from an envelope that failed
 #: validation (as strings, cut to 256 characters).

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from gateway.audit_schema import BREAKER_EVENT, CALL_EVENT
-from gateway.auditlog.filters import Predicate, Record
+from gateway.audit.query.filters import Predicate, Record
+from gateway.audit.schema import BREAKER_EVENT, CALL_EVENT
 
 NONE_KEY: Final = "(none)"
 PERCENTILES: Final = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))

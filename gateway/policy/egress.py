@@ -34,7 +34,7 @@ from gateway.policy import (
     EgressSpec,
     PolicySet,
 )
-from gateway.secrets.refs import InvalidSecretRef, parse_ref
+from gateway.policy.refs import InvalidSecretRef, parse_ref
 from gateway.tracing import TRACE_HEADERS
 
 _ENCODED_FORBIDDEN: Final = re.compile(r"%(2e|2f|5c|0[0-9a-f]|1[0-9a-f]|7f|25)", re.IGNORECASE)

@@ -14,9 +14,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from gateway.auditlog.filters import Record, record_time
-from gateway.auditlog.reader import dumps
-from gateway.auditlog.summary import GroupStats, Summary
+from gateway.audit.query.filters import Record, record_time
+from gateway.audit.query.reader import dumps
+from gateway.audit.query.summary import GroupStats, Summary
 
 #: (header, width, justify)
 _CALL_COLUMNS: Final = (

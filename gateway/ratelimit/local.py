@@ -18,9 +18,9 @@ starve a large one, so only this module's FIFO ever waits; aiolimiter's bucket d
 
 Token budget (``tokens_per_minute`` C): a second bucket of capacity C drained at C/60
 tokens per second. :meth:`RateLimitGroup.acquire` reserves an estimate
-(:func:`estimate_tokens`); :meth:`RateLimitGroup.reconcile` refunds or charges the
-difference once the real usage is known (a charge may take the bucket past C, and
-later calls wait for it). Worst case: reservations admitted in any window of T seconds
+(:func:`gateway.providers.estimate_tokens`); :meth:`RateLimitGroup.reconcile` refunds or
+charges the difference once the real usage is known (a charge may take the bucket past C,
+and later calls wait for it). Worst case: reservations admitted in any window of T seconds
 total at most ``C + C*T/60``; real usage can exceed that by the under-estimate of the
 calls not yet reconciled, i.e. at most ``sum over calls in flight of (actual - estimate)``.
 With ``max_tokens`` set, output cannot exceed the estimate and a text prompt's tokens
@@ -29,14 +29,14 @@ prompt bytes plus the provider's per-message framing (a few tokens per message);
 ``max_tokens`` its output is unbounded by the estimate. K concurrent calls can thus
 exceed the limit by K times that, once; the debt is charged back when they finish.
 
-Provider feedback: :meth:`RateLimitGroup.hold_for` (fed by :func:`provider_hold_s`)
-makes the group admit nothing until the provider's reset time, capped at
-``MAX_PROVIDER_HOLD_S``.
+Provider feedback: :meth:`RateLimitGroup.hold_for` (fed by
+:func:`gateway.ratelimit.headers.provider_hold_s`) makes the group admit nothing until
+the provider's reset time, capped at ``MAX_PROVIDER_HOLD_S``.
 
 Policy keys: ``rate_limit_groups.<name>.requests_per_second``, ``.burst``,
 ``.tokens_per_minute``, ``.max_queue_s``; ``targets.<name>.rate_limit_group``. Groups
 with ``scope: cluster`` are built by the ``cluster`` factory given to
-:class:`RateLimitGroups` (:class:`gateway.ratelimit_cluster.ClusterLimits`: shared through
+:class:`RateLimitGroups` (:class:`gateway.ratelimit.cluster.ClusterLimits`: shared through
 Redis, with this module's limiter as the fail-open fallback); without one they are
 limited per process.
 """
@@ -52,10 +52,8 @@ from typing import Any, Final
 
 from aiolimiter import AsyncLimiter
 
-from gateway import fastjson
 from gateway.errors import CapacityExceeded
 from gateway.policy import RateLimitGroupSpec
-from gateway.ratelimit_headers import provider_hold_s, retry_after_s
 
 __all__ = [
     "MAX_PROVIDER_HOLD_S",
@@ -63,27 +61,10 @@ __all__ = [
     "GroupFactory",
     "RateLimitGroup",
     "RateLimitGroups",
-    "estimate_tokens",
-    "provider_hold_s",
-    "retry_after_s",
 ]
 
 #: A provider hold longer than this is cut to it (a bogus header must not freeze a group).
 MAX_PROVIDER_HOLD_S: Final = 3600.0
-#: Bytes of prompt per token in :func:`estimate_tokens` (OpenAI's rule of thumb for
-#: English text: https://help.openai.com/en/articles/4936856).
-PROMPT_BYTES_PER_TOKEN: Final = 4
-_OUTPUT_KEYS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-_PROMPT_KEYS: Final = (
-    "messages",
-    "prompt",
-    "input",
-    "contents",
-    "system",
-    "systemInstruction",
-    "instructions",
-    "tools",
-)
 # Float rounding can make the bucket disagree with a projection by ~1e-15 s; these keep
 # a timer from spinning and a waiter from being refused over rounding.
 _MIN_STEP_S: Final = 1e-6
@@ -92,37 +73,6 @@ _SLACK_S: Final = 1e-6
 AdmitHook = Callable[[str, float], None]
 #: Builds the group of a ``scope: cluster`` spec: ``(name, spec, on_admit) -> group``.
 GroupFactory = Callable[[str, RateLimitGroupSpec, AdmitHook | None], "RateLimitGroup"]
-
-
-def estimate_tokens(parameters: Mapping[str, Any]) -> int:
-    """Tokens to reserve for an LLM call whose JSON body is ``parameters``.
-
-    = the output cap (``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``,
-    or Gemini's ``generationConfig.maxOutputTokens``; 0 when absent) + ceil(prompt bytes /
-    4), where prompt bytes are the UTF-8 bytes of ``messages``, ``prompt``, ``input``,
-    ``contents``, ``system``, ``systemInstruction``, ``instructions`` and ``tools``
-    (strings as is, other values as compact JSON). 0 for a body with none of these.
-    """
-    output = 0
-    for key in _OUTPUT_KEYS:
-        value = parameters.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            output = max(output, value)
-    config = parameters.get("generationConfig")
-    if isinstance(config, Mapping):
-        value = config.get("maxOutputTokens")
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            output = max(output, value)
-    prompt_bytes = 0
-    for key in _PROMPT_KEYS:
-        if key not in parameters:
-            continue
-        value = parameters[key]
-        if isinstance(value, str):
-            prompt_bytes += len(value.encode("utf-8"))
-        else:
-            prompt_bytes += len(fastjson.compact(value, default=str))
-    return output + math.ceil(prompt_bytes / PROMPT_BYTES_PER_TOKEN)
 
 
 class _Bucket(AsyncLimiter):
@@ -438,7 +388,7 @@ class RateLimitGroups:
     """The rate-limit groups of a policy (``rate_limit_groups``), by name.
 
     ``cluster`` builds the groups whose spec says ``scope: cluster``
-    (:meth:`gateway.ratelimit_cluster.ClusterLimits.group`); without it every group is
+    (:meth:`gateway.ratelimit.cluster.ClusterLimits.group`); without it every group is
     local to this process.
     """
 

@@ -16,12 +16,12 @@ from aiohttp.abc import AbstractResolver
 
 from gateway import audit
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
+from gateway.call.pipeline import Pipeline
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import ShuttingDown
 from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
-from gateway.pipeline import Pipeline
 from gateway.policy import PolicyError, PolicySet, load_policy
 from gateway.ratelimit import RateLimitGroups
 from gateway.secrets.factory import build_secret_resolvers, secrets_ready, start_secret_resolvers
@@ -29,7 +29,7 @@ from gateway.upstream import Upstream
 
 if TYPE_CHECKING:
     # Imported in start() only with a ``redis:`` section: redis-py is 6.7 MiB of RSS.
-    from gateway.ratelimit_cluster import ClusterLimits
+    from gateway.ratelimit.cluster import ClusterLimits
     from gateway.stores.redis import RedisClient
 
 _log = audit.get_logger("gateway.runtime")
@@ -92,7 +92,7 @@ class Gateway:
         redis_spec = self.policy.policy.redis
         if redis_spec is not None:
             from gateway.idempotency.redis import RedisIdempotencyStore
-            from gateway.ratelimit_cluster import ClusterLimits
+            from gateway.ratelimit.cluster import ClusterLimits
             from gateway.stores.redis import RedisClient
 
             # Connects lazily: no connection until a cluster-scope group or target is used

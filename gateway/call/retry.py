@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping
 from typing import Final, Literal
 
 from gateway.envelope import IDEMPOTENT_METHODS
-from gateway.ratelimit_headers import retry_after_s
+from gateway.ratelimit.headers import retry_after_s
 
 TransportKind = Literal["connect", "timeout", "reset"]
 #: An answer's Retry-After beyond this is treated as this (a day): it bounds arithmetic.
@@ -29,7 +29,7 @@ MAX_RETRY_AFTER_S: Final = 86400.0
 def parse_retry_after(headers: Mapping[str, str], now_epoch_s: float) -> float | None:
     """Seconds the upstream asked us to wait (``retry-after-ms``, else ``Retry-After``),
     capped at :data:`MAX_RETRY_AFTER_S`; None when absent or unreadable (then backoff
-    applies). The parsing rules live in :func:`gateway.ratelimit_headers.retry_after_s`."""
+    applies). The parsing rules live in :func:`gateway.ratelimit.headers.retry_after_s`."""
     seconds = retry_after_s(headers, now_epoch_s)
     return None if seconds is None else min(seconds, MAX_RETRY_AFTER_S)
 

@@ -10,14 +10,14 @@ chain:
 Operational lines (``get_logger()``) go to the log stream (stdout by default). Audit
 records (``AuditLog``) go to the audit sink: the same stream, or a size-rotated file
 (``audit: {sink: file, path: ..., max_bytes: ..., backup_count: ...}``,
-:mod:`gateway.audit_file`). Audit records
+:mod:`gateway.audit.file`). Audit records
 are written whatever the operational log level.
 
 With ``audit.chain: true`` every audit record carries ``seq`` (1, 2, ... per sidecar
 process), ``prev_hash`` (the previous record's ``hash``; :data:`GENESIS_HASH` for seq 1)
-and ``hash`` = SHA-256 of :func:`gateway.audit_schema.canonical_bytes` of the record
+and ``hash`` = SHA-256 of :func:`gateway.audit.schema.canonical_bytes` of the record
 without ``hash``. The chain runs on across rotated files; each ``configure*`` call starts
-a new chain, like a restart. ``python -m gateway.auditlog verify`` checks it.
+a new chain, like a restart. ``python -m gateway.audit.query verify`` checks it.
 """
 
 from __future__ import annotations
@@ -31,13 +31,9 @@ import threading
 from collections.abc import Iterable, MutableMapping
 from typing import IO, TYPE_CHECKING, Any, Final
 
-import structlog
-from structlog.tracebacks import ExceptionDictTransformer
-from structlog.types import EventDict, WrappedLogger
-
-from gateway import redaction
-from gateway.audit_file import RotatingFile
-from gateway.audit_schema import (
+from gateway import fastjson, redaction
+from gateway.audit.file import RotatingFile
+from gateway.audit.schema import (
     AUDIT_FIELDS,
     AUDIT_SCHEMA_VERSION,
     CALL_EVENT,
@@ -45,19 +41,17 @@ from gateway.audit_schema import (
     canonical_text,
     hash_text,
 )
+from gateway.imports import without
 
-try:  # optional (the `fast` extra): the same JSON text, several times faster
-    import orjson
-except ImportError:  # pragma: no cover - exercised by installs without the extra
-    orjson = None  # type: ignore[assignment]
+# structlog imports rich when it is installed (for its ConsoleRenderer's tracebacks; the
+# sidecar renders JSON): 3 MiB of RSS in every sidecar, so it is hidden while structlog loads.
+with without("rich"):
+    import structlog
+    from structlog.tracebacks import ExceptionDictTransformer
+    from structlog.types import EventDict, WrappedLogger
 
 if TYPE_CHECKING:
     from gateway.policy import AuditSpec
-
-# Dates and dataclasses as str(), as the stdlib path's default=str writes them.
-_ORJSON_OPTIONS: Final = (
-    (orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS) if orjson else 0
-)
 
 SIDECAR_ID: Final = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -122,7 +116,7 @@ class _HashChain:
         if _has_non_str_keys(event_dict):
             # Only such keys change on the way through JSON (sorting 2 < 10 vs "10" < "2");
             # hash the record as a reader will parse it back.
-            event_dict = json.loads(_dumps(event_dict))
+            event_dict = json.loads(fastjson.log_line(event_dict))
         event_dict.pop("hash", None)
         with self._lock:
             self._seq += 1
@@ -179,24 +173,8 @@ def _redact_fields(event_dict: EventDict, keys: Iterable[str]) -> None:
             event_dict[key] = redaction.redact_value(value)
 
 
-def _dumps(event_dict: EventDict) -> str:
-    if orjson is not None:
-        try:
-            return orjson.dumps(event_dict, default=str, option=_ORJSON_OPTIONS).decode()
-        except TypeError:
-            pass  # non-str keys, integers past 64 bits, lone surrogates: the stdlib's way
-    line = json.dumps(event_dict, ensure_ascii=False, separators=(",", ":"), default=str)
-    if not line.isascii():
-        try:
-            line.encode("utf-8")
-        except UnicodeEncodeError:
-            # A lone surrogate has no UTF-8 form; escaped, the record is still written.
-            line = json.dumps(event_dict, ensure_ascii=True, separators=(",", ":"), default=str)
-    return line
-
-
 def _render(_: WrappedLogger, __: str, event_dict: EventDict) -> str:
-    return redaction.scrub(_dumps(event_dict))
+    return redaction.scrub(fastjson.log_line(event_dict))
 
 
 # Fixed once: cached loggers keep this list, so the switches live in _sink / _chain.
@@ -209,7 +187,7 @@ _PROCESSORS: Final[list[Any]] = [
     _chain,
     _render,
 ]
-#: Audit records have a fixed schema (gateway.audit_schema): no context variables are
+#: Audit records have a fixed schema (gateway.audit.schema): no context variables are
 #: merged into them, and only the fields that may nest are searched for sensitive keys.
 _AUDIT_PROCESSORS: Final[list[Any]] = [
     p if p is not _redact_keys else _redact_audit_keys for p in _PROCESSORS[1:]

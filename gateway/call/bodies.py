@@ -5,8 +5,9 @@
 * Server-sent events (``text/event-stream``, what LLM APIs stream) become
   ``{"content_type": "text/event-stream", "events": [...], "content": "..."}`` where
   ``events`` holds each ``data:`` payload (parsed when it is JSON) and ``content`` is the
-  assembled text of OpenAI ``choices[0].delta.content`` or Anthropic ``text_delta``
-  chunks. Events may be of any size (no line-length limit).
+  assembled text of the chunks, in any dialect :func:`gateway.providers.delta_text` knows
+  (OpenAI ``choices[0].delta.content``, Anthropic ``text_delta``). Events may be of any
+  size (no line-length limit).
 * Anything else becomes ``{"content_type": ..., "text": ...}``; for error statuses the
   text is cut to :data:`ERROR_TEXT_LIMIT` characters (an HTML 502 page is not data).
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any, Final
 
-from gateway.intake import has_lone_surrogates
+from gateway.call.intake import has_lone_surrogates
+from gateway.providers import delta_text
 from gateway.redaction import scrub_cut
 
 ERROR_TEXT_LIMIT: Final = 512
@@ -70,22 +72,7 @@ def parse_sse(body: bytes) -> dict[str, Any]:
         except ValueError:
             event = payload
         events.append(event)
-        piece = _delta_text(event)
+        piece = delta_text(event)
         if piece:
             pieces.append(piece)
     return {"content_type": "text/event-stream", "events": events, "content": "".join(pieces)}
-
-
-def _delta_text(event: Any) -> str | None:
-    if not isinstance(event, dict):
-        return None
-    choices = event.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        delta = choices[0].get("delta")
-        if isinstance(delta, dict) and isinstance(delta.get("content"), str):
-            return str(delta["content"])
-    delta = event.get("delta")
-    if event.get("type") == "content_block_delta" and isinstance(delta, dict):
-        text = delta.get("text")
-        return text if isinstance(text, str) else None
-    return None

@@ -5,9 +5,9 @@ not a JSON object is reported through ``on_malformed`` with its source and line 
 (1-based) and skipped; blank lines are skipped silently. gzip input is recognised by its
 magic bytes (RFC 1952), whatever the file is called.
 
-This module owns ``orjson`` (optional, several times faster); without it the stdlib
-``json`` is used. Lines orjson refuses (``NaN``, integers past 64 bits) are retried with
-``json`` so that both give the same records.
+Lines are parsed by :mod:`gateway.fastjson` (orjson when installed); lines orjson refuses
+(``NaN``, integers past 64 bits) are retried with the stdlib so that both give the same
+records.
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
-try:
-    import orjson
-except ImportError:  # pragma: no cover - exercised only without the optional extra
-    orjson = None  # type: ignore[assignment]
+from gateway import fastjson
 
 Record = dict[str, Any]
 #: (source name, line number, record)
@@ -54,25 +51,8 @@ def _ignore(_: Malformed) -> None:
     pass
 
 
-def loads(raw: bytes) -> Any:
-    """Parse one JSON value; raises ``ValueError`` (``json.JSONDecodeError``) if invalid."""
-    if orjson is not None:
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass  # NaN, huge ints, or really invalid: let json decide and explain
-    # Without the line ending, an error's column is the column on the line.
-    return json.loads(raw.rstrip(b"\r\n"))
-
-
-def dumps(obj: Any) -> str:
-    """One compact JSON line (no newline)."""
-    if orjson is not None:
-        try:
-            return orjson.dumps(obj).decode()
-        except TypeError:
-            pass
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=str)
+loads = fastjson.loads
+dumps = fastjson.dumps_line
 
 
 def _reason(exc: ValueError) -> str:
@@ -154,7 +134,7 @@ def records(
 
     The hot path of ``summary``: one generator, the fast parser called directly.
     """
-    fast = orjson.loads if orjson is not None else json.loads
+    fast = fastjson.loads_fast
     for source in sources:
         name = "<stdin>" if source == STDIN else source
         with open_source(source, stdin) as stream:

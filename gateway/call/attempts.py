@@ -5,7 +5,7 @@ the call's token estimate, retries only a request slot), take a permit from the 
 circuit breaker (CIRCUIT_OPEN at once when it is open or probing), send, record the
 outcome on the permit (5xx, 529, timeouts and connection failures count as failures;
 4xx do not; an interrupted attempt counts as nothing), feed the provider's rate-limit
-headers back to the group, then decide whether to retry (:mod:`gateway.retry`). Every
+headers back to the group, then decide whether to retry (:mod:`gateway.call.retry`). Every
 wait fits inside the call's deadline; when the next one would not, the call ends at once
 with ``suggested_retry_after``.
 """
@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.bodies import media_type, parse_body
 from gateway.breaker import Permit, TargetBreaker
+from gateway.call.bodies import media_type, parse_body
+from gateway.call.retry import backoff_s, parse_retry_after, status_retryable, transport_retryable
 from gateway.envelope import ExternalCallRequest
 from gateway.errors import (
     CapacityExceeded,
@@ -33,7 +34,6 @@ from gateway.errors import (
 )
 from gateway.policy import CompiledTarget
 from gateway.ratelimit import RateLimitGroup, provider_hold_s
-from gateway.retry import backoff_s, parse_retry_after, status_retryable, transport_retryable
 from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
 
 #: TransportError kinds as the breaker names them.

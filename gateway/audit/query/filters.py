@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from gateway.audit_schema import CALL_EVENT
+from gateway.audit.schema import CALL_EVENT
 
 Record = dict[str, Any]
 Predicate = Callable[[Record], bool]

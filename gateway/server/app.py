@@ -26,9 +26,9 @@ from gateway import redaction
 from gateway.audit import get_logger
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
-from gateway.eventloop import loop_name
-from gateway.reload import PolicyWatcher
-from gateway.runtime import Gateway
+from gateway.server.eventloop import loop_name
+from gateway.server.reload import PolicyWatcher
+from gateway.server.runtime import Gateway
 
 GATEWAY_KEY: Final = web.AppKey("gateway", Gateway)
 CALLS_PATH: Final = "/v1/calls"

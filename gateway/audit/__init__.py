@@ -1,0 +1,7 @@
+"""The audit trail: ``log`` (structlog: operational lines and one audit record per call),
+``schema`` (the record's fields, defined once), ``file`` (the rotating file sink) and
+``query`` (the ``egress-gateway audit`` commands that read a log back)."""
+
+from gateway.audit.log import AuditLog, close, configure, configure_from_spec, get_logger
+
+__all__ = ["AuditLog", "close", "configure", "configure_from_spec", "get_logger"]

@@ -1,0 +1,92 @@
+"""Provider dialects: what the sidecar knows of each LLM provider's wire format (pure).
+
+One module per dialect (``openai``, ``anthropic``, ``gemini``), each exposing a
+:class:`~gateway.providers.base.Dialect` as ``DIALECT``; adding a provider is adding a
+module here and its line in :data:`DIALECTS`. A target picks its dialect with the policy
+key ``usage`` (``none`` reads nothing). The call path uses only the functions below:
+
+* :func:`extract_usage`: token usage of an answer, by the target's dialect;
+* :func:`delta_text`: the text an SSE event carries, in any known dialect (a stream is
+  assembled the same way whatever the target says);
+* :func:`exhausted_holds`: rate-limit resets the answer's headers report, in any dialect;
+* :func:`estimate_tokens`: the token reservation for a request body.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Final
+
+from gateway import fastjson
+from gateway.providers import anthropic, gemini, openai
+from gateway.providers.base import Dialect, TokenUsage
+
+__all__ = [
+    "DIALECTS",
+    "PROMPT_BYTES_PER_TOKEN",
+    "Dialect",
+    "TokenUsage",
+    "delta_text",
+    "estimate_tokens",
+    "exhausted_holds",
+    "extract_usage",
+]
+
+DIALECTS: Final[Mapping[str, Dialect]] = {
+    d.name: d for d in (openai.DIALECT, anthropic.DIALECT, gemini.DIALECT)
+}
+#: Bytes of prompt per token in :func:`estimate_tokens` (OpenAI's rule of thumb for
+#: English text: https://help.openai.com/en/articles/4936856).
+PROMPT_BYTES_PER_TOKEN: Final = 4
+_PROMPT_KEYS: Final = tuple(dict.fromkeys(k for d in DIALECTS.values() for k in d.prompt_keys))
+_DELTA_READERS: Final = tuple(d.delta_text for d in DIALECTS.values())
+
+
+def extract_usage(provider: str, data: Any) -> TokenUsage | None:
+    """Usage reported in ``data`` (a parsed body, or the SSE shape of
+    :func:`gateway.call.bodies.parse_sse`) in dialect ``provider``; None when the answer
+    reports none or ``provider`` is ``none``."""
+    dialect = DIALECTS.get(provider)
+    if dialect is None or data is None or not isinstance(data, dict):
+        return None
+    if data.get("content_type") == "text/event-stream":
+        return dialect.stream_usage(data.get("events") or [])
+    return dialect.usage(data)
+
+
+def delta_text(event: Any) -> str | None:
+    """The generated text one parsed SSE event carries, in whichever dialect it is."""
+    for read in _DELTA_READERS:
+        piece = read(event)
+        if piece is not None:
+            return piece
+    return None
+
+
+def exhausted_holds(headers: Mapping[str, str], now: float) -> list[float]:
+    """Seconds until each rate limit that ``headers`` (case-insensitive names) report as
+    spent resets, in every dialect; ``now`` is wall-clock time (``time.time()``)."""
+    return [hold for d in DIALECTS.values() for hold in d.exhausted_holds(headers, now)]
+
+
+def estimate_tokens(parameters: Mapping[str, Any]) -> int:
+    """Tokens to reserve for an LLM call whose JSON body is ``parameters``.
+
+    = the output cap (``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``,
+    or Gemini's ``generationConfig.maxOutputTokens``; 0 when absent) + ceil(prompt bytes /
+    4), where prompt bytes are the UTF-8 bytes of ``messages``, ``prompt``, ``input``,
+    ``contents``, ``system``, ``systemInstruction``, ``instructions`` and ``tools``
+    (strings as is, other values as compact JSON). 0 for a body with none of these.
+    """
+    output = max(d.output_cap(parameters) for d in DIALECTS.values())
+    prompt_bytes = 0
+    for key in _PROMPT_KEYS:
+        if key not in parameters:
+            continue
+        value = parameters[key]
+        if isinstance(value, str):
+            prompt_bytes += len(value.encode("utf-8"))
+        else:
+            prompt_bytes += len(fastjson.compact(value, default=str))
+    return output + math.ceil(prompt_bytes / PROMPT_BYTES_PER_TOKEN)
