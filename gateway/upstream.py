@@ -77,6 +77,16 @@ class Credential:
 
 @dataclass(frozen=True, slots=True)
 class OutboundRequest:
+    """One call as the upstream gets it (built by :mod:`gateway.call.outbound`), the seam
+    between the call path and this module.
+
+    ``url`` is the target's ``base_url`` plus the checked endpoint (origin = the target's);
+    ``query`` the query items (None for a method whose parameters are the body); ``body``
+    the compact JSON bytes (sent as ``application/json``) or None; ``headers`` what goes
+    out besides ``User-Agent``, ``Content-Type`` and the credential, which :meth:`Upstream.
+    send` adds last, so nothing in ``headers`` can replace it.
+    """
+
     target: CompiledTarget
     method: str
     url: URL
@@ -88,6 +98,13 @@ class OutboundRequest:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamResponse:
+    """The upstream's final answer to one attempt (after same-origin redirects).
+
+    ``body`` is complete and decoded (gzip/deflate), at most ``max_response_bytes``;
+    ``headers`` are aiohttp's case-insensitive mapping; ``elapsed_s`` is the attempt's
+    wall time in seconds, from sending to the last body byte.
+    """
+
     status: int
     reason: str
     headers: Mapping[str, str]  # aiohttp's CIMultiDictProxy: case-insensitive names

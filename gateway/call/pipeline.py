@@ -12,15 +12,12 @@ UNKNOWN answer that points at the audit record, never a stack trace on the wire 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import random
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from urllib.parse import urlencode
 
-from gateway import fastjson
 from gateway.audit import AuditLog, get_logger
 from gateway.breaker import CircuitBreakers, breaker_specs
 from gateway.call.attempts import Attempts, deadline_error
@@ -32,6 +29,8 @@ from gateway.call.intake import (
     parse_request,
     refuse_lone_surrogates,
 )
+from gateway.call.outbound import build as build_outbound
+from gateway.call.outbound import credential, with_credential
 from gateway.call.record import CLAIMED, CallContext, audit_record, observe
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
@@ -49,13 +48,14 @@ from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Repla
 from gateway.idempotency.keys import derive_key, fingerprint, store_key
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
-from gateway.policy import CompiledTarget, IdempotencySpec, PolicySet
+from gateway.policy import IdempotencySpec, PolicySet
 from gateway.policy import egress as egress_rules
+from gateway.policy.egress import Decision
+from gateway.policy.refs import SecretRef
 from gateway.providers import estimate_tokens, extract_usage
 from gateway.ratelimit import RateLimitGroups
-from gateway.secrets import ResolvedSecret, SecretResolvers, parse_ref
-from gateway.tracing import TRACE_HEADERS, outbound_headers
-from gateway.upstream import Credential, OutboundRequest, Upstream
+from gateway.secrets import ResolvedSecret, SecretResolvers
+from gateway.upstream import Credential, Upstream
 
 _log = get_logger("gateway.pipeline")
 
@@ -132,7 +132,7 @@ class Pipeline:
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             ctx.decision = "allowed"
             deadline = ctx.started + request.timeout
-            status, response = await self._call(policy, request, decision.target, ctx, deadline)
+            status, response = await self._call(policy, request, decision, ctx, deadline)
         except GatewayError as exc:
             status = _answer_status(exc)
             response = self._failure(exc, ctx)
@@ -187,10 +187,11 @@ class Pipeline:
         self,
         policy: PolicySet,
         request: ExternalCallRequest,
-        target: CompiledTarget,
+        decision: Decision,
         ctx: CallContext,
         deadline: float,
     ) -> tuple[int, ExternalCallResponse]:
+        target = decision.target
         spec = target.spec
         group_name = request.rate_limit_group or spec.rate_limit_group
         if request.rate_limit_group and group_name not in policy.policy.rate_limit_groups:
@@ -208,13 +209,16 @@ class Pipeline:
                 request.method,
                 request.endpoint,
             )
-            return await self._idempotent(request, target, ctx, deadline, spec.idempotency)
-        return 200, await self._forward(request, target, ctx, deadline)
+            return await self._idempotent(
+                policy, request, decision, ctx, deadline, spec.idempotency
+            )
+        return 200, await self._forward(policy, request, decision, ctx, deadline)
 
     async def _idempotent(
         self,
+        policy: PolicySet,
         request: ExternalCallRequest,
-        target: CompiledTarget,
+        decision: Decision,
         ctx: CallContext,
         deadline: float,
         idempotency: IdempotencySpec,
@@ -223,6 +227,7 @@ class Pipeline:
         identical call in flight, or refuse a reused key whose request differs. The
         store is the one of the target's ``idempotency.scope``."""
         assert ctx.idempotency_key is not None
+        target = decision.target
         store = self.idempotency.for_scope(idempotency.scope)
         ttl_s = idempotency.ttl_s
         key = store_key(target.name, ctx.idempotency_key)
@@ -248,7 +253,7 @@ class Pipeline:
             break
         token = outcome.token
         try:
-            response = await self._forward(request, target, ctx, deadline)
+            response = await self._forward(policy, request, decision, ctx, deadline)
         except UpstreamRejected as exc:
             # The upstream's definitive answer to this request: replay it, like Stripe.
             failed = self._failure(exc, ctx)
@@ -277,50 +282,31 @@ class Pipeline:
 
     async def _forward(
         self,
+        policy: PolicySet,
         request: ExternalCallRequest,
-        target: CompiledTarget,
+        decision: Decision,
         ctx: CallContext,
         deadline: float,
     ) -> ExternalCallResponse:
-        spec = target.spec
-        url = egress_rules.upstream_url(target, request.endpoint)
-        query = egress_rules.query_items(request.method, request.parameters)
-        body = None
-        summary = self.policy.policy.audit.payloads == "summary"  # "none": no hash either
-        if query is None:
-            body = fastjson.compact(request.parameters)
-            ctx.request_bytes = len(body)
-            if summary:
-                ctx.request_sha256 = hashlib.sha256(body).hexdigest()
-        else:
-            encoded = urlencode(query).encode()
-            ctx.request_bytes = len(encoded)
-            if summary:
-                ctx.request_sha256 = hashlib.sha256(encoded).hexdigest()
-        agent_headers = {k: v for k, v in request.headers.items() if k.lower() not in TRACE_HEADERS}
-        trace = outbound_headers(request.trace_id, request.headers)
-        ctx.traceparent = trace["traceparent"]
-        headers = {**spec.static_headers, **agent_headers, **trace}
-        if ctx.idempotency_key is not None and spec.idempotency is not None:
-            headers[spec.idempotency.header] = ctx.idempotency_key
+        target = decision.target
+        outbound, digest = build_outbound(
+            request,
+            target,
+            idempotency_key=ctx.idempotency_key,
+            digest=policy.policy.audit.payloads == "summary",  # "none": no hash either
+        )
+        ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
+        ctx.traceparent = outbound.headers["traceparent"]
         group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
         reserved = 0
         if group is not None and group.spec.tokens_per_minute:
             reserved = estimate_tokens(request.parameters)
-        resolved = await self._resolve(ctx, deadline)
+        resolved = await self._resolve(decision.ref, ctx, deadline)
         attempts = Attempts(
             upstream=self.upstream,
             target=target,
             request=request,
-            outbound=OutboundRequest(
-                target=target,
-                method=request.method,
-                url=url,
-                query=query,
-                body=body,
-                headers=headers,
-                credential=_credential(target, resolved),
-            ),
+            outbound=with_credential(outbound, target, resolved),
             deadline=deadline,
             has_idempotency_key=ctx.idempotency_key is not None,
             rng=self._rng,
@@ -328,7 +314,7 @@ class Pipeline:
             tokens_reserved=reserved,
             breaker=self.breakers.get(target.name),
             refresh_credential=(
-                self._refresher(target, ctx, deadline)
+                self._refresher(decision, ctx, deadline)
                 if resolved is not None and resolved.from_cache
                 else None
             ),
@@ -347,7 +333,7 @@ class Pipeline:
             if group is not None:
                 self.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
         data, _ = parse_body(answer.content_type, answer.body, answer.status)
-        ctx.usage = extract_usage(spec.usage, data)
+        ctx.usage = extract_usage(target.spec.usage, data)
         if group is not None:
             group.reconcile(reserved, ctx.usage.total if ctx.usage else 0)
         return ExternalCallResponse(
@@ -361,22 +347,23 @@ class Pipeline:
         )
 
     def _refresher(
-        self, target: CompiledTarget, ctx: CallContext, deadline: float
+        self, decision: Decision, ctx: CallContext, deadline: float
     ) -> Callable[[], Awaitable[Credential | None]]:
         async def refresh() -> Credential | None:
-            assert ctx.api_key_ref is not None
-            self.resolvers.invalidate(parse_ref(ctx.api_key_ref))
-            return _credential(target, await self._resolve(ctx, deadline))
+            assert decision.ref is not None
+            self.resolvers.invalidate(decision.ref)
+            return credential(decision.target, await self._resolve(decision.ref, ctx, deadline))
 
         return refresh
 
-    async def _resolve(self, ctx: CallContext, deadline: float) -> ResolvedSecret | None:
-        if ctx.api_key_ref is None:
+    async def _resolve(
+        self, ref: SecretRef | None, ctx: CallContext, deadline: float
+    ) -> ResolvedSecret | None:
+        if ref is None:
             return None
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise deadline_error("resolving the secret")
-        ref = parse_ref(ctx.api_key_ref)
         if self.resolvers.is_local(ref.scheme):
             resolved = await self.resolvers.resolve(ref)  # a file or the environment
         else:
@@ -434,13 +421,6 @@ def _answer_status(exc: GatewayError) -> int:
     if isinstance(exc, UpstreamRejected) and exc.status_code and 400 <= exc.status_code < 500:
         return exc.status_code
     return exc.http_status
-
-
-def _credential(target: CompiledTarget, resolved: ResolvedSecret | None) -> Credential | None:
-    cred = target.spec.credential
-    if cred is None or resolved is None:
-        return None
-    return Credential(resolved.secret, cred.header, cred.query_param, cred.format)
 
 
 def _stored(status: int, response: ExternalCallResponse) -> bytes:

@@ -34,7 +34,7 @@ from gateway.policy import (
     EgressSpec,
     PolicySet,
 )
-from gateway.policy.refs import InvalidSecretRef, parse_ref
+from gateway.policy.refs import InvalidSecretRef, SecretRef, parse_ref
 from gateway.tracing import TRACE_HEADERS
 
 _ENCODED_FORBIDDEN: Final = re.compile(r"%(2e|2f|5c|0[0-9a-f]|1[0-9a-f]|7f|25)", re.IGNORECASE)
@@ -59,10 +59,13 @@ def loggable_ref(ref: str | None) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """An allowed call: the compiled target, the secret reference to use (or None)."""
+    """An allowed call: the compiled target and the secret reference to use, as the
+    envelope or the target's ``default_ref`` wrote it (``api_key_ref``) and parsed
+    (``ref``); both None for a target that takes no credential."""
 
     target: CompiledTarget
     api_key_ref: str | None
+    ref: SecretRef | None = None
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -159,7 +162,7 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 "(the policy's forward_headers lists those that may)",
                 details={"reason": "header_not_allowed", "header": name},
             )
-    return Decision(target, ref)
+    return Decision(target, ref, parse_ref(ref) if ref is not None else None)
 
 
 def upstream_url(target: CompiledTarget, endpoint: str) -> URL:
