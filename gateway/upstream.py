@@ -221,6 +221,11 @@ class Upstream:
     async def start(self) -> None:
         self._session = self._new_session()
 
+    @property
+    def closed(self) -> bool:
+        """True before :meth:`start` and after :meth:`aclose`: no session is open."""
+        return self._session is None and not self._users
+
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
             resolver=self._resolver,

@@ -69,6 +69,9 @@ class Gateway:
         self._dns_resolver = resolver
         self._log_stream = log_stream
         self.pipeline: Pipeline | None = None
+        self.audit: audit.AuditLog | None = None
+        #: What start() opened, closed by aclose() in reverse order.
+        self._resources: contextlib.AsyncExitStack | None = None
         #: The Redis client and the cluster-scope groups' owner, with a ``redis:`` section.
         self.redis: RedisClient | None = None
         self.cluster_limits: ClusterLimits | None = None
@@ -79,53 +82,70 @@ class Gateway:
         self._idle.set()
 
     async def start(self) -> None:
-        audit.configure_from_spec(self.policy.policy.audit, self._log_stream)
-        server = self.policy.policy.server
-        upstream = Upstream(
-            self.policy.policy.egress,
-            max_response_bytes=server.max_response_bytes,
-            resolver=self._dns_resolver,
-        )
-        await upstream.start()
-        resolvers = build_secret_resolvers(self.policy.policy)
-        await start_secret_resolvers(resolvers)
-        redis_spec = self.policy.policy.redis
-        if redis_spec is not None:
-            from gateway.idempotency.redis import RedisIdempotencyStore
-            from gateway.ratelimit.cluster import ClusterLimits
-            from gateway.stores.redis import RedisClient
+        """Open every resource, in order: the log and audit sinks, the outbound client, the
+        secret resolvers (Vault login and token renewer), the Redis client and cluster
+        limits (with a ``redis:`` section), the idempotency stores; then the pipeline.
 
-            # Connects lazily: no connection until a cluster-scope group or target is used
-            # (built whenever configured, so a reload that turns on cluster scope works).
-            self.redis = RedisClient(redis_spec)
-            self.cluster_limits = ClusterLimits(
-                self.redis, on_fallback=self.metrics.observe_redis_fallback
+        A start that fails part-way closes what it had opened, in reverse order, and
+        re-raises (ValueError for an unusable ``secrets.vault`` section, for example).
+        """
+        policy = self.policy.policy
+        async with contextlib.AsyncExitStack() as stack:
+            audit.configure_from_spec(policy.audit, self._log_stream)
+            stack.callback(audit.close)
+            self.audit = audit.AuditLog(policy.agent_id)
+            upstream = Upstream(
+                policy.egress,
+                max_response_bytes=policy.server.max_response_bytes,
+                resolver=self._dns_resolver,
             )
-        self.pipeline = Pipeline(
-            self.policy,
-            resolvers=resolvers,
-            upstream=upstream,
-            audit=audit.AuditLog(self.policy.policy.agent_id),
-            metrics=self.metrics,
-            groups=RateLimitGroups(
-                self.policy.policy.rate_limit_groups,
-                cluster=self.cluster_limits.group if self.cluster_limits else None,
-            ),
-            breakers=self._breakers(),
-            idempotency=IdempotencyStores(
+            await upstream.start()
+            stack.push_async_callback(upstream.aclose)
+            resolvers = build_secret_resolvers(policy)
+            stack.push_async_callback(resolvers.aclose)
+            await start_secret_resolvers(resolvers)
+            if policy.redis is not None:
+                from gateway.idempotency.redis import RedisIdempotencyStore
+                from gateway.ratelimit.cluster import ClusterLimits
+                from gateway.stores.redis import RedisClient
+
+                # Connects lazily: no connection until a cluster-scope group or target is
+                # used (built whenever configured, so a reload that turns on cluster scope
+                # works).
+                self.redis = RedisClient(policy.redis)
+                stack.push_async_callback(self.redis.aclose)
+                self.cluster_limits = ClusterLimits(
+                    self.redis, on_fallback=self.metrics.observe_redis_fallback
+                )
+                stack.push_async_callback(self.cluster_limits.aclose)
+            idempotency = IdempotencyStores(
                 MemoryIdempotencyStore(
-                    max_entries=server.idempotency_max_entries,
-                    max_bytes=server.idempotency_max_bytes,
+                    max_entries=policy.server.idempotency_max_entries,
+                    max_bytes=policy.server.idempotency_max_bytes,
                 ),
                 RedisIdempotencyStore(self.redis) if self.redis is not None else None,
-            ),
-        )
-        self.metrics.set_known(self.policy.targets, self.policy.policy.rate_limit_groups)
+            )
+            stack.push_async_callback(idempotency.aclose)
+            self.pipeline = Pipeline(
+                self.policy,
+                resolvers=resolvers,
+                upstream=upstream,
+                audit=self.audit,
+                metrics=self.metrics,
+                groups=RateLimitGroups(
+                    policy.rate_limit_groups,
+                    cluster=self.cluster_limits.group if self.cluster_limits else None,
+                ),
+                breakers=self._breakers(),
+                idempotency=idempotency,
+            )
+            self._resources = stack.pop_all()
+        self.metrics.set_known(self.policy.targets, policy.rate_limit_groups)
         _log.info(
             "sidecar_started",
             policy=self.policy.source,
             targets=sorted(self.policy.targets),
-            agent_id=self.policy.policy.agent_id,
+            agent_id=policy.agent_id,
         )
 
     async def reload(self, path: str | None = None) -> bool:
@@ -159,8 +179,8 @@ class Gateway:
             self.pipeline.apply_policy(new)
         self.metrics.set_known(new.targets, new.policy.rate_limit_groups)
         self.metrics.observe_policy_reload(ok=True)
-        if self.pipeline is not None:
-            self.pipeline.audit.event(
+        if self.audit is not None:
+            self.audit.event(
                 "policy_reload",
                 policy=source,
                 targets=sorted(new.targets),
@@ -179,8 +199,8 @@ class Gateway:
 
         def on_change(target: str, old: BreakerState, new: BreakerState) -> None:
             self.metrics.observe_breaker_transition(target, _METRIC_STATE[new])
-            if self.pipeline is not None:
-                self.pipeline.audit.event(
+            if self.audit is not None:
+                self.audit.event(
                     "breaker_state_change", target_system=target, old_state=old, new_state=new
                 )
 
@@ -188,17 +208,12 @@ class Gateway:
         return breakers
 
     async def aclose(self) -> None:
-        pipeline, self.pipeline = self.pipeline, None
-        if pipeline is None:
-            return
-        await pipeline.idempotency.aclose()
-        if self.cluster_limits is not None:
-            await self.cluster_limits.aclose()
-        if self.redis is not None:
-            await self.redis.aclose()
-        await pipeline.resolvers.aclose()
-        await pipeline.upstream.aclose()
-        audit.close()
+        """Close every resource :meth:`start` opened, in reverse order; a part that fails
+        to close does not keep the others open (its error is raised after). Idempotent."""
+        resources, self._resources = self._resources, None
+        self.pipeline = None
+        if resources is not None:
+            await resources.aclose()
 
     def ready(self) -> tuple[bool, dict[str, object]]:
         """Readiness and why: policy loaded, secret store usable (a valid Vault token when
