@@ -6,20 +6,20 @@ whether retrying can help and when. ``ErrorCode`` is the closed list of error co
 may be added, never renamed or removed (the agent decides from ``code`` and ``retryable``).
 
 This module is the contract: it imports nothing else of the package. The models are
-frozen and strictly typed (``"5"`` is not an int, ``true`` is not an int); unknown
-top-level fields of a request are handled by :mod:`gateway.call.intake`, which can name them
-and suggest the closest known field.
+frozen and strictly typed (``"5"`` is not an int, ``true`` is not an int); strings the
+sidecar copies into headers, answers or logs (ids, ``idempotency_key``, ``api_key_ref``...)
+hold no control characters. Unknown top-level fields of a request, and the bounds of
+``metadata`` (its size, depth and keys), are checked by :mod:`gateway.call.intake`, which
+can name them and suggest the closest known field.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
-
-from gateway import fastjson, redaction
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 #: Protocol versions this sidecar speaks. An envelope naming another gets SCHEMA_MISMATCH.
 SUPPORTED_PROTOCOL_VERSIONS: Final = frozenset({"1"})
@@ -40,7 +40,25 @@ IDEMPOTENT_METHODS: Final = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"
 #: Methods whose ``parameters`` travel as the query string; the others send a JSON body.
 QUERY_METHODS: Final = frozenset({"GET", "HEAD", "DELETE"})
 
-Identifier = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+#: C0 controls, DEL and C1 controls: never in a string the sidecar copies into a header,
+#: an answer or a log line (CR/LF split headers, ESC drives terminals reading logs).
+CONTROL_CHARACTERS: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _no_controls(value: str) -> str:
+    if CONTROL_CHARACTERS.search(value):
+        raise ValueError(
+            "must not contain control characters (U+0000-U+001F, U+007F-U+009F: CR, LF, "
+            "NUL, ESC...); it is copied into headers and log lines"
+        )
+    return value
+
+
+_NoControls = AfterValidator(_no_controls)
+Identifier = Annotated[str, StringConstraints(min_length=1, max_length=256), _NoControls]
+SecretRefText = Annotated[str, StringConstraints(min_length=1, max_length=512), _NoControls]
+IdempotencyKey = Annotated[str, StringConstraints(min_length=1, max_length=255), _NoControls]
+VersionText = Annotated[str, StringConstraints(max_length=16), _NoControls]
 
 
 class ErrorCode(StrEnum):
@@ -78,41 +96,20 @@ class ExternalCallRequest(BaseModel):
     trace_id: Identifier
     correlation_id: Identifier
     target_system: Identifier
+    # Control characters in an endpoint are an egress question (PERMISSION_DENIED).
     endpoint: Annotated[str, StringConstraints(min_length=1, max_length=2048)]
     method: HttpMethod
     parameters: dict[str, Any] = Field(default_factory=dict)
-    api_key_ref: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
+    api_key_ref: SecretRefText | None = None
     rate_limit_group: Identifier | None = None
     timeout: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
     max_retries: int = Field(DEFAULT_MAX_RETRIES, ge=0, le=MAX_RETRIES_LIMIT)
     # Optional additions, all defaulted so that older agents keep working.
-    idempotency_key: Annotated[str, StringConstraints(min_length=1, max_length=255)] | None = None
-    protocol_version: Annotated[str, StringConstraints(max_length=16)] = PROTOCOL_VERSION
+    idempotency_key: IdempotencyKey | None = None
+    protocol_version: VersionText = PROTOCOL_VERSION
     agent_id: Identifier | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("metadata")
-    @classmethod
-    def _bounded_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if not value:
-            return value
-        if redaction.nesting_depth(value) > redaction.MAX_REDACT_DEPTH:
-            raise ValueError(
-                f"metadata is nested more than {redaction.MAX_REDACT_DEPTH} levels deep; "
-                "the audit record could not be searched for sensitive keys below that"
-            )
-        try:
-            size = len(fastjson.compact(value, default=str))
-        except UnicodeEncodeError:  # a lone surrogate: refused at intake, counted here
-            text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
-            size = len(text.encode("utf-8", "replace"))
-        if size > MAX_METADATA_BYTES:
-            raise ValueError(
-                f"metadata is {size} bytes of JSON; at most {MAX_METADATA_BYTES} are kept in "
-                "the audit record (put payloads in parameters)"
-            )
-        return value
 
 
 class ErrorPayload(BaseModel):

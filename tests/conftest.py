@@ -191,7 +191,8 @@ class Sidecar:
             return resp.status, await resp.json()
 
     def lines(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.log.getvalue().splitlines() if line.strip()]
+        # JSON lines end at "\n" only (str.splitlines would also split at U+0085, U+2028...).
+        return [json.loads(line) for line in self.log.getvalue().split("\n") if line.strip()]
 
     def audit_records(self) -> list[dict[str, Any]]:
         records = [r for r in self.lines() if r.get("event") == "egress_call"]

@@ -18,8 +18,16 @@ from typing import Any, Final, Literal
 
 from pydantic import ValidationError
 
-from gateway.envelope import REQUEST_FIELDS, SUPPORTED_PROTOCOL_VERSIONS, ExternalCallRequest
+from gateway import fastjson
+from gateway.envelope import (
+    CONTROL_CHARACTERS,
+    MAX_METADATA_BYTES,
+    REQUEST_FIELDS,
+    SUPPORTED_PROTOCOL_VERSIONS,
+    ExternalCallRequest,
+)
 from gateway.errors import InvalidPayload, SchemaMismatch
+from gateway.redaction import MAX_REDACT_DEPTH, nesting_depth
 
 _MAX_REPORTED_ERRORS = 20
 
@@ -81,11 +89,51 @@ def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
 def refuse_lone_surrogates(raw: bytes, value: Any) -> None:
     """Raise :class:`InvalidPayload` (reason ``lone_surrogate``) if ``value`` holds one."""
     if has_lone_surrogates(raw, value):
+        field = _surrogate_path(value) or "(envelope)"
         raise InvalidPayload(
-            "the request body contains a \\u escape of a lone UTF-16 surrogate "
+            f"{field}: the request body contains a \\u escape of a lone UTF-16 surrogate "
             "(\\uD800-\\uDFFF without its pair), which is not a character",
-            details={"reason": "lone_surrogate"},
+            details={"reason": "lone_surrogate", "field": field[:256]},
         )
+
+
+def _surrogate_path(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first key or string holding a lone surrogate, or None."""
+    if isinstance(value, str):
+        return path if not _encodes(value) else None
+    items: Any = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        here = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and not _encodes(key):
+            return here.encode("utf-8", "backslashreplace").decode()
+        found = _surrogate_path(item, here)
+        if found is not None:
+            return found.encode("utf-8", "backslashreplace").decode()
+    return None
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters and lone surrogates written as ``\\xNN`` /
+    ``\\udNNN`` escapes: how the ids an invalid envelope claimed are echoed in its answer
+    and audit record (so that they can still be found, and cannot split a line)."""
+    if CONTROL_CHARACTERS.search(text) is None and _encodes(text):
+        return text
+    text = CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def has_lone_surrogates(raw: bytes, value: Any) -> bool:
@@ -150,7 +198,11 @@ def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reje
             )
         raw = {k: v for k, v in raw.items() if k in REQUEST_FIELDS}
     version = raw.get("protocol_version")
-    if isinstance(version, str) and version not in SUPPORTED_PROTOCOL_VERSIONS:
+    if (
+        isinstance(version, str)
+        and version not in SUPPORTED_PROTOCOL_VERSIONS
+        and CONTROL_CHARACTERS.search(version) is None  # not a version: INVALID_PAYLOAD
+    ):
         raise SchemaMismatch(
             f"protocol_version {version!r} is not spoken by this sidecar "
             f"(supported: {', '.join(sorted(SUPPORTED_PROTOCOL_VERSIONS))})",
@@ -170,12 +222,67 @@ def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reje
             }
             for err in exc.errors(include_url=False, include_input=False)
         ][:_MAX_REPORTED_ERRORS]
-        summary = "; ".join(f"{e['field']}: {e['problem']}" for e in errors)
-        raise InvalidPayload(
-            f"the envelope is not a valid ExternalCallRequest: {summary}",
-            details={"reason": "invalid_fields", "errors": errors},
-        ) from None
+        raise _invalid_fields(errors) from None
+    problem = metadata_problem(request.metadata)
+    if problem is not None:
+        raise _invalid_fields([{"field": "metadata", "problem": problem}])
     return Intake(request, tuple(str(k) for k in unknown))
+
+
+def _invalid_fields(errors: list[dict[str, str]]) -> InvalidPayload:
+    summary = "; ".join(f"{e['field']}: {e['problem']}" for e in errors)
+    return InvalidPayload(
+        f"the envelope is not a valid ExternalCallRequest: {summary}",
+        details={"reason": "invalid_fields", "errors": errors},
+    )
+
+
+def metadata_problem(metadata: dict[str, Any]) -> str | None:
+    """Why ``metadata`` cannot be copied into the audit record, or None: nested deeper
+    than the redaction reaches (:data:`gateway.redaction.MAX_REDACT_DEPTH`), a key with
+    control characters, or more than :data:`gateway.envelope.MAX_METADATA_BYTES` UTF-8
+    bytes of compact JSON (as the audit line holds it)."""
+    if not metadata:
+        return None
+    if nesting_depth(metadata) > MAX_REDACT_DEPTH:
+        return (
+            f"metadata is nested more than {MAX_REDACT_DEPTH} levels deep; "
+            "the audit record could not be searched for sensitive keys below that"
+        )
+    key = _control_key(metadata)
+    if key is not None:
+        return (
+            f"metadata key {key[:64]!r} contains control characters "
+            "(U+0000-U+001F, U+007F-U+009F); keys are copied into log lines"
+        )
+    try:
+        size = len(fastjson.compact(metadata, default=str))
+    except UnicodeEncodeError:  # a lone surrogate: refused at intake, counted here
+        text = json.dumps(metadata, ensure_ascii=False, separators=(",", ":"), default=str)
+        size = len(text.encode("utf-8", "replace"))
+    if size > MAX_METADATA_BYTES:
+        return (
+            f"metadata is {size} bytes of JSON; at most {MAX_METADATA_BYTES} are kept in "
+            "the audit record (put payloads in parameters)"
+        )
+    return None
+
+
+def _control_key(value: Any) -> str | None:
+    """The first key, at any depth (depth already bounded), with a control character."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if CONTROL_CHARACTERS.search(key):
+                return str(key)
+            found = _control_key(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = _control_key(item)
+            if found is not None:
+                return found
+    return None
 
 
 #: The fast path leaves to :func:`decode_json` and :func:`parse_request` what pydantic's
@@ -212,4 +319,6 @@ def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
         request = ExternalCallRequest.model_validate_json(body)
     except ValidationError:
         return None
-    return request if request.protocol_version in SUPPORTED_PROTOCOL_VERSIONS else None
+    if request.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
+        return None
+    return request if metadata_problem(request.metadata) is None else None

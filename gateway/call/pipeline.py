@@ -27,6 +27,7 @@ from gateway.call.intake import (
     decode_json,
     parse_envelope_fast,
     parse_request,
+    printable,
     refuse_lone_surrogates,
 )
 from gateway.call.outbound import build as build_outbound
@@ -175,7 +176,9 @@ class Pipeline:
         """The exact path: parse, keep the ids an invalid envelope claims, validate."""
         raw = decode_json(body, check_surrogates=False)
         if isinstance(raw, dict):
-            ctx.claimed = {k: raw[k][:256] for k in CLAIMED if isinstance(raw.get(k), str)}
+            ctx.claimed = {
+                k: printable(raw[k][:256]) for k in CLAIMED if isinstance(raw.get(k), str)
+            }
         refuse_lone_surrogates(body, raw)
         if refuse is not None:
             raise refuse
