@@ -74,11 +74,11 @@ BreakerState = Literal["closed", "open", "half_open"]
 #: (target, old_state, new_state); must not raise (exceptions are swallowed).
 StateChangeHook = Callable[[str, BreakerState, BreakerState], None]
 
-#: Exception kinds of an attempt that count as failures: ``timeout`` (no answer within
-#: the attempt's time), ``connect`` (the connection was never established),
-#: ``disconnect`` (lost after sending), ``protocol`` (an unreadable answer). Any other
-#: kind (``cancelled`` above all) is not a failure.
-FAILURE_KINDS: Final = frozenset({"timeout", "connect", "disconnect", "protocol"})
+#: Exception kinds of an attempt that count as failures: the transport failures of
+#: :class:`gateway.upstream.TransportError` (``timeout``: no answer within the attempt's
+#: time; ``connect``: the connection was never established; ``reset``: lost after
+#: sending, or an unreadable answer). Any other kind (``cancelled`` above all) is not.
+FAILURE_KINDS: Final[frozenset[str]] = frozenset({"timeout", "connect", "reset"})
 #: Floor of ``retry_after_s`` while the half-open probe is in flight (design.md).
 MIN_PROBE_RETRY_AFTER_S: Final = 0.1
 

@@ -36,12 +36,15 @@ base units, ``_total`` for counters, ``_seconds`` for durations.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
 from gateway.envelope import ErrorCode
+
+if TYPE_CHECKING:
+    from gateway.breaker import BreakerState
 
 NAMESPACE: Final = "egress_gateway"
 #: Label value for a target or group the current policy does not define.
@@ -50,8 +53,6 @@ UNKNOWN_LABEL: Final = "_unknown"
 OK_CODE: Final = "OK"
 
 Outcome = Literal["success", "error", "replay"]
-TokenKind = Literal["input", "output", "cached"]
-BreakerState = Literal["closed", "half-open", "open"]
 CacheResult = Literal["hit", "miss", "stale"]
 ReloadResult = Literal["ok", "error"]
 
@@ -59,7 +60,14 @@ _OUTCOMES: Final = frozenset({"success", "error", "replay"})
 _CACHE_RESULTS: Final = frozenset({"hit", "miss", "stale"})
 _CODES: Final = frozenset(c.value for c in ErrorCode) | {OK_CODE}
 #: Gauge encoding of the circuit breaker states.
-BREAKER_STATE_VALUES: Final[dict[str, int]] = {"closed": 0, "half-open": 1, "open": 2}
+#: The gauge's value and the ``to`` label for each state of :mod:`gateway.breaker`
+#: (``half_open`` is spelt ``half-open`` in the exposition, as it always was).
+BREAKER_STATE_VALUES: Final[dict[str, int]] = {"closed": 0, "half_open": 1, "open": 2}
+_BREAKER_STATE_LABELS: Final[dict[str, str]] = {
+    "closed": "closed",
+    "half_open": "half-open",
+    "open": "open",
+}
 
 # LLM calls run for tens of seconds; the top buckets keep them apart from the fast ones.
 CALL_BUCKETS_S: Final = (
@@ -234,13 +242,14 @@ class Metrics:
         self._child(self.redis_fallbacks, self._group(group)).inc()
 
     def observe_breaker_transition(self, target: str, to: BreakerState) -> None:
-        """Record a circuit breaker state change: sets the gauge, counts the transition."""
+        """Record a circuit breaker state change (``to`` as :mod:`gateway.breaker` names
+        it): sets the gauge, counts the transition."""
         value = BREAKER_STATE_VALUES.get(to)
         if value is None:
             return
         target = self._target(target)
         self.breaker_state.labels(target).set(value)
-        self._child(self.breaker_transitions, target, to).inc()
+        self._child(self.breaker_transitions, target, _BREAKER_STATE_LABELS[to]).inc()
 
     def observe_secret_cache(self, result: CacheResult) -> None:
         """Count one secret cache lookup: ``hit``, ``miss`` or ``stale``."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
@@ -38,7 +38,6 @@ from aiohttp.connector import Connection
 from yarl import URL
 
 from gateway import __version__
-from gateway.call.retry import TransportKind
 from gateway.errors import EgressDenied, PermissionDenied, ResponseTooLarge
 from gateway.policy import CompiledTarget, EgressSpec
 from gateway.policy.egress import check_address, endpoint_problem, origin_label
@@ -52,6 +51,12 @@ _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _READ_CHUNK: Final = 64 * 1024
 _LARGE_BODY: Final = 512 * 1024
 _MAX_ALLOWED_HOSTS: Final = 1024  # hosts come from the policy; this only bounds reloads
+
+
+#: How an attempt failed below HTTP (the breaker and the retry rules use the same words):
+#: ``connect`` (no connection was established), ``timeout`` (no answer in time), ``reset``
+#: (the connection was lost, or the answer could not be read).
+TransportKind = Literal["connect", "timeout", "reset"]
 
 
 class TransportError(Exception):

@@ -143,7 +143,7 @@ def test_breaker_state_gauge_follows_transitions_and_policy(m: Metrics) -> None:
 
     m.observe_breaker_transition("openai", "open")
     assert value(m, gauge, target="openai") == 2
-    m.observe_breaker_transition("openai", "half-open")
+    m.observe_breaker_transition("openai", "half_open")
     assert value(m, gauge, target="openai") == 1
     m.observe_breaker_transition("openai", "closed")
     m.observe_breaker_transition("openai", "open")

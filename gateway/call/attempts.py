@@ -36,9 +36,6 @@ from gateway.policy import CompiledTarget
 from gateway.ratelimit import RateLimitGroup, provider_hold_s
 from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
 
-#: TransportError kinds as the breaker names them.
-_BREAKER_KIND = {"connect": "connect", "timeout": "timeout", "reset": "disconnect"}
-
 
 @dataclass(slots=True)
 class AttemptLog:
@@ -69,7 +66,6 @@ class Attempts:
     tokens_reserved: int = 0
     breaker: TargetBreaker | None = None
     refresh_credential: Callable[[], Awaitable[Credential | None]] | None = None
-    on_wait: Callable[[float], None] | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
 
     async def run(self) -> UpstreamResponse:
@@ -93,7 +89,7 @@ class Attempts:
             try:
                 answer = await self.upstream.send(self.outbound, timeout_s=attempt_timeout)
             except TransportError as exc:
-                _settle(permit, None, _BREAKER_KIND[exc.kind])
+                _settle(permit, None, exc.kind)
                 retryable, unknown = transport_retryable(
                     exc.kind,
                     sent=exc.sent,
@@ -153,8 +149,6 @@ class Attempts:
         )
         self.log.admitted = True
         self.log.rate_limit_wait_s += waited
-        if self.on_wait is not None:
-            self.on_wait(waited)
 
     def _feed_back(self, answer: UpstreamResponse) -> None:
         if self.group is None:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping
-from typing import Final, Literal
+from typing import Final
 
 from gateway.envelope import IDEMPOTENT_METHODS
 from gateway.ratelimit.headers import retry_after_s
+from gateway.upstream import TransportKind
 
-TransportKind = Literal["connect", "timeout", "reset"]
 #: An answer's Retry-After beyond this is treated as this (a day): it bounds arithmetic.
 MAX_RETRY_AFTER_S: Final = 86400.0
 

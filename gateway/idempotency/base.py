@@ -80,7 +80,7 @@ class IdempotencyStore(Protocol):
         ...
 
     async def wait(self, key: str, fingerprint: str, *, deadline: float) -> bytes | None:
-        """Wait until ``deadline`` (absolute, on ``loop.time()``) for the owner of ``key``
+        """Wait until ``deadline`` (absolute, on ``time.monotonic()``) for the owner of ``key``
         to complete the request with ``fingerprint``. The answer, or None when there is
         none to give (deadline passed, the owner abandoned or lost its lease, the key now
         holds another request): then call ``begin`` again if time remains."""

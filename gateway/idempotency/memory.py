@@ -157,10 +157,7 @@ class MemoryIdempotencyStore:
         if entry is None or entry.fingerprint != fingerprint:
             return None
         if entry.token is not None:
-            remaining = min(
-                deadline - asyncio.get_running_loop().time(),
-                entry.expires_at - time.monotonic(),
-            )
+            remaining = min(deadline, entry.expires_at) - time.monotonic()
             if remaining <= 0:
                 return None
             try:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+import time
 from typing import Any, Final
 
 from gateway.audit import get_logger
@@ -157,7 +158,6 @@ class RedisIdempotencyStore:
             self._wake(key)
 
     async def wait(self, key: str, fingerprint: str, *, deadline: float) -> bytes | None:
-        loop = asyncio.get_running_loop()
         interval = MIN_POLL_S
         while not self._closed:
             reply = await self._fail_closed(self._peek([self.redis_key(key)], [fingerprint]))
@@ -166,7 +166,7 @@ class RedisIdempotencyStore:
                 return bytes(reply[1])
             if kind != "inflight":
                 return None  # abandoned, expired, or now another request's
-            remaining = deadline - loop.time()
+            remaining = deadline - time.monotonic()
             if remaining <= 0 or self._closed:
                 return None
             event = self._events.setdefault(key, asyncio.Event())

@@ -135,7 +135,6 @@ class EgressSpec(_Strict):
 
 
 _NAT64: Final = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix
-_SIX_TO_FOUR: Final = ipaddress.IPv6Network("2002::/16")  # RFC 3056
 
 
 def _embedded_ipv4(

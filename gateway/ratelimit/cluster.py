@@ -67,7 +67,7 @@ from typing import Any, Final
 from gateway.audit import get_logger
 from gateway.errors import CapacityExceeded
 from gateway.policy import RateLimitGroupSpec
-from gateway.ratelimit import MAX_PROVIDER_HOLD_S, AdmitHook, RateLimitGroup
+from gateway.ratelimit.local import MAX_PROVIDER_HOLD_S, AdmitHook, RateLimitGroup, loop_deadline
 from gateway.stores.redis import RedisClient, RedisUnavailable
 
 __all__ = ["REDIS_RETRY_AFTER_S", "ClusterLimits", "ClusterRateLimitGroup", "Reservation"]
@@ -274,6 +274,7 @@ class ClusterRateLimitGroup(RateLimitGroup):
         tokens = self._checked_tokens(tokens)
         loop = asyncio.get_running_loop()
         arrived = loop.time()
+        deadline = loop_deadline(deadline, loop)
         while True:
             now = loop.time()
             budget, limit = self._budget(now, deadline, arrived)

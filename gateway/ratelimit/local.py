@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -73,6 +74,12 @@ _SLACK_S: Final = 1e-6
 AdmitHook = Callable[[str, float], None]
 #: Builds the group of a ``scope: cluster`` spec: ``(name, spec, on_admit) -> group``.
 GroupFactory = Callable[[str, RateLimitGroupSpec, AdmitHook | None], "RateLimitGroup"]
+
+
+def loop_deadline(deadline: float, loop: asyncio.AbstractEventLoop) -> float:
+    """A ``time.monotonic()`` deadline on ``loop.time()``, the clock the buckets and their
+    timers use (the same clock with asyncio's loop; uvloop keeps its own, in ms steps)."""
+    return loop.time() + (deadline - time.monotonic())
 
 
 class _Bucket(AsyncLimiter):
@@ -174,7 +181,8 @@ class RateLimitGroup:
     ) -> float:
         """Wait for capacity for one call reserving ``tokens``; return the seconds waited.
 
-        ``deadline`` is absolute, on ``loop.time()``. Waits at most
+        ``deadline`` is absolute, on ``time.monotonic()`` (the call's clock; the group
+        schedules on the event loop's, see :func:`loop_deadline`). Waits at most
         ``min(max_queue_s, deadline - now)``, behind every call that arrived earlier.
         Raises :class:`CapacityExceeded` (retryable, ``details.reason`` "queue_timeout",
         "deadline" or "provider_hold", ``retry_after_s`` = seconds until the group could
@@ -184,7 +192,8 @@ class RateLimitGroup:
         receives the call's warnings for its audit record (a local group has none).
         """
         tokens = self._checked_tokens(tokens)
-        return await self._acquire_local(tokens, deadline, asyncio.get_running_loop().time())
+        loop = asyncio.get_running_loop()
+        return await self._acquire_local(tokens, loop_deadline(deadline, loop), loop.time())
 
     def _checked_tokens(self, tokens: int) -> int:
         """``tokens`` to reserve (0 without a token budget); refuses impossible requests."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import IO, TYPE_CHECKING, Any, Literal
+from typing import IO, TYPE_CHECKING, Any
 
 from aiohttp.abc import AbstractResolver
 
@@ -33,11 +33,6 @@ if TYPE_CHECKING:
     from gateway.stores.redis import RedisClient
 
 _log = audit.get_logger("gateway.runtime")
-_METRIC_STATE: dict[BreakerState, Literal["closed", "half-open", "open"]] = {
-    "closed": "closed",
-    "half_open": "half-open",
-    "open": "open",
-}
 
 
 def _server_hot_only(old: PolicySet, new: PolicySet) -> bool:
@@ -198,7 +193,7 @@ class Gateway:
         breakers = CircuitBreakers(breaker_specs(self.policy.policy.targets))
 
         def on_change(target: str, old: BreakerState, new: BreakerState) -> None:
-            self.metrics.observe_breaker_transition(target, _METRIC_STATE[new])
+            self.metrics.observe_breaker_transition(target, new)
             if self.audit is not None:
                 self.audit.event(
                     "breaker_state_change", target_system=target, old_state=old, new_state=new
