@@ -35,13 +35,16 @@ from typing import Final, Literal
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.connector import Connection
-from yarl import URL
 
 from gateway import __version__
 from gateway.errors import EgressDenied, PermissionDenied, ResponseTooLarge
 from gateway.policy import CompiledTarget, EgressSpec
 from gateway.policy.egress import check_address, endpoint_problem, origin_label
 from gateway.secrets import Secret
+from gateway.urls import URL
+
+#: A DNS resolver for the connector (tests give one that maps names to loopback).
+Resolver = AbstractResolver
 
 MAX_REDIRECTS: Final = 5
 CONNECT_TIMEOUT_CAP_S: Final = 10.0

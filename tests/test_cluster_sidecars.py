@@ -32,8 +32,8 @@ from tests.conftest import (
     policy_yaml,
     wait_for,
 )
+from tests.processes import ROOT, Process
 from tests.redis_fixtures import SHARED_URL, PrivateRedis, private_redis, redis_prefix
-from tests.test_lifecycle import ROOT, Process
 
 __all__ = ["private_redis", "redis_prefix"]  # fixtures, imported for pytest
 

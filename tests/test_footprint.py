@@ -23,9 +23,9 @@ import pytest
 import redis
 
 from tests.conftest import FakeUpstream, envelope, policy_yaml, wait_for
+from tests.processes import ROOT, Process
+from tests.processes import item_target as lifecycle_target
 from tests.redis_fixtures import SHARED_URL, redis_prefix
-from tests.test_lifecycle import ROOT, Process
-from tests.test_lifecycle import _target as lifecycle_target
 
 __all__ = ["redis_prefix"]  # a fixture, imported for pytest
 

@@ -3,94 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import sys
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from tests.conftest import envelope, policy_yaml, wait_for
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-class Process:
-    """``python -m gateway serve`` with its stdout collected line by line."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[dict[str, Any]] = []
-        self.raw: list[str] = []
-        self.calls_url = ""
-        self.ops_url = ""
-        self.terminated = False
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        assert self.proc.stdout is not None
-        async for raw in self.proc.stdout:
-            text = raw.decode().strip()
-            if not text:
-                continue
-            self.raw.append(text)
-            record = json.loads(text)  # every stdout line is JSON
-            self.lines.append(record)
-            if record.get("event") == "listening":
-                self.calls_url = "http://" + record["calls"]
-                self.ops_url = "http://" + record["ops"]
-
-    @classmethod
-    async def start(
-        cls,
-        policy_path: Path,
-        *,
-        python_flags: Sequence[str] = (),
-        stderr: IO[bytes] | None = None,
-        drop_env: Collection[str] = (),
-        timeout_s: float = 20,
-    ) -> Process:
-        """``python [python_flags] -m gateway serve`` on ephemeral ports, without the
-        caller's ``GATEWAY_*`` variables (and ``drop_env``); returned once it listens, or
-        once it exited (then ``calls_url`` is empty)."""
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("GATEWAY_") and k not in drop_env
-        }
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, *python_flags, "-m", "gateway", "serve",
-            "--policy", str(policy_path), "--port", "0", "--ops-port", "0",
-            cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=stderr,
-        )  # fmt: skip
-        process = cls(proc)
-        await wait_for(lambda: bool(process.calls_url) or proc.returncode is not None, timeout_s)
-        return process
-
-    async def kill(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [line for line in self.lines if line.get("event") == name]
-
-    def terminate(self) -> None:
-        self.terminated = True
-        self.proc.send_signal(signal.SIGTERM)
-
-    async def stop(self) -> int:
-        if self.proc.returncode is None and not self.terminated:
-            self.terminate()
-        code = await asyncio.wait_for(self.proc.wait(), 15)
-        await self._reader
-        return code
+from tests.processes import Process
+from tests.processes import item_target as _target
 
 
 @pytest.fixture
@@ -106,15 +32,6 @@ async def serve() -> AsyncIterator[Any]:
     yield start
     for process in started:
         await process.kill()
-
-
-def _target(url: str, **extra: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "base_url": url,
-        "endpoints": [{"path": "/items/*", "methods": ["GET", "POST"]}],
-    }
-    spec.update(extra)
-    return spec
 
 
 def _item(target: str, name: str, **extra: Any) -> dict[str, Any]:

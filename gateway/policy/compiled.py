@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from yarl import URL
-
 from gateway.policy.models import Policy, TargetSpec
+from gateway.urls import URL
 
 _UNSEEN: Final = object()
 #: Distinct (endpoint, method) verdicts remembered per target, for endpoints of at most

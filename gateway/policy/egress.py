@@ -23,8 +23,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from yarl import URL
-
 from gateway.envelope import QUERY_METHODS, ExternalCallRequest
 from gateway.errors import EgressDenied, InvalidPayload, PermissionDenied
 from gateway.policy import (
@@ -36,6 +34,7 @@ from gateway.policy import (
 )
 from gateway.policy.refs import InvalidSecretRef, SecretRef, parse_ref
 from gateway.tracing import TRACE_HEADERS
+from gateway.urls import URL
 
 _ENCODED_FORBIDDEN: Final = re.compile(r"%(2e|2f|5c|0[0-9a-f]|1[0-9a-f]|7f|25)", re.IGNORECASE)
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")

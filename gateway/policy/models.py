@@ -19,10 +19,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from yarl import URL
 
 from gateway.envelope import HttpMethod
 from gateway.policy.refs import InvalidSecretRef, parse_ref
+from gateway.urls import URL
 
 # Defaults, in one place. Units are in the names.
 DEFAULT_HOST: Final = "127.0.0.1"

@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 from typing import IO, TYPE_CHECKING, Any
 
-from aiohttp.abc import AbstractResolver
-
 from gateway import audit
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.call.pipeline import Pipeline
@@ -25,7 +23,7 @@ from gateway.metrics import Metrics
 from gateway.policy import PolicyError, PolicySet, load_policy
 from gateway.ratelimit import RateLimitGroups
 from gateway.secrets.factory import build_secret_resolvers, secrets_ready, start_secret_resolvers
-from gateway.upstream import Upstream
+from gateway.upstream import Resolver, Upstream
 
 if TYPE_CHECKING:
     # Imported in start() only with a ``redis:`` section: redis-py is 6.7 MiB of RSS.
@@ -57,7 +55,7 @@ class Gateway:
         self,
         policy: PolicySet,
         *,
-        resolver: AbstractResolver | None = None,
+        resolver: Resolver | None = None,
         log_stream: IO[str] | None = None,
     ) -> None:
         self.policy = policy
