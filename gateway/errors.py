@@ -13,6 +13,7 @@ its error code, the HTTP status of the sidecar's answer and whether retrying can
     │   ├── SecretAccessDenied  SECRET_ACCESS_DENIED 403  no
     │   └── SecretBackendUnavailable DEPENDENCY_FAILED 502 yes
     ├── CapacityExceeded        CAPACITY_EXCEEDED    429  yes
+    ├── QuotaExhausted          QUOTA_EXHAUSTED      429  no
     ├── CircuitOpen             CIRCUIT_OPEN         503  yes
     ├── DependencyFailed        DEPENDENCY_FAILED    502  yes
     ├── DeadlineExceeded        AGENT_TIMEOUT        504  yes
@@ -126,6 +127,15 @@ class CapacityExceeded(GatewayError):
     code = ErrorCode.CAPACITY_EXCEEDED
     http_status = 429
     retryable = True
+
+
+class QuotaExhausted(GatewayError):
+    """The provider says the account is out of quota, credit or spend (OpenAI
+    ``insufficient_quota``, Anthropic ``billing_error``...), or it sent
+    ``x-should-retry: false`` on a 429: retrying cannot help until someone acts."""
+
+    code = ErrorCode.QUOTA_EXHAUSTED
+    http_status = 429
 
 
 class CircuitOpen(GatewayError):

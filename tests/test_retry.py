@@ -15,6 +15,7 @@ from gateway.call.retry import (
     transport_retryable,
 )
 from gateway.policy import DEFAULT_RETRY_ON
+from gateway.providers import ErrorHint
 
 # 2015-10-21 07:28:00 GMT, the example date of RFC 9110 section 5.6.7.
 DATE = "Wed, 21 Oct 2015 07:28:00 GMT"
@@ -146,6 +147,36 @@ def test_status_retryable_with_the_default_retry_on(status: int, expected: bool)
 def test_status_retryable_follows_the_policy_list() -> None:
     assert status_retryable(503, [429]) is False
     assert status_retryable(429, [429]) is True
+
+
+QUOTA = ErrorHint("quota", "insufficient_quota")
+RETRY = ErrorHint("retry", "x-should-retry: true")
+NO_RETRY = ErrorHint("no_retry", "x-should-retry: false")
+WAIT_ONLY = ErrorHint(None, "RetryInfo", retry_after_s=2.0)
+
+
+@pytest.mark.parametrize(
+    ("status", "retry_on", "hint", "expected"),
+    [
+        # the upstream's own word beats retry_on, both ways
+        (429, DEFAULT_RETRY_ON, QUOTA, False),  # a quota error is never retried
+        (400, DEFAULT_RETRY_ON, QUOTA, False),
+        (503, DEFAULT_RETRY_ON, NO_RETRY, False),  # x-should-retry: false
+        (429, DEFAULT_RETRY_ON, NO_RETRY, False),
+        (409, DEFAULT_RETRY_ON, RETRY, True),  # x-should-retry: true, status not listed
+        (400, (), RETRY, True),
+        (503, DEFAULT_RETRY_ON, RETRY, True),
+        # a hint without a verdict (only a wait) leaves it to retry_on
+        (429, DEFAULT_RETRY_ON, WAIT_ONLY, True),
+        (409, DEFAULT_RETRY_ON, WAIT_ONLY, False),
+        (429, DEFAULT_RETRY_ON, None, True),
+        (409, DEFAULT_RETRY_ON, None, False),
+    ],
+)
+def test_status_retryable_with_the_upstreams_hint(
+    status: int, retry_on: tuple[int | str, ...], hint: ErrorHint | None, expected: bool
+) -> None:
+    assert status_retryable(status, retry_on, hint) is expected
 
 
 ALL = ("connect", "timeout")

@@ -4,10 +4,12 @@ For each attempt, in order: wait for the rate-limit group (the first attempt res
 the call's token estimate, retries only a request slot), take a permit from the target's
 circuit breaker (CIRCUIT_OPEN at once when it is open or probing), send, record the
 outcome on the permit (5xx, 529, timeouts and connection failures count as failures;
-4xx do not; an interrupted attempt counts as nothing), feed the provider's rate-limit
-headers back to the group, then decide whether to retry (:mod:`gateway.call.retry`). Every
-wait fits inside the call's deadline; when the next one would not, the call ends at once
-with ``suggested_retry_after``.
+4xx do not; an interrupted attempt counts as nothing), read what an error answer says
+beyond its status (:func:`gateway.providers.error_hint`: quota errors, ``x-should-retry``),
+feed the provider's rate-limit headers back to the group (not those of a quota error),
+then decide whether to retry (:mod:`gateway.call.retry`). Every wait fits inside the
+call's deadline; when the next one would not, the call ends at once with
+``suggested_retry_after``.
 """
 
 from __future__ import annotations
@@ -15,13 +17,19 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.breaker import Permit, TargetBreaker
 from gateway.call.bodies import media_type, parse_body
-from gateway.call.retry import backoff_s, parse_retry_after, status_retryable, transport_retryable
+from gateway.call.retry import (
+    MAX_RETRY_AFTER_S,
+    backoff_s,
+    parse_retry_after,
+    status_retryable,
+    transport_retryable,
+)
 from gateway.envelope import ExternalCallRequest
 from gateway.errors import (
     CapacityExceeded,
@@ -30,9 +38,11 @@ from gateway.errors import (
     GatewayError,
     OutcomeUnknown,
     PermissionDenied,
+    QuotaExhausted,
     UpstreamRejected,
 )
 from gateway.policy import CompiledTarget
+from gateway.providers import ErrorHint, error_hint
 from gateway.ratelimit import RateLimitGroup, provider_hold_s
 from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
 
@@ -113,9 +123,17 @@ class Attempts:
             _settle(permit, answer.status, None)
             self.log.upstream_latency_s = answer.elapsed_s
             self.log.response_bytes = len(answer.body)
-            self._feed_back(answer)
             if answer.status < 300:
+                self._feed_back(answer, None)
                 return answer
+            parsed = parse_body(answer.content_type, answer.body, answer.status)
+            hint = error_hint(
+                self.target.spec.usage,
+                answer.status,
+                answer.headers,
+                parsed[0] if parsed[1] else None,
+            )
+            self._feed_back(answer, hint)
             if answer.status == 401 and not refreshed and self.refresh_credential is not None:
                 refreshed = True
                 credential = await self.refresh_credential()
@@ -125,9 +143,11 @@ class Attempts:
                     self.log.warnings.append("credential refreshed after upstream 401")
                     continue
             retry_after = parse_retry_after(answer.headers, time.time())
-            final_error = status_error(answer, retry_after, self.target.name)
+            if retry_after is None and hint is not None and hint.retry_after_s is not None:
+                retry_after = min(hint.retry_after_s, MAX_RETRY_AFTER_S)  # e.g. Gemini RetryInfo
+            final_error = status_error(answer, retry_after, self.target.name, hint, parsed)
             if (
-                not status_retryable(answer.status, retry.retry_on)
+                not status_retryable(answer.status, retry.retry_on, hint)
                 or retry_number >= retries_allowed
             ):
                 raise final_error
@@ -150,8 +170,14 @@ class Attempts:
         self.log.admitted = True
         self.log.rate_limit_wait_s += waited
 
-    def _feed_back(self, answer: UpstreamResponse) -> None:
+    def _feed_back(self, answer: UpstreamResponse, hint: ErrorHint | None) -> None:
         if self.group is None:
+            return
+        if hint is not None and hint.verdict == "quota":
+            # Spent quota or credit belongs to the account, not to the group's pace: a hold
+            # (up to an hour, from a Retry-After or a daily reset) would stall every target
+            # sharing the group with CAPACITY_EXCEEDED and outlast a top-up. Each call
+            # learns it in one cheap round trip instead.
             return
         hold = provider_hold_s(answer.headers, answer.status, time.time())
         if hold:
@@ -204,15 +230,39 @@ def deadline_error(while_doing: str) -> DeadlineExceeded:
     )
 
 
-def status_error(answer: UpstreamResponse, retry_after: float | None, target: str) -> GatewayError:
-    """The error for a non-2xx upstream answer (README, "Error codes")."""
+def status_error(
+    answer: UpstreamResponse,
+    retry_after: float | None,
+    target: str,
+    hint: ErrorHint | None = None,
+    parsed: tuple[Any, bool] | None = None,
+) -> GatewayError:
+    """The error for a non-2xx upstream answer (README, "Error codes").
+
+    ``hint`` is what the answer says beyond its status (:func:`gateway.providers.
+    error_hint`): ``quota`` makes it QUOTA_EXHAUSTED whatever the status;
+    ``no_retry`` (``x-should-retry: false``) makes it not retryable. ``parsed`` is
+    ``parse_body``'s result when the caller already has it."""
     status = answer.status
-    data, is_json = parse_body(answer.content_type, answer.body, status)
+    data, is_json = parsed or parse_body(answer.content_type, answer.body, status)
     described = f"{status} {answer.reason}".strip()
     if not is_json and answer.body:
         described += f" with a {media_type(answer.content_type) or 'untyped'} body (not JSON)"
     details: dict[str, Any] = {"target": target, "upstream_status": status}
-    common: Mapping[str, Any] = {"status_code": status, "data": data, "details": details}
+    common: dict[str, Any] = {"status_code": status, "data": data, "details": details}
+    if hint is not None and hint.verdict is not None:
+        details["upstream_reason"] = hint.reason
+    if hint is not None and hint.verdict == "quota":
+        details["source"] = "upstream"
+        return QuotaExhausted(
+            f"the upstream says the account is out of quota or credit ({hint.reason}): it "
+            f"answered {described}. Retrying will not help until its quota resets or "
+            "credit is added",
+            retry_after_s=retry_after,
+            **common,
+        )
+    if hint is not None and hint.verdict == "no_retry":
+        common["retryable"] = False  # the upstream's explicit word beats the code's default
     if status == 429:
         details["source"] = "upstream"
         return CapacityExceeded(

@@ -1,7 +1,11 @@
 """Retry decisions (pure): what may be retried, how long to wait, what ``Retry-After`` says.
 
 * Only what the target's ``retry.retry_on`` lists is retried (by default 429, 500, 502,
-  503, 504, 529, ``timeout`` and ``connect``); other 4xx answers are permanent.
+  503, 504, 529, ``timeout`` and ``connect``); other 4xx answers are permanent. Unless
+  the upstream said otherwise in the answer (:func:`gateway.providers.error_hint`): a
+  quota or credit error is never retried, ``x-should-retry: false`` stops retries and
+  ``x-should-retry: true`` allows one for any status, as the OpenAI and Anthropic SDKs
+  do; ``max_retries`` and the deadline still bound them.
 * A connection that was never established is always safe to retry. A timeout or a lost
   connection after the request was sent is retried only for idempotent methods
   (RFC 9110 section 9.2.2: GET, HEAD, PUT, DELETE, OPTIONS) or a request carrying an
@@ -19,6 +23,7 @@ from collections.abc import Collection, Mapping
 from typing import Final
 
 from gateway.envelope import IDEMPOTENT_METHODS
+from gateway.providers.base import ErrorHint
 from gateway.ratelimit.headers import retry_after_s
 from gateway.upstream import TransportKind
 
@@ -40,8 +45,14 @@ def backoff_s(retry_number: int, base_s: float, cap_s: float, rng: random.Random
     return rng.uniform(0.0, ceiling)
 
 
-def status_retryable(status: int, retry_on: Collection[int | str]) -> bool:
-    """True if an answer with ``status`` may be retried under ``retry_on``."""
+def status_retryable(
+    status: int, retry_on: Collection[int | str], hint: ErrorHint | None = None
+) -> bool:
+    """True if an answer with ``status`` may be retried: by the upstream's own word in
+    ``hint`` when it has a verdict (``retry`` yes; ``quota`` and ``no_retry`` no), else by
+    whether ``retry_on`` lists ``status``."""
+    if hint is not None and hint.verdict is not None:
+        return hint.verdict == "retry"
     return status in retry_on
 
 

@@ -9,6 +9,8 @@ key ``usage`` (``none`` reads nothing). The call path uses only the functions be
 * :func:`delta_text`: the text an SSE event carries, in any known dialect (a stream is
   assembled the same way whatever the target says);
 * :func:`exhausted_holds`: rate-limit resets the answer's headers report, in any dialect;
+* :func:`error_hint`: what an error answer says about retrying it, by the target's
+  dialect (quota and credit errors) and ``x-should-retry`` (any target);
 * :func:`estimate_tokens`: the token reservation for a request body.
 """
 
@@ -20,14 +22,16 @@ from typing import Any, Final
 
 from gateway import fastjson
 from gateway.providers import anthropic, gemini, openai
-from gateway.providers.base import Dialect, TokenUsage
+from gateway.providers.base import Dialect, ErrorHint, TokenUsage, Verdict, should_retry_header
 
 __all__ = [
     "DIALECTS",
     "PROMPT_BYTES_PER_TOKEN",
     "Dialect",
+    "ErrorHint",
     "TokenUsage",
     "delta_text",
+    "error_hint",
     "estimate_tokens",
     "exhausted_holds",
     "extract_usage",
@@ -68,6 +72,34 @@ def exhausted_holds(headers: Mapping[str, str], now: float) -> list[float]:
     """Seconds until each rate limit that ``headers`` (case-insensitive names) report as
     spent resets, in every dialect; ``now`` is wall-clock time (``time.time()``)."""
     return [hold for d in DIALECTS.values() for hold in d.exhausted_holds(headers, now)]
+
+
+def error_hint(
+    provider: str, status: int, headers: Mapping[str, str], body: Any
+) -> ErrorHint | None:
+    """What a non-2xx answer says about retrying it, beyond its status, for a target of
+    dialect ``provider`` (its policy key ``usage``; ``none`` reads only the header).
+
+    ``headers`` may have names in any case; ``body`` is the parsed JSON body, or None.
+    In order: the dialect's quota and credit errors (``verdict="quota"``: retrying cannot
+    help, whatever a header says); then ``x-should-retry``
+    (:func:`~gateway.providers.base.should_retry_header`) for every target, because a
+    server that sends it means it: ``false`` on a 429 is quota (design, "New codes"),
+    ``false`` otherwise is ``no_retry``, ``true`` is ``retry``; then what else the
+    dialect reads (a ``RetryInfo`` wait). None when the answer says nothing more.
+    """
+    dialect = DIALECTS.get(provider)
+    hint = dialect.error_hint(status, headers, body) if dialect is not None else None
+    if hint is not None and hint.verdict == "quota":
+        return hint
+    says = should_retry_header({k.lower(): v for k, v in headers.items()})
+    if says is None:
+        return hint
+    wait = hint.retry_after_s if hint is not None else None
+    if says:
+        return ErrorHint("retry", "x-should-retry: true", retry_after_s=wait)
+    verdict: Verdict = "quota" if status == 429 else "no_retry"
+    return ErrorHint(verdict, "x-should-retry: false")
 
 
 def estimate_tokens(parameters: Mapping[str, Any]) -> int:

@@ -10,6 +10,19 @@ Sources:
 * Rate-limit headers, https://docs.anthropic.com/en/api/rate-limits ("Response headers"):
   ``anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-remaining`` and
   ``...-reset`` as an RFC 3339 time.
+* Quota and billing errors (:func:`error_hint`), https://platform.claude.com/docs/en/api/errors
+  and https://platform.claude.com/docs/en/api/rate-limits: ``402 billing_error`` ("an
+  issue with your billing or payment information"; ``BillingError`` in
+  anthropic-sdk-python ``types``); a 429 ``rate_limit_error`` whose
+  ``error.details.error_code`` is ``enforced_spend_limit_reached`` (the usage tier's
+  monthly spend cap: no ``retry-after``, "Retrying, including the SDKs' automatic
+  retries, fails until access resumes"); and a 400 ``invalid_request_error`` when a spend
+  limit you set is reached ("You have reached your specified [workspace] API usage
+  limits") or the prepaid credit is spent ("Your credit balance is too low to access the
+  Anthropic API", as the API answers it, e.g. anthropics/anthropic-sdk-python#818).
+  Messages are matched by their documented beginnings, case-insensitively; any other 400
+  stays a plain rejection, and a 429 without the code (a rate limit) is retried.
+  ``overloaded_error`` (529) is not quota: it is the API's own load.
 """
 
 from __future__ import annotations
@@ -18,10 +31,26 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Final
 
-from gateway.providers.base import Dialect, TokenUsage, count, number, positive_cap
+from gateway.providers.base import (
+    Dialect,
+    ErrorHint,
+    TokenUsage,
+    count,
+    error_object,
+    number,
+    positive_cap,
+    text_of,
+)
 
 _KINDS: Final = ("requests", "tokens", "input-tokens", "output-tokens")
 _CACHE_KEYS: Final = ("cache_creation_input_tokens", "cache_read_input_tokens")
+#: Beginnings of the messages (lower-cased) that mean spent credit or a spend limit,
+#: with the reason reported for each.
+_QUOTA_MESSAGES: Final = (
+    ("your credit balance is too low", "credit_balance_too_low"),
+    ("you have reached your specified", "spend_limit_reached"),
+    ("you have reached your api usage limits", "enforced_spend_limit_reached"),
+)
 
 
 def combined_usage(usages: list[Any]) -> TokenUsage | None:
@@ -94,6 +123,30 @@ def _rfc3339_until(value: str | None, now: float) -> float | None:
     return when.timestamp() - now
 
 
+def error_hint(status: int, headers: Mapping[str, str], body: Any) -> ErrorHint | None:
+    """``quota`` for an Anthropic billing, credit or spend-limit error (module
+    docstring), else None."""
+    del headers  # x-should-retry is read for every dialect (gateway.providers.error_hint)
+    if not 400 <= status < 500:
+        return None
+    error = error_object(body)
+    kind = text_of(error.get("type")) if error else ""
+    if status == 402 or kind == "billing_error":
+        return ErrorHint("quota", kind or "billing_error")
+    if error is None:
+        return None
+    details = error.get("details")
+    code = text_of(details.get("error_code")) if isinstance(details, dict) else ""
+    if code == "enforced_spend_limit_reached":
+        return ErrorHint("quota", code)
+    if (status, kind) in ((400, "invalid_request_error"), (429, "rate_limit_error")):
+        message = text_of(error.get("message")).lstrip().lower()
+        for start, reason in _QUOTA_MESSAGES:
+            if message.startswith(start):
+                return ErrorHint("quota", reason)
+    return None
+
+
 DIALECT: Final = Dialect(
     name="anthropic",
     usage=usage,
@@ -102,4 +155,5 @@ DIALECT: Final = Dialect(
     output_cap=output_cap,
     prompt_keys=("messages", "system", "tools"),
     exhausted_holds=exhausted_holds,
+    error_hint=error_hint,
 )

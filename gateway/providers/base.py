@@ -8,9 +8,14 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
 * ``output_cap(parameters)``: the output-token cap a request body sets (0 when none);
   ``prompt_keys``: the body keys that hold the prompt, for the token estimate;
 * ``exhausted_holds(headers, now)``: seconds until each rate limit that the answer's
-  headers report as spent resets (``now`` is wall-clock time, for absolute resets).
+  headers report as spent resets (``now`` is wall-clock time, for absolute resets);
+* ``error_hint(status, headers, body)``: what a non-2xx answer's body says about
+  retrying it (an :class:`ErrorHint`, or None when it says nothing the status does not).
 
 Absent is not zero: an answer that reports no usage gives None, never 0.
+
+Shared by every dialect: :func:`should_retry_header` reads ``x-should-retry``, the
+header with which the OpenAI and Anthropic APIs tell their SDKs whether to retry.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+#: What an error answer says about retrying it (see :class:`ErrorHint`).
+Verdict = Literal["quota", "retry", "no_retry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,58 @@ def number(value: str | None) -> float | None:
     return parsed if math.isfinite(parsed) else None
 
 
+@dataclass(frozen=True, slots=True)
+class ErrorHint:
+    """What an upstream's error answer says about retrying it, beyond its status.
+
+    ``verdict``: ``"quota"`` (the account is out of quota, credit or spend: the answer is
+    QUOTA_EXHAUSTED, never retried), ``"retry"`` (the upstream allows a retry whatever the
+    status), ``"no_retry"`` (it forbids one), or None (the status and ``retry_on``
+    decide). ``reason`` is the provider's own word for it (an error code or type, a
+    quota id, ``x-should-retry: false``), reported in ``details.upstream_reason``.
+    ``retry_after_s`` is a wait the body names (seconds, e.g. Gemini's ``RetryInfo``),
+    used when the headers name none.
+    """
+
+    verdict: Verdict | None
+    reason: str
+    retry_after_s: float | None = None
+
+
+def should_retry_header(headers: Mapping[str, str]) -> bool | None:
+    """The upstream's ``x-should-retry`` (lower-case header names): True for ``true``,
+    False for ``false``, None when absent or anything else.
+
+    Source: the OpenAI and Anthropic Python SDKs (``_base_client.py``, ``_should_retry``:
+    "If the server explicitly says whether or not to retry, obey"), which compare the
+    value exactly to ``"true"`` / ``"false"`` and let it override the status (a
+    ``true`` retries a 409 or a 400, a ``false`` stops a 429 or a 5xx), still within
+    their retry budget. Surrounding whitespace is not part of a field value (RFC 9110
+    section 5.5) and is ignored; the case of the value is not.
+    """
+    value = headers.get("x-should-retry")
+    if value is None:
+        return None
+    return {"true": True, "false": False}.get(value.strip())
+
+
+def error_object(body: Any) -> dict[str, Any] | None:
+    """The ``error`` object of a JSON error body (``{"error": {...}}``, the shape of all
+    three providers), or None. A JSON array of one such body (Gemini's non-SSE stream
+    endpoint) is read by its first element."""
+    if isinstance(body, list) and body:
+        body = body[0]
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    return error if isinstance(error, dict) else None
+
+
+def text_of(value: Any) -> str:
+    """``value`` if it is a string, else ``""`` (error fields are not always strings)."""
+    return value if isinstance(value, str) else ""
+
+
 def _no_usage(_: Any) -> TokenUsage | None:
     return None
 
@@ -67,6 +127,10 @@ def _no_holds(_: Mapping[str, str], __: float) -> list[float]:
     return []
 
 
+def _no_hint(_: int, __: Mapping[str, str], ___: Any) -> ErrorHint | None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """One provider's knowledge, as the call path uses it (see the module docstring)."""
@@ -78,6 +142,7 @@ class Dialect:
     output_cap: Callable[[Mapping[str, Any]], int] = _no_cap
     prompt_keys: tuple[str, ...] = ()
     exhausted_holds: Callable[[Mapping[str, str], float], list[float]] = _no_holds
+    error_hint: Callable[[int, Mapping[str, str], Any], ErrorHint | None] = _no_hint
 
 
 def last_reported(

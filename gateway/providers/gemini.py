@@ -5,14 +5,46 @@ Sources (Gemini API reference, ``generateContent``):
   ``totalTokenCount`` / ``cachedContentTokenCount``; a stream repeats ``usageMetadata``
   and the last one counts.
 * Token cap: ``generationConfig.maxOutputTokens``.
+* Errors (:func:`error_hint`) are ``{"error": {"code", "message", "status", "details"}}``
+  with ``google.rpc`` details (https://ai.google.dev/gemini-api/docs/generate-content/
+  api-errors). ``RESOURCE_EXHAUSTED`` is used both for spent money and for plain rate
+  limits, so only these are quota (QUOTA_EXHAUSTED, not retried): a 402 (prepay credit
+  depleted: "Add credits to your billing account"); a 429 whose message says "prepayment
+  credits are depleted" (what the API answered before it moved that case to 402); a 429
+  with a ``QuotaFailure`` violation whose ``quotaId`` is a daily one (``PerDay`` /
+  ``Daily``, e.g. ``GenerateRequestsPerDayPerProjectPerModel-FreeTier``: it resets at
+  midnight Pacific time, no retry inside a call's deadline helps); and an ``ErrorInfo``
+  reason ``INSUFFICIENT_G1_CREDITS_BALANCE``. The daily-quota and credit rules are
+  Google's own client's (google-gemini/gemini-cli ``packages/core/src/utils/
+  googleQuotaErrors.ts``, ``classifyGoogleError``: ``TerminalQuotaError``). Every other
+  429 (per-minute quotas, no details, Vertex AI's "Resource exhausted. Please try again
+  later.") stays a retryable rate limit, as google-genai retries every 429
+  (``_api_client.py``, ``_RETRY_HTTP_STATUS_CODES``). A ``RetryInfo.retryDelay``
+  (protobuf JSON duration, ``"37s"``) is the wait before the retry.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-from gateway.providers.base import Dialect, TokenUsage, count, last_reported, positive_cap
+from gateway.providers.base import (
+    Dialect,
+    ErrorHint,
+    TokenUsage,
+    count,
+    error_object,
+    last_reported,
+    positive_cap,
+    text_of,
+)
+
+_TYPE_PREFIX: Final = "type.googleapis.com/google.rpc."
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(s|ms)")
+_DAILY_MARKS: Final = ("PerDay", "Daily")
+_CREDIT_REASONS: Final = frozenset({"INSUFFICIENT_G1_CREDITS_BALANCE"})
 
 
 def usage(body: Any) -> TokenUsage | None:
@@ -41,10 +73,62 @@ def output_cap(parameters: Mapping[str, Any]) -> int:
     return positive_cap(config.get("maxOutputTokens")) if isinstance(config, Mapping) else 0
 
 
+def error_hint(status: int, headers: Mapping[str, str], body: Any) -> ErrorHint | None:
+    """``quota`` for spent credit or a spent daily quota; otherwise the ``RetryInfo``
+    wait, if any (module docstring); None when the body says neither."""
+    del headers  # x-should-retry is read for every dialect (gateway.providers.error_hint)
+    if status == 402:  # whatever the body: 402 is Payment Required (RFC 9110 15.5.3)
+        return ErrorHint("quota", "payment_required")
+    error = error_object(body)
+    if error is None or not 400 <= status < 600:
+        return None
+    details = _details(error)
+    if status == 429:
+        if "prepayment credits are depleted" in text_of(error.get("message")).lower():
+            return ErrorHint("quota", "prepayment_credits_depleted")
+        for violation in _items(details.get("QuotaFailure"), "violations"):
+            quota_id = text_of(violation.get("quotaId"))
+            if any(mark in quota_id for mark in _DAILY_MARKS):
+                return ErrorHint("quota", quota_id)
+        reason = text_of(details.get("ErrorInfo", {}).get("reason"))
+        if reason in _CREDIT_REASONS:
+            return ErrorHint("quota", reason)
+    wait = _duration_s(details.get("RetryInfo", {}).get("retryDelay"))
+    return ErrorHint(None, "RetryInfo", retry_after_s=wait) if wait is not None else None
+
+
+def _details(error: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``error.details`` by type name (``QuotaFailure``, ``RetryInfo``...); first wins."""
+    found: dict[str, dict[str, Any]] = {}
+    raw = error.get("details")
+    for detail in raw if isinstance(raw, list) else []:
+        if isinstance(detail, dict):
+            kind = text_of(detail.get("@type"))
+            if kind.startswith(_TYPE_PREFIX):
+                found.setdefault(kind.removeprefix(_TYPE_PREFIX), detail)
+    return found
+
+
+def _items(detail: Mapping[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    raw = detail.get(key) if detail else None
+    return [item for item in raw if isinstance(item, dict)] if isinstance(raw, list) else []
+
+
+def _duration_s(value: Any) -> float | None:
+    """A protobuf JSON duration (``"37s"``, ``"1.5s"``; ``"900ms"`` is accepted too) in
+    seconds, or None."""
+    match = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        return None
+    seconds = float(match[1]) / (1000.0 if match[2] == "ms" else 1.0)
+    return seconds if math.isfinite(seconds) else None
+
+
 DIALECT: Final = Dialect(
     name="gemini",
     usage=usage,
     stream_usage=stream_usage,
     output_cap=output_cap,
     prompt_keys=("contents", "systemInstruction", "tools"),
+    error_hint=error_hint,
 )

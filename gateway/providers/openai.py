@@ -21,12 +21,33 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-from gateway.providers.base import Dialect, TokenUsage, count, last_reported, number, positive_cap
+from gateway.providers.base import (
+    Dialect,
+    ErrorHint,
+    TokenUsage,
+    count,
+    error_object,
+    last_reported,
+    number,
+    positive_cap,
+)
 
 _KINDS: Final = ("requests", "tokens")
 _OUTPUT_KEYS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|us|µs|ns|m|s)")
 _UNIT_S: Final = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+#: ``error.code`` / ``error.type`` values that mean the account is out of quota or credit.
+QUOTA_CODES: Final = frozenset(
+    {
+        "insufficient_quota",
+        "credit_balance_exhausted",
+        "organization_spend_limit_exceeded",
+        "project_spend_limit_exceeded",
+        "organization_usage_limit_exceeded",
+        "billing_not_active",
+        "billing_hard_limit_reached",
+    }
+)
 
 
 def usage(body: Any) -> TokenUsage | None:
@@ -92,6 +113,20 @@ def duration_s(value: str | None) -> float | None:
     return sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
+def error_hint(status: int, headers: Mapping[str, str], body: Any) -> ErrorHint | None:
+    """``quota`` for a 4xx OpenAI quota or billing error (module docstring), else None.
+    ``error.code`` is read before ``error.type``: it is the finer of the two."""
+    del headers  # x-should-retry is read for every dialect (gateway.providers.error_hint)
+    error = error_object(body)
+    if error is None or not 400 <= status < 500:
+        return None
+    for key in ("code", "type"):
+        value = error.get(key)
+        if isinstance(value, str) and value in QUOTA_CODES:
+            return ErrorHint("quota", value)
+    return None
+
+
 DIALECT: Final = Dialect(
     name="openai",
     usage=usage,
@@ -100,4 +135,5 @@ DIALECT: Final = Dialect(
     output_cap=output_cap,
     prompt_keys=("messages", "prompt", "input", "instructions", "tools"),
     exhausted_holds=exhausted_holds,
+    error_hint=error_hint,
 )
