@@ -1,7 +1,10 @@
 """Upstream bodies -> the ``data`` of the answer (pure, no I/O).
 
 * JSON (``application/json`` or any ``+json`` type, or a body that parses as JSON when
-  the type is missing) becomes the parsed value.
+  the type is missing) becomes the parsed value, if it is JSON as RFC 8259 defines it
+  (no ``NaN``/``Infinity``, no number beyond a double, no lone surrogate) and nested at
+  most :data:`MAX_DATA_DEPTH` levels (what the answer's JSON writer can write back).
+  Anything else is answered as text, unchanged, never as a lossy or failing value.
 * Server-sent events (``text/event-stream``, what LLM APIs stream) become
   ``{"content_type": "text/event-stream", "events": [...], "content": "..."}`` where
   ``events`` holds each ``data:`` payload (parsed when it is JSON) and ``content`` is the
@@ -19,9 +22,44 @@ from typing import Any, Final
 
 from gateway.call.intake import has_lone_surrogates
 from gateway.providers import delta_text
-from gateway.redaction import scrub_cut
+from gateway.redaction import nesting_depth, scrub_cut
 
 ERROR_TEXT_LIMIT: Final = 512
+#: Levels of nesting an upstream JSON value may have to be answered as parsed data: the
+#: answer's writer (pydantic-core) refuses values deeper than 255 levels, and the answer
+#: and the idempotency store wrap ``data`` in a few more.
+MAX_DATA_DEPTH: Final = 200
+#: In the SSE form each event sits two levels down (``{"events": [event]}``).
+_EVENT_DEPTH: Final = MAX_DATA_DEPTH - 2
+
+
+class _NotJson(ValueError):
+    """A JSON text Python would read but RFC 8259 does not allow (NaN, 1e999...)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotJson(name)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _NotJson(text[:32])
+    return value
+
+
+def _loads(text: str | bytes, max_depth: int) -> Any:
+    """``text`` as a JSON value that can be written back exactly, or raises ValueError."""
+    value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+    raw = text.encode() if isinstance(text, str) else text
+    # Cheap bound first: fewer opening brackets than the limit cannot nest deeper.
+    if raw.count(b"[") + raw.count(b"{") > max_depth and (
+        nesting_depth(value, max_depth + 1) > max_depth
+    ):
+        raise _NotJson("nested too deeply")
+    if has_lone_surrogates(raw, value):
+        raise _NotJson("lone surrogate")
+    return value
 
 
 def media_type(content_type: str | None) -> str:
@@ -41,12 +79,9 @@ def parse_body(content_type: str | None, body: bytes, status: int) -> tuple[Any,
         return parse_sse(body), False
     if is_json_type(mtype) or not mtype:
         try:
-            value = json.loads(body)
+            return _loads(body, MAX_DATA_DEPTH), True
         except (ValueError, UnicodeDecodeError, RecursionError):
             pass
-        else:
-            if not has_lone_surrogates(body, value):
-                return value, True
     text = body.decode("utf-8", errors="replace")
     if status >= 400 and len(text) > ERROR_TEXT_LIMIT:
         text = scrub_cut(text, ERROR_TEXT_LIMIT)
@@ -68,8 +103,8 @@ def parse_sse(body: bytes) -> dict[str, Any]:
         if payload == "[DONE]":
             continue
         try:
-            event: Any = json.loads(payload)
-        except ValueError:
+            event: Any = _loads(payload, _EVENT_DEPTH)
+        except (ValueError, RecursionError):
             event = payload
         events.append(event)
         piece = delta_text(event)

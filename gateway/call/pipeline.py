@@ -260,12 +260,19 @@ class Pipeline:
         except UpstreamRejected as exc:
             # The upstream's definitive answer to this request: replay it, like Stripe.
             failed = self._failure(exc, ctx)
-            await store.complete(key, token, _stored(_answer_status(exc), failed), ttl_s=ttl_s)
+            await _settle(store, key, token, _stored(_answer_status(exc), failed), ttl_s, ctx)
             raise
         except BaseException:
             await asyncio.shield(store.abandon(key, token))
             raise
-        await store.complete(key, token, _stored(200, response), ttl_s=ttl_s)
+        # From here on the upstream has acted: whatever fails, the key is completed with
+        # the answer the agent gets, so that a resend replays it and never acts twice.
+        try:
+            stored = _stored(200, response)
+        except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
+            response = _unrenderable(response, exc, ctx)
+            stored = _stored(200, response)
+        await _settle(store, key, token, stored, ttl_s, ctx)
         return 200, response
 
     def _replay(
@@ -424,6 +431,37 @@ def _answer_status(exc: GatewayError) -> int:
     if isinstance(exc, UpstreamRejected) and exc.status_code and 400 <= exc.status_code < 500:
         return exc.status_code
     return exc.http_status
+
+
+async def _settle(
+    store: IdempotencyStore, key: str, token: str, stored: bytes, ttl_s: float, ctx: CallContext
+) -> None:
+    """Complete the idempotency key with the answer. A store that fails here (Redis gone)
+    must not turn the upstream's answer into an error: the agent still gets it, the audit
+    record says the key is unsettled (it frees itself when its lease runs out)."""
+    try:
+        await store.complete(key, token, stored, ttl_s=ttl_s)
+    except Exception as exc:  # noqa: BLE001 - the answer exists; report, do not lose it
+        _log.error(
+            "idempotency_key_not_settled",
+            idempotency_key=ctx.idempotency_key,
+            error=type(exc).__name__,
+            trace_id=_trace(ctx),
+            correlation_id=_corr(ctx),
+        )
+        ctx.warnings.append(
+            f"idempotency key not settled ({type(exc).__name__}): a resend after this call's "
+            "deadline may reach the upstream again"
+        )
+
+
+def _unrenderable(
+    response: ExternalCallResponse, exc: Exception, ctx: CallContext
+) -> ExternalCallResponse:
+    """``response`` with a ``data`` the JSON writer refused replaced by a note saying so."""
+    note = f"the upstream's answer could not be written as JSON ({str(exc)[:200]})"
+    ctx.warnings.append(note)
+    return response.model_copy(update={"data": {"content_type": None, "text": note}})
 
 
 def _stored(status: int, response: ExternalCallResponse) -> bytes:

@@ -37,7 +37,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
-    body = redaction.scrub_bytes(response.model_dump_json().encode())
+    try:
+        raw = response.model_dump_json()
+    except ValueError as exc:  # the pipeline rules this out; if not, still an envelope
+        _log.error("answer_not_writable", error=str(exc)[:200], trace_id=response.trace_id)
+        note = {"content_type": None, "text": "the answer's data could not be written as JSON"}
+        raw = response.model_copy(update={"data": note}).model_dump_json()
+    body = redaction.scrub_bytes(raw.encode())
     return web.Response(status=status, body=body, content_type="application/json")
 
 
