@@ -37,9 +37,16 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.connector import Connection
 
 from gateway import __version__
-from gateway.errors import EgressDenied, PermissionDenied, ResponseTooLarge
+from gateway.errors import DependencyFailed, EgressDenied, PermissionDenied, ResponseTooLarge
 from gateway.policy import CompiledTarget, EgressSpec
-from gateway.policy.egress import check_address, endpoint_problem, origin_label
+from gateway.policy.egress import (
+    check_address,
+    endpoint_problem,
+    invalid_location,
+    next_hop_url,
+    origin_label,
+    resolve_location,
+)
 from gateway.secrets import Secret
 from gateway.urls import URL
 
@@ -310,9 +317,10 @@ class Upstream:
             if timeout_s >= CONNECT_TIMEOUT_CAP_S
             else aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)
         )
+        query = request.query
         for _hop in range(MAX_REDIRECTS + 1):
             self._check_literal(url)
-            headers, query = self._outgoing(request, body is not None)
+            headers, params = self._outgoing(request, query, body is not None)
             try:
                 # aiohttp warns that large bytes bodies may block the loop; a BytesIO
                 # payload is written in chunks with the same Content-Length.
@@ -322,7 +330,7 @@ class Upstream:
                 async with session.request(
                     method,
                     url,
-                    params=query,
+                    params=params,
                     data=data,
                     headers=headers,
                     allow_redirects=False,
@@ -331,7 +339,10 @@ class Upstream:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
                         next_hop = self._redirect(request, url, method, resp)
                         if next_hop is not None:
+                            # The Location's own query replaces the agent's (RFC 3986,
+                            # section 5.2.2); only the credential is added again.
                             method, url = next_hop
+                            query = None
                             if method in ("GET", "HEAD"):
                                 body = None
                             state.sent = False
@@ -346,7 +357,7 @@ class Upstream:
                         elapsed_s=time.monotonic() - started,
                     )
             except aiohttp.ClientError as exc:
-                raise _translate(exc, url, state.sent) from None
+                raise _translate(exc, url, state.sent, request.target.name) from None
         raise PermissionDenied(
             f"{origin_label(url)} redirected more than {MAX_REDIRECTS} times",
             details={"reason": "too_many_redirects"},
@@ -368,12 +379,14 @@ class Upstream:
 
     @staticmethod
     def _outgoing(
-        request: OutboundRequest, has_body: bool
+        request: OutboundRequest, query: list[tuple[str, str]] | None, has_body: bool
     ) -> tuple[dict[str, str], list[tuple[str, str]] | None]:
+        # Built afresh from the envelope and the policy at every hop: nothing an upstream
+        # puts in a redirect (userinfo, cookies, a query credential) is carried over.
         headers = dict(request.headers)
         if has_body:
             headers["Content-Type"] = "application/json"
-        query = list(request.query) if request.query is not None else None
+        query = list(query) if query is not None else None
         cred = request.credential
         if cred is not None:
             value = cred.secret.reveal()
@@ -387,7 +400,11 @@ class Upstream:
     def _redirect(
         request: OutboundRequest, url: URL, method: str, resp: aiohttp.ClientResponse
     ) -> tuple[str, URL] | None:
-        location = url.join(URL(resp.headers["Location"]))
+        """The next hop ``(method, url)`` of a redirect, or None to answer the 3xx as is
+        (301/302/303 to a method with a body). Raises PermissionDenied for a Location that
+        is not followed whatever it points at, or that leaves the allowlist, and
+        EgressDenied for one on another origin; no message shows the Location."""
+        location = resolve_location(resp.headers.getall("Location"), url, resp.status)
         if location.origin() != request.target.origin:
             raise EgressDenied(
                 f"{origin_label(url)} redirected ({resp.status}) to another origin, "
@@ -398,6 +415,8 @@ class Upstream:
                 },
                 status_code=resp.status,
             )
+        if location.raw_user is not None or location.raw_password is not None:
+            raise invalid_location(url, resp.status, "userinfo")  # defence in depth
         if resp.status in (301, 302, 303) and method not in ("GET", "HEAD"):
             return None  # answered as is: resending a body to another path is a new call
         base_path = request.target.base_url.path.rstrip("/")
@@ -413,7 +432,9 @@ class Upstream:
                 details={"reason": "redirect_outside_allowlist"},
                 status_code=resp.status,
             )
-        return method, location
+        cred = request.credential
+        param = cred.query_param if cred is not None else None
+        return method, next_hop_url(location, param)
 
     async def _read(self, resp: aiohttp.ClientResponse, url: URL) -> bytes:
         limit = self.max_response_bytes
@@ -442,7 +463,7 @@ def _too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:
     )
 
 
-def _translate(exc: aiohttp.ClientError, url: URL, sent: bool) -> Exception:
+def _translate(exc: aiohttp.ClientError, url: URL, sent: bool, target: str) -> Exception:
     origin = origin_label(url)
     if isinstance(exc, aiohttp.ClientConnectorError):
         cause = exc.os_error
@@ -464,6 +485,18 @@ def _translate(exc: aiohttp.ClientError, url: URL, sent: bool) -> Exception:
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
         return TransportError(
             "reset", sent=sent, message=f"{origin} closed the connection mid-call"
+        )
+    if isinstance(exc, aiohttp.ClientResponseError):
+        # With raise_for_status off, only aiohttp's response parser raises this: a bad
+        # status line, a NUL or bare CR in a header, a header line past 8190 bytes. The
+        # same bytes would come back, so it is not retried; its text (the raw header,
+        # perhaps an echoed key) is never shown.
+        return DependencyFailed(
+            f"{origin} answered with a response the HTTP client cannot parse (a malformed "
+            "status line or header, or a header line longer than 8190 bytes); the request "
+            "reached the upstream and was not resent",
+            details={"reason": "malformed_response", "target": target},
+            retryable=False,
         )
     if isinstance(exc, aiohttp.ClientOSError):
         return TransportError(
