@@ -18,7 +18,7 @@ from collections import OrderedDict
 from typing import Any, Final, NamedTuple
 from urllib.parse import quote, quote_plus
 
-from yarl import URL
+from gateway.urls import URL
 
 REDACTED: Final = "[REDACTED]"
 _REDACTED_BYTES: Final = REDACTED.encode()

@@ -12,11 +12,16 @@ block inside the connector's resolver, before any connection is opened; IP liter
 checked before the request. Redirects are never followed to another origin (the answer
 is EGRESS_DENIED and no byte, header or credential goes there); same-origin redirects
 (307/308 for any method, 301/302/303 for GET/HEAD) are followed at most
-:data:`MAX_REDIRECTS` times and only to allowlisted paths.
+:data:`MAX_REDIRECTS` times and only to allowlisted paths; a Location that is not a
+clean http(s) reference is refused (:func:`gateway.policy.egress.redirect_hop`). Every hop
+is built afresh from the envelope and the policy: the Location's own query, the policy's
+credential, no userinfo, cookie or query credential of the upstream's choosing.
 
 Errors: :class:`TransportError` for a failed attempt (with ``sent`` telling whether the
 request may have reached the upstream); :class:`gateway.errors.EgressDenied`,
-:class:`~gateway.errors.PermissionDenied` and :class:`~gateway.errors.ResponseTooLarge`.
+:class:`~gateway.errors.PermissionDenied`, :class:`~gateway.errors.ResponseTooLarge`, and
+:class:`~gateway.errors.DependencyFailed` (not retryable) for an answer aiohttp's parser
+refuses.
 No message holds a URL query or a credential: only ``scheme://host:port``.
 """
 
@@ -39,14 +44,7 @@ from aiohttp.connector import Connection
 from gateway import __version__
 from gateway.errors import DependencyFailed, EgressDenied, PermissionDenied, ResponseTooLarge
 from gateway.policy import CompiledTarget, EgressSpec
-from gateway.policy.egress import (
-    check_address,
-    endpoint_problem,
-    invalid_location,
-    next_hop_url,
-    origin_label,
-    resolve_location,
-)
+from gateway.policy.egress import check_address, origin_label, redirect_hop
 from gateway.secrets import Secret
 from gateway.urls import URL
 
@@ -400,41 +398,16 @@ class Upstream:
     def _redirect(
         request: OutboundRequest, url: URL, method: str, resp: aiohttp.ClientResponse
     ) -> tuple[str, URL] | None:
-        """The next hop ``(method, url)`` of a redirect, or None to answer the 3xx as is
-        (301/302/303 to a method with a body). Raises PermissionDenied for a Location that
-        is not followed whatever it points at, or that leaves the allowlist, and
-        EgressDenied for one on another origin; no message shows the Location."""
-        location = resolve_location(resp.headers.getall("Location"), url, resp.status)
-        if location.origin() != request.target.origin:
-            raise EgressDenied(
-                f"{origin_label(url)} redirected ({resp.status}) to another origin, "
-                f"{origin_label(location)}; cross-origin redirects are never followed",
-                details={
-                    "reason": "cross_origin_redirect",
-                    "location_origin": origin_label(location),
-                },
-                status_code=resp.status,
-            )
-        if location.raw_user is not None or location.raw_password is not None:
-            raise invalid_location(url, resp.status, "userinfo")  # defence in depth
-        if resp.status in (301, 302, 303) and method not in ("GET", "HEAD"):
-            return None  # answered as is: resending a body to another path is a new call
-        base_path = request.target.base_url.path.rstrip("/")
-        inside = location.path == base_path or location.path.startswith(base_path + "/")
-        relative = location.path[len(base_path) :] if inside else ""
-        if (
-            not relative
-            or endpoint_problem(location.raw_path) is not None
-            or not request.target.allows(relative, method)
-        ):
-            raise PermissionDenied(
-                f"{origin_label(url)} redirected to a path outside the target's allowlist",
-                details={"reason": "redirect_outside_allowlist"},
-                status_code=resp.status,
-            )
         cred = request.credential
-        param = cred.query_param if cred is not None else None
-        return method, next_hop_url(location, param)
+        next_url = redirect_hop(
+            request.target,
+            url,
+            resp.headers.getall("Location"),
+            method=method,
+            status=resp.status,
+            credential_param=cred.query_param if cred is not None else None,
+        )
+        return None if next_url is None else (method, next_url)
 
     async def _read(self, resp: aiohttp.ClientResponse, url: URL) -> bytes:
         limit = self.max_response_bytes

@@ -172,6 +172,50 @@ def resolve_location(values: list[str], url: URL, status: int) -> URL:
     raise invalid_location(url, status, problem)
 
 
+def redirect_hop(
+    target: CompiledTarget,
+    url: URL,
+    locations: list[str],
+    *,
+    method: str,
+    status: int,
+    credential_param: str | None,
+) -> URL | None:
+    """The URL to follow a ``status`` redirect from ``url`` to, given its Location header
+    values, or None to answer the 3xx as is (301/302/303 after a method other than GET
+    or HEAD: resending a body to another path is a new call). The URL is the Location
+    resolved, without fragment and without query items named like ``credential_param``
+    (:func:`next_hop_url`). Raises PermissionDenied (``invalid_redirect_location``,
+    ``userinfo``, ``redirect_outside_allowlist``) or EgressDenied (another origin);
+    no message shows the Location."""
+    location = resolve_location(locations, url, status)
+    if location.origin() != target.origin:
+        raise EgressDenied(
+            f"{origin_label(url)} redirected ({status}) to another origin, "
+            f"{origin_label(location)}; cross-origin redirects are never followed",
+            details={"reason": "cross_origin_redirect", "location_origin": origin_label(location)},
+            status_code=status,
+        )
+    if location.raw_user is not None or location.raw_password is not None:
+        raise invalid_location(url, status, "userinfo")  # defence in depth
+    if status in (301, 302, 303) and method not in ("GET", "HEAD"):
+        return None
+    base_path = target.base_url.path.rstrip("/")
+    inside = location.path == base_path or location.path.startswith(base_path + "/")
+    relative = location.path[len(base_path) :] if inside else ""
+    if (
+        not relative
+        or endpoint_problem(location.raw_path) is not None
+        or not target.allows(relative, method)
+    ):
+        raise PermissionDenied(
+            f"{origin_label(url)} redirected to a path outside the target's allowlist",
+            details={"reason": "redirect_outside_allowlist"},
+            status_code=status,
+        )
+    return next_hop_url(location, credential_param)
+
+
 def invalid_location(url: URL, status: int, problem: str) -> PermissionDenied:
     """The refusal of a redirect whose Location is not followed (never shown)."""
     return PermissionDenied(
