@@ -1,7 +1,9 @@
 """Scrubbing of secret values from any text the sidecar writes (pure, no I/O).
 
-Every :class:`gateway.secrets.Secret` registers its value here when it is created. The
-audit renderer and the answer writer pass their final text through :func:`scrub`, so a
+Every :class:`gateway.secrets.Secret` registers its value here when it is created, with
+every form the sidecar may write it in (:func:`encoded_forms`: percent-encoded as it went
+on the wire, JSON-escaped, repr). The audit renderer, the log renderer and the answer
+writer pass their final text through :func:`scrub` or :func:`scrub_bytes`, so a
 secret that reached a message by accident (an upstream echoing the key, an exception
 carrying a URL with ``?key=...``) still never leaves the process. It is the second line
 of defence: the first is never putting a value into text at all.
@@ -10,11 +12,16 @@ of defence: the first is never putting a value into text at all.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
+from urllib.parse import quote, quote_plus
+
+from gateway.urls import URL
 
 REDACTED: Final = "[REDACTED]"
+_REDACTED_BYTES: Final = REDACTED.encode()
 #: Values shorter than this are not scrubbed: they would mangle ordinary text, and no
 #: real credential is that short.
 MIN_SCRUB_LENGTH: Final = 8
@@ -72,33 +79,113 @@ def is_sensitive_key(key: str) -> bool:
     return known
 
 
+class _Registered(NamedTuple):
+    forms: tuple[str, ...]  # longest first
+    raw: tuple[bytes, ...]  # the same, UTF-8
+    #: A run of characters that every form holds unchanged (letters, digits, "-._~"):
+    #: text without it holds no form, so one search spares them all ("" when none).
+    anchor: str
+    raw_anchor: bytes
+
+
 _lock = threading.Lock()
-_values: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+_values: OrderedDict[str, _Registered] = OrderedDict()
+_HEX: Final = re.compile(r"%[0-9A-F]{2}")
+_UNCHANGED: Final = re.compile(r"[A-Za-z0-9._~-]+")
+_MIN_ANCHOR: Final = 4
+
+
+def encoded_forms(value: str) -> tuple[str, ...]:
+    """Every form in which the sidecar may write ``value``, longest first: one for a
+    plain ASCII key, 79 for one holding every character that some encoding changes (288
+    at most by construction); computed once per value, under a millisecond.
+
+    * raw, and percent-encoded as it goes on the wire: the way yarl encodes a query
+      value (what aiohttp sends for a ``query_param`` credential: ``+`` as ``%2B``, a
+      space as ``+``) and yarl's half-decoded ``query_string`` of it, ``quote`` (with and
+      without ``/`` safe) and ``quote_plus``, each also with lower-case hex digits
+      (``%2b``: RFC 3986, section 2.1, says they are equivalent, and servers echo them);
+    * Python's ``repr`` of the value and of its UTF-8 bytes (``\\xc3\\xa9``);
+    * each of those JSON-escaped (``\\u00e9`` or as is, ``\\"``, ``\\\\``) and with
+      ``/`` as ``\\/``, as an upstream may echo it; and all of those JSON-escaped again,
+      as the sidecar's writers put an upstream's text into JSON.
+
+    No writer of the sidecar emits base64 of upstream bytes, so no base64 form is kept.
+    """
+    encoded = {
+        value,
+        *_yarl_query_forms(value),
+        quote(value, safe="", errors="surrogateescape"),
+        quote(value, errors="surrogateescape"),
+        quote_plus(value, safe="", errors="surrogateescape"),
+    }
+    encoded |= {_HEX.sub(lambda m: m.group(0).lower(), form) for form in encoded}
+    encoded.add(repr(value)[1:-1])
+    encoded.add(repr(value.encode("utf-8", "surrogateescape"))[2:-1])
+    # What an upstream may echo (JSON-escaped, PHP's "\\/" too), then that as the
+    # sidecar's JSON writers escape it once more.
+    forms = encoded | _json_escaped(encoded)
+    forms |= {form.replace("/", "\\/") for form in forms}
+    forms |= _json_escaped(forms)
+    # Longest first: a shorter form replaced first could leave a longer one half shown.
+    return tuple(sorted((f for f in forms if len(f) >= MIN_SCRUB_LENGTH), key=len, reverse=True))
+
+
+def _json_escaped(forms: set[str]) -> set[str]:
+    return {json.dumps(form, ensure_ascii=a)[1:-1] for form in forms for a in (True, False)}
+
+
+def _yarl_query_forms(value: str) -> tuple[str, ...]:
+    try:
+        url = URL("http://h/").extend_query([("k", value)])
+    except UnicodeError:  # a lone surrogate (an undecodable environment variable)
+        return ()
+    # The wire form, and yarl's half-decoded query_string (what an aiohttp upstream
+    # echoes as request.query_string: "%2B" kept, "+" and "%C3%A9" decoded).
+    return url.raw_query_string[2:], url.query_string[2:]
+
+
+def _anchor(value: str, forms: tuple[str, ...]) -> str:
+    anchor = max(_UNCHANGED.findall(value), key=len, default="")
+    if len(anchor) < _MIN_ANCHOR or not all(anchor in form for form in forms):
+        return ""  # e.g. a literal "%4B" in the value, which a lower-hex form changes
+    return anchor
 
 
 def register(value: str) -> None:
-    """Remember ``value`` (and its JSON-escaped form) so that :func:`scrub` removes it."""
+    """Remember ``value`` and its :func:`encoded_forms` so that :func:`scrub`,
+    :func:`scrub_bytes` and :func:`scrub_cut` remove each of them. Values shorter than
+    :data:`MIN_SCRUB_LENGTH` are not kept; at most :data:`_MAX_TRACKED` values are (the
+    least recently registered go first)."""
     if len(value) < MIN_SCRUB_LENGTH:
         return
     with _lock:
         if value in _values:
             _values.move_to_end(value)
             return
-        # Both escapings: the audit renderer writes non-ASCII as is (ensure_ascii=False).
-        forms = {value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]}
-        for piece in list(forms):
-            forms.add(piece.replace("/", "\\/"))
-        _values[value] = tuple(f for f in forms if len(f) >= MIN_SCRUB_LENGTH)
+    forms = encoded_forms(value)  # outside the lock: pure, and well under a millisecond
+    anchor = _anchor(value, forms)
+    entry = _Registered(
+        forms,
+        tuple(form.encode("utf-8", "surrogateescape") for form in forms),
+        anchor,
+        anchor.encode(),
+    )
+    with _lock:
+        _values[value] = entry
         while len(_values) > _MAX_TRACKED:
             _values.popitem(last=False)
 
 
 def scrub(text: str) -> str:
-    """``text`` with every registered secret value replaced by ``[REDACTED]``."""
+    """``text`` with every registered secret value, in each of its forms, replaced by
+    ``[REDACTED]``."""
     if not _values:
         return text
-    for forms in tuple(_values.values()):
-        for form in forms:
+    for entry in tuple(_values.values()):
+        if entry.anchor and entry.anchor not in text:
+            continue
+        for form in entry.forms:
             if form in text:
                 text = text.replace(form, REDACTED)
     return text
@@ -111,8 +198,8 @@ def scrub_cut(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     text = text[:limit]
-    for forms in tuple(_values.values()):
-        for form in forms:
+    for entry in tuple(_values.values()):
+        for form in entry.forms:
             for size in range(min(len(form) - 1, len(text)), _MIN_PREFIX - 1, -1):
                 if text.endswith(form[:size]):
                     return text[:-size] + REDACTED
@@ -134,11 +221,12 @@ def scrub_bytes(data: bytes) -> bytes:
     """:func:`scrub` for UTF-8 encoded text (the answer and audit line writers)."""
     if not _values:
         return data
-    for forms in tuple(_values.values()):
-        for form in forms:
-            raw = form.encode()
-            if raw in data:
-                data = data.replace(raw, REDACTED.encode())
+    for entry in tuple(_values.values()):
+        if entry.raw_anchor and entry.raw_anchor not in data:
+            continue
+        for form in entry.raw:
+            if form in data:
+                data = data.replace(form, _REDACTED_BYTES)
     return data
 
 

@@ -12,11 +12,16 @@ block inside the connector's resolver, before any connection is opened; IP liter
 checked before the request. Redirects are never followed to another origin (the answer
 is EGRESS_DENIED and no byte, header or credential goes there); same-origin redirects
 (307/308 for any method, 301/302/303 for GET/HEAD) are followed at most
-:data:`MAX_REDIRECTS` times and only to allowlisted paths.
+:data:`MAX_REDIRECTS` times and only to allowlisted paths; a Location that is not a
+clean http(s) reference is refused (:func:`gateway.policy.egress.redirect_hop`). Every hop
+is built afresh from the envelope and the policy: the Location's own query, the policy's
+credential, no userinfo, cookie or query credential of the upstream's choosing.
 
 Errors: :class:`TransportError` for a failed attempt (with ``sent`` telling whether the
 request may have reached the upstream); :class:`gateway.errors.EgressDenied`,
-:class:`~gateway.errors.PermissionDenied` and :class:`~gateway.errors.ResponseTooLarge`.
+:class:`~gateway.errors.PermissionDenied`, :class:`~gateway.errors.ResponseTooLarge`, and
+:class:`~gateway.errors.DependencyFailed` (not retryable) for an answer aiohttp's parser
+refuses.
 No message holds a URL query or a credential: only ``scheme://host:port``.
 """
 
@@ -37,9 +42,9 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.connector import Connection
 
 from gateway import __version__
-from gateway.errors import EgressDenied, PermissionDenied, ResponseTooLarge
+from gateway.errors import DependencyFailed, EgressDenied, PermissionDenied, ResponseTooLarge
 from gateway.policy import CompiledTarget, EgressSpec
-from gateway.policy.egress import check_address, endpoint_problem, origin_label
+from gateway.policy.egress import check_address, origin_label, redirect_hop
 from gateway.secrets import Secret
 from gateway.urls import URL
 
@@ -310,9 +315,10 @@ class Upstream:
             if timeout_s >= CONNECT_TIMEOUT_CAP_S
             else aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)
         )
+        query = request.query
         for _hop in range(MAX_REDIRECTS + 1):
             self._check_literal(url)
-            headers, query = self._outgoing(request, body is not None)
+            headers, params = self._outgoing(request, query, body is not None)
             try:
                 # aiohttp warns that large bytes bodies may block the loop; a BytesIO
                 # payload is written in chunks with the same Content-Length.
@@ -322,7 +328,7 @@ class Upstream:
                 async with session.request(
                     method,
                     url,
-                    params=query,
+                    params=params,
                     data=data,
                     headers=headers,
                     allow_redirects=False,
@@ -331,7 +337,10 @@ class Upstream:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
                         next_hop = self._redirect(request, url, method, resp)
                         if next_hop is not None:
+                            # The Location's own query replaces the agent's (RFC 3986,
+                            # section 5.2.2); only the credential is added again.
                             method, url = next_hop
+                            query = None
                             if method in ("GET", "HEAD"):
                                 body = None
                             state.sent = False
@@ -346,7 +355,7 @@ class Upstream:
                         elapsed_s=time.monotonic() - started,
                     )
             except aiohttp.ClientError as exc:
-                raise _translate(exc, url, state.sent) from None
+                raise _translate(exc, url, state.sent, request.target.name) from None
         raise PermissionDenied(
             f"{origin_label(url)} redirected more than {MAX_REDIRECTS} times",
             details={"reason": "too_many_redirects"},
@@ -368,12 +377,14 @@ class Upstream:
 
     @staticmethod
     def _outgoing(
-        request: OutboundRequest, has_body: bool
+        request: OutboundRequest, query: list[tuple[str, str]] | None, has_body: bool
     ) -> tuple[dict[str, str], list[tuple[str, str]] | None]:
+        # Built afresh from the envelope and the policy at every hop: nothing an upstream
+        # puts in a redirect (userinfo, cookies, a query credential) is carried over.
         headers = dict(request.headers)
         if has_body:
             headers["Content-Type"] = "application/json"
-        query = list(request.query) if request.query is not None else None
+        query = list(query) if query is not None else None
         cred = request.credential
         if cred is not None:
             value = cred.secret.reveal()
@@ -387,33 +398,16 @@ class Upstream:
     def _redirect(
         request: OutboundRequest, url: URL, method: str, resp: aiohttp.ClientResponse
     ) -> tuple[str, URL] | None:
-        location = url.join(URL(resp.headers["Location"]))
-        if location.origin() != request.target.origin:
-            raise EgressDenied(
-                f"{origin_label(url)} redirected ({resp.status}) to another origin, "
-                f"{origin_label(location)}; cross-origin redirects are never followed",
-                details={
-                    "reason": "cross_origin_redirect",
-                    "location_origin": origin_label(location),
-                },
-                status_code=resp.status,
-            )
-        if resp.status in (301, 302, 303) and method not in ("GET", "HEAD"):
-            return None  # answered as is: resending a body to another path is a new call
-        base_path = request.target.base_url.path.rstrip("/")
-        inside = location.path == base_path or location.path.startswith(base_path + "/")
-        relative = location.path[len(base_path) :] if inside else ""
-        if (
-            not relative
-            or endpoint_problem(location.raw_path) is not None
-            or not request.target.allows(relative, method)
-        ):
-            raise PermissionDenied(
-                f"{origin_label(url)} redirected to a path outside the target's allowlist",
-                details={"reason": "redirect_outside_allowlist"},
-                status_code=resp.status,
-            )
-        return method, location
+        cred = request.credential
+        next_url = redirect_hop(
+            request.target,
+            url,
+            resp.headers.getall("Location"),
+            method=method,
+            status=resp.status,
+            credential_param=cred.query_param if cred is not None else None,
+        )
+        return None if next_url is None else (method, next_url)
 
     async def _read(self, resp: aiohttp.ClientResponse, url: URL) -> bytes:
         limit = self.max_response_bytes
@@ -442,7 +436,7 @@ def _too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:
     )
 
 
-def _translate(exc: aiohttp.ClientError, url: URL, sent: bool) -> Exception:
+def _translate(exc: aiohttp.ClientError, url: URL, sent: bool, target: str) -> Exception:
     origin = origin_label(url)
     if isinstance(exc, aiohttp.ClientConnectorError):
         cause = exc.os_error
@@ -464,6 +458,18 @@ def _translate(exc: aiohttp.ClientError, url: URL, sent: bool) -> Exception:
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
         return TransportError(
             "reset", sent=sent, message=f"{origin} closed the connection mid-call"
+        )
+    if isinstance(exc, aiohttp.ClientResponseError):
+        # With raise_for_status off, only aiohttp's response parser raises this: a bad
+        # status line, a NUL or bare CR in a header, a header line past 8190 bytes. The
+        # same bytes would come back, so it is not retried; its text (the raw header,
+        # perhaps an echoed key) is never shown.
+        return DependencyFailed(
+            f"{origin} answered with a response the HTTP client cannot parse (a malformed "
+            "status line or header, or a header line longer than 8190 bytes); the request "
+            "reached the upstream and was not resent",
+            details={"reason": "malformed_response", "target": target},
+            retryable=False,
         )
     if isinstance(exc, aiohttp.ClientOSError):
         return TransportError(

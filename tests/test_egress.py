@@ -12,13 +12,18 @@ from gateway.envelope import ExternalCallRequest
 from gateway.errors import EgressDenied, PermissionDenied
 from gateway.policy import CompiledTarget, EgressSpec
 from gateway.policy.egress import (
+    MAX_LOCATION_CHARS,
     NOT_A_REFERENCE,
     check_address,
     decide,
     endpoint_problem,
+    location_problem,
     loggable_ref,
+    next_hop_url,
     origin_label,
     query_items,
+    resolve_location,
+    same_query_name,
     upstream_url,
 )
 from tests.conftest import compile_policy
@@ -294,6 +299,173 @@ def test_checks_run_in_order_target_endpoint_method_ref_headers() -> None:
     assert denied(endpoint="//x", method="GET").details["reason"] == "endpoint_not_a_path"
     assert denied(method="GET", api_key_ref="env://X").details["reason"] == "method_not_allowed"
     assert denied(api_key_ref="env://X", headers={"X": "1"}).details["reason"] == "ref_not_allowed"
+
+
+# --- a query credential's name is the sidecar's alone ----------------------------------------
+
+GEMINI = compile_policy(
+    {
+        "gemini": {
+            "base_url": "https://generativelanguage.googleapis.com",
+            "credential": {"query_param": "key", "default_ref": "env://GEMINI_KEY"},
+            "endpoints": [{"path": "/v1beta/models/**", "methods": ["GET", "POST", "DELETE"]}],
+        }
+    }
+)
+
+
+def gemini_request(method: str, parameters: dict[str, Any]) -> ExternalCallRequest:
+    return request(
+        target_system="gemini",
+        endpoint="/v1beta/models/m",
+        method=method,
+        parameters=parameters,
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "key",  # exact
+        "KEY",  # ASP.NET compares names without case
+        "Key",
+        "k%65y",  # a server that decodes the name (yarl sends it as k%2565y)
+        "k%2565y",  # ... twice
+        "%6B%65%79",
+        "key[]",  # PHP and Rails: an array named key
+        "key[0]",
+        " key",  # trimmed
+        "key\x00suffix",  # C parsers stop at NUL
+        "\uff4b\uff45\uff59",  # fullwidth: NFKC
+        "\u212aey",  # KELVIN SIGN folds to k
+    ],
+)
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_a_query_parameter_named_like_the_credential_is_refused(name: str, method: str) -> None:
+    with pytest.raises(PermissionDenied) as info:
+        decide(GEMINI, gemini_request(method, {"alt": "json", name: "agent-value"}))
+    assert info.value.details == {"reason": "credential_parameter", "parameter": name}
+    assert info.value.retryable is False
+    assert repr(name) in info.value.message
+    assert "'key'" in info.value.message
+
+
+@pytest.mark.parametrize("name", ["keys", "monkey", "api_key", "k", "ke", "key2", "k_ey"])
+def test_other_names_pass(name: str) -> None:
+    assert decide(GEMINI, gemini_request("GET", {name: "v"})).target.name == "gemini"
+
+
+def test_a_body_parameter_of_that_name_is_not_in_the_query() -> None:
+    # POST parameters are the JSON body: the query holds the credential alone.
+    assert decide(GEMINI, gemini_request("POST", {"key": "v"})).target.name == "gemini"
+
+
+def test_a_long_parameter_name_is_compared_and_shown_cut() -> None:
+    name = "key[" + "x" * 500 + "]"
+    with pytest.raises(PermissionDenied) as info:
+        decide(GEMINI, gemini_request("GET", {name: "v"}))
+    assert info.value.details["parameter"] == name[:64]
+
+
+@pytest.mark.parametrize(
+    ("name", "param", "same"),
+    [
+        ("api.key", "api_key", True),  # PHP reads "." and " " as "_"
+        ("api key", "api_key", True),
+        ("api_key", "api.key", True),
+        ("API_KEY", "api_key", True),
+        ("apikey", "api_key", False),
+        ("key%00", "key", True),
+        ("key%5B%5D", "key", True),
+        ("key+", "key", True),  # "+" is a space to a second decoding, then trimmed
+        ("%", "key", False),
+        ("%%%", "key", False),
+    ],
+)
+def test_same_query_name(name: str, param: str, same: bool) -> None:
+    assert same_query_name(name, param) is same
+
+
+# --- redirect Locations ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("location", "problem"),
+    [
+        ("/v1/y", None),
+        ("https://api.example/v1/y?a=1#f", None),
+        ("//api.example/v1/y", None),
+        ("?q", None),
+        ("../..", None),  # resolved, then judged by the allowlist
+        ("/v1/caf\u00e9", None),  # non-ASCII is percent-encoded as UTF-8, as browsers do
+        ("", "empty"),
+        ("/" + "a" * MAX_LOCATION_CHARS, "too_long"),
+        ("/v1/\x00", "control_characters"),
+        ("/v1/\t", "control_characters"),
+        ("/v1/\x9b", "control_characters"),
+        ("/v1/a b", "whitespace"),
+        ("/v1/a\u2028b", "whitespace"),
+        ("/v1/\udcff", "not_utf8"),
+        ("/\\evil.example", "backslash"),
+        ("http:\\\\evil.example", "backslash"),
+        ("file:///etc/passwd", "scheme"),
+        ("JavaScript:alert(1)", "scheme"),
+        ("data:,x", "scheme"),
+        ("ftp://api.example/", "scheme"),
+        ("http://u:p@api.example/", "userinfo"),
+        ("//u@api.example/", "userinfo"),
+        ("//@api.example/", "userinfo"),
+        ("/v1/a@b", None),  # in the path, not the authority: the allowlist judges it
+    ],
+)
+def test_location_problem(location: str, problem: str | None) -> None:
+    assert location_problem(location) == problem
+
+
+BASE = URL("https://api.example/v1/x?a=1")
+
+
+@pytest.mark.parametrize(
+    ("location", "problem"),
+    [
+        ("https://api.example:99999/", "invalid_url"),
+        ("https://api.example:-1/", "invalid_url"),
+        ("https://api.example:abc/", "invalid_url"),
+        ("https://[::1/", "invalid_url"),
+        ("https://[zz]/", "invalid_url"),
+        ("mailto:x@y", "scheme"),
+    ],
+)
+def test_resolve_location_refuses_what_yarl_refuses(location: str, problem: str) -> None:
+    with pytest.raises(PermissionDenied) as info:
+        resolve_location([location], BASE, 307)
+    assert info.value.details == {"reason": "invalid_redirect_location", "problem": problem}
+    assert info.value.status_code == 307
+    assert location not in info.value.message  # the Location is never shown
+
+
+def test_resolve_location_refuses_several_headers() -> None:
+    with pytest.raises(PermissionDenied) as info:
+        resolve_location(["/a", "/b"], BASE, 302)
+    assert info.value.details["problem"] == "repeated"
+
+
+def test_resolve_location_joins_relative_references() -> None:
+    assert resolve_location(["?q"], BASE, 307) == URL("https://api.example/v1/x?q")
+    assert resolve_location(["y"], BASE, 307) == URL("https://api.example/v1/y")
+
+
+@pytest.mark.parametrize(
+    ("location", "param", "expected"),
+    [
+        ("https://h/p?a=1&key=x&b=%2F#frag", "key", "https://h/p?a=1&b=%2F"),
+        ("https://h/p?KEY=x&k%65y=y&key%5B%5D=z&a=1;key=w&c=3", "key", "https://h/p?c=3"),
+        ("https://h/p?key=x", None, "https://h/p?key=x"),
+        ("https://h/p#frag", "key", "https://h/p"),
+    ],
+)
+def test_next_hop_url(location: str, param: str | None, expected: str) -> None:
+    assert str(next_hop_url(URL(location, encoded=True), param)) == expected
 
 
 # --- upstream URL ------------------------------------------------------------------------

@@ -6,11 +6,14 @@ import copy
 import io
 import json
 import pickle
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 import pytest
+from yarl import URL
 
 from gateway import redaction
 from gateway.audit import log as audit
@@ -69,6 +72,80 @@ def test_scrub_removes_the_json_escaped_forms(value: str) -> None:
         assert json.dumps(value)[1:-1] not in scrubbed
         assert json.dumps(value, ensure_ascii=False)[1:-1] not in scrubbed
         assert scrub_bytes(text.encode()) == scrubbed.encode()
+
+
+def _pieces(text: str, size: int = 12) -> list[str]:
+    return [text[i : i + size] for i in range(len(text) - size + 1)]
+
+
+def _lower_hex(text: str) -> str:
+    return re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), text)
+
+
+def _wire_renderings(value: str) -> list[str]:
+    """``value`` as an upstream echoing the request, or a writer of the sidecar, shows it
+    (computed here independently of the registry)."""
+    url = URL("http://h/").extend_query([("key", value)])
+    percent = [
+        url.raw_query_string.removeprefix("key="),  # what aiohttp sent
+        url.query_string.removeprefix("key="),  # aiohttp's request.query_string
+        quote(value, safe=""),
+        quote(value),
+        quote_plus(value),
+    ]
+    forms = [value, *percent, *(_lower_hex(p) for p in percent)]
+    forms += [repr(value)[1:-1], repr(value.encode())[2:-1]]
+    escaped = [json.dumps(f, ensure_ascii=a)[1:-1] for f in forms for a in (True, False)]
+    return forms + escaped + [f.replace("/", "\\/") for f in forms + escaped]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "gk+fake/TEST=0004 NOTREAL-" + uuid.uuid4().hex,  # "+", "/", "=", a space
+        "clé-€-secrète-" + uuid.uuid4().hex,  # non-ASCII
+        'q"uote\\back%41&amp#hash;semi?' + uuid.uuid4().hex,  # what JSON and URLs escape
+        "emoji-\U0001f511-" + uuid.uuid4().hex,  # astral: \\ud83d\\udd11 in ASCII JSON
+    ],
+)
+def test_every_encoding_of_a_query_credential_is_scrubbed(value: str) -> None:
+    register(value)
+    renderings = _wire_renderings(value)
+    for rendering in renderings:
+        text = f"GET /v1/m?alt=json&key={rendering}&x=1 failed"
+        for scrubbed in (scrub(text), scrub_bytes(text.encode()).decode()):
+            assert REDACTED in scrubbed, rendering
+            for form in renderings:
+                for piece in _pieces(form):
+                    assert piece not in scrubbed, (rendering, piece)
+
+
+def test_a_plain_key_has_one_form_and_every_key_few() -> None:
+    plain = fresh("sk-proj_")
+    assert redaction.encoded_forms(plain) == (plain,)
+    nasty = 'a b+c/d=e"f\\g%h&i#j;k?l~m\u00e9\u20ac\U0001f511'
+    forms = redaction.encoded_forms(nasty)
+    assert len(forms) <= 100
+    assert list(forms) == sorted(forms, key=len, reverse=True)  # longest replaced first
+
+
+def test_a_value_with_lone_surrogates_is_scrubbed_from_bytes() -> None:
+    # os.environ decodes undecodable bytes as lone surrogates: such a value must not
+    # make every writer fail (it did: str.encode() raised inside scrub_bytes).
+    value = "sk-\udcff\udcfe-" + uuid.uuid4().hex
+    register(value)
+    raw = value.encode("utf-8", "surrogateescape")
+    assert scrub_bytes(b"x " + raw + b" y") == b"x [REDACTED] y"
+    assert scrub(f"x {value} y") == "x [REDACTED] y"
+
+
+def test_a_percent_encoded_secret_cut_by_truncation_is_masked() -> None:
+    value = "cut+key/" + uuid.uuid4().hex
+    register(value)
+    wire = URL("http://h/").extend_query([("k", value)]).raw_query_string[2:]
+    text = "x" * 40 + wire
+    cut = redaction.scrub_cut(text, 40 + len(wire) // 2)
+    assert cut == "x" * 40 + REDACTED
 
 
 @pytest.mark.parametrize("value", ["", "a", "hunter2", "1234567"])

@@ -10,6 +10,11 @@ Rules (the README's "Egress rules"):
   host or port: the upstream URL is always the target's ``base_url`` plus the path.
 * The path and method must match the target's endpoint allowlist.
 * The ``api_key_ref`` (or the target's ``default_ref``) must be one the target permits.
+* For a target whose credential is a ``query_param``, a query-method envelope may not
+  carry a parameter of that name, compared as the most lenient upstream would read it
+  (:func:`same_query_name`), else PERMISSION_DENIED: the agent's value would go beside the
+  secret (one upstream takes the first, another the last, PHP an array).
+* A redirect ``Location`` is judged by :func:`location_problem` before it is resolved.
 * Every address the sidecar connects to must be allowed by the policy's ``egress`` block
   (checked at DNS resolution by :mod:`gateway.upstream`, and here for IP literals).
 """
@@ -20,8 +25,10 @@ import functools
 import ipaddress
 import json
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import unquote_plus
 
 from gateway.envelope import QUERY_METHODS, ExternalCallRequest
 from gateway.errors import EgressDenied, InvalidPayload, PermissionDenied
@@ -38,6 +45,19 @@ from gateway.urls import URL
 
 _ENCODED_FORBIDDEN: Final = re.compile(r"%(2e|2f|5c|0[0-9a-f]|1[0-9a-f]|7f|25)", re.IGNORECASE)
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+#: C0 and C1 controls and DEL: WHATWG URL parsers drop tab and newline where yarl
+#: percent-encodes them, so the two would read another path.
+_LOCATION_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+#: Bytes that are not UTF-8 reach us as lone surrogates (aiohttp decodes header values
+#: with ``surrogateescape``); yarl silently drops them, so they would change the path.
+_SURROGATE: Final = re.compile(r"[\ud800-\udfff]")
+#: The authority of an absolute or scheme-relative reference (RFC 3986, section 3.2).
+_AUTHORITY: Final = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?//([^/?#]*)")
+#: A redirect ``Location`` longer than this is not followed (aiohttp's parser refuses
+#: header lines past 8190 bytes anyway; a same-origin redirect needs far less).
+MAX_LOCATION_CHARS: Final = 4096
+_FOLLOWED_SCHEMES: Final = frozenset({"http", "https"})
+_SCHEME: Final = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
 
 #: Shown in errors and audit records instead of an ``api_key_ref`` that is not a secret
@@ -103,6 +123,166 @@ def _endpoint_problem(endpoint: str) -> str | None:
 _remembered_endpoint_problem = functools.lru_cache(maxsize=1024)(_endpoint_problem)
 
 
+def location_problem(location: str) -> str | None:
+    """Why a redirect's ``Location`` header value (as aiohttp decoded it) is not followed
+    whatever it points at, or None. Problems: ``empty``, ``too_long``,
+    ``control_characters``, ``whitespace``, ``not_utf8``, ``backslash`` (WHATWG parsers
+    read ``\\`` as ``/``, yarl as a path character: ``/\\evil.com`` is another host to a
+    browser), ``scheme`` (not http or https: ``file:``, ``javascript:``, ``data:``),
+    ``userinfo`` (aiohttp turns ``user:pw@`` into an ``Authorization`` header of the
+    upstream's choosing). A Location yarl cannot parse (bad port, brackets) is the
+    caller's ``invalid_url``. RFC 9110, section 10.2.2: a Location is a URI-reference."""
+    if not location:
+        return "empty"
+    if len(location) > MAX_LOCATION_CHARS:
+        return "too_long"
+    if _LOCATION_CONTROL.search(location):
+        return "control_characters"
+    if any(ch.isspace() for ch in location):
+        return "whitespace"
+    if _SURROGATE.search(location):
+        return "not_utf8"
+    if "\\" in location:
+        return "backslash"
+    scheme = _SCHEME.match(location)
+    if scheme is not None and scheme.group(1).lower() not in _FOLLOWED_SCHEMES:
+        return "scheme"
+    authority = _AUTHORITY.match(location)
+    if authority is not None and "@" in authority.group(1):
+        return "userinfo"
+    return None
+
+
+def resolve_location(values: list[str], url: URL, status: int) -> URL:
+    """The Location header ``values`` of a ``status`` redirect from ``url``, resolved
+    against it (RFC 3986, section 5). Raises PermissionDenied with ``details.problem``
+    (:func:`location_problem`, ``repeated`` for several Location headers, ``invalid_url``
+    for what yarl refuses, ``scheme``)."""
+    problem = "repeated" if len(values) > 1 else location_problem(values[0])
+    if problem is None:
+        try:
+            location = url.join(URL(values[0]))
+            location.origin()  # a port or host yarl refuses raises only when used
+        except ValueError:  # bad port, unbalanced or invalid brackets, IDNA
+            problem = "invalid_url"
+        else:
+            if location.scheme in ("http", "https"):
+                return location
+            problem = "scheme"
+    raise invalid_location(url, status, problem)
+
+
+def redirect_hop(
+    target: CompiledTarget,
+    url: URL,
+    locations: list[str],
+    *,
+    method: str,
+    status: int,
+    credential_param: str | None,
+) -> URL | None:
+    """The URL to follow a ``status`` redirect from ``url`` to, given its Location header
+    values, or None to answer the 3xx as is (301/302/303 after a method other than GET
+    or HEAD: resending a body to another path is a new call). The URL is the Location
+    resolved, without fragment and without query items named like ``credential_param``
+    (:func:`next_hop_url`). Raises PermissionDenied (``invalid_redirect_location``,
+    ``userinfo``, ``redirect_outside_allowlist``) or EgressDenied (another origin);
+    no message shows the Location."""
+    location = resolve_location(locations, url, status)
+    if location.origin() != target.origin:
+        raise EgressDenied(
+            f"{origin_label(url)} redirected ({status}) to another origin, "
+            f"{origin_label(location)}; cross-origin redirects are never followed",
+            details={"reason": "cross_origin_redirect", "location_origin": origin_label(location)},
+            status_code=status,
+        )
+    if location.raw_user is not None or location.raw_password is not None:
+        raise invalid_location(url, status, "userinfo")  # defence in depth
+    if status in (301, 302, 303) and method not in ("GET", "HEAD"):
+        return None
+    base_path = target.base_url.path.rstrip("/")
+    inside = location.path == base_path or location.path.startswith(base_path + "/")
+    relative = location.path[len(base_path) :] if inside else ""
+    if (
+        not relative
+        or endpoint_problem(location.raw_path) is not None
+        or not target.allows(relative, method)
+    ):
+        raise PermissionDenied(
+            f"{origin_label(url)} redirected to a path outside the target's allowlist",
+            details={"reason": "redirect_outside_allowlist"},
+            status_code=status,
+        )
+    return next_hop_url(location, credential_param)
+
+
+def invalid_location(url: URL, status: int, problem: str) -> PermissionDenied:
+    """The refusal of a redirect whose Location is not followed (never shown)."""
+    return PermissionDenied(
+        f"{origin_label(url)} redirected ({status}) with a Location the sidecar does not "
+        f"follow ({problem.replace('_', ' ')}); nothing was sent to it",
+        details={"reason": "invalid_redirect_location", "problem": problem},
+        status_code=status,
+    )
+
+
+def next_hop_url(location: URL, credential_param: str | None) -> URL:
+    """``location`` without its fragment and without query items an upstream could read
+    as the credential's parameter (a redirect cannot choose the credential)."""
+    raw_query = location.raw_query_string
+    if raw_query and credential_param is not None:
+        # "a=1;key=x" is two parameters to servers that also split on ";".
+        raw_query = "&".join(
+            item
+            for item in raw_query.split("&")
+            if not any(
+                same_query_name(piece.split("=", 1)[0], credential_param)
+                for piece in item.split(";")
+            )
+        )
+    return URL.build(
+        scheme=location.scheme,
+        authority=location.raw_authority,
+        path=location.raw_path,
+        query_string=raw_query,
+        encoded=True,
+    )
+
+
+#: Percent-decodings applied to a query name before comparing it (a server that decodes
+#: twice reads ``k%2565y`` as ``key``); bounded, so a name cannot make it loop.
+_NAME_DECODES: Final = 3
+
+
+def _query_name_key(name: str) -> str:
+    key = name
+    for _ in range(_NAME_DECODES):
+        decoded = unquote_plus(key)
+        if decoded == key:
+            break
+        key = decoded
+    # NUL ends a name in C parsers; "key[]" and "key[0]" are "key" to PHP and Rails,
+    # which also read "." and " " as "_"; names differ only by case to ASP.NET.
+    key = key.split("\x00", 1)[0].split("[", 1)[0]
+    key = unicodedata.normalize("NFKC", key).casefold().strip()
+    return key.replace(".", "_").replace(" ", "_")
+
+
+_remembered_name_key = functools.lru_cache(maxsize=1024)(_query_name_key)
+
+
+def same_query_name(name: str, credential_param: str) -> bool:
+    """True if an upstream might read query parameter ``name`` (as the sidecar sends it,
+    or as it appears in a Location) as ``credential_param``: equal after up to three
+    percent-decodings, NFKC and case folding, with a NUL or ``[`` ending the name and
+    ``.`` and spaces read as ``_`` (PHP). Errs towards True: a refusal is the cost."""
+    if name == credential_param:
+        return True
+    # Agent-chosen names: only short ones are remembered, so memory stays bounded.
+    key = _remembered_name_key(name) if len(name) <= 256 else _query_name_key(name)
+    return key == _remembered_name_key(credential_param)
+
+
 def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
     """Check ``request`` against ``policy``. Raises :class:`PermissionDenied`."""
     target = policy.targets.get(request.target_system)
@@ -148,6 +328,8 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 f"api_key_ref {shown!r} may not be sent to target {target.name!r}",
                 details={"reason": "ref_not_allowed", "api_key_ref": shown},
             )
+    if credential is not None and credential.query_param is not None:
+        _check_query_names(target, request, credential.query_param)
     for name, value in request.headers.items():
         if HEADER_VALUE_FORBIDDEN.search(value) or not HEADER_NAME.match(name):
             raise InvalidPayload(
@@ -162,6 +344,20 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 details={"reason": "header_not_allowed", "header": name},
             )
     return Decision(target, ref, parse_ref(ref) if ref is not None else None)
+
+
+def _check_query_names(target: CompiledTarget, request: ExternalCallRequest, param: str) -> None:
+    if request.method not in QUERY_METHODS:
+        return  # parameters go in the JSON body: the query holds the credential alone
+    for name in request.parameters:
+        if same_query_name(name, param):
+            shown = name[:64]
+            raise PermissionDenied(
+                f"parameter {shown!r} may not be set by the agent on target {target.name!r}: "
+                f"the sidecar sends the credential as query parameter {param!r}, and an "
+                "upstream could read this name as that one",
+                details={"reason": "credential_parameter", "parameter": shown},
+            )
 
 
 def upstream_url(target: CompiledTarget, endpoint: str) -> URL:
