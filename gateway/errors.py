@@ -21,6 +21,7 @@ its error code, the HTTP status of the sidecar's answer and whether retrying can
     ├── IdempotencyConflict     IDEMPOTENCY_CONFLICT 422  no
     ├── OutcomeUnknown          OUTCOME_UNKNOWN      502  no
     ├── ResponseTooLarge        RESPONSE_TOO_LARGE   502  no
+    ├── StreamInterrupted       STREAM_INTERRUPTED   502  yes
     ├── ShuttingDown            SHUTTING_DOWN        503  yes
     └── InternalError           UNKNOWN              500  no
 
@@ -174,6 +175,15 @@ class OutcomeUnknown(GatewayError):
 class ResponseTooLarge(GatewayError):
     code = ErrorCode.RESPONSE_TOO_LARGE
     http_status = 502
+
+
+class StreamInterrupted(GatewayError):
+    """A stream ended (or was cut) before the provider's terminal marker: what arrived
+    is a partial answer, never a success."""
+
+    code = ErrorCode.STREAM_INTERRUPTED
+    http_status = 502
+    retryable = True
 
 
 class ShuttingDown(GatewayError):

@@ -76,15 +76,19 @@ GEMINI = {
 @pytest.mark.parametrize(
     ("provider", "body", "expected"),
     [
-        ("openai", OPENAI_CHAT, TokenUsage(input=19, output=10, cached=6, total=29)),
-        ("openai", OPENAI_RESPONSES, TokenUsage(input=36, output=87, cached=12, total=123)),
+        ("openai", OPENAI_CHAT, TokenUsage(input=19, output=10, cached=6, total=29, reasoning=0)),
+        (
+            "openai",
+            OPENAI_RESPONSES,
+            TokenUsage(input=36, output=87, cached=12, total=123, reasoning=0),
+        ),
         # Anthropic's input_tokens excludes cache writes and reads: the total adds them.
         (
             "anthropic",
             ANTHROPIC_MESSAGE,
             TokenUsage(input=2095, output=503, cached=2151, total=2095 + 503 + 2151),
         ),
-        ("gemini", GEMINI, TokenUsage(input=4, output=120, cached=2, total=130)),
+        ("gemini", GEMINI, TokenUsage(input=4, output=120, cached=2, total=130, reasoning=6)),
     ],
     ids=["openai-chat", "openai-responses", "anthropic", "gemini"],
 )

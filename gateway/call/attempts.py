@@ -30,7 +30,8 @@ from gateway.call.retry import (
     status_retryable,
     transport_retryable,
 )
-from gateway.envelope import ExternalCallRequest
+from gateway.call.stream import judge_body
+from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest
 from gateway.errors import (
     CapacityExceeded,
     DeadlineExceeded,
@@ -125,7 +126,24 @@ class Attempts:
             self.log.response_bytes = len(answer.body)
             if answer.status < 300:
                 self._feed_back(answer, None)
-                return answer
+                judged, _ = judge_body(
+                    self.target.spec.usage,
+                    self.target.name,
+                    answer.content_type,
+                    answer.body,
+                    answer.status,
+                )
+                if judged is None:
+                    return answer
+                # A stream cut or failed mid-way: the upstream did act, so it is sent again
+                # only when that is safe, as for a lost answer.
+                safe = self.request.method in IDEMPOTENT_METHODS or self.has_idempotency_key
+                if not (judged.retryable and safe) or retry_number >= retries_allowed:
+                    raise judged
+                wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
+                await wait_or_raise(wait, self.deadline, judged)
+                retry_number += 1
+                continue
             parsed = parse_body(answer.content_type, answer.body, answer.status)
             hint = error_hint(
                 self.target.spec.usage,

@@ -21,6 +21,7 @@ import json
 from typing import Any, Final
 
 from gateway.call.intake import has_lone_surrogates
+from gateway.call.sse import decode_all
 from gateway.providers import delta_text
 from gateway.redaction import nesting_depth, scrub_cut
 
@@ -89,25 +90,24 @@ def parse_body(content_type: str | None, body: bytes, status: int) -> tuple[Any,
 
 
 def parse_sse(body: bytes) -> dict[str, Any]:
-    """Parse a complete ``text/event-stream`` body (WHATWG HTML, "Server-sent events")."""
+    """Parse a complete ``text/event-stream`` body (WHATWG HTML, "Server-sent events",
+    by :mod:`gateway.call.sse`, the grammar the relay reads too)."""
     events: list[Any] = []
     pieces: list[str] = []
-    text = body.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
-    for block in text.split("\n\n"):
-        data_lines = [
-            line[5:].removeprefix(" ") for line in block.split("\n") if line.startswith("data:")
-        ]
-        if not data_lines:
+    for sse in decode_all(body, len(body) + 1):
+        if sse.data == "[DONE]":
             continue
-        payload = "\n".join(data_lines)
-        if payload == "[DONE]":
-            continue
-        try:
-            event: Any = _loads(payload, _EVENT_DEPTH)
-        except (ValueError, RecursionError):
-            event = payload
+        event = event_data(sse.data)
         events.append(event)
         piece = delta_text(event)
         if piece:
             pieces.append(piece)
     return {"content_type": "text/event-stream", "events": events, "content": "".join(pieces)}
+
+
+def event_data(data: str) -> Any:
+    """One event's ``data`` as JSON when it is JSON that can be written back, else as is."""
+    try:
+        return _loads(data, _EVENT_DEPTH)
+    except (ValueError, RecursionError):
+        return data

@@ -52,11 +52,11 @@ def extract_usage(provider: str, data: Any) -> TokenUsage | None:
     :func:`gateway.call.bodies.parse_sse`) in dialect ``provider``; None when the answer
     reports none or ``provider`` is ``none``."""
     dialect = DIALECTS.get(provider)
-    if dialect is None or data is None or not isinstance(data, dict):
+    if dialect is None or data is None:
         return None
-    if data.get("content_type") == "text/event-stream":
+    if isinstance(data, dict) and data.get("content_type") == "text/event-stream":
         return dialect.stream_usage(data.get("events") or [])
-    return dialect.usage(data)
+    return dialect.usage(data)  # a JSON object, or a JSON array of chunks (Gemini)
 
 
 def delta_text(event: Any) -> str | None:

@@ -32,17 +32,34 @@ from datetime import datetime
 from typing import Any, Final
 
 from gateway.providers.base import (
+    END,
     Dialect,
     ErrorHint,
+    FailureKind,
+    StreamSignal,
     TokenUsage,
     count,
     error_object,
+    failure,
     number,
     positive_cap,
     text_of,
 )
 
 _KINDS: Final = ("requests", "tokens", "input-tokens", "output-tokens")
+#: Anthropic's error types (API reference, "Errors") as a mid-stream error's kind.
+_ERROR_KINDS: Final[dict[str, FailureKind]] = {
+    "overloaded_error": "overloaded",
+    "api_error": "overloaded",
+    "timeout_error": "overloaded",
+    "rate_limit_error": "rate_limited",
+    "billing_error": "quota",
+    "invalid_request_error": "rejected",
+    "request_too_large": "rejected",
+    "permission_error": "rejected",
+    "authentication_error": "rejected",
+    "not_found_error": "rejected",
+}
 _CACHE_KEYS: Final = ("cache_creation_input_tokens", "cache_read_input_tokens")
 #: Beginnings of the messages (lower-cased) that mean spent credit or a spend limit,
 #: with the reason reported for each.
@@ -84,6 +101,25 @@ def stream_usage(events: list[Any]) -> TokenUsage | None:
     usages = [e.get("usage") for e in dicts]
     usages += [e["message"].get("usage") for e in dicts if isinstance(e.get("message"), dict)]
     return combined_usage(usages)
+
+
+def usage_event(data: Any) -> bool:
+    return isinstance(data, dict) and data.get("type") in ("message_start", "message_delta")
+
+
+def stream_signal(event: str | None, data: Any) -> StreamSignal | None:
+    """Terminal marker: ``message_stop``. Failure: the ``error`` event (``{"type":
+    "error", "error": {"type": "overloaded_error", ...}}``), which Anthropic sends inside
+    a 200 stream (Messages streaming reference, "Error events")."""
+    kind = data.get("type") if isinstance(data, dict) else None
+    if event == "message_stop" or kind == "message_stop":
+        return END
+    if event == "error" or kind == "error":
+        error = data.get("error") if isinstance(data, dict) else None
+        error = error if isinstance(error, dict) else {}
+        name = text_of(error.get("type"))
+        return failure(_ERROR_KINDS.get(name, "failed"), name, error.get("message"))
+    return None
 
 
 def delta_text(event: Any) -> str | None:
@@ -156,4 +192,6 @@ DIALECT: Final = Dialect(
     prompt_keys=("messages", "system", "tools"),
     exhausted_holds=exhausted_holds,
     error_hint=error_hint,
+    stream_signal=stream_signal,
+    usage_event=usage_event,
 )

@@ -10,7 +10,12 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
 * ``exhausted_holds(headers, now)``: seconds until each rate limit that the answer's
   headers report as spent resets (``now`` is wall-clock time, for absolute resets);
 * ``error_hint(status, headers, body)``: what a non-2xx answer's body says about
-  retrying it (an :class:`ErrorHint`, or None when it says nothing the status does not).
+  retrying it (an :class:`ErrorHint`, or None when it says nothing the status does not);
+* ``stream_signal(event, data)``: what one stream event (its SSE ``event:`` type and its
+  ``data``, parsed when JSON) says about the stream: :data:`END` (the terminal marker),
+  a :class:`StreamFailure` (an error event inside a 200 stream), or None;
+  ``usage_event(data)``: whether the event carries usage that ``stream_usage`` reads (the
+  relay keeps only those, so memory stays bounded whatever the stream's length).
 
 Absent is not zero: an answer that reports no usage gives None, never 0.
 
@@ -23,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 #: What an error answer says about retrying it (see :class:`ErrorHint`).
 Verdict = Literal["quota", "retry", "no_retry"]
@@ -31,12 +36,45 @@ Verdict = Literal["quota", "retry", "no_retry"]
 
 @dataclass(frozen=True, slots=True)
 class TokenUsage:
-    """Token counts of one call. ``total`` is what ``tokens_used`` reports."""
+    """Token counts of one call. ``total`` is what ``tokens_used`` reports; ``reasoning``
+    (OpenAI's ``reasoning_tokens``, part of the output) is kept for the audit record."""
 
     input: int | None
     output: int | None
     cached: int | None
     total: int
+    reasoning: int | None = None
+
+
+#: How a failed stream is answered: ``overloaded`` (DEPENDENCY_FAILED, retryable),
+#: ``rate_limited`` (CAPACITY_EXCEEDED, retryable), ``quota`` (QUOTA_EXHAUSTED),
+#: ``rejected`` (UPSTREAM_REJECTED: the request itself was refused) and ``failed``
+#: (DEPENDENCY_FAILED, retryable: any other error the provider reports mid-stream).
+FailureKind = Literal["overloaded", "rate_limited", "quota", "rejected", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFailure:
+    """An error event inside a 200 stream: its kind, the provider's own word for it
+    (an error type or code) and its message (cut to 500 characters)."""
+
+    kind: FailureKind
+    reason: str
+    message: str
+
+
+class _End:
+    """The type of :data:`END`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+#: The provider's terminal marker: the stream is complete.
+END: Final = _End()
+StreamSignal = _End | StreamFailure
 
 
 def count(value: Any) -> int | None:
@@ -131,6 +169,14 @@ def _no_hint(_: int, __: Mapping[str, str], ___: Any) -> ErrorHint | None:
     return None
 
 
+def _no_signal(_: str | None, __: Any) -> StreamSignal | None:
+    return None
+
+
+def _no_usage_event(_: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """One provider's knowledge, as the call path uses it (see the module docstring)."""
@@ -143,6 +189,8 @@ class Dialect:
     prompt_keys: tuple[str, ...] = ()
     exhausted_holds: Callable[[Mapping[str, str], float], list[float]] = _no_holds
     error_hint: Callable[[int, Mapping[str, str], Any], ErrorHint | None] = _no_hint
+    stream_signal: Callable[[str | None, Any], StreamSignal | None] = _no_signal
+    usage_event: Callable[[Any], bool] = _no_usage_event
 
 
 def last_reported(
@@ -161,3 +209,8 @@ def last_reported(
 def positive_cap(value: Any) -> int:
     """A ``max_tokens``-like value as a cap: a positive int, else 0."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def failure(kind: FailureKind, reason: Any, message: Any) -> StreamFailure:
+    """A :class:`StreamFailure` from an error event's (untrusted) fields."""
+    return StreamFailure(kind, text_of(reason)[:100] or "error", text_of(message)[:500])

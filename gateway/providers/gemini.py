@@ -31,23 +31,43 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from gateway.providers.base import (
+    END,
     Dialect,
     ErrorHint,
+    FailureKind,
+    StreamSignal,
     TokenUsage,
     count,
     error_object,
+    failure,
     last_reported,
     positive_cap,
     text_of,
 )
 
 _TYPE_PREFIX: Final = "type.googleapis.com/google.rpc."
+#: google.rpc.Code names as a mid-stream error's kind (RESOURCE_EXHAUSTED is also how
+#: per-minute limits are reported: rate_limited, retryable).
+_STATUS_KINDS: Final[dict[str, FailureKind]] = {
+    "RESOURCE_EXHAUSTED": "rate_limited",
+    "UNAVAILABLE": "overloaded",
+    "INTERNAL": "overloaded",
+    "DEADLINE_EXCEEDED": "overloaded",
+    "INVALID_ARGUMENT": "rejected",
+    "FAILED_PRECONDITION": "rejected",
+    "PERMISSION_DENIED": "rejected",
+    "NOT_FOUND": "rejected",
+}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(s|ms)")
 _DAILY_MARKS: Final = ("PerDay", "Daily")
 _CREDIT_REASONS: Final = frozenset({"INSUFFICIENT_G1_CREDITS_BALANCE"})
 
 
 def usage(body: Any) -> TokenUsage | None:
+    """Usage of a ``generateContent`` answer, one stream chunk, or the JSON array that
+    ``streamGenerateContent`` answers without ``alt=sse`` (its last ``usageMetadata``)."""
+    if isinstance(body, list):
+        return last_reported(usage, body)
     if not isinstance(body, dict):
         return None
     meta = body.get("usageMetadata")
@@ -56,12 +76,37 @@ def usage(body: Any) -> TokenUsage | None:
     inp = count(meta.get("promptTokenCount"))
     out = count(meta.get("candidatesTokenCount"))
     cached = count(meta.get("cachedContentTokenCount"))
+    reasoning = count(meta.get("thoughtsTokenCount"))
     total = count(meta.get("totalTokenCount"))
     if total is None:
         if inp is None and out is None:
             return None
         total = (inp or 0) + (out or 0)
-    return TokenUsage(inp, out, cached, total)
+    return TokenUsage(inp, out, cached, total, reasoning)
+
+
+def usage_event(data: Any) -> bool:
+    return isinstance(data, dict) and isinstance(data.get("usageMetadata"), dict)
+
+
+def stream_signal(event: str | None, data: Any) -> StreamSignal | None:
+    """Terminal marker: a chunk whose candidate has a ``finishReason`` (any value: STOP,
+    MAX_TOKENS, SAFETY... all end the answer). Failure: a chunk ``{"error": {code,
+    status, message}}`` (google.rpc.Status, as the API sends mid-stream)."""
+    del event
+    if not isinstance(data, dict):
+        return None
+    error = data.get("error")
+    if isinstance(error, dict):
+        status = error.get("status")
+        kind = _STATUS_KINDS.get(status if isinstance(status, str) else "", "failed")
+        return failure(kind, status or error.get("code"), error.get("message"))
+    candidates = data.get("candidates")
+    if isinstance(candidates, list):
+        for candidate in candidates:
+            if isinstance(candidate, dict) and candidate.get("finishReason"):
+                return END
+    return None
 
 
 def stream_usage(events: list[Any]) -> TokenUsage | None:
@@ -130,5 +175,7 @@ DIALECT: Final = Dialect(
     stream_usage=stream_usage,
     output_cap=output_cap,
     prompt_keys=("contents", "systemInstruction", "tools"),
+    stream_signal=stream_signal,
+    usage_event=usage_event,
     error_hint=error_hint,
 )

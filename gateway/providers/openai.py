@@ -6,6 +6,9 @@ Sources:
   Responses API's ``input_tokens`` / ``output_tokens`` / ``input_tokens_details``. Streams
   carry ``usage`` in the last chunk when ``stream_options.include_usage`` is set.
 * Stream text: ``choices[0].delta.content`` of each chunk.
+* Stream end and errors (Chat Completions and Responses streaming references):
+  ``data: [DONE]``, a ``finish_reason``, ``response.completed`` / ``response.incomplete``
+  end a stream; ``{"error": ...}``, ``response.failed`` and ``error`` events fail it.
 * Token caps: ``max_tokens``, ``max_completion_tokens`` (Chat), ``max_output_tokens``
   (Responses).
 * Rate-limit headers, https://platform.openai.com/docs/guides/rate-limits ("Rate limits in
@@ -22,11 +25,15 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from gateway.providers.base import (
+    END,
     Dialect,
     ErrorHint,
+    StreamFailure,
+    StreamSignal,
     TokenUsage,
     count,
     error_object,
+    failure,
     last_reported,
     number,
     positive_cap,
@@ -50,6 +57,16 @@ QUOTA_CODES: Final = frozenset(
 )
 
 
+_RESPONSES_DONE: Final = frozenset({"response.completed", "response.incomplete"})
+_RATE_LIMITED: Final = frozenset({"rate_limit_exceeded", "rate_limit_error", "tokens", "requests"})
+_OVERLOADED: Final = frozenset(
+    {"server_error", "overloaded", "overloaded_error", "service_unavailable", "api_error"}
+)
+_REJECTED: Final = frozenset(
+    {"invalid_request_error", "invalid_prompt", "context_length_exceeded", "content_filter"}
+)
+
+
 def usage(body: Any) -> TokenUsage | None:
     """Usage of a Chat Completions or Responses answer (or one stream chunk)."""
     if not isinstance(body, dict):
@@ -61,16 +78,79 @@ def usage(body: Any) -> TokenUsage | None:
     out = count(found.get("completion_tokens", found.get("output_tokens")))
     details = found.get("prompt_tokens_details") or found.get("input_tokens_details") or {}
     cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    out_details = found.get("completion_tokens_details") or found.get("output_tokens_details") or {}
+    reasoning = (
+        count(out_details.get("reasoning_tokens")) if isinstance(out_details, dict) else None
+    )
     total = count(found.get("total_tokens"))
     if total is None:
         if inp is None and out is None:
             return None
         total = (inp or 0) + (out or 0)
-    return TokenUsage(inp, out, cached, total)
+    return TokenUsage(inp, out, cached, total, reasoning)
+
+
+def _event_usage(event: Any) -> TokenUsage | None:
+    """A chat chunk's ``usage``, or the Responses API's final ``response.usage``."""
+    if isinstance(event, dict) and event.get("type") in _RESPONSES_DONE:
+        return usage(event.get("response"))
+    return usage(event)
 
 
 def stream_usage(events: list[Any]) -> TokenUsage | None:
-    return last_reported(usage, events)
+    """The last chat chunk with ``usage`` (``stream_options.include_usage``), or the
+    Responses API's ``response.completed`` / ``response.incomplete`` ``response.usage``."""
+    return last_reported(_event_usage, events)
+
+
+def usage_event(data: Any) -> bool:
+    return isinstance(data, dict) and (
+        isinstance(data.get("usage"), dict) or data.get("type") in _RESPONSES_DONE
+    )
+
+
+def stream_signal(event: str | None, data: Any) -> StreamSignal | None:
+    """Terminal markers: ``data: [DONE]`` and a chat chunk with a ``finish_reason``
+    (Chat Completions streaming reference); ``response.completed`` and
+    ``response.incomplete`` (Responses API streaming events). Failures: a chunk
+    ``{"error": {...}}``, ``response.failed`` and the ``error`` event."""
+    del event  # the Responses API repeats its event type in data.type
+    if data == "[DONE]":
+        return END
+    if not isinstance(data, dict):
+        return None
+    kind = data.get("type")
+    if kind in _RESPONSES_DONE:
+        return END
+    if kind == "response.failed":
+        response = data.get("response")
+        error = response.get("error") if isinstance(response, dict) else None
+        error = error if isinstance(error, dict) else {}
+        return _failure(error.get("code"), error.get("message"))
+    if kind == "error":
+        return _failure(data.get("code") or data.get("type"), data.get("message"))
+    error = data.get("error")
+    if isinstance(error, dict):
+        return _failure(error.get("code") or error.get("type"), error.get("message"))
+    choices = data.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                return END
+    return None
+
+
+def _failure(code: Any, message: Any) -> StreamFailure:
+    code = code if isinstance(code, str) else ""
+    if code in QUOTA_CODES:
+        return failure("quota", code, message)
+    if code in _RATE_LIMITED:
+        return failure("rate_limited", code, message)
+    if code in _OVERLOADED:
+        return failure("overloaded", code, message)
+    if code in _REJECTED:
+        return failure("rejected", code, message)
+    return failure("failed", code, message)
 
 
 def delta_text(event: Any) -> str | None:
@@ -136,4 +216,6 @@ DIALECT: Final = Dialect(
     prompt_keys=("messages", "prompt", "input", "instructions", "tools"),
     exhausted_holds=exhausted_holds,
     error_hint=error_hint,
+    stream_signal=stream_signal,
+    usage_event=usage_event,
 )

@@ -1,0 +1,131 @@
+"""Server-sent events, decoded incrementally (pure, no I/O).
+
+The grammar is WHATWG HTML, "Server-sent events", section 9.2.6 ("Interpreting an event
+stream"): lines end with CRLF, LF or CR; a line starting with ``:`` is a comment; a
+field line is ``name: value`` (one space after the colon is dropped); a blank line
+dispatches the event whose ``data`` lines were seen (joined with LF); a UTF-8 BOM at the
+very start is skipped. An event without a ``data`` line is not dispatched (id-only
+blocks, ``event: ping`` alone), but its comments and fields never break the next one.
+
+:class:`SseDecoder` takes the bytes as they arrive, in any cut (a CRLF split between two
+chunks included), and returns the events completed so far. Memory is bounded: an event
+may not grow past ``max_event_bytes`` (:class:`EventTooLarge`), whatever the stream's
+length. The relay sends the upstream's bytes unchanged; this decoder only reads them.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+from typing import Final
+
+_BOM: Final = "\ufeff"
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    """One dispatched event: its ``event`` type (None for the default ``message``), its
+    ``data`` (the data lines joined with LF) and the last ``id`` seen (or None)."""
+
+    event: str | None
+    data: str
+    id: str | None = None
+
+
+class EventTooLarge(ValueError):
+    """One event grew past the decoder's ``max_event_bytes``."""
+
+
+class SseDecoder:
+    """Feed it bytes with :meth:`feed`; it returns the events each chunk completed.
+
+    ``max_event_bytes`` bounds the text buffered for one event (its pending line and its
+    data lines), in UTF-8 bytes as received. Bytes that are not UTF-8 are read as U+FFFD
+    here (for judging the stream only; the relayed bytes are the upstream's).
+    """
+
+    __slots__ = ("_cr", "_data", "_event", "_last_id", "_line", "_max", "_size", "_started",
+                 "_utf8", "events")  # fmt: skip
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self._max = max_event_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._line = ""  # the current, unterminated line
+        self._cr = False  # the last chunk ended with CR: a following LF belongs to it
+        self._data: list[str] = []
+        self._event: str | None = None
+        self._last_id: str | None = None
+        self._size = 0
+        self._started = False
+        #: Events dispatched in all (for the audit record).
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """The events completed by ``chunk``. Raises :class:`EventTooLarge`."""
+        text = self._utf8.decode(chunk)
+        if not self._started and text:
+            self._started = True
+            text = text.removeprefix(_BOM)
+        if self._cr and text.startswith("\n"):
+            text = text[1:]  # the LF of a CRLF split across chunks
+        self._cr = text.endswith("\r")
+        out: list[SseEvent] = []
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        lines = text.split("\n")
+        lines[0] = self._line + lines[0]
+        self._line = lines.pop()
+        for line in lines:
+            self._field(line, out)
+        if self._size + len(self._line) > self._max:
+            raise EventTooLarge(f"one event passed {self._max} bytes")
+        return out
+
+    def close(self) -> list[SseEvent]:
+        """At the end of the stream: the last line counts even without its line end, and
+        an event left without its blank line is still dispatched. (The spec discards it;
+        the providers' SDKs, e.g. openai-python's ``SSEDecoder``, read it, and so does
+        this decoder, so that ``data: [DONE]`` right before the close is not lost.)"""
+        out: list[SseEvent] = []
+        tail = self._utf8.decode(b"", final=True)
+        if self._line or tail:
+            self._field(self._line + tail, out)
+            self._line = ""
+        self._field("", out)
+        return out
+
+    @property
+    def pending(self) -> bool:
+        """True while an event has data lines but no blank line yet."""
+        return bool(self._data)
+
+    def _field(self, line: str, out: list[SseEvent]) -> None:
+        if not line:
+            if self._data:
+                self.events += 1
+                out.append(SseEvent(self._event, "\n".join(self._data), self._last_id))
+            self._data = []
+            self._event = None
+            self._size = 0
+            return
+        if line.startswith(":"):
+            return  # a comment (": ping" keep-alives)
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+            self._size += len(value) + 1
+            if self._size > self._max:
+                raise EventTooLarge(f"one event passed {self._max} bytes")
+        elif name == "event":
+            self._event = value or None
+        elif name == "id" and "\x00" not in value:
+            self._last_id = value
+        # "retry" and unknown fields are ignored (the spec's rule).
+
+
+def decode_all(body: bytes, max_event_bytes: int) -> list[SseEvent]:
+    """Every event of a complete stream ``body``."""
+    decoder = SseDecoder(max_event_bytes)
+    return decoder.feed(body) + decoder.close()

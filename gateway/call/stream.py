@@ -1,0 +1,123 @@
+"""Judging a stream by the stream itself (pure, no I/O).
+
+A 200 ``text/event-stream`` answer is a success only when the provider's terminal marker
+arrived; an error event inside it is a failure with the mapped code; a stream that ends
+without its marker is STREAM_INTERRUPTED (design.md, "Streaming to the agent"). What each
+provider sends is its dialect's knowledge (:mod:`gateway.providers`, ``stream_signal``);
+this module keeps the verdict while the events pass, with bounded memory: only the
+events that carry usage are kept, at most :data:`MAX_USAGE_EVENTS` of them.
+
+Targets with ``usage: none`` have no dialect: their streams are judged by HTTP framing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from gateway.call.bodies import event_data, media_type, parse_sse
+from gateway.call.sse import SseEvent, decode_all
+from gateway.errors import (
+    CapacityExceeded,
+    DependencyFailed,
+    GatewayError,
+    QuotaExhausted,
+    StreamInterrupted,
+    UpstreamRejected,
+)
+from gateway.providers import DIALECTS, Dialect, TokenUsage
+from gateway.providers.base import END, StreamFailure
+
+#: Usage-bearing events kept per stream (the first, for Anthropic's ``message_start``,
+#: and the latest others): a stream of any length keeps at most this many.
+MAX_USAGE_EVENTS: Final = 64
+
+
+class StreamJudge:
+    """Feed it every event with :meth:`observe`; at the end, :meth:`verdict` says whether
+    the stream is a success (None) or the error to answer with."""
+
+    __slots__ = ("_dialect", "_usage_events", "complete", "events", "failure", "target")
+
+    def __init__(self, provider: str, target: str) -> None:
+        self._dialect: Dialect | None = DIALECTS.get(provider)
+        self._usage_events: list[Any] = []
+        self.target = target
+        #: The terminal marker arrived.
+        self.complete = self._dialect is None
+        #: The first error event, if any.
+        self.failure: StreamFailure | None = None
+        self.events = 0
+
+    def observe(self, event: SseEvent) -> Any:
+        """Judge one event; returns its ``data``, parsed as JSON when it is JSON."""
+        self.events += 1
+        data = event_data(event.data)
+        dialect = self._dialect
+        if dialect is None:
+            return data
+        signal = dialect.stream_signal(event.event, data)
+        if signal is END:
+            self.complete = True
+        elif isinstance(signal, StreamFailure) and self.failure is None:
+            self.failure = signal
+        if dialect.usage_event(data):
+            kept = self._usage_events
+            if len(kept) >= MAX_USAGE_EVENTS:
+                del kept[1]  # keep the first (message_start) and the latest
+            kept.append(data)
+        return data
+
+    def usage(self) -> TokenUsage | None:
+        """The usage the stream reported so far (None when it reported none)."""
+        if self._dialect is None or not self._usage_events:
+            return None
+        return self._dialect.stream_usage(self._usage_events)
+
+    def verdict(self, *, status: int | None = None) -> GatewayError | None:
+        """None for a complete stream; else the error its end calls for."""
+        failure = self.failure
+        details: dict[str, Any] = {"target": self.target, "events": self.events}
+        if status is not None:
+            details["upstream_status"] = status
+        if failure is not None:
+            return stream_failure_error(failure, details)
+        if self.complete:
+            return None
+        return StreamInterrupted(
+            f"the stream from target {self.target!r} ended after {self.events} events "
+            "without its terminal marker: the answer is incomplete",
+            details={**details, "reason": "no_terminal_marker"},
+        )
+
+
+def judge_body(
+    provider: str, target: str, content_type: str | None, body: bytes, status: int
+) -> tuple[GatewayError | None, Any]:
+    """Judge a whole answer ``body``: ``(error or None, its data)``. Only an SSE body is
+    judged (its data is the SSE form of :func:`gateway.call.bodies.parse_sse`); any other
+    body gives ``(None, None)`` and is parsed by the caller as usual."""
+    if media_type(content_type) != "text/event-stream" or not body:
+        return None, None
+    judge = StreamJudge(provider, target)
+    for event in decode_all(body, len(body) + 1):
+        judge.observe(event)
+    error = judge.verdict(status=status)
+    if error is None:
+        return None, None
+    data = parse_sse(body)
+    error.status_code = status
+    error.data = data
+    return error, data
+
+
+def stream_failure_error(failure: StreamFailure, details: dict[str, Any]) -> GatewayError:
+    """The error for an error event inside a 200 stream."""
+    details = {**details, "reason": "stream_error_event", "upstream_reason": failure.reason}
+    said = f"the upstream sent an error event mid-stream ({failure.reason}): {failure.message}"
+    if failure.kind == "quota":
+        return QuotaExhausted(said, details=details)
+    if failure.kind == "rate_limited":
+        return CapacityExceeded(said, details={**details, "source": "upstream"})
+    if failure.kind == "rejected":
+        return UpstreamRejected(said, details=details, http_status=502)
+    return DependencyFailed(said, details=details)
