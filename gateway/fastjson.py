@@ -10,7 +10,9 @@ the same values. Not for hashes that must not change across installs (idempotenc
 keys and fingerprints, the audit chain): those use the stdlib only.
 
 :func:`log_line` writes one log or audit line (text, any value via ``str``);
-:func:`loads` and :data:`loads_fast` read JSON back.
+:func:`loads` reads JSON back exactly as the stdlib does, :data:`loads_fast` as fast as
+possible (orjson reads an integer past 64 bits as a float: ``2**70`` ->
+``1.1805916207174113e+21``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,16 @@ _LOG_OPTIONS: Final = (
     (orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS) if orjson else 0
 )
 #: The fastest JSON parser installed; raises ``ValueError`` for what it cannot read (orjson
-#: refuses NaN and integers past 64 bits: :func:`loads` then asks the stdlib).
+#: refuses NaN, lone surrogates and numbers past a double's range: :func:`loads` then asks
+#: the stdlib). With orjson an integer past 64 bits comes back as a float: for sums, not
+#: for values that must read back exactly (:func:`loads`).
 loads_fast: Callable[[bytes], Any] = orjson.loads if orjson is not None else json.loads
+
+# An integer literal of 19 digits or more may be past 64 bits (-9223372036854775809),
+# which orjson would read as a float: a text with such a run of digits (anywhere, strings
+# included: a cheap, safe test) is read by the stdlib.
+_DIGITS_ONLY: Final = bytes(0x39 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_DIGITS: Final = b"9" * 19
 
 
 def compact(value: Any, *, default: Callable[[Any], Any] | None = None) -> bytes:
@@ -79,11 +89,13 @@ def dumps_line(value: Any) -> str:
 
 
 def loads(raw: bytes) -> Any:
-    """Parse one JSON value; raises ``ValueError`` (``json.JSONDecodeError``) if invalid."""
-    if orjson is not None:
+    """Parse one JSON value exactly as ``json.loads`` does (integers of any size stay
+    integers), with orjson's speed where that gives the same value. Raises ``ValueError``
+    (``json.JSONDecodeError``, ``UnicodeDecodeError``) if invalid."""
+    if orjson is not None and _LONG_DIGITS not in raw.translate(_DIGITS_ONLY):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
-            pass  # NaN, huge ints, or really invalid: let json decide and explain
+            pass  # NaN, lone surrogates, or really invalid: let json decide and explain
     # Without the line ending, an error's column is the column on the line.
     return json.loads(raw.rstrip(b"\r\n"))

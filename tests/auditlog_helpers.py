@@ -8,13 +8,12 @@ reload among them. The expected figures are computed in the tests from the file 
 
 from __future__ import annotations
 
-import io
 import json
 import random
 from pathlib import Path
 from typing import Any
 
-from gateway.audit import log as audit
+from gateway.audit.log import AuditLog
 from gateway.audit.schema import CALL_EVENT
 from gateway.policy import AuditSpec
 
@@ -76,26 +75,34 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "warnings": ["unknown envelope field 'foo' ignored"] if number % 17 == 0 else [],
         "metadata": {"step": number % 5, "tags": ["gen"]},
         "traceparent": f"00-{number:032x}-{number + 1:016x}-01",
+        "http_method": None,
+        "http_path": None,
+        "http_status": None,
     }
     return record
 
 
-def write_calls(n_calls: int, *, seed: int = 7, first: int = 0, breaker_every: int = 37) -> None:
-    """Write ``n_calls`` call records (and breaker events) to the configured audit sink."""
+def write_calls(
+    log: AuditLog, n_calls: int, *, seed: int = 7, first: int = 0, breaker_every: int = 37
+) -> None:
+    """Write ``n_calls`` call records (and breaker events) of several agents to ``log``."""
     rng = random.Random(seed)
-    logs = {agent: audit.AuditLog(agent) for agent in AGENTS}
     for number in range(first, first + n_calls):
         agent = AGENTS[number % len(AGENTS)]
         trace = f"trace-{number // 4:03d}"  # four calls per trace
-        logs[agent].call(call_record(rng, number, agent, trace))
+        log.call(call_record(rng, number, agent, trace))
         if number % breaker_every == 5:
             target = sorted(TARGETS)[number % len(TARGETS)]
             for old, new in (("closed", "open"), ("open", "half_open"), ("half_open", "closed")):
-                logs[agent].event(
-                    "breaker_state_change", target_system=target, old_state=old, new_state=new
+                log.event(
+                    "breaker_state_change",
+                    agent_id=agent,
+                    target_system=target,
+                    old_state=old,
+                    new_state=new,
                 )
         if number == first + 3:
-            logs[agent].event("policy_reload", version=2, ok=True)
+            log.event("policy_reload", agent_id=agent, version=2, ok=True)
 
 
 def write_log(
@@ -108,11 +115,11 @@ def write_log(
 ) -> None:
     """A generated log at ``path`` (rotated when ``max_bytes``), by the real writer."""
     spec = AuditSpec(sink="file", path=str(path), chain=chain, max_bytes=max_bytes, backup_count=50)
-    audit.configure_from_spec(spec, stream=io.StringIO())
+    log = AuditLog(spec, agent_id=AGENTS[0])
     try:
-        write_calls(n_calls, seed=seed)
+        write_calls(log, n_calls, seed=seed)
     finally:
-        audit.configure(io.StringIO())  # closes the file; later stray lines go nowhere
+        log.close()
 
 
 def read_json(path: Path) -> list[dict[str, Any]]:

@@ -244,8 +244,7 @@ def test_gzip_and_stdin(log_path: Path, tmp_path: Path, calls: list[dict[str, An
 def test_follow_with_stop_event_and_limit(tmp_path: Path) -> None:
     path = tmp_path / "live.log"
     spec = AuditSpec(sink="file", path=str(path), chain=True)
-    audit.configure_from_spec(spec, stream=io.StringIO())
-    log = audit.AuditLog("planner-01")
+    log = audit.AuditLog(spec, io.StringIO(), agent_id="planner-01")
     out = _GrowingText()
     stop = threading.Event()
     result: list[int] = []
@@ -255,7 +254,7 @@ def test_follow_with_stop_event_and_limit(tmp_path: Path) -> None:
     try:
         for number in range(3):
             log.event("noise", n=number)  # not a call: filtered out
-            audit.AuditLog(f"x-{number}").call(_call(f"x-{number}", number))
+            log.call(_call(f"x-{number}", number))
             assert out.wait_for_lines(number + 1)
         thread.join(10)
         assert result == [0]  # --limit ended it
@@ -269,7 +268,7 @@ def test_follow_with_stop_event_and_limit(tmp_path: Path) -> None:
         assert not thread.is_alive()
     finally:
         stop.set()
-        audit.configure(io.StringIO())
+        log.close()
     assert [json.loads(line)["agent_id"] for line in out.lines()] == ["x-0", "x-1", "x-2"]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.audit.file import RotatingFile
+from gateway.audit.file import RotatingFile, last_line
 
 
 def _lines(seed: int, count: int) -> list[str]:
@@ -73,3 +73,44 @@ def test_a_lone_surrogate_is_written_escaped_not_lost(tmp_path: Path) -> None:
     sink.write('{"next":1}')
     sink.close()
     assert path.read_text().splitlines() == ['{"metadata":{"x":"\\ud800"}}', '{"next":1}']
+
+
+def test_a_line_cut_short_before_the_file_was_opened_gets_its_newline(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(b'{"whole":1}\n{"cut sho')
+    sink = RotatingFile(str(path), 0, 0)
+    sink.write('{"next":2}')
+    sink.close()
+    assert path.read_text().splitlines() == ['{"whole":1}', '{"cut sho', '{"next":2}']
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"", None),
+        (b"no newline at all", None),
+        (b"one\n", b"one"),
+        (b"one\ntwo\n", b"two"),
+        (b"one\ntwo\nthree, cut sh", b"two"),
+        (b"one\n\n", None),  # a blank last line: nothing to continue
+        (b"a" * 200_000 + b"\n" + b"b" * 150_000 + b"\n", b"b" * 150_000),  # past blocks
+        (b"b" * 150_000 + b"\n" + b"c" * 70_000, b"b" * 150_000),
+    ],
+    ids=["empty", "partial", "one", "two", "cut-tail", "blank", "long", "long-cut"],
+)
+def test_last_line_is_the_last_whole_line(
+    tmp_path: Path, content: bytes, expected: bytes | None
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(content)
+    assert last_line(str(path)) == expected
+
+
+def test_last_line_refuses_what_it_cannot_or_should_not_read(tmp_path: Path) -> None:
+    assert last_line(str(tmp_path / "missing")) is None
+    assert last_line("/dev/null") is None
+    assert last_line(str(tmp_path)) is None  # a directory
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(b"x" * 5000 + b"\n")
+    assert last_line(str(path), limit=4096) is None
+    assert last_line(str(path), limit=5000) == b"x" * 5000

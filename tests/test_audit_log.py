@@ -21,6 +21,7 @@ import pytest
 
 from gateway import fastjson, redaction
 from gateway.audit import log as audit
+from gateway.audit.log import AuditLog
 from gateway.audit.query.filters import Filters, parse_when
 from gateway.audit.query.reader import Malformed, entries, follow, records
 from gateway.audit.query.summary import percentile, summarize
@@ -90,13 +91,9 @@ def test_chain_survives_scrubbed_secrets_and_non_string_keys(tmp_path: Path) -> 
     secret = "sk-canary-0123456789-ünï"
     redaction.register(secret)
     buffer = io.StringIO()
-    audit.configure(buffer, chain=True)
-    try:
-        log = audit.AuditLog("planner-01")
-        log.event("odd", note=f"upstream echoed {secret}", keys={2: "a", 10: "b"}, pair=(1, 2))
-        log.event("plain", n=1)
-    finally:
-        audit.configure(io.StringIO())
+    log = AuditLog(AuditSpec(chain=True), buffer, agent_id="planner-01")
+    log.event("odd", note=f"upstream echoed {secret}", keys={2: "a", 10: "b"}, pair=(1, 2))
+    log.event("plain", n=1)
     (tmp_path / "s.log").write_text(buffer.getvalue())
     assert secret not in buffer.getvalue()
     assert "[REDACTED]" in buffer.getvalue()
@@ -107,13 +104,13 @@ def test_chain_survives_scrubbed_secrets_and_non_string_keys(tmp_path: Path) -> 
 
 def test_audit_records_ignore_the_operational_level_and_skip_the_chain_for_ops() -> None:
     buffer = io.StringIO()
-    audit.configure(buffer, level="error", chain=True)
+    audit.configure_logging(buffer, level="error")
     try:
         audit.get_logger("ops").warning("dropped at level error")
         audit.get_logger("ops").error("kept")
-        audit.AuditLog("a").event("policy_reload", version=3)
+        AuditLog(AuditSpec(chain=True), buffer, agent_id="a").event("policy_reload", version=3)
     finally:
-        audit.configure(io.StringIO())
+        audit.configure_logging(io.StringIO())
     out = [json.loads(line) for line in buffer.getvalue().splitlines()]
     assert [line["event"] for line in out] == ["kept", "policy_reload"]
     assert "seq" not in out[0]
@@ -124,12 +121,14 @@ def test_file_sink_rotates_by_size_and_keeps_ops_lines_out(tmp_path: Path) -> No
     path = tmp_path / "audit.log"
     ops = io.StringIO()
     spec = AuditSpec(sink="file", path=str(path), chain=True, max_bytes=8192, backup_count=50)
-    audit.configure_from_spec(spec, stream=ops)
+    audit.configure_logging(ops)
+    log = AuditLog(spec, ops, agent_id=AGENTS[0])
     try:
         audit.get_logger("ops").info("operational")
-        write_calls(60)
+        write_calls(log, 60)
     finally:
-        audit.configure(io.StringIO())
+        log.close()
+        audit.configure_logging(io.StringIO())
     files = _oldest_first(path)
     assert len(files) >= 3
     assert all(p.stat().st_size <= 8192 for p in files)
@@ -265,7 +264,7 @@ def test_reader_reads_gzip_and_stdin(log_path: Path, tmp_path: Path) -> None:
 def test_follow_reads_appended_lines_across_rotations(tmp_path: Path) -> None:
     path = tmp_path / "live.log"
     spec = AuditSpec(sink="file", path=str(path), chain=True, max_bytes=4096, backup_count=20)
-    audit.configure_from_spec(spec, stream=io.StringIO())
+    log = AuditLog(spec, io.StringIO(), agent_id="planner-01")
     stop = threading.Event()
     seen: list[int] = []
     progress = threading.Condition()
@@ -278,7 +277,6 @@ def test_follow_reads_appended_lines_across_rotations(tmp_path: Path) -> None:
 
     thread = threading.Thread(target=reader)
     thread.start()
-    log = audit.AuditLog("planner-01")
     try:
         for number in range(30):
             log.event("policy_reload", version=number, padding="x" * 600)
@@ -287,7 +285,7 @@ def test_follow_reads_appended_lines_across_rotations(tmp_path: Path) -> None:
     finally:
         stop.set()
         thread.join(10)
-        audit.configure(io.StringIO())
+        log.close()
     assert len(list(tmp_path.glob("live.log.*"))) >= 3  # it did rotate, several times
     assert seen == list(range(1, 31))
 
@@ -478,11 +476,8 @@ def test_fast_and_stdlib_json_paths_write_the_same_record(
     metadata: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def write(buffer: io.StringIO) -> dict[str, Any]:
-        audit.configure(buffer, chain=True)
-        try:
-            audit.AuditLog("a").event("probe", metadata=metadata, api_key="sk-never-written")
-        finally:
-            audit.configure(io.StringIO())
+        log = AuditLog(AuditSpec(chain=True), buffer, agent_id="a", sidecar_id="host:1:0")
+        log.event("probe", metadata=metadata, api_key="sk-never-written")
         [line] = buffer.getvalue().splitlines()
         assert "sk-never-written" not in line
         doc: dict[str, Any] = json.loads(line)

@@ -287,7 +287,7 @@ async def test_state_change_callbacks_and_hot_reload() -> None:
 
 async def test_failing_hook_is_logged_and_does_not_break_the_breaker() -> None:
     stream = io.StringIO()
-    audit.configure(stream)
+    audit.configure_logging(stream)
     seen: list[str] = []
 
     def bad_hook(target: str, old: BreakerState, new: BreakerState) -> None:
@@ -301,7 +301,7 @@ async def test_failing_hook_is_logged_and_does_not_break_the_breaker() -> None:
     try:
         fail_times(a, 1)
     finally:
-        audit.configure()
+        audit.configure_logging()
     assert a.state == "open"
     assert seen == ["open"]
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]

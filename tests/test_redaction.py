@@ -18,6 +18,7 @@ from yarl import URL
 from gateway import redaction
 from gateway.audit import log as audit
 from gateway.audit.schema import AUDIT_SCHEMA_VERSION, CALL_EVENT
+from gateway.policy import AuditSpec
 from gateway.policy.egress import NOT_A_REFERENCE
 from gateway.redaction import REDACTED, redact_value, register, scrub, scrub_bytes
 from gateway.secrets import Secret
@@ -236,11 +237,11 @@ def test_redact_value_reaches_every_depth() -> None:
 
 @pytest.fixture
 def audit_stream() -> Iterator[io.StringIO]:
-    previous = audit._sink.stream
+    previous = audit._ops_sink.stream
     stream = io.StringIO()
-    audit.configure(stream)
+    audit.configure_logging(stream)
     yield stream
-    audit.configure(previous)
+    audit.configure_logging(previous)
 
 
 def lines(stream: io.StringIO) -> list[dict[str, Any]]:
@@ -285,14 +286,14 @@ def test_audit_output_holds_no_secret_and_no_traceback_locals(audit_stream: io.S
 
 
 def test_audit_call_record_marks_schema_and_level(audit_stream: io.StringIO) -> None:
-    log = audit.AuditLog("agent-1")
+    log = audit.AuditLog(AuditSpec(), audit_stream, agent_id="agent-1")
     log.call({"trace_id": "t1", "success": True})
     log.call({"trace_id": "t2", "success": False})
     log.event("policy_reloaded", source="p.yaml")
     ok, failed, event = lines(audit_stream)
     assert ok["event"] == CALL_EVENT
     assert ok["audit_schema"] == AUDIT_SCHEMA_VERSION
-    assert ok["sidecar_id"] == audit.SIDECAR_ID
+    assert ok["sidecar_id"] == log.sidecar_id
     assert (ok["level"], failed["level"]) == ("info", "warning")
     assert event["event"] == "policy_reloaded"
     assert event["agent_id"] == "agent-1"
@@ -328,18 +329,14 @@ def test_sensitive_keys_are_redacted_at_any_depth() -> None:
     from gateway.audit import log as audit
 
     stream = io.StringIO()
-    audit.configure(stream)
-    try:
-        audit.AuditLog("a").event(
-            "probe",
-            metadata={
-                "step": 1,
-                "creds": {"API_KEY": "agent-pasted-value-123"},
-                "list": [{"token": "another-pasted-value-456"}],
-            },
-        )
-    finally:
-        audit.configure()
+    audit.AuditLog(AuditSpec(), stream, agent_id="a").event(
+        "probe",
+        metadata={
+            "step": 1,
+            "creds": {"API_KEY": "agent-pasted-value-123"},
+            "list": [{"token": "another-pasted-value-456"}],
+        },
+    )
     line = json.loads(stream.getvalue().splitlines()[-1])
     assert line["metadata"] == {
         "step": 1,

@@ -100,14 +100,13 @@ async def test_pipeline_runs_a_call_and_replays_it_by_its_idempotency_key(upstre
     fu = await upstream_factory()
     policy = _policy(fu.url, idempotency={"methods": ["POST"]})
     stream = io.StringIO()
-    audit.configure(stream)
     upstream = await _upstream(policy)
     store = MemoryIdempotencyStore()
     pipeline = Pipeline(
         policy,
         resolvers=build_secret_resolvers(policy.policy),
         upstream=upstream,
-        audit=audit.AuditLog("seam-agent"),
+        audit=audit.AuditLog(policy.policy.audit, stream, agent_id="seam-agent"),
         metrics=Metrics(),
         groups=RateLimitGroups(policy.policy.rate_limit_groups),
         breakers=CircuitBreakers(breaker_specs(policy.policy.targets)),
@@ -120,7 +119,6 @@ async def test_pipeline_runs_a_call_and_replays_it_by_its_idempotency_key(upstre
     finally:
         await store.aclose()
         await upstream.aclose()
-        audit.configure(io.StringIO())
     assert first[0] == again[0] == 200
     assert first[1].success
     assert first[1].data == {"ok": True}

@@ -642,7 +642,7 @@ def _texts_of(exc: BaseException) -> list[str]:
 
 async def test_canary_values_appear_nowhere(vault_lab: VaultLab, tmp_path: Path) -> None:
     stream = io.StringIO()
-    audit.configure(stream, level="debug")
+    audit.configure_logging(stream, level="debug")
     token = vault_lab.token(["gw-reader"], ttl="4s", explicit_max_ttl="60s", renewable=True)
     jwt = make_jwt()
     vault_lab.kube.approved.add(jwt)
@@ -675,7 +675,7 @@ async def test_canary_values_appear_nowhere(vault_lab: VaultLab, tmp_path: Path)
         async with running(k8s, {}) as resolver:
             texts.append(repr(await resolver.resolve(ref("vault://app/openai"))))
     finally:
-        audit.configure()
+        audit.configure_logging()
     lines = stream.getvalue().splitlines()
     assert any('"vault_token_renewed"' in line for line in lines)
     assert any('"resolve_failed"' in line for line in lines)

@@ -2,6 +2,6 @@
 ``schema`` (the record's fields, defined once), ``file`` (the rotating file sink) and
 ``query`` (the ``egress-gateway audit`` commands that read a log back)."""
 
-from gateway.audit.log import AuditLog, close, configure, configure_from_spec, get_logger
+from gateway.audit.log import AuditLog, configure_logging, get_logger, new_sidecar_id
 
-__all__ = ["AuditLog", "close", "configure", "configure_from_spec", "get_logger"]
+__all__ = ["AuditLog", "configure_logging", "get_logger", "new_sidecar_id"]

@@ -13,15 +13,25 @@ process are not counted toward ``max_bytes``.
 
 A line that cannot be written (disk full, a lone surrogate from an agent's metadata)
 does not fail the call: like the logging handler, the error is reported on stderr (the
-line itself is not), and lone surrogates are written as their JSON escapes.
+line itself is not), and lone surrogates are written as their JSON escapes. A file that
+does not end with a newline (a line cut short by a crash) gets one before the first new
+line, so that the new lines are whole and only the cut one is malformed.
+
+:func:`last_line` reads a file's last whole line back (a new start continues the hash
+chain its audit file ended with).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import threading
-from typing import BinaryIO
+from typing import BinaryIO, Final
+
+#: Read-back bound of :func:`last_line`: a last line longer than this is not read.
+MAX_LAST_LINE_BYTES: Final = 16 * 1024 * 1024
+_BLOCK: Final = 64 * 1024
 
 
 class RotatingFile:
@@ -41,6 +51,9 @@ class RotatingFile:
         self._fh = open(self.path, "ab")  # noqa: SIM115 - kept open until close()
         self._size = self._fh.seek(0, os.SEEK_END)
         self._regular = os.path.isfile(self.path)
+        if self._regular and self._size and not _ends_with_newline(self.path):
+            self._fh.write(b"\n")
+            self._size += 1
 
     def write(self, line: str) -> None:
         """Append ``line`` and a newline, rolling over first if it would not fit."""
@@ -88,3 +101,45 @@ class RotatingFile:
             if self._fh is not None:
                 self._fh.close()
                 self._fh = None
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
+def last_line(path: str, *, limit: int = MAX_LAST_LINE_BYTES) -> bytes | None:
+    """The last whole (newline-terminated) line of the regular file ``path``, without its
+    newline; a cut-short line after it is ignored. ``None`` if there is none, the file
+    is missing or not a regular file, it cannot be read, or the line is longer than
+    ``limit`` bytes."""
+    try:
+        with open(path, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                return None
+            pos = fh.seek(0, os.SEEK_END)
+            tail = b""
+            end = -1  # index in tail of the newline that ends the last whole line
+            while pos > 0:
+                step = min(_BLOCK, pos)
+                pos -= step
+                fh.seek(pos)
+                tail = fh.read(step) + tail
+                if end < 0:
+                    end = tail.rfind(b"\n")
+                    if end < 0:
+                        if len(tail) > limit:
+                            return None
+                        continue
+                else:
+                    end += step
+                start = tail.rfind(b"\n", 0, end) + 1
+                if start > 0 or pos == 0:
+                    line = tail[start:end]
+                    return line if len(line) <= limit and line else None
+                if end > limit:
+                    return None
+            return None
+    except OSError:
+        return None

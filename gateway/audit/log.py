@@ -4,40 +4,54 @@ This module owns structlog. Everything the sidecar writes goes through one proce
 chain:
 
     add level -> UTC ISO 8601 timestamp -> redact sensitive keys -> traceback without
-    locals -> hash chain (audit records only, when enabled) -> JSON -> scrub known
-    secret values -> the sink
+    locals -> JSON -> scrub known secret values -> hash chain (audit records only, when
+    enabled) -> the sink
 
-Operational lines (``get_logger()``) go to the log stream (stdout by default). Audit
-records (``AuditLog``) go to the audit sink: the same stream, or a size-rotated file
-(``audit: {sink: file, path: ..., max_bytes: ..., backup_count: ...}``,
-:mod:`gateway.audit.file`). Audit records
-are written whatever the operational log level.
+Operational lines (``get_logger()``) have one configuration for the process
+(:func:`configure_logging`: their stream and level), as structlog's configuration is
+global. Audit records belong to an :class:`AuditLog`, which owns its sink (the stream it
+is given, or a size-rotated file: ``audit: {sink: file, path: ..., max_bytes: ...,
+backup_count: ...}``, :mod:`gateway.audit.file`), its ``sidecar_id`` and its hash chain:
+two gateways in one process write two audit streams. Audit records are written whatever
+the operational log level.
 
-With ``audit.chain: true`` every audit record carries ``seq`` (1, 2, ... per sidecar
-process), ``prev_hash`` (the previous record's ``hash``; :data:`GENESIS_HASH` for seq 1)
-and ``hash`` = SHA-256 of :func:`gateway.audit.schema.canonical_bytes` of the record
-without ``hash``. The chain runs on across rotated files; each ``configure*`` call starts
-a new chain, like a restart. ``python -m gateway.audit.query verify`` checks it.
+With ``audit.chain: true`` every audit record carries ``seq`` (1, 2, ... per AuditLog,
+that is per sidecar start), ``prev_hash`` (the previous record's ``hash``;
+:data:`GENESIS_HASH` for seq 1) and ``hash`` = SHA-256 of
+:func:`gateway.audit.schema.canonical_text` of the record without ``hash``, *as a
+reader parses the written line back* (so every value the writer emits, integers past 64
+bits, floats in either spelling, escaped lone surrogates, non-string keys, verifies).
+The chain runs on across rotated files. A start that appends to an audit file whose
+last line is a chained record first writes an ``audit_chain_continued`` event whose
+``prev_hash`` is that record's hash (and names it: ``prev_sidecar_id``, ``prev_seq``),
+so that records cut from before a restart are detectable. ``egress-gateway audit
+verify`` checks it all.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
 from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Final
 
 from gateway import fastjson, redaction
-from gateway.audit.file import RotatingFile
+from gateway.audit.file import RotatingFile, last_line
 from gateway.audit.schema import (
     AUDIT_FIELDS,
     AUDIT_SCHEMA_VERSION,
     CALL_EVENT,
+    CHAIN_CONTINUED_EVENT,
+    CHAIN_FIELDS,
     GENESIS_HASH,
+    PREV_SEQ,
+    PREV_SIDECAR_ID,
+    Fields,
     canonical_text,
     hash_text,
 )
@@ -51,9 +65,18 @@ with without("rich"):
     from structlog.types import EventDict, WrappedLogger
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from gateway.policy import AuditSpec
 
-SIDECAR_ID: Final = f"{socket.gethostname()}:{os.getpid()}"
+
+def new_sidecar_id() -> str:
+    """A ``sidecar_id`` unique to one start: ``hostname:pid:8 hex digits`` (random).
+
+    A container restart keeps the hostname and, as PID 1, the pid: the random part keeps
+    two starts' chains apart (``verify`` follows one chain per ``sidecar_id``).
+    """
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 class _Sink:
@@ -91,60 +114,75 @@ class _Sink:
     debug = info = warning = warn = error = critical = exception = fatal = log = msg
 
 
-_sink = _Sink(sys.stdout)
-_audit_sink = _Sink(sys.stdout)
+#: Operational lines: one stream for the process (structlog's configuration is global).
+_ops_sink = _Sink(sys.stdout)
+
+
+@dataclass(frozen=True, slots=True)
+class _Link:
+    """The chained record an audit file ended with, which a new start continues."""
+
+    sidecar_id: str
+    seq: int
+    hash: str
+
+
+def _file_link(path: str) -> _Link | None:
+    """The chained audit record that ends the file ``path``, if it ends with one."""
+    raw = last_line(path)
+    if raw is None:
+        return None
+    try:
+        record = fastjson.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    sidecar, seq, digest = (record.get(k) for k in (Fields.SIDECAR_ID, Fields.SEQ, Fields.HASH))
+    if isinstance(sidecar, str) and type(seq) is int and isinstance(digest, str):
+        return _Link(sidecar, seq, digest)
+    return None
 
 
 class _HashChain:
-    """The processor that chains audit records (``seq``, ``prev_hash``, ``hash``)."""
+    """The last processor of a chained AuditLog: renders the line, adds ``seq``,
+    ``prev_hash`` and the ``hash`` of the line as a reader parses it back.
 
-    def __init__(self) -> None:
-        self.enabled = False
-        self._lock = threading.Lock()
+    Called under the AuditLog's write lock (seq order is file order).
+    """
+
+    def __init__(self, link: _Link | None) -> None:
         self._seq = 0
-        self._prev = GENESIS_HASH
+        self._prev = link.hash if link is not None else GENESIS_HASH
 
-    def reset(self, *, enabled: bool) -> None:
-        with self._lock:
-            self.enabled = enabled
-            self._seq = 0
-            self._prev = GENESIS_HASH
-
-    def __call__(self, logger: WrappedLogger, _: str, event_dict: EventDict) -> EventDict:
-        if not self.enabled or logger is not _audit_sink:
-            return event_dict
-        if _has_non_str_keys(event_dict):
-            # Only such keys change on the way through JSON (sorting 2 < 10 vs "10" < "2");
-            # hash the record as a reader will parse it back.
-            event_dict = json.loads(fastjson.log_line(event_dict))
-        event_dict.pop("hash", None)
-        with self._lock:
-            self._seq += 1
-            event_dict["seq"] = self._seq
-            event_dict["prev_hash"] = self._prev
-            # The renderer scrubs secret values from the line; hash what it will write.
-            text = redaction.scrub(canonical_text(event_dict))
-            self._prev = event_dict["hash"] = hash_text(text)
-        return event_dict
+    def __call__(self, _: WrappedLogger, __: str, event_dict: EventDict) -> str:
+        for key in CHAIN_FIELDS:
+            event_dict.pop(key, None)  # the chain's, never a caller's
+        seq = self._seq + 1
+        event_dict[Fields.SEQ] = seq
+        event_dict[Fields.PREV_HASH] = self._prev
+        line = _render_line(event_dict)
+        digest = hash_text(canonical_text(_read_back(line)))
+        # Only now: a record that could not be rendered leaves no gap in the chain.
+        self._seq, self._prev = seq, digest
+        # The line ends with the object's "}"; seq makes it non-empty, so a comma is right.
+        return f'{line[:-1]},"{Fields.HASH}":"{digest}"}}'
 
 
-def _has_non_str_keys(value: Any) -> bool:
-    items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
-    for key, item in items:
-        if isinstance(value, dict) and not isinstance(key, str):
-            return True
-        if isinstance(item, _CONTAINERS) and _has_non_str_keys(item):
-            return True
-    return False
+def _read_back(line: str) -> dict[str, Any]:
+    """``line`` as a reader parses it (:func:`gateway.fastjson.loads`, exact)."""
+    try:
+        parsed = fastjson.loads(line.encode("utf-8"))
+    except ValueError:  # UnicodeEncodeError too
+        parsed = None
+    if isinstance(parsed, dict):
+        return parsed
+    # Not JSON after scrubbing (a secret value that cut an escape in two): readers report
+    # the line as malformed whatever it carries, so any hash will do; this one is defined.
+    return {"unparsed_line": line}
 
 
-_CONTAINERS: Final = (dict, list, tuple)
 _NESTED: Final = (dict, list)
-
-
-_chain = _HashChain()
-# One AuditLog write at a time, so that seq order is file order.
-_write_lock = threading.Lock()
 
 
 def _redact_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
@@ -155,7 +193,7 @@ def _redact_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
 #: Audit record fields the schema types as scalars (str, int, float, bool or null): no
 #: nested value and no sensitive name among them, so the audit processors search only
 #: the others (``metadata``, ``warnings`` and any field of a non-call event).
-_SCALAR_AUDIT_FIELDS: Final = frozenset(AUDIT_FIELDS) - {"metadata", "warnings"}
+_SCALAR_AUDIT_FIELDS: Final = frozenset(AUDIT_FIELDS) - {Fields.METADATA, Fields.WARNINGS}
 
 
 def _redact_audit_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
@@ -173,71 +211,38 @@ def _redact_fields(event_dict: EventDict, keys: Iterable[str]) -> None:
             event_dict[key] = redaction.redact_value(value)
 
 
-def _render(_: WrappedLogger, __: str, event_dict: EventDict) -> str:
+def _render_line(event_dict: EventDict) -> str:
     return redaction.scrub(fastjson.log_line(event_dict))
 
 
-# Fixed once: cached loggers keep this list, so the switches live in _sink / _chain.
+def _render(_: WrappedLogger, __: str, event_dict: EventDict) -> str:
+    return _render_line(event_dict)
+
+
+_TIMESTAMPER: Final = structlog.processors.TimeStamper(fmt="iso", utc=True, key=Fields.TIMESTAMP)
+_EXCEPTIONS: Final = structlog.processors.ExceptionRenderer(
+    ExceptionDictTransformer(show_locals=False)
+)
+# Fixed once: cached loggers keep this list, so the switch lives in _ops_sink.
 _PROCESSORS: Final[list[Any]] = [
     structlog.contextvars.merge_contextvars,
     structlog.processors.add_log_level,
-    structlog.processors.TimeStamper(fmt="iso", utc=True, key="timestamp"),
+    _TIMESTAMPER,
     _redact_keys,
-    structlog.processors.ExceptionRenderer(ExceptionDictTransformer(show_locals=False)),
-    _chain,
+    _EXCEPTIONS,
     _render,
 ]
-#: Audit records have a fixed schema (gateway.audit.schema): no context variables are
-#: merged into them, and only the fields that may nest are searched for sensitive keys.
-_AUDIT_PROCESSORS: Final[list[Any]] = [
-    p if p is not _redact_keys else _redact_audit_keys for p in _PROCESSORS[1:]
-]
 
 
-def configure(stream: IO[str] | None = None, *, level: str = "info", chain: bool = False) -> None:
-    """Route every log line and audit record to ``stream`` (default stdout).
-
-    ``level`` filters operational lines only. ``chain`` turns on the audit hash chain
-    (a new chain starts, seq 1). Safe to call again.
-    """
-    target = stream if stream is not None else sys.stdout
-    _sink.to_stream(target)
-    _audit_sink.to_stream(target)
-    _apply(level, chain)
-
-
-def configure_from_spec(
-    spec: AuditSpec, stream: IO[str] | None = None, *, level: str = "info"
-) -> None:
-    """Configure from the policy's ``audit:`` block.
-
-    Operational lines go to ``stream`` (default stdout). Audit records go there too with
-    ``sink: stdout``; with ``sink: file`` they are appended to ``spec.path`` and rotated
-    by size (as stdlib ``RotatingFileHandler`` does: past ``max_bytes`` the file becomes
-    ``path.1``, older ones shift up to ``path.<backup_count>``; no ``max_bytes``: never
-    rotated). ``spec.chain`` turns on the hash chain (a new chain starts). Raises
-    ``OSError`` if the file cannot be opened.
-    """
-    target = stream if stream is not None else sys.stdout
-    _sink.to_stream(target)
-    if spec.sink == "file" and spec.path:
-        _audit_sink.to_file(spec.path, spec.max_bytes or 0, spec.backup_count)
-    else:
-        _audit_sink.to_stream(target)
-    _apply(level, spec.chain)
-
-
-def close() -> None:
-    """Close the audit file, if any (at shutdown); later records go to stdout."""
-    _audit_sink.to_stream(sys.stdout)
-
-
-def _apply(level: str, chain: bool) -> None:
-    _chain.reset(enabled=chain)
+def configure_logging(stream: IO[str] | None = None, *, level: str = "info") -> None:
+    """Route operational lines (:func:`get_logger`) of the whole process to ``stream``
+    (default stdout); ``level`` filters them. Audit records are not affected (each
+    :class:`AuditLog` has its own sink). Safe to call again."""
+    _ops_sink.to_stream(stream if stream is not None else sys.stdout)
     structlog.configure(
         processors=_PROCESSORS,
         wrapper_class=structlog.make_filtering_bound_logger(level.upper()),
-        logger_factory=lambda *_: _sink,
+        logger_factory=lambda *_: _ops_sink,
         cache_logger_on_first_use=True,
     )
 
@@ -248,25 +253,95 @@ def get_logger(name: str = "gateway") -> Any:
 
 
 class AuditLog:
-    """Writes audit records. ``call(record)`` writes the canonical per-call record."""
+    """The audit trail of one sidecar start: its sink, its ``sidecar_id``, its hash chain.
 
-    def __init__(self, agent_id: str) -> None:
+    ``spec`` is the policy's ``audit:`` block: with ``sink: stdout`` records go to
+    ``stream`` (default stdout, not closed here); with ``sink: file`` they are appended to
+    ``spec.path`` and rotated by size (as stdlib ``RotatingFileHandler`` does: past
+    ``max_bytes`` the file becomes ``path.1``, older ones shift up to
+    ``path.<backup_count>``; no ``max_bytes``: never rotated). ``spec.chain`` turns on
+    the hash chain (seq 1 at construction). ``agent_id`` goes into events;
+    ``sidecar_id`` defaults to :func:`new_sidecar_id`. Raises ``OSError`` if the file
+    cannot be opened.
+
+    ``call(record)`` writes the canonical per-call record, ``event(name, ...)`` any other
+    audit event; neither raises for an I/O error (reported on stderr). :meth:`close` (or
+    ``await aclose()``, or ``async with``) closes the file, once; records written after
+    it go to stdout, never lost and never into a reopened file.
+    """
+
+    def __init__(
+        self,
+        spec: AuditSpec,
+        stream: IO[str] | None = None,
+        *,
+        agent_id: str,
+        sidecar_id: str | None = None,
+    ) -> None:
         self.agent_id = agent_id
+        self.sidecar_id = sidecar_id or new_sidecar_id()
+        self._sink = _Sink(stream if stream is not None else sys.stdout)
+        # One write at a time, so that seq order is file order.
+        self._lock = threading.Lock()
+        link = None
+        if spec.sink == "file" and spec.path:
+            if spec.chain:
+                link = _file_link(spec.path)  # before the sink may add a newline to it
+            self._sink.to_file(spec.path, spec.max_bytes or 0, spec.backup_count)
+        last = _HashChain(link) if spec.chain else _render
+        # Audit records have a fixed schema (gateway.audit.schema): no context variables
+        # are merged into them, and only the fields that may nest are searched for
+        # sensitive keys.
         self._log = structlog.wrap_logger(
-            _audit_sink,
-            processors=_AUDIT_PROCESSORS,
+            self._sink,
+            processors=[
+                structlog.processors.add_log_level,
+                _TIMESTAMPER,
+                _redact_audit_keys,
+                _EXCEPTIONS,
+                last,
+            ],
             wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         )
+        if link is not None:
+            self.event(
+                CHAIN_CONTINUED_EVENT, **{PREV_SIDECAR_ID: link.sidecar_id, PREV_SEQ: link.seq}
+            )
 
     def call(self, record: MutableMapping[str, Any]) -> None:
         """Write one call record. ``record`` holds the call fields of ``AuditRecord``."""
-        record["audit_schema"] = AUDIT_SCHEMA_VERSION
-        record["sidecar_id"] = SIDECAR_ID
-        level = "info" if record.get("success") else "warning"
-        with _write_lock:
+        record[Fields.AUDIT_SCHEMA] = AUDIT_SCHEMA_VERSION
+        record[Fields.SIDECAR_ID] = self.sidecar_id
+        level = "info" if record.get(Fields.SUCCESS) else "warning"
+        with self._lock:
             getattr(self._log, level)(CALL_EVENT, **record)
 
     def event(self, name: str, **fields: Any) -> None:
-        """Write an audit event that is not a call (breaker state, policy reload...)."""
-        with _write_lock:
-            self._log.info(name, sidecar_id=SIDECAR_ID, agent_id=self.agent_id, **fields)
+        """Write an audit event that is not a call (breaker state, policy reload...).
+
+        ``agent_id`` defaults to this log's."""
+        record = {Fields.SIDECAR_ID: self.sidecar_id, Fields.AGENT_ID: self.agent_id, **fields}
+        record[Fields.SIDECAR_ID] = self.sidecar_id
+        with self._lock:
+            self._log.info(name, **record)
+
+    def close(self) -> None:
+        """Close the audit file, if any (idempotent); later records go to stdout."""
+        with self._lock:
+            if self._sink.handler is not None:
+                self._sink.to_stream(sys.stdout)
+
+    async def aclose(self) -> None:
+        """:meth:`close`, for an ``AsyncExitStack``."""
+        self.close()
+
+    async def __aenter__(self) -> AuditLog:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,9 +1,11 @@
 """The audit record: one JSON line per outbound call (schema version 1).
 
 This is the documented, versioned shape operators audit (see ``docs/audit.md``). Field
-names are defined once here; the writer (:mod:`gateway.audit`) and the query tool import
-them. Fields may be added in a minor change; a renamed or removed field bumps
-``AUDIT_SCHEMA_VERSION``.
+names and event names are defined once here: :class:`Fields` holds the names the
+writers use (the record builder :mod:`gateway.call.record` and :mod:`gateway.audit.log`;
+a test checks that they are exactly :class:`AuditRecord`'s fields), and the query tool
+imports them too. Fields may be added in a minor change; a renamed or removed field
+bumps ``AUDIT_SCHEMA_VERSION``.
 
 Units: ``*_ms`` are milliseconds (float), ``*_bytes`` bytes, token counts are integers,
 ``timestamp`` is ISO 8601 in UTC with a ``Z`` suffix, the time the call finished.
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 AUDIT_SCHEMA_VERSION: Final = 1
 CALL_EVENT: Final = "egress_call"
 BREAKER_EVENT: Final = "breaker_state_change"
+POLICY_RELOAD_EVENT: Final = "policy_reload"
 
 #: ``prev_hash`` of the first record of a chain (``seq`` 1): 64 zero hex digits.
 GENESIS_HASH: Final = "0" * 64
@@ -69,10 +72,74 @@ class AuditRecord(BaseModel):
     metadata: dict[str, Any]
     # W3C traceparent sent upstream (trace-id and this call's parent-id); added in 1.x.
     traceparent: str | None = None
-    # Present only with audit.chain: true (tamper evidence, per sidecar).
+    # The sidecar's own request line and answer status, for an answer given before the
+    # envelope was read (unknown route, method not allowed, body too large or
+    # unreadable); null otherwise. Added in 1.x.
+    http_method: str | None = None
+    http_path: str | None = None  # percent-encoded as received, without the query
+    http_status: int | None = None
+    # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
     hash: str | None = None
+
+
+class Fields:
+    """The audit record's field names (:class:`AuditRecord`), for the code that writes
+    records: a misspelt name is then an error for mypy, not a silent new key."""
+
+    AUDIT_SCHEMA: Final = "audit_schema"
+    EVENT: Final = "event"
+    TIMESTAMP: Final = "timestamp"
+    LEVEL: Final = "level"
+    SIDECAR_ID: Final = "sidecar_id"
+    AGENT_ID: Final = "agent_id"
+    TRACE_ID: Final = "trace_id"
+    CORRELATION_ID: Final = "correlation_id"
+    TARGET_SYSTEM: Final = "target_system"
+    ENDPOINT: Final = "endpoint"
+    METHOD: Final = "method"
+    UPSTREAM: Final = "upstream"
+    DECISION: Final = "decision"
+    SUCCESS: Final = "success"
+    STATUS_CODE: Final = "status_code"
+    ERROR_CODE: Final = "error_code"
+    RETRYABLE: Final = "retryable"
+    ATTEMPTS: Final = "attempts"
+    LATENCY_MS: Final = "latency_ms"
+    UPSTREAM_LATENCY_MS: Final = "upstream_latency_ms"
+    TOKENS_USED: Final = "tokens_used"
+    TOKENS_INPUT: Final = "tokens_input"
+    TOKENS_OUTPUT: Final = "tokens_output"
+    TOKENS_CACHED: Final = "tokens_cached"
+    REQUEST_BYTES: Final = "request_bytes"
+    REQUEST_SHA256: Final = "request_sha256"
+    RESPONSE_BYTES: Final = "response_bytes"
+    API_KEY_REF: Final = "api_key_ref"
+    RATE_LIMIT_GROUP: Final = "rate_limit_group"
+    RATE_LIMIT_WAIT_MS: Final = "rate_limit_wait_ms"
+    IDEMPOTENCY_KEY: Final = "idempotency_key"
+    REPLAYED: Final = "replayed"
+    WARNINGS: Final = "warnings"
+    METADATA: Final = "metadata"
+    TRACEPARENT: Final = "traceparent"
+    HTTP_METHOD: Final = "http_method"
+    HTTP_PATH: Final = "http_path"
+    HTTP_STATUS: Final = "http_status"
+    SEQ: Final = "seq"
+    PREV_HASH: Final = "prev_hash"
+    HASH: Final = "hash"
+
+
+#: The first record of a chained start that continues the chain its audit file ended
+#: with (``sink: file``): ``seq`` 1, ``prev_hash`` the hash of that file's last record,
+#: and whose record that is: :data:`PREV_SIDECAR_ID` and :data:`PREV_SEQ`.
+CHAIN_CONTINUED_EVENT: Final = "audit_chain_continued"
+PREV_SIDECAR_ID: Final = "prev_sidecar_id"
+PREV_SEQ: Final = "prev_seq"
+
+#: The chain's own fields: set by the writer, never taken from a caller's record.
+CHAIN_FIELDS: Final = (Fields.SEQ, Fields.PREV_HASH, Fields.HASH)
 
 
 AUDIT_FIELDS: Final = tuple(AuditRecord.model_fields)
@@ -86,7 +153,7 @@ def canonical_text(record: Mapping[str, Any]) -> str:
     ``json.dumps(..., sort_keys=True, separators=(",", ":"), ensure_ascii=True,
     default=str)``. A record parsed back from its JSON line gives the same text.
     """
-    body = {k: v for k, v in record.items() if k != "hash"}
+    body = {k: v for k, v in record.items() if k != Fields.HASH}
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
 
 

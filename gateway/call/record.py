@@ -1,8 +1,10 @@
 """One call's context and its audit record (pure: no I/O, no structlog).
 
 :class:`CallContext` collects what a call learned on its way through the pipeline;
-:func:`audit_record` turns it into the canonical audit record (fields:
-:mod:`gateway.audit.schema`), and :func:`observe` into metrics.
+:func:`audit_record` turns it into the canonical audit record (field names:
+:class:`gateway.audit.schema.Fields`), :func:`refusal_record` gives the record of an
+answer the server gave before the envelope was read, and :func:`observe` counts a call
+in metrics.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gateway.audit.schema import Fields as F
 from gateway.call.attempts import AttemptLog
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
 from gateway.metrics import Metrics, Outcome
@@ -17,9 +20,17 @@ from gateway.policy import CompiledTarget
 from gateway.policy.egress import origin_label
 from gateway.providers import TokenUsage
 
-#: Envelope fields copied into the audit record, even from an envelope that failed
-#: validation (as strings, cut to 256 characters).
-CLAIMED: Final = ("trace_id", "correlation_id", "target_system", "endpoint", "method", "agent_id")
+#: Envelope fields copied into the audit record (under the same names), even from an
+#: envelope that failed validation (as strings, cut to CLAIM_LIMIT characters).
+CLAIMED: Final = (
+    F.TRACE_ID,
+    F.CORRELATION_ID,
+    F.TARGET_SYSTEM,
+    F.ENDPOINT,
+    F.METHOD,
+    F.AGENT_ID,
+)
+CLAIM_LIMIT: Final = 256
 
 
 @dataclass(slots=True)
@@ -54,39 +65,62 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
     if error is not None and error.code is ErrorCode.EGRESS_DENIED:
         warnings.append(f"egress denied: {error.message}")  # the destination, for auditors
     return {
-        "agent_id": ctx.agent_id if request else ids.get("agent_id") or ctx.agent_id,
-        "trace_id": ids.get("trace_id"),
-        "correlation_id": ids.get("correlation_id"),
-        "target_system": ids.get("target_system"),
-        "endpoint": ids.get("endpoint"),
-        "method": ids.get("method"),
-        "upstream": origin_label(target.base_url) if target else None,
-        "decision": "replayed" if ctx.replayed else ctx.decision,
-        "success": response.success,
-        "status_code": response.status_code,
-        "error_code": error.code.value if error else None,
-        "retryable": error.retryable if error else None,
-        "attempts": log.attempts,
-        "latency_ms": response.latency_ms,
-        "upstream_latency_ms": (
+        F.AGENT_ID: ctx.agent_id if request else ids.get(F.AGENT_ID) or ctx.agent_id,
+        F.TRACE_ID: ids.get(F.TRACE_ID),
+        F.CORRELATION_ID: ids.get(F.CORRELATION_ID),
+        F.TARGET_SYSTEM: ids.get(F.TARGET_SYSTEM),
+        F.ENDPOINT: ids.get(F.ENDPOINT),
+        F.METHOD: ids.get(F.METHOD),
+        F.UPSTREAM: origin_label(target.base_url) if target else None,
+        F.DECISION: "replayed" if ctx.replayed else ctx.decision,
+        F.SUCCESS: response.success,
+        F.STATUS_CODE: response.status_code,
+        F.ERROR_CODE: error.code.value if error else None,
+        F.RETRYABLE: error.retryable if error else None,
+        F.ATTEMPTS: log.attempts,
+        F.LATENCY_MS: response.latency_ms,
+        F.UPSTREAM_LATENCY_MS: (
             round(log.upstream_latency_s * 1000, 3) if log.upstream_latency_s is not None else None
         ),
-        "tokens_used": usage.total if usage else None,
-        "tokens_input": usage.input if usage else None,
-        "tokens_output": usage.output if usage else None,
-        "tokens_cached": usage.cached if usage else None,
-        "request_bytes": ctx.request_bytes,
-        "request_sha256": ctx.request_sha256,
-        "response_bytes": log.response_bytes,
-        "api_key_ref": ctx.api_key_ref,
-        "rate_limit_group": ctx.rate_limit_group,
-        "rate_limit_wait_ms": round(log.rate_limit_wait_s * 1000, 3),
-        "idempotency_key": ctx.idempotency_key,
-        "replayed": ctx.replayed,
-        "warnings": warnings,
-        "metadata": request.metadata if request else {},
-        "traceparent": ctx.traceparent,
+        F.TOKENS_USED: usage.total if usage else None,
+        F.TOKENS_INPUT: usage.input if usage else None,
+        F.TOKENS_OUTPUT: usage.output if usage else None,
+        F.TOKENS_CACHED: usage.cached if usage else None,
+        F.REQUEST_BYTES: ctx.request_bytes,
+        F.REQUEST_SHA256: ctx.request_sha256,
+        F.RESPONSE_BYTES: log.response_bytes,
+        F.API_KEY_REF: ctx.api_key_ref,
+        F.RATE_LIMIT_GROUP: ctx.rate_limit_group,
+        F.RATE_LIMIT_WAIT_MS: round(log.rate_limit_wait_s * 1000, 3),
+        F.IDEMPOTENCY_KEY: ctx.idempotency_key,
+        F.REPLAYED: ctx.replayed,
+        F.WARNINGS: warnings,
+        F.METADATA: request.metadata if request else {},
+        F.TRACEPARENT: ctx.traceparent,
+        # Set by refusal_record only: the pipeline's calls came in as POST /v1/calls.
+        F.HTTP_METHOD: None,
+        F.HTTP_PATH: None,
+        F.HTTP_STATUS: None,
     }
+
+
+def refusal_record(
+    agent_id: str,
+    response: ExternalCallResponse,
+    *,
+    http_method: str,
+    http_path: str,
+    http_status: int,
+) -> dict[str, Any]:
+    """The audit record of an answer given before the envelope was read (an unknown
+    route, a method not allowed, a body too large or unreadable): decision ``invalid``,
+    the answer's error code, the sidecar's own request line (``http_path`` without its
+    query, both cut to 256 characters) and ``http_status``; nothing of the body."""
+    record = audit_record(CallContext(started=0.0, agent_id=agent_id), response)
+    record[F.HTTP_METHOD] = http_method[:CLAIM_LIMIT]
+    record[F.HTTP_PATH] = http_path[:CLAIM_LIMIT]
+    record[F.HTTP_STATUS] = http_status
+    return record
 
 
 def observe(metrics: Metrics, ctx: CallContext, response: ExternalCallResponse) -> None:

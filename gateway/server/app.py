@@ -24,6 +24,7 @@ from aiohttp import web
 
 from gateway import redaction
 from gateway.audit import get_logger
+from gateway.call.record import refusal_record
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
 from gateway.server.eventloop import loop_name
@@ -31,6 +32,8 @@ from gateway.server.reload import PolicyWatcher
 from gateway.server.runtime import Gateway
 
 GATEWAY_KEY: Final = web.AppKey("gateway", Gateway)
+#: Set on the calls application: its refusals are audited (the ops listener's are not).
+AUDITED_KEY: Final = web.AppKey("audited", bool)
 CALLS_PATH: Final = "/v1/calls"
 _log = get_logger("gateway.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -47,10 +50,22 @@ def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
     return web.Response(status=status, body=body, content_type="application/json")
 
 
-def _error_answer(exc: GatewayError, started: float) -> web.Response:
-    return _json_answer(
-        exc.http_status, error_response(exc, latency_ms=(time.monotonic() - started) * 1000)
-    )
+def _error_answer(exc: GatewayError, started: float, request: web.Request) -> web.Response:
+    """The answer to a request refused here, before the pipeline (which audits its own
+    answers): on the calls listener it gets its one audit record."""
+    response = error_response(exc, latency_ms=(time.monotonic() - started) * 1000)
+    gateway = request.app[GATEWAY_KEY]
+    if request.app.get(AUDITED_KEY) and gateway.audit is not None:
+        gateway.audit.call(
+            refusal_record(
+                gateway.policy.policy.agent_id,
+                response,
+                http_method=request.method,
+                http_path=request.rel_url.raw_path,
+                http_status=exc.http_status,
+            )
+        )
+    return _json_answer(exc.http_status, response)
 
 
 @web.middleware
@@ -68,7 +83,7 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
             details={"reason": "route", "http_status": exc.status},
             http_status=exc.status,
         )
-        return _error_answer(code_exc, started)
+        return _error_answer(code_exc, started, request)
 
 
 async def _calls(request: web.Request) -> web.Response:
@@ -84,10 +99,10 @@ async def _calls(request: web.Request) -> web.Response:
             raise _too_large(None, limit) from None
         status, response = await gateway.call(body)
     except GatewayError as exc:
-        return _error_answer(exc, started)
+        return _error_answer(exc, started, request)
     except Exception:  # noqa: BLE001 - the answer must be JSON whatever broke
         _log.exception("handler_error")
-        return _error_answer(InternalError("the sidecar failed unexpectedly"), started)
+        return _error_answer(InternalError("the sidecar failed unexpectedly"), started, request)
     return _json_answer(status, response)
 
 
@@ -127,6 +142,7 @@ def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> web.Applic
         middlewares=[_json_errors],
     )
     app[GATEWAY_KEY] = gateway
+    app[AUDITED_KEY] = True
     app.router.add_post(CALLS_PATH, _calls)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)

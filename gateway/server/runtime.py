@@ -84,9 +84,9 @@ class Gateway:
         """
         policy = self.policy.policy
         async with contextlib.AsyncExitStack() as stack:
-            audit.configure_from_spec(policy.audit, self._log_stream)
-            stack.callback(audit.close)
-            self.audit = audit.AuditLog(policy.agent_id)
+            audit.configure_logging(self._log_stream)
+            self.audit = audit.AuditLog(policy.audit, self._log_stream, agent_id=policy.agent_id)
+            stack.push_async_callback(self.audit.aclose)
             upstream = Upstream(
                 policy.egress,
                 max_response_bytes=policy.server.max_response_bytes,

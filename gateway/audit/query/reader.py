@@ -5,9 +5,11 @@ not a JSON object is reported through ``on_malformed`` with its source and line 
 (1-based) and skipped; blank lines are skipped silently. gzip input is recognised by its
 magic bytes (RFC 1952), whatever the file is called.
 
-Lines are parsed by :mod:`gateway.fastjson` (orjson when installed); lines orjson refuses
-(``NaN``, integers past 64 bits) are retried with the stdlib so that both give the same
-records.
+Lines are parsed by :mod:`gateway.fastjson` (orjson when installed) exactly as the stdlib
+parses them: lines orjson refuses (``NaN``, lone surrogates) or would read otherwise
+(integers past 64 bits) are read by the stdlib, so that both give the same records.
+Only ``records(..., exact=False)`` (``summary``: sums and percentiles) takes orjson's
+reading of an integer past 64 bits, a float.
 """
 
 from __future__ import annotations
@@ -129,12 +131,14 @@ def records(
     on_malformed: OnMalformed = _ignore,
     *,
     stdin: IO[bytes] | None = None,
+    exact: bool = True,
 ) -> Iterator[Record]:
     """Every record of ``sources``, in order (see :func:`entries`).
 
-    The hot path of ``summary``: one generator, the fast parser called directly.
+    The hot path of ``summary``: one generator, the parser called directly; with
+    ``exact=False`` the fastest (:data:`gateway.fastjson.loads_fast`).
     """
-    fast = fastjson.loads_fast
+    fast = fastjson.loads if exact else fastjson.loads_fast
     for source in sources:
         name = "<stdin>" if source == STDIN else source
         with open_source(source, stdin) as stream:

@@ -1,17 +1,21 @@
 """Verification of the audit hash chain (``audit.chain: true``) over one or more files.
 
-Each chained record carries ``seq`` (1, 2, ... per sidecar process), ``prev_hash`` (the
+Each chained record carries ``seq`` (1, 2, ... per sidecar start), ``prev_hash`` (the
 previous record's ``hash``; 64 zeros for seq 1) and ``hash`` (SHA-256 of
-:func:`gateway.audit.schema.canonical_text` of the record without ``hash``). Chains are
-followed per ``sidecar_id``, so logs of several sidecars may be interleaved; files are
-read in the order given (rotated files oldest first: ``audit.log.2 audit.log.1
+:func:`gateway.audit.schema.canonical_text` of the record without ``hash``, as parsed
+back from its line, exactly: :func:`gateway.fastjson.loads`). Chains are followed per
+``sidecar_id`` (unique per start), so logs of several sidecars may be interleaved; files
+are read in the order given (rotated files oldest first: ``audit.log.2 audit.log.1
 audit.log``). A record with ``seq`` 1 and the genesis ``prev_hash`` starts a new chain
-(a restart).
+(a start with nothing to continue); an ``audit_chain_continued`` event with ``seq`` 1
+starts a chain that continues the record it names (``prev_sidecar_id``, ``prev_seq``,
+``prev_hash``): the last record of the audit file when that start opened it.
 
 Reported as breaks, each with file and line: a line that is not JSON; a record whose
 ``hash`` does not match its content (edited); a ``seq`` that skips (records missing) or
 goes back; a ``prev_hash`` that is not the previous record's ``hash`` (the previous
-record was replaced); a record of a chained sidecar without chain fields. What a plain
+record was replaced); a record of a chained sidecar without chain fields; a start that
+continues a record missing from before it (records cut before a restart). What a plain
 hash chain cannot show: records cut from the very start or end of the log, or a log
 rewritten wholesale with new hashes; keep the latest ``hash`` elsewhere to catch those.
 """
@@ -23,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from gateway.audit.query.reader import Malformed, entries
-from gateway.audit.schema import GENESIS_HASH, record_hash
+from gateway.audit.schema import (
+    CHAIN_CONTINUED_EVENT,
+    GENESIS_HASH,
+    PREV_SEQ,
+    PREV_SIDECAR_ID,
+    Fields,
+    record_hash,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +98,11 @@ def verify(sources: Iterable[str], *, stdin: IO[bytes] | None = None) -> Verific
         result.breaks.append(Break(bad.source, bad.line, None, bad.reason))
 
     for source, line, record in entries(sources, malformed, stdin=stdin):
-        sidecar = record.get("sidecar_id")
+        sidecar = record.get(Fields.SIDECAR_ID)
         if not isinstance(sidecar, str):
             result.unchained += 1  # an operational log line, not an audit record
             continue
-        seq, prev, stored = record.get("seq"), record.get("prev_hash"), record.get("hash")
+        seq, prev, stored = (record.get(k) for k in (Fields.SEQ, Fields.PREV_HASH, Fields.HASH))
         where = f"{source}:{line}"
         if seq is None and prev is None and stored is None:
             result.unchained += 1
@@ -104,7 +115,10 @@ def verify(sources: Iterable[str], *, stdin: IO[bytes] | None = None) -> Verific
             result.breaks.append(Break(source, line, None, "chain fields missing or mistyped"))
             continue
         result.chained += 1
-        problem = _link_problem(seq, prev, last.get(sidecar), result, sidecar, where)
+        if seq == 1 and record.get(Fields.EVENT) == CHAIN_CONTINUED_EVENT:
+            problem = _continued_problem(record, prev, last, result, where)
+        else:
+            problem = _link_problem(seq, prev, last.get(sidecar), result, sidecar, where)
         if problem:
             result.breaks.append(Break(source, line, seq, problem))
         if record_hash(record) != stored:
@@ -137,4 +151,37 @@ def _link_problem(
         return f"seq does not follow {before.seq} ({before.where}): record moved or repeated"
     if prev != before.hash:
         return f"prev_hash is not the hash of seq {before.seq} ({before.where}): record replaced"
+    return None
+
+
+def _continued_problem(
+    record: dict[str, Any], prev: str, last: dict[str, _Link], result: Verification, where: str
+) -> str | None:
+    """A start that continued its audit file's chain: is the record it names, which was
+    that file's last record then, still the last record of its chain before it?"""
+    result.chains += 1
+    of, at = record.get(PREV_SIDECAR_ID), record.get(PREV_SEQ)
+    if not (isinstance(of, str) and type(at) is int):
+        return "chain fields missing or mistyped"
+    before = last.get(of)
+    if before is None:
+        result.notes.append(
+            f"{where}: this start continues the chain of {of} at seq {at}: "
+            "those records not given (rotated away?), not verified"
+        )
+        return None
+    if before.seq < at:
+        return (
+            f"records cut before this start: the chain of {of} ends at seq {before.seq} "
+            f"({before.where}), this start continues it at seq {at}: "
+            f"{at - before.seq} record(s) missing"
+        )
+    if before.seq > at:
+        result.notes.append(
+            f"{where}: the chain of {of} went on past seq {at} ({before.where}) after this "
+            "start continued it (two sidecars writing one file?)"
+        )
+        return None
+    if prev != before.hash:
+        return f"prev_hash is not the hash of seq {at} of {of} ({before.where}): record replaced"
     return None
