@@ -3,7 +3,9 @@
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
 GATEWAY_URL (for ``call``), GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see
-:mod:`gateway.server.eventloop`). Exit codes: 0 success, 1 a failed check or call, 2 usage.
+:mod:`gateway.server.eventloop`), GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or
+``false``, over the policy's ``server.shutdown.accept_new_calls``). Exit codes: 0 success,
+1 a failed check or call, 2 usage.
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ def _env_int(name: str) -> int | None:
     return int(value) if value else None
 
 
+def _env_bool(name: str) -> bool | None:
+    """``true``/``false`` (any case) from the environment; None when unset or empty.
+    Raises ValueError naming the variable for anything else."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value not in ("true", "false"):
+        raise ValueError(f"{name} must be true or false, not {os.environ[name]!r}")
+    return value == "true"
+
+
 #: Cyclic GC thresholds while serving (gen0 allocations, gen1 and gen2 multipliers).
 GC_THRESHOLDS: Final = (50_000, 20, 20)
 
@@ -39,6 +52,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         eventloop.loop_factory(os.environ.get("GATEWAY_LOOP"))
+        accept_new_calls = _env_bool("GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS")
     except ValueError as exc:
         print(f"egress-gateway serve: {exc}", file=sys.stderr)
         return 2
@@ -68,6 +82,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             port=port if port is not None else server.port,
             ops_host=args.ops_host or os.environ.get("GATEWAY_OPS_HOST") or server.ops_host,
             ops_port=ops_port if ops_port is not None else server.ops_port,
+            accept_new_calls=accept_new_calls,
         ),
         os.environ.get("GATEWAY_LOOP"),
     )

@@ -8,7 +8,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -50,20 +50,21 @@ class Process:
         python_flags: Sequence[str] = (),
         stderr: IO[bytes] | None = None,
         drop_env: Collection[str] = (),
+        env: Mapping[str, str] | None = None,
         timeout_s: float = 20,
     ) -> Process:
         """``python [python_flags] -m gateway serve`` on ephemeral ports, without the
-        caller's ``GATEWAY_*`` variables (and ``drop_env``); returned once it listens, or
-        once it exited (then ``calls_url`` is empty)."""
-        env = {
+        caller's ``GATEWAY_*`` variables (and ``drop_env``) but with ``env``; returned once
+        it listens, or once it exited (then ``calls_url`` is empty)."""
+        environ = {
             k: v
             for k, v in os.environ.items()
             if not k.startswith("GATEWAY_") and k not in drop_env
-        }
+        } | dict(env or {})
         proc = await asyncio.create_subprocess_exec(
             sys.executable, *python_flags, "-m", "gateway", "serve",
             "--policy", str(policy_path), "--port", "0", "--ops-port", "0",
-            cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=stderr,
+            cwd=ROOT, env=environ, stdout=asyncio.subprocess.PIPE, stderr=stderr,
         )  # fmt: skip
         process = cls(proc)
         await wait_for(lambda: bool(process.calls_url) or proc.returncode is not None, timeout_s)

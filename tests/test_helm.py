@@ -218,6 +218,9 @@ def test_default_sidecar_is_a_regular_container(chart: helm.Chart) -> None:
     assert [c["name"] for c in spec["containers"]] == ["agent", "egress-gateway"]
     assert "initContainers" not in spec
     assert "restartPolicy" not in sidecar(spec)
+    # SIGTERM reaches the agent at the same moment: the policy's server.shutdown decides
+    # (new calls served while draining, by default).
+    assert "GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS" not in env_of(sidecar(spec))
 
 
 def test_native_sidecar_is_an_always_restarting_init_container(chart: helm.Chart) -> None:
@@ -225,6 +228,8 @@ def test_native_sidecar_is_an_always_restarting_init_container(chart: helm.Chart
     assert [c["name"] for c in spec["containers"]] == ["agent"]
     assert [c["name"] for c in spec["initContainers"]] == ["egress-gateway"]
     assert spec["initContainers"][0]["restartPolicy"] == "Always"
+    # Stopped after the agent has exited: nothing is left to send a new call.
+    assert env_of(sidecar(spec))["GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS"] == "false"
 
 
 def test_no_service_account_token_without_vault_kubernetes_auth(chart: helm.Chart) -> None:
@@ -476,6 +481,7 @@ def test_an_agent_chart_includes_the_sidecar_through_the_named_templates(
     # Image tag from the dependency's appVersion, not the agent chart's.
     assert container["image"] == "egress-gateway:0.1.0"
     assert container["restartPolicy"] == "Always"
+    assert env_of(container)["GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS"] == "false"
     assert spec["terminationGracePeriodSeconds"] == 45
     # The volumes name the dependency's own ConfigMap and ServiceAccount.
     policy_volume = next(v for v in spec["volumes"] if v["name"] == "egress-gateway-policy")

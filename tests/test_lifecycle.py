@@ -51,6 +51,8 @@ async def _post(session: aiohttp.ClientSession, url: str, env: dict[str, Any]):
 
 
 async def test_sigterm_drains_then_answers_the_rest(upstream_factory, serve, tmp_path):
+    """Native-sidecar mode (``accept_new_calls: false``): new calls are refused at once.
+    With new calls accepted (the default), see tests/test_shutdown.py."""
     release_fast = asyncio.Event()
     never = asyncio.Event()
 
@@ -63,7 +65,8 @@ async def test_sigterm_drains_then_answers_the_rest(upstream_factory, serve, tmp
 
     up = await upstream_factory(handler)
     policy = tmp_path / "policy.yaml"
-    policy.write_text(policy_yaml({"inv": _target(up.url)}, server={"drain_s": 1.0}))
+    server = {"drain_s": 1.0, "shutdown": {"accept_new_calls": False}}
+    policy.write_text(policy_yaml({"inv": _target(up.url)}, server=server))
     sidecar = await serve(policy)
     async with aiohttp.ClientSession() as session:
         fast = asyncio.create_task(

@@ -31,6 +31,11 @@ DEFAULT_OPS_PORT: Final = 8182
 DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
 DEFAULT_DRAIN_S: Final = 20.0
+#: SIGTERM beside a live agent: keep serving new calls while draining (the chart's
+#: regular-container mode, where the agent gets SIGTERM at the same moment).
+DEFAULT_SHUTDOWN_ACCEPT_NEW_CALLS: Final = True
+#: Seconds with nothing in flight and no new call after which a draining sidecar exits.
+DEFAULT_SHUTDOWN_QUIET_S: Final = 1.0
 DEFAULT_RELOAD_INTERVAL_S: Final = 2.0
 DEFAULT_TARGET_TIMEOUT_S: Final = 30.0
 DEFAULT_RETRY_ON: Final = (429, 500, 502, 503, 504, 529, "timeout", "connect")
@@ -92,6 +97,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+class ShutdownSpec(_Strict):
+    """What the sidecar does between SIGTERM and its exit (README, "Graceful shutdown").
+
+    ``accept_new_calls``: during ``server.drain_s`` new calls are still served (readiness
+    is false all the same), for an agent that got SIGTERM at the same moment and needs
+    its last step to go out; false refuses them with SHUTTING_DOWN (retryable). The
+    environment variable ``GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS`` overrides it (the chart
+    sets it false for a native sidecar, which Kubernetes stops after the agent exited).
+    ``quiet_s``: with ``accept_new_calls``, the process exits once nothing has been in
+    flight and no call has arrived for this long (seconds), or when ``drain_s`` runs out.
+    """
+
+    accept_new_calls: bool = DEFAULT_SHUTDOWN_ACCEPT_NEW_CALLS
+    quiet_s: float = Field(DEFAULT_SHUTDOWN_QUIET_S, ge=0, le=60)
+
+
 class ServerSpec(_Strict):
     host: str = DEFAULT_HOST
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
@@ -102,6 +123,7 @@ class ServerSpec(_Strict):
     max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
     max_response_bytes: int = Field(DEFAULT_MAX_RESPONSE_BYTES, ge=1024)
     drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=3600)
+    shutdown: ShutdownSpec = Field(default_factory=ShutdownSpec)
     reload_interval_s: float = Field(DEFAULT_RELOAD_INTERVAL_S, ge=0, le=3600)  # 0: SIGHUP only
     debug: bool = False  # stack traces in UNKNOWN answers: development only
     # Bounds of the in-memory idempotency store (scope: local): completed answers are

@@ -176,12 +176,31 @@ async def serve(
     ops_host: str | None = None,
     ops_port: int | None = None,
     started: asyncio.Event | None = None,
+    accept_new_calls: bool | None = None,
 ) -> None:
-    """Run until SIGTERM or SIGINT, then drain for ``server.drain_s`` and stop."""
+    """Run until SIGTERM or SIGINT, then drain and stop (README, "Graceful shutdown").
+
+    Readiness turns false in the signal's own callback. New calls are then served while
+    draining when ``accept_new_calls`` (None: the policy's
+    ``server.shutdown.accept_new_calls``; the CLI passes
+    ``GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS``), refused with SHUTTING_DOWN otherwise. The
+    drain ends once nothing is in flight (and, when accepting, nothing arrived for
+    ``server.shutdown.quiet_s``), or after ``server.drain_s``; what still runs then is
+    cancelled and answered (:meth:`Gateway.drain`).
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    accept = accept_new_calls
+
+    def on_stop() -> None:
+        nonlocal accept
+        if accept is None:  # decided at the signal, under the policy then in force
+            accept = gateway.policy.policy.server.shutdown.accept_new_calls
+        gateway.begin_drain(accept_new_calls=accept)  # only the first signal counts
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop)
     watcher = PolicyWatcher(
         gateway.policy.source,
         gateway.reload,
@@ -222,10 +241,24 @@ async def serve(
         if started is not None:
             started.set()
         await stop.wait()
-        drain_s = gateway.policy.policy.server.drain_s
-        _log.info("draining", inflight=gateway.inflight, drain_s=drain_s)
-        cancelled = await gateway.drain(drain_s)
-        _log.info("drained", cancelled=cancelled)
+        server = gateway.policy.policy.server
+        began = time.monotonic()
+        _log.info(
+            "draining",
+            inflight=gateway.inflight,
+            drain_s=server.drain_s,
+            accept_new_calls=bool(accept),
+            quiet_s=server.shutdown.quiet_s,
+        )
+        cancelled = await gateway.drain(
+            server.drain_s, accept_new_calls=bool(accept), quiet_s=server.shutdown.quiet_s
+        )
+        _log.info(
+            "drained",
+            cancelled=cancelled,
+            served_while_draining=gateway.served_while_draining,
+            waited_s=round(time.monotonic() - began, 3),
+        )
     finally:
         await watcher.aclose()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

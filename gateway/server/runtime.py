@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import IO, TYPE_CHECKING, Any
 
 from gateway import audit
@@ -35,7 +36,7 @@ _log = audit.get_logger("gateway.runtime")
 
 def _server_hot_only(old: PolicySet, new: PolicySet) -> bool:
     """True if only the server keys that apply without a restart changed."""
-    hot = {"drain_s", "max_response_bytes", "debug"}
+    hot = {"drain_s", "shutdown", "max_response_bytes", "debug"}
     a, b = old.policy.server.model_dump(), new.policy.server.model_dump()
     return all(a[k] == b[k] for k in a if k not in hot)
 
@@ -69,7 +70,14 @@ class Gateway:
         self.redis: RedisClient | None = None
         self.cluster_limits: ClusterLimits | None = None
         self.metrics = Metrics()
+        #: Set at SIGTERM (:meth:`begin_drain`): readiness is false from then on.
         self.draining = False
+        #: While draining: new calls are still served (``server.shutdown.accept_new_calls``).
+        self._admitting = False
+        #: Calls admitted after draining began (logged when the drain ends).
+        self.served_while_draining = 0
+        #: time.monotonic() of the last change in the calls in flight (or of SIGTERM).
+        self._last_activity = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -232,17 +240,22 @@ class Gateway:
         The server runs each call in its request handler's task, which aiohttp does not
         cancel when the agent hangs up (``handler_cancellation`` off), so a call the
         agent gave up on still finishes, is audited and settles its idempotency key.
-        Raises :class:`ShuttingDown` once draining has begun.
+        Once draining has begun a call is answered SHUTTING_DOWN (audited), unless
+        :meth:`begin_drain` was told to accept new calls and the drain has not ended.
+        Raises :class:`ShuttingDown` before :meth:`start` or after :meth:`aclose`.
         """
         if self.pipeline is None:
             raise _refusal()
         if self.draining:
-            return await self.pipeline.handle(body, refuse=_refusal())
+            if not self._admitting:
+                return await self.pipeline.handle(body, refuse=_refusal())
+            self.served_while_draining += 1
         task = asyncio.current_task()
         if task is None:  # pragma: no cover - always called from a task
             raise RuntimeError("Gateway.call must run in an asyncio task")
         self._tasks.add(task)
         self._idle.clear()
+        self._last_activity = time.monotonic()
         inflight = self.metrics.inflight
         inflight.inc()
         try:
@@ -254,20 +267,49 @@ class Gateway:
     def _forget(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not self._tasks:
+            self._last_activity = time.monotonic()
             self._idle.set()
 
     @property
     def inflight(self) -> int:
         return len(self._tasks)
 
-    async def drain(self, timeout_s: float) -> int:
-        """Stop taking calls, wait up to ``timeout_s`` for those in flight, then cancel the
-        rest (they answer SHUTTING_DOWN, or OUTCOME_UNKNOWN if a non-idempotent request
-        was already with the upstream). Returns how many were cancelled."""
+    def begin_drain(self, *, accept_new_calls: bool = False) -> None:
+        """Start draining now (synchronous, so that a signal handler can call it):
+        readiness turns false at once; new calls are served with ``accept_new_calls``,
+        refused with SHUTTING_DOWN otherwise. Only the first call has an effect."""
+        if self.draining:
+            return
         self.draining = True
+        self._admitting = accept_new_calls
+        self._last_activity = time.monotonic()
+
+    async def drain(
+        self, timeout_s: float, *, accept_new_calls: bool = False, quiet_s: float = 0.0
+    ) -> int:
+        """Drain (see :meth:`begin_drain`, unless it was called already) and return once
+        nothing is in flight, or after ``timeout_s`` seconds, whichever comes first; then
+        cancel the calls still running (they answer SHUTTING_DOWN, or OUTCOME_UNKNOWN if
+        a non-idempotent request was already with the upstream; each is audited).
+
+        When new calls are accepted, "nothing in flight" must also have lasted
+        ``quiet_s`` seconds since the last call ended (or since draining began), so
+        that an agent stopping at the same moment can still send its last calls. Once
+        this returns every new call is refused. Returns how many calls were cancelled.
+        """
+        self.begin_drain(accept_new_calls=accept_new_calls)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()
+                while self._admitting:
+                    # The quiet period restarts whenever a call starts or the last ends.
+                    quiet_left = self._last_activity + quiet_s - time.monotonic()
+                    if quiet_left <= 0 and self._idle.is_set():
+                        break
+                    if quiet_left > 0:
+                        await asyncio.sleep(quiet_left)
+                    await self._idle.wait()
+        self._admitting = False  # the listeners close next: refuse what still arrives
         left = list(self._tasks)
         if left and self.pipeline is not None:
             self.pipeline.aborting = True

@@ -187,6 +187,13 @@ API binds 127.0.0.1 only and gets no containerPort; only the ops port is declare
       value: "0.0.0.0"
     - name: GATEWAY_OPS_PORT
       value: {{ $g.sidecar.opsPort | int | quote }}
+    {{- if $g.sidecar.native }}
+    {{- /* Stopped only after the agent has exited: no one is left to send a new call,
+    so the drain refuses them and ends as soon as nothing is in flight. As a regular
+    container the policy's server.shutdown.accept_new_calls (default true) applies. */}}
+    - name: GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS
+      value: "false"
+    {{- end }}
     {{- with $g.vault.address }}
     - name: VAULT_ADDR
       value: {{ . | quote }}
