@@ -21,7 +21,9 @@ PACKAGE = ROOT / "gateway"
 
 #: Third-party module -> the files that may import it (paths relative to the repository).
 OWNERS: dict[str, frozenset[str]] = {
-    "aiohttp": frozenset({"gateway/upstream.py", "gateway/server/app.py"}),
+    "aiohttp": frozenset(
+        {"gateway/upstream/client.py", "gateway/upstream/resolver.py", "gateway/server/app.py"}
+    ),
     "yarl": frozenset({"gateway/urls.py"}),
     "multidict": frozenset({"gateway/ratelimit/headers.py"}),
     # The modelling library of the contract, the policy and the audit schema, and the two

@@ -30,26 +30,22 @@ from __future__ import annotations
 import asyncio
 import io
 import ipaddress
-import socket
 import time
-from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Final, Literal
+from dataclasses import dataclass
+from typing import Final
 
 import aiohttp
-from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.abc import AbstractResolver
 from aiohttp.connector import Connection
 
 from gateway import __version__
-from gateway.errors import DependencyFailed, EgressDenied, PermissionDenied, ResponseTooLarge
-from gateway.policy import CompiledTarget, EgressSpec
+from gateway.errors import DependencyFailed, PermissionDenied, ResponseTooLarge
+from gateway.policy import EgressSpec
 from gateway.policy.egress import check_address, origin_label, redirect_hop
-from gateway.secrets import Secret
+from gateway.upstream.resolver import EgressResolver, _AddressDenied
+from gateway.upstream.types import OutboundRequest, TransportError, UpstreamResponse
 from gateway.urls import URL
-
-#: A DNS resolver for the connector (tests give one that maps names to loopback).
-Resolver = AbstractResolver
 
 MAX_REDIRECTS: Final = 5
 CONNECT_TIMEOUT_CAP_S: Final = 10.0
@@ -59,113 +55,6 @@ _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _READ_CHUNK: Final = 64 * 1024
 _LARGE_BODY: Final = 512 * 1024
 _MAX_ALLOWED_HOSTS: Final = 1024  # hosts come from the policy; this only bounds reloads
-
-
-#: How an attempt failed below HTTP (the breaker and the retry rules use the same words):
-#: ``connect`` (no connection was established), ``timeout`` (no answer in time), ``reset``
-#: (the connection was lost, or the answer could not be read).
-TransportKind = Literal["connect", "timeout", "reset"]
-
-
-class TransportError(Exception):
-    """An attempt failed below HTTP. ``kind`` is connect, timeout or reset; ``sent`` is
-    True once the request headers went out (the upstream may have acted on it)."""
-
-    def __init__(self, kind: TransportKind, *, sent: bool, message: str) -> None:
-        super().__init__(message)
-        self.kind: TransportKind = kind
-        self.sent = sent
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class Credential:
-    """Where and how the secret goes: ``header`` (with ``format``) or ``query_param``."""
-
-    secret: Secret
-    header: str | None = None
-    query_param: str | None = None
-    format: str = "{secret}"
-
-
-@dataclass(frozen=True, slots=True)
-class OutboundRequest:
-    """One call as the upstream gets it (built by :mod:`gateway.call.outbound`), the seam
-    between the call path and this module.
-
-    ``url`` is the target's ``base_url`` plus the checked endpoint (origin = the target's);
-    ``query`` the query items (None for a method whose parameters are the body); ``body``
-    the compact JSON bytes (sent as ``application/json``) or None; ``headers`` what goes
-    out besides ``User-Agent``, ``Content-Type`` and the credential, which :meth:`Upstream.
-    send` adds last, so nothing in ``headers`` can replace it.
-    """
-
-    target: CompiledTarget
-    method: str
-    url: URL
-    query: list[tuple[str, str]] | None
-    body: bytes | None
-    headers: dict[str, str] = field(default_factory=dict)
-    credential: Credential | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamResponse:
-    """The upstream's final answer to one attempt (after same-origin redirects).
-
-    ``body`` is complete and decoded (gzip/deflate), at most ``max_response_bytes``;
-    ``headers`` are aiohttp's case-insensitive mapping; ``elapsed_s`` is the attempt's
-    wall time in seconds, from sending to the last body byte.
-    """
-
-    status: int
-    reason: str
-    headers: Mapping[str, str]  # aiohttp's CIMultiDictProxy: case-insensitive names
-    content_type: str | None
-    body: bytes
-    elapsed_s: float
-
-
-class _AddressDenied(OSError):
-    """Raised inside the resolver; aiohttp wraps OSErrors, we unwrap it again."""
-
-    def __init__(self, denied: EgressDenied) -> None:
-        super().__init__(denied.message)
-        self.denied = denied
-
-
-class EgressResolver(AbstractResolver):
-    """Wraps a resolver and drops every address the egress policy does not allow.
-
-    If nothing is left, resolution fails with EGRESS_DENIED before any connection is
-    attempted (the SSRF guard: a public name pointing at 169.254.169.254 is refused).
-    """
-
-    def __init__(self, egress: EgressSpec, inner: AbstractResolver | None = None) -> None:
-        self.egress = egress
-        self._inner = inner or aiohttp.ThreadedResolver()
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        results = await self._inner.resolve(host, port, family)
-        allowed = []
-        denied: EgressDenied | None = None
-        for result in results:
-            try:
-                check_address(self.egress, host, result["host"])
-            except EgressDenied as exc:
-                denied = denied or exc
-            else:
-                allowed.append(result)
-        if not allowed:
-            if denied is not None:
-                raise _AddressDenied(denied)
-            raise OSError(f"{host} did not resolve to any address")
-        return allowed
-
-    async def close(self) -> None:
-        await self._inner.close()
 
 
 @dataclass(slots=True)
