@@ -78,6 +78,10 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "http_method": None,
         "http_path": None,
         "http_status": None,
+        "stream": number % 5 == 0,
+        "stream_events": 12 if number % 5 == 0 else None,
+        "time_to_first_byte_ms": 3.5 if number % 5 == 0 else None,
+        "tokens_reasoning": None,
     }
     return record
 

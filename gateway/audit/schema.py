@@ -78,6 +78,13 @@ class AuditRecord(BaseModel):
     http_method: str | None = None
     http_path: str | None = None  # percent-encoded as received, without the query
     http_status: int | None = None
+    # Streams (added in 1.x): relayed to the agent as they arrived (``stream``), how many
+    # events, and the time from the call's start to the first relayed byte; reasoning
+    # tokens (part of the output) where the provider reports them.
+    stream: bool = False
+    stream_events: int | None = None
+    time_to_first_byte_ms: float | None = None
+    tokens_reasoning: int | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -126,6 +133,10 @@ class Fields:
     HTTP_METHOD: Final = "http_method"
     HTTP_PATH: Final = "http_path"
     HTTP_STATUS: Final = "http_status"
+    STREAM: Final = "stream"
+    STREAM_EVENTS: Final = "stream_events"
+    TIME_TO_FIRST_BYTE_MS: Final = "time_to_first_byte_ms"
+    TOKENS_REASONING: Final = "tokens_reasoning"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

@@ -23,6 +23,7 @@ from typing import Any
 
 from gateway.breaker import Permit, TargetBreaker
 from gateway.call.bodies import media_type, parse_body
+from gateway.call.relay import Relay, Relayed, relay_stream
 from gateway.call.retry import (
     MAX_RETRY_AFTER_S,
     backoff_s,
@@ -30,7 +31,7 @@ from gateway.call.retry import (
     status_retryable,
     transport_retryable,
 )
-from gateway.call.stream import judge_body
+from gateway.call.stream import StreamJudge, judge_body
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest
 from gateway.errors import (
     CapacityExceeded,
@@ -58,6 +59,8 @@ class AttemptLog:
     rate_limit_wait_s: float = 0.0
     admitted: bool = False  # the first admission reserved the call's token estimate
     warnings: list[str] = field(default_factory=list)
+    #: Set when the answer was relayed as a stream (what was relayed, its verdict, usage).
+    relayed: Relayed | None = None
 
 
 @dataclass(slots=True)
@@ -77,6 +80,10 @@ class Attempts:
     tokens_reserved: int = 0
     breaker: TargetBreaker | None = None
     refresh_credential: Callable[[], Awaitable[Credential | None]] | None = None
+    #: Where a 2xx event stream goes as it arrives (the agent asked for a stream).
+    relay: Relay | None = None
+    started: float = 0.0
+    max_response_bytes: int = 0
     log: AttemptLog = field(default_factory=AttemptLog)
 
     async def run(self) -> UpstreamResponse:
@@ -98,7 +105,9 @@ class Attempts:
             )
             self.log.attempts += 1
             try:
-                answer = await self.upstream.send(self.outbound, timeout_s=attempt_timeout)
+                answer = await self.upstream.send(
+                    self.outbound, timeout_s=attempt_timeout, stream=self.relay is not None
+                )
             except TransportError as exc:
                 _settle(permit, None, exc.kind)
                 retryable, unknown = transport_retryable(
@@ -126,6 +135,22 @@ class Attempts:
             self.log.response_bytes = len(answer.body)
             if answer.status < 300:
                 self._feed_back(answer, None)
+                if answer.stream is not None:
+                    judged = await self._relay(answer)
+                    if judged is None:
+                        return answer
+                    if (self.relay is not None and self.relay.started) or not (
+                        judged.retryable and self._safe_to_resend()
+                    ):
+                        raise judged  # no retry once an event has been relayed
+                    if retry_number >= retries_allowed:
+                        raise judged
+                    wait = backoff_s(
+                        retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng
+                    )
+                    await wait_or_raise(wait, self.deadline, judged)
+                    retry_number += 1
+                    continue
                 judged, _ = judge_body(
                     self.target.spec.usage,
                     self.target.name,
@@ -137,8 +162,9 @@ class Attempts:
                     return answer
                 # A stream cut or failed mid-way: the upstream did act, so it is sent again
                 # only when that is safe, as for a lost answer.
-                safe = self.request.method in IDEMPOTENT_METHODS or self.has_idempotency_key
-                if not (judged.retryable and safe) or retry_number >= retries_allowed:
+                if not (judged.retryable and self._safe_to_resend()) or (
+                    retry_number >= retries_allowed
+                ):
                     raise judged
                 wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
                 await wait_or_raise(wait, self.deadline, judged)
@@ -176,6 +202,31 @@ class Attempts:
             )
             await wait_or_raise(wait, self.deadline, final_error)
             retry_number += 1
+
+    def _safe_to_resend(self) -> bool:
+        """The upstream acted on a request that may be sent again: an idempotent method
+        (RFC 9110 section 9.2.2) or an idempotency key."""
+        return self.request.method in IDEMPOTENT_METHODS or self.has_idempotency_key
+
+    async def _relay(self, answer: UpstreamResponse) -> GatewayError | None:
+        """Relay ``answer``'s stream; None when it ended complete, else its error."""
+        assert self.relay is not None
+        relayed = self.log.relayed = Relayed(StreamJudge(self.target.spec.usage, self.target.name))
+        try:
+            await relay_stream(
+                answer.stream,
+                self.relay,
+                relayed,
+                started=self.started,
+                deadline=self.deadline,
+                idle_timeout_s=self.target.spec.stream_idle_timeout_s,
+                max_bytes=self.max_response_bytes,
+            )
+        except GatewayError as exc:
+            return exc
+        finally:
+            self.log.response_bytes = relayed.bytes
+        return None
 
     async def _admit(self, *, first: bool) -> None:
         if self.group is None:

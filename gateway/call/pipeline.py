@@ -12,7 +12,6 @@ UNKNOWN answer that points at the audit record, never a stack trace on the wire 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 import traceback
@@ -22,6 +21,7 @@ from gateway.audit import AuditLog, get_logger
 from gateway.breaker import CircuitBreakers, breaker_specs
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import parse_body
+from gateway.call.idempotent import answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
     decode_json,
@@ -33,20 +33,19 @@ from gateway.call.intake import (
 from gateway.call.outbound import build as build_outbound
 from gateway.call.outbound import credential, with_credential
 from gateway.call.record import CLAIMED, CallContext, audit_record, observe
+from gateway.call.relay import Relay
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     CapacityExceeded,
     GatewayError,
-    IdempotencyConflict,
     InternalError,
     InvalidPayload,
     OutcomeUnknown,
     ShuttingDown,
-    UpstreamRejected,
     error_response,
 )
-from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Replay
-from gateway.idempotency.keys import derive_key, fingerprint, store_key
+from gateway.idempotency.base import IdempotencyStore
+from gateway.idempotency.keys import derive_key
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
 from gateway.policy import IdempotencySpec, PolicySet
@@ -103,7 +102,7 @@ class Pipeline:
         self.breakers.update(breaker_specs(policy.policy.targets))
 
     async def handle(
-        self, body: bytes, *, refuse: GatewayError | None = None
+        self, body: bytes, *, refuse: GatewayError | None = None, relay: Relay | None = None
     ) -> tuple[int, ExternalCallResponse]:
         """Run one call from its raw envelope bytes. Returns (HTTP status, answer).
 
@@ -133,9 +132,9 @@ class Pipeline:
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             ctx.decision = "allowed"
             deadline = ctx.started + request.timeout
-            status, response = await self._call(policy, request, decision, ctx, deadline)
+            status, response = await self._call(policy, request, decision, ctx, deadline, relay)
         except GatewayError as exc:
-            status = _answer_status(exc)
+            status = answer_status(exc)
             response = self._failure(exc, ctx)
         except asyncio.CancelledError:
             interrupted = _interrupted_error(ctx)
@@ -193,6 +192,7 @@ class Pipeline:
         decision: Decision,
         ctx: CallContext,
         deadline: float,
+        relay: Relay | None,
     ) -> tuple[int, ExternalCallResponse]:
         target = decision.target
         spec = target.spec
@@ -213,9 +213,9 @@ class Pipeline:
                 request.endpoint,
             )
             return await self._idempotent(
-                policy, request, decision, ctx, deadline, spec.idempotency
+                policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
-        return 200, await self._forward(policy, request, decision, ctx, deadline)
+        return 200, await self._forward(policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
         self,
@@ -225,70 +225,20 @@ class Pipeline:
         ctx: CallContext,
         deadline: float,
         idempotency: IdempotencySpec,
+        relay: Relay | None,
     ) -> tuple[int, ExternalCallResponse]:
-        """One upstream call per idempotency key: replay a stored answer, wait for an
-        identical call in flight, or refuse a reused key whose request differs. The
-        store is the one of the target's ``idempotency.scope``."""
-        assert ctx.idempotency_key is not None
-        target = decision.target
-        store = self.idempotency.for_scope(idempotency.scope)
-        ttl_s = idempotency.ttl_s
-        key = store_key(target.name, ctx.idempotency_key)
-        fp = fingerprint(target.name, request.method, request.endpoint, request.parameters)
-        while True:
-            outcome = await store.begin(key, fp, lease_s=max(deadline - time.monotonic(), 0.001))
-            if isinstance(outcome, Replay):
-                return self._replay(outcome.answer, request, ctx)
-            if isinstance(outcome, Conflict):
-                raise IdempotencyConflict(
-                    f"idempotency key {ctx.idempotency_key!r} was already used on target "
-                    f"{target.name!r} with a different request (method, endpoint or "
-                    "parameters differ); use a new key for a new request",
-                    details={"reason": "key_reused", "idempotency_key": ctx.idempotency_key},
-                )
-            if isinstance(outcome, InFlight):
-                stored = await store.wait(key, fp, deadline=deadline)
-                if stored is not None:
-                    return self._replay(stored, request, ctx)
-                if time.monotonic() >= deadline:
-                    raise deadline_error("waiting for an identical call in flight")
-                continue
-            break
-        token = outcome.token
-        try:
-            response = await self._forward(policy, request, decision, ctx, deadline)
-        except UpstreamRejected as exc:
-            # The upstream's definitive answer to this request: replay it, like Stripe.
-            failed = self._failure(exc, ctx)
-            await _settle(store, key, token, _stored(_answer_status(exc), failed), ttl_s, ctx)
-            raise
-        except BaseException:
-            await asyncio.shield(store.abandon(key, token))
-            raise
-        # From here on the upstream has acted: whatever fails, the key is completed with
-        # the answer the agent gets, so that a resend replays it and never acts twice.
-        try:
-            stored = _stored(200, response)
-        except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
-            response = _unrenderable(response, exc, ctx)
-            stored = _stored(200, response)
-        await _settle(store, key, token, stored, ttl_s, ctx)
-        return 200, response
-
-    def _replay(
-        self, stored: bytes, request: ExternalCallRequest, ctx: CallContext
-    ) -> tuple[int, ExternalCallResponse]:
-        doc = json.loads(stored)
-        ctx.replayed = True
-        response = ExternalCallResponse.model_validate(doc["response"]).model_copy(
-            update={
-                "replayed": True,
-                "latency_ms": round((time.monotonic() - ctx.started) * 1000, 3),
-                "trace_id": request.trace_id,
-                "correlation_id": request.correlation_id,
-            }
+        """One upstream call per idempotency key (:func:`gateway.call.idempotent.
+        once_per_key`), in the store of the target's ``idempotency.scope``."""
+        return await once_per_key(
+            self.idempotency.for_scope(idempotency.scope),
+            request,
+            decision.target.name,
+            ctx,
+            deadline=deadline,
+            ttl_s=idempotency.ttl_s,
+            forward=lambda: self._forward(policy, request, decision, ctx, deadline, relay),
+            failure=lambda exc: self._failure(exc, ctx),
         )
-        return int(doc["status"]), response
 
     async def _forward(
         self,
@@ -297,6 +247,7 @@ class Pipeline:
         decision: Decision,
         ctx: CallContext,
         deadline: float,
+        relay: Relay | None = None,
     ) -> ExternalCallResponse:
         target = decision.target
         outbound, digest = build_outbound(
@@ -320,6 +271,9 @@ class Pipeline:
             deadline=deadline,
             has_idempotency_key=ctx.idempotency_key is not None,
             rng=self._rng,
+            relay=relay,
+            started=ctx.started,
+            max_response_bytes=policy.policy.server.max_response_bytes,
             group=group,
             tokens_reserved=reserved,
             breaker=self.breakers.get(target.name),
@@ -342,10 +296,16 @@ class Pipeline:
         finally:
             if group is not None:
                 self.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
-        data, _ = parse_body(answer.content_type, answer.body, answer.status)
-        ctx.usage = extract_usage(target.spec.usage, data)
-        if group is not None:
-            group.reconcile(reserved, ctx.usage.total if ctx.usage else 0)
+        relayed = attempts.log.relayed
+        if relayed is not None:
+            data, ctx.usage = None, relayed.judge.usage()  # the agent has had the events
+        else:
+            data, _ = parse_body(answer.content_type, answer.body, answer.status)
+            ctx.usage = extract_usage(target.spec.usage, data)
+        if group is not None and ctx.usage is not None:
+            # Unknown usage keeps the reservation: the upstream answered, so tokens were
+            # spent, and a refund would let the group overspend (design.md).
+            group.reconcile(reserved, ctx.usage.total)
         return ExternalCallResponse(
             success=True,
             status_code=answer.status,
@@ -425,49 +385,6 @@ def _interrupted_error(ctx: CallContext) -> GatewayError:
         details={"reason": "shutdown"},
         retry_after_s=1.0,
     )
-
-
-def _answer_status(exc: GatewayError) -> int:
-    if isinstance(exc, UpstreamRejected) and exc.status_code and 400 <= exc.status_code < 500:
-        return exc.status_code
-    return exc.http_status
-
-
-async def _settle(
-    store: IdempotencyStore, key: str, token: str, stored: bytes, ttl_s: float, ctx: CallContext
-) -> None:
-    """Complete the idempotency key with the answer. A store that fails here (Redis gone)
-    must not turn the upstream's answer into an error: the agent still gets it, the audit
-    record says the key is unsettled (it frees itself when its lease runs out)."""
-    try:
-        await store.complete(key, token, stored, ttl_s=ttl_s)
-    except Exception as exc:  # noqa: BLE001 - the answer exists; report, do not lose it
-        _log.error(
-            "idempotency_key_not_settled",
-            idempotency_key=ctx.idempotency_key,
-            error=type(exc).__name__,
-            trace_id=_trace(ctx),
-            correlation_id=_corr(ctx),
-        )
-        ctx.warnings.append(
-            f"idempotency key not settled ({type(exc).__name__}): a resend after this call's "
-            "deadline may reach the upstream again"
-        )
-
-
-def _unrenderable(
-    response: ExternalCallResponse, exc: Exception, ctx: CallContext
-) -> ExternalCallResponse:
-    """``response`` with a ``data`` the JSON writer refused replaced by a note saying so."""
-    note = f"the upstream's answer could not be written as JSON ({str(exc)[:200]})"
-    ctx.warnings.append(note)
-    return response.model_copy(update={"data": {"content_type": None, "text": note}})
-
-
-def _stored(status: int, response: ExternalCallResponse) -> bytes:
-    """An answer as the idempotency store keeps it (HTTP status and the envelope)."""
-    # pydantic's JSON writer (Rust): one pass instead of model_dump + json.dumps.
-    return b'{"status":%d,"response":%s}' % (status, response.model_dump_json().encode())
 
 
 def _trace(ctx: CallContext) -> str | None:

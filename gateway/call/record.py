@@ -62,6 +62,7 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
     request, target, usage, error = ctx.request, ctx.target, ctx.usage, response.error
     ids: dict[str, Any] = {k: getattr(request, k) for k in CLAIMED} if request else ctx.claimed
     warnings = [*ctx.warnings, *log.warnings]
+    relayed = log.relayed
     if error is not None and error.code is ErrorCode.EGRESS_DENIED:
         warnings.append(f"egress denied: {error.message}")  # the destination, for auditors
     return {
@@ -101,6 +102,14 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         F.HTTP_METHOD: None,
         F.HTTP_PATH: None,
         F.HTTP_STATUS: None,
+        F.STREAM: relayed is not None,
+        F.STREAM_EVENTS: relayed.judge.events if relayed is not None else None,
+        F.TIME_TO_FIRST_BYTE_MS: (
+            round(relayed.first_byte_s * 1000, 3)
+            if relayed is not None and relayed.first_byte_s is not None
+            else None
+        ),
+        F.TOKENS_REASONING: usage.reasoning if usage else None,
     }
 
 

@@ -38,6 +38,7 @@ DEFAULT_SHUTDOWN_ACCEPT_NEW_CALLS: Final = True
 DEFAULT_SHUTDOWN_QUIET_S: Final = 1.0
 DEFAULT_RELOAD_INTERVAL_S: Final = 2.0
 DEFAULT_TARGET_TIMEOUT_S: Final = 30.0
+DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 60.0
 DEFAULT_RETRY_ON: Final = (429, 500, 502, 503, 504, 529, "timeout", "connect")
 DEFAULT_BACKOFF_BASE_S: Final = 0.5
 DEFAULT_BACKOFF_MAX_S: Final = 20.0
@@ -289,6 +290,9 @@ class TargetSpec(_Strict):
     endpoints: list[EndpointRule] = Field(min_length=1)
     rate_limit_group: Name | None = None
     timeout_s: float = Field(DEFAULT_TARGET_TIMEOUT_S, gt=0, le=3600)
+    #: Longest gap between two chunks of a relayed stream (the call's deadline still
+    #: bounds the whole): reasoning models may think for a while before their first token.
+    stream_idle_timeout_s: float = Field(DEFAULT_STREAM_IDLE_TIMEOUT_S, gt=0, le=3600)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     circuit_breaker: BreakerSpec | None = Field(default_factory=BreakerSpec)
     usage: Literal["openai", "anthropic", "gemini", "none"] = "none"

@@ -15,6 +15,7 @@ Any other path or method gets a JSON error answer too, never an HTML page.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +26,7 @@ from aiohttp import web
 from gateway import redaction
 from gateway.audit import get_logger
 from gateway.call.record import refusal_record
+from gateway.call.relay import AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
 from gateway.server.eventloop import loop_name
@@ -86,7 +88,7 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return _error_answer(code_exc, started, request)
 
 
-async def _calls(request: web.Request) -> web.Response:
+async def _calls(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     gateway = request.app[GATEWAY_KEY]
     limit = gateway.policy.policy.server.max_request_bytes
@@ -97,13 +99,58 @@ async def _calls(request: web.Request) -> web.Response:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _too_large(None, limit) from None
-        status, response = await gateway.call(body)
+        relay = _SseRelay(request) if _wants_stream(request) else None
+        status, response = await gateway.call(body, relay=relay)
     except GatewayError as exc:
         return _error_answer(exc, started, request)
     except Exception:  # noqa: BLE001 - the answer must be JSON whatever broke
         _log.exception("handler_error")
         return _error_answer(InternalError("the sidecar failed unexpectedly"), started, request)
+    if relay is not None and relay.started:
+        return await relay.finish(response)
     return _json_answer(status, response)
+
+
+def _wants_stream(request: web.Request) -> bool:
+    """``Accept: text/event-stream`` (design.md, "Streaming to the agent")."""
+    return "text/event-stream" in request.headers.get("Accept", "")
+
+
+class _SseRelay:
+    """The agent's ``200 text/event-stream`` answer, opened at the first upstream chunk
+    (:class:`gateway.call.relay.Relay`); ends with one ``event: egress.response`` whose
+    data is the ExternalCallResponse (``data`` null: the agent has had the events)."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self._response = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+        )
+        self.started = False
+
+    async def start(self) -> None:
+        try:
+            await self._response.prepare(self._request)
+        except (ConnectionError, RuntimeError) as exc:
+            raise AgentGone from exc
+        self.started = True
+
+    async def send(self, chunk: bytes) -> None:
+        # The answer's bytes are the upstream's, scrubbed like every answer we write.
+        try:
+            await self._response.write(redaction.scrub_bytes(chunk))
+        except (ConnectionError, RuntimeError) as exc:
+            raise AgentGone from exc
+
+    async def finish(self, response: ExternalCallResponse) -> web.StreamResponse:
+        final = response.model_copy(update={"data": None}).model_dump_json().encode()
+        with contextlib.suppress(ConnectionError, RuntimeError):  # the agent may be gone
+            await self._response.write(
+                b"event: egress.response\ndata: " + redaction.scrub_bytes(final) + b"\n\n"
+            )
+            await self._response.write_eof()
+        return self._response
 
 
 def _too_large(size: int | None, limit: int) -> InvalidPayload:

@@ -16,6 +16,7 @@ from typing import IO, TYPE_CHECKING, Any
 from gateway import audit
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.call.pipeline import Pipeline
+from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import ShuttingDown
 from gateway.idempotency.memory import MemoryIdempotencyStore
@@ -233,7 +234,9 @@ class Gateway:
             checks["redis"] = self.redis.state
         return pipeline is not None and secrets_ok and not self.draining, checks
 
-    async def call(self, body: bytes) -> tuple[int, ExternalCallResponse]:
+    async def call(
+        self, body: bytes, *, relay: Relay | None = None
+    ) -> tuple[int, ExternalCallResponse]:
         """Run one call (see :meth:`Pipeline.handle`) in the current task, tracked as in
         flight so that :meth:`drain` can wait for it and, past the drain time, cancel it.
 
@@ -243,6 +246,7 @@ class Gateway:
         Once draining has begun a call is answered SHUTTING_DOWN (audited), unless
         :meth:`begin_drain` was told to accept new calls and the drain has not ended.
         Raises :class:`ShuttingDown` before :meth:`start` or after :meth:`aclose`.
+        With ``relay``, a 2xx event stream is relayed to it as it arrives.
         """
         if self.pipeline is None:
             raise _refusal()
@@ -259,7 +263,7 @@ class Gateway:
         inflight = self.metrics.inflight
         inflight.inc()
         try:
-            return await self.pipeline.handle(body)
+            return await self.pipeline.handle(body, relay=relay)
         finally:
             inflight.dec()
             self._forget(task)

@@ -31,6 +31,7 @@ import asyncio
 import io
 import ipaddress
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Final
@@ -159,8 +160,15 @@ class Upstream:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
-    async def send(self, request: OutboundRequest, *, timeout_s: float) -> UpstreamResponse:
-        """Send one attempt and read the answer, all within ``timeout_s`` seconds."""
+    async def send(
+        self, request: OutboundRequest, *, timeout_s: float, stream: bool = False
+    ) -> UpstreamResponse:
+        """Send one attempt and read the answer, all within ``timeout_s`` seconds.
+
+        With ``stream``, a 2xx ``text/event-stream`` answer is not read: it comes back
+        with :attr:`UpstreamResponse.stream` open (its headers within ``timeout_s``, its
+        body as it arrives); every other answer is read whole, as without ``stream``.
+        """
         if self._session is None:
             raise RuntimeError("Upstream.start() was not called")
         started = time.monotonic()
@@ -171,7 +179,7 @@ class Upstream:
         users[session] = users.get(session, 0) + 1
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._send(session, request, timeout_s, state, started)
+                return await self._send(session, request, timeout_s, state, started, stream)
         except TimeoutError:
             raise TransportError(
                 "timeout",
@@ -195,6 +203,7 @@ class Upstream:
         timeout_s: float,
         state: _Attempt,
         started: float,
+        stream: bool,
     ) -> UpstreamResponse:
         method, url, body = request.method, request.url, request.body
         # The attempt as a whole is bounded by send()'s asyncio.timeout; aiohttp's own
@@ -214,7 +223,7 @@ class Upstream:
                 data: bytes | io.BytesIO | None = body
                 if body is not None and len(body) > _LARGE_BODY:
                     data = io.BytesIO(body)
-                async with session.request(
+                resp = await session.request(
                     method,
                     url,
                     params=params,
@@ -222,7 +231,18 @@ class Upstream:
                     headers=headers,
                     allow_redirects=False,
                     timeout=timeout,
-                ) as resp:
+                )
+                if stream and resp.status < 300 and _is_event_stream(resp):
+                    return UpstreamResponse(
+                        status=resp.status,
+                        reason=resp.reason or "",
+                        headers=resp.headers,
+                        content_type=resp.headers.get("Content-Type"),
+                        body=b"",
+                        elapsed_s=time.monotonic() - started,
+                        stream=self._stream(session, resp, url),
+                    )
+                async with resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
                         next_hop = self._redirect(request, url, method, resp)
                         if next_hop is not None:
@@ -298,6 +318,25 @@ class Upstream:
         )
         return None if next_url is None else (method, next_url)
 
+    def _stream(
+        self, session: aiohttp.ClientSession, resp: aiohttp.ClientResponse, url: URL
+    ) -> UpstreamStream:
+        # The session stays in use until the stream is closed (an egress change then
+        # closes it, not before).
+        users = self._users
+        users[session] = users.get(session, 0) + 1
+
+        def done() -> None:
+            left = users.get(session, 1) - 1
+            if left:
+                users[session] = left
+            else:
+                users.pop(session, None)
+                if session is not self._session and self._session is not None:
+                    self._close_later(session)
+
+        return UpstreamStream(resp, origin_label(url), done)
+
     async def _read(self, resp: aiohttp.ClientResponse, url: URL) -> bytes:
         limit = self.max_response_bytes
         declared = resp.content_length
@@ -314,6 +353,53 @@ class Upstream:
             if len(buf) > limit:
                 raise _too_large(url, limit, resp.status)
         return bytes(buf)
+
+
+def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
+    return resp.content_type == "text/event-stream"
+
+
+class UpstreamStream:
+    """A 2xx event stream being read as it arrives (see :meth:`Upstream.send`).
+
+    :meth:`read` returns the next chunk (as the network delivered it, decoded from gzip
+    or deflate), ``b""`` at the end. It raises :class:`TransportError` (kind ``reset``)
+    when the connection is lost mid-stream. :meth:`aclose` closes the connection at once
+    (the agent hung up, or the stream failed) and is idempotent; a stream read to its
+    end is released to the pool.
+    """
+
+    __slots__ = ("_done", "_eof", "_origin", "_resp")
+
+    def __init__(self, resp: aiohttp.ClientResponse, origin: str, done: Callable[[], None]):
+        self._resp: aiohttp.ClientResponse | None = resp
+        self._origin = origin
+        self._done = done
+        self._eof = False
+
+    async def read(self) -> bytes:
+        resp = self._resp
+        if resp is None:
+            return b""
+        try:
+            chunk = await resp.content.readany()
+        except aiohttp.ClientError as exc:
+            raise TransportError(
+                "reset", sent=True, message=f"{self._origin} closed the stream mid-way"
+            ) from exc
+        if not chunk:
+            self._eof = True
+        return chunk
+
+    async def aclose(self) -> None:
+        resp, self._resp = self._resp, None
+        if resp is None:
+            return
+        if self._eof:
+            resp.release()
+        else:
+            resp.close()  # not read to its end: the connection cannot be reused
+        self._done()
 
 
 def _too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.policy import CompiledTarget
 from gateway.secrets import Secret
@@ -74,3 +74,6 @@ class UpstreamResponse:
     content_type: str | None
     body: bytes
     elapsed_s: float
+    #: With ``Upstream.send(stream=True)``, a 2xx event stream still to be read (its
+    #: ``body`` is then empty): an :class:`gateway.upstream.client.UpstreamStream`.
+    stream: Any = None

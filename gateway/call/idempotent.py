@@ -1,0 +1,146 @@
+"""One upstream effect per idempotency key: replay a stored answer, wait for an identical
+call in flight, or refuse a reused key whose request differs (README, "Rate limits,
+circuit breakers, idempotency"; the rules of Stripe's idempotent requests).
+
+What is stored is the answer the agent got (its HTTP status and envelope): successes and
+the upstream's own 4xx verdicts (UPSTREAM_REJECTED), never a failure that a resend might
+not meet again (5xx, 429, timeouts: the key is abandoned and a resend goes upstream).
+Once the upstream has acted, nothing can leave the key in flight: the answer is stored
+even when its data cannot be written as JSON (a note replaces it) or the store fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from gateway.audit import get_logger
+from gateway.call.attempts import deadline_error
+from gateway.call.record import CallContext
+from gateway.envelope import ExternalCallRequest, ExternalCallResponse
+from gateway.errors import GatewayError, IdempotencyConflict, UpstreamRejected
+from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Replay
+from gateway.idempotency.keys import fingerprint, store_key
+
+_log = get_logger("gateway.pipeline")
+
+
+async def once_per_key(
+    store: IdempotencyStore,
+    request: ExternalCallRequest,
+    target: str,
+    ctx: CallContext,
+    *,
+    deadline: float,
+    ttl_s: float,
+    forward: Callable[[], Awaitable[ExternalCallResponse]],
+    failure: Callable[[GatewayError], ExternalCallResponse],
+) -> tuple[int, ExternalCallResponse]:
+    """Run ``forward`` at most once for ``ctx.idempotency_key`` on ``target``; returns
+    (HTTP status, answer). Raises :class:`IdempotencyConflict` for a reused key, AGENT_
+    TIMEOUT when an identical call in flight outlasts the deadline, and whatever
+    ``forward`` raises (``failure`` builds the answer stored for an UPSTREAM_REJECTED)."""
+    assert ctx.idempotency_key is not None
+    key = store_key(target, ctx.idempotency_key)
+    fp = fingerprint(target, request.method, request.endpoint, request.parameters)
+    while True:
+        outcome = await store.begin(key, fp, lease_s=max(deadline - time.monotonic(), 0.001))
+        if isinstance(outcome, Replay):
+            return replay(outcome.answer, request, ctx)
+        if isinstance(outcome, Conflict):
+            raise IdempotencyConflict(
+                f"idempotency key {ctx.idempotency_key!r} was already used on target "
+                f"{target!r} with a different request (method, endpoint or "
+                "parameters differ); use a new key for a new request",
+                details={"reason": "key_reused", "idempotency_key": ctx.idempotency_key},
+            )
+        if isinstance(outcome, InFlight):
+            stored = await store.wait(key, fp, deadline=deadline)
+            if stored is not None:
+                return replay(stored, request, ctx)
+            if time.monotonic() >= deadline:
+                raise deadline_error("waiting for an identical call in flight")
+            continue
+        break
+    token = outcome.token
+    try:
+        response = await forward()
+    except UpstreamRejected as exc:
+        # The upstream's definitive answer to this request: replay it, like Stripe.
+        await settle(store, key, token, stored_answer(answer_status(exc), failure(exc)), ttl_s, ctx)
+        raise
+    except BaseException:
+        await asyncio.shield(store.abandon(key, token))
+        raise
+    # From here on the upstream has acted: whatever fails, the key is completed with
+    # the answer the agent gets, so that a resend replays it and never acts twice.
+    try:
+        stored = stored_answer(200, response)
+    except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
+        response = _unrenderable(response, exc, ctx)
+        stored = stored_answer(200, response)
+    await settle(store, key, token, stored, ttl_s, ctx)
+    return 200, response
+
+
+def replay(
+    stored: bytes, request: ExternalCallRequest, ctx: CallContext
+) -> tuple[int, ExternalCallResponse]:
+    """A stored answer as the answer to ``request`` (its ids, ``replayed``, this latency)."""
+    doc = json.loads(stored)
+    ctx.replayed = True
+    response = ExternalCallResponse.model_validate(doc["response"]).model_copy(
+        update={
+            "replayed": True,
+            "latency_ms": round((time.monotonic() - ctx.started) * 1000, 3),
+            "trace_id": request.trace_id,
+            "correlation_id": request.correlation_id,
+        }
+    )
+    return int(doc["status"]), response
+
+
+def answer_status(exc: GatewayError) -> int:
+    """The HTTP status of the sidecar's answer for ``exc`` (an upstream 4xx is passed on)."""
+    if isinstance(exc, UpstreamRejected) and exc.status_code and 400 <= exc.status_code < 500:
+        return exc.status_code
+    return exc.http_status
+
+
+async def settle(
+    store: IdempotencyStore, key: str, token: str, stored: bytes, ttl_s: float, ctx: CallContext
+) -> None:
+    """Complete the idempotency key with the answer. A store that fails here (Redis gone)
+    must not turn the upstream's answer into an error: the agent still gets it, the audit
+    record says the key is unsettled (it frees itself when its lease runs out)."""
+    try:
+        await store.complete(key, token, stored, ttl_s=ttl_s)
+    except Exception as exc:  # noqa: BLE001 - the answer exists; report, do not lose it
+        _log.error(
+            "idempotency_key_not_settled",
+            idempotency_key=ctx.idempotency_key,
+            error=type(exc).__name__,
+            trace_id=ctx.request.trace_id if ctx.request else None,
+            correlation_id=ctx.request.correlation_id if ctx.request else None,
+        )
+        ctx.warnings.append(
+            f"idempotency key not settled ({type(exc).__name__}): a resend after this call's "
+            "deadline may reach the upstream again"
+        )
+
+
+def _unrenderable(
+    response: ExternalCallResponse, exc: Exception, ctx: CallContext
+) -> ExternalCallResponse:
+    """``response`` with a ``data`` the JSON writer refused replaced by a note saying so."""
+    note = f"the upstream's answer could not be written as JSON ({str(exc)[:200]})"
+    ctx.warnings.append(note)
+    return response.model_copy(update={"data": {"content_type": None, "text": note}})
+
+
+def stored_answer(status: int, response: ExternalCallResponse) -> bytes:
+    """An answer as the idempotency store keeps it (HTTP status and the envelope)."""
+    # pydantic's JSON writer (Rust): one pass instead of model_dump + json.dumps.
+    return b'{"status":%d,"response":%s}' % (status, response.model_dump_json().encode())

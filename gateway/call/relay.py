@@ -1,0 +1,144 @@
+"""Relaying an upstream event stream to the agent as it arrives (design.md, "Streaming to
+the agent").
+
+The upstream's bytes go to the agent unchanged, chunk by chunk, as they arrive; the
+stream is read at the same time by :class:`gateway.call.stream.StreamJudge`, which keeps
+the verdict and the usage. Memory is bounded whatever the stream's length: one chunk in
+hand, one event's text in the decoder, the usage-bearing events; a slow agent slows the
+relay (the server's write waits for the agent's socket to drain), and
+``server.max_response_bytes`` bounds the total.
+
+Time: each gap between two chunks is bounded by the target's ``stream_idle_timeout_s``
+(STREAM_INTERRUPTED, reason ``idle_timeout``), the whole call by its deadline
+(AGENT_TIMEOUT). The agent hanging up closes the upstream request at once.
+
+The HTTP side is the server's: it hands in a :class:`Relay`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.call.sse import EventTooLarge, SseDecoder
+from gateway.call.stream import StreamJudge
+from gateway.errors import DeadlineExceeded, GatewayError, ResponseTooLarge, StreamInterrupted
+from gateway.upstream import TransportError
+
+
+class AgentGone(Exception):
+    """The agent closed its connection while its stream was being relayed."""
+
+
+class Relay(Protocol):
+    """Where a streamed answer goes: the server's ``text/event-stream`` answer.
+
+    ``start`` sends the agent its 200 and headers (once); ``send`` writes one chunk and
+    returns when the agent's connection can take more (backpressure); both raise
+    :class:`AgentGone` when the agent hung up."""
+
+    @property
+    def started(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def send(self, chunk: bytes) -> None: ...
+
+
+@dataclass(slots=True)
+class Relayed:
+    """What a relayed stream was: bytes and events relayed, seconds from the start of the
+    call to the first relayed byte, and the judge that read it."""
+
+    judge: StreamJudge
+    bytes: int = 0
+    first_byte_s: float | None = None
+
+
+async def relay_stream(
+    stream: Any,
+    relay: Relay,
+    done: Relayed,
+    *,
+    started: float,
+    deadline: float,
+    idle_timeout_s: float,
+    max_bytes: int,
+) -> Relayed:
+    """Relay ``stream`` (an open :class:`gateway.upstream.client.UpstreamStream`) to
+    ``relay`` until its end, recording in ``done`` what was relayed (also when it fails).
+    Raises the GatewayError its end calls for (a judged failure, STREAM_INTERRUPTED,
+    AGENT_TIMEOUT, RESPONSE_TOO_LARGE); the agent hanging up is STREAM_INTERRUPTED with
+    reason ``agent_disconnected``. The upstream stream is always closed on return."""
+    judge = done.judge
+    decoder = SseDecoder(max_bytes)
+    try:
+        while True:
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                raise _deadline(judge)
+            wait = min(idle_timeout_s, left)
+            try:
+                async with asyncio.timeout(wait):
+                    chunk = await stream.read()
+            except TimeoutError:
+                if wait < idle_timeout_s:
+                    raise _deadline(judge) from None
+                raise StreamInterrupted(
+                    f"the stream from target {judge.target!r} sent nothing for "
+                    f"{idle_timeout_s:.3g} s (stream_idle_timeout_s)",
+                    details={"reason": "idle_timeout", "target": judge.target},
+                ) from None
+            except TransportError as exc:
+                raise StreamInterrupted(
+                    f"{exc.message} after {judge.events} events",
+                    details={"reason": "reset", "target": judge.target},
+                ) from None
+            if not chunk:
+                for event in decoder.close():
+                    judge.observe(event)
+                break
+            done.bytes += len(chunk)
+            if done.bytes > max_bytes:
+                raise _too_large(judge, max_bytes)
+            try:
+                for event in decoder.feed(chunk):
+                    judge.observe(event)
+            except EventTooLarge:
+                raise _too_large(judge, max_bytes) from None
+            try:
+                if not relay.started:
+                    await relay.start()
+                    done.first_byte_s = time.monotonic() - started
+                await relay.send(chunk)
+            except AgentGone:
+                raise StreamInterrupted(
+                    f"the agent hung up after {judge.events} events; the upstream request "
+                    "was closed",
+                    details={"reason": "agent_disconnected", "target": judge.target},
+                ) from None
+    finally:
+        await stream.aclose()
+    error = judge.verdict(status=200)
+    if error is not None:
+        raise error
+    return done
+
+
+def _deadline(judge: StreamJudge) -> GatewayError:
+    return DeadlineExceeded(
+        f"the call's deadline passed while target {judge.target!r} was streaming "
+        f"({judge.events} events relayed)",
+        details={"reason": "deadline", "target": judge.target},
+    )
+
+
+def _too_large(judge: StreamJudge, limit: int) -> GatewayError:
+    return ResponseTooLarge(
+        f"the stream from target {judge.target!r} passed {limit} bytes (server.max_response_bytes)",
+        details={"limit_bytes": limit, "target": judge.target},
+        status_code=200,
+    )

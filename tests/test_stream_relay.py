@@ -1,0 +1,263 @@
+"""Streaming to the agent (issue 14): ``Accept: text/event-stream`` on ``POST /v1/calls``.
+
+A real sidecar and a loopback upstream that streams with real pauses, synchronised by
+events (the upstream waits for the test before sending its rest), never by sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tests.conftest import compile_policy, envelope, openai_target
+from tests.test_streams import A_START, CHAT_USAGE, chat, sse
+
+STREAM_ENV = envelope(parameters={"model": "m", "stream": True, "messages": []})
+
+
+class Streamer:
+    """An upstream that sends ``head``, waits for ``release``, then sends ``tail`` and
+    ends; with ``ping`` it sends keep-alive comments instead, until its peer goes away."""
+
+    def __init__(
+        self, head: bytes, tail: bytes = b"", *, status: int = 200, ping: bool = False
+    ) -> None:
+        self.head, self.tail, self.status, self.ping = head, tail, status, ping
+        self.release = asyncio.Event()
+        self.head_sent = asyncio.Event()
+        self.closed_by_peer = asyncio.Event()
+
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=self.status, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(self.head)
+        self.head_sent.set()
+        await self.release.wait()
+        try:
+            for _ in range(200):  # the sidecar closes the connection when its agent is gone
+                if request.transport is None or request.transport.is_closing():
+                    self.closed_by_peer.set()
+                    return resp
+                await resp.write(b": ping\n\n" if self.ping else self.tail)
+                if not self.ping:
+                    break
+                await asyncio.sleep(0.01)
+        except (ConnectionResetError, RuntimeError):
+            self.closed_by_peer.set()
+            return resp
+        except asyncio.CancelledError:
+            # aiohttp's test server cancels a handler whose client closed the connection
+            self.closed_by_peer.set()
+            raise
+        await resp.write_eof()
+        return resp
+
+
+async def _sidecar(upstream_factory: Any, sidecar_factory: Any, handler: Any, **target: Any):
+    up = await upstream_factory(handler)
+    sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url, **target)}))
+    return up, sc
+
+
+def _post(sc: Any, env: dict[str, Any]) -> Any:
+    return sc.session.post(sc.url + "/v1/calls", json=env, headers={"Accept": "text/event-stream"})
+
+
+def _final(raw: bytes) -> dict[str, Any]:
+    _, sep, last = raw.rpartition(b"event: egress.response\n")
+    assert sep, raw[-300:]
+    assert last.startswith(b"data: ")
+    assert last.endswith(b"\n\n")
+    return json.loads(last[6:].strip())
+
+
+async def test_events_are_relayed_as_they_arrive_then_the_final_response(
+    upstream_factory, sidecar_factory
+):
+    head = sse(chat("Hel"))
+    tail = sse(chat("lo", "stop"), CHAT_USAGE, "[DONE]")
+    streamer = Streamer(head, tail)
+    up, sc = await _sidecar(upstream_factory, sidecar_factory, streamer)
+    async with _post(sc, STREAM_ENV) as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/event-stream"
+        first = await resp.content.readexactly(len(head))
+        assert first == head  # arrived while the upstream still holds the rest
+        assert not streamer.release.is_set()
+        streamer.release.set()
+        rest = await resp.content.read()
+    assert rest.startswith(tail)  # unchanged, byte for byte
+    final = _final(rest)
+    assert final["success"] is True
+    assert final["data"] is None
+    assert final["tokens_used"] == 17
+    assert final["error"] is None
+    [record] = sc.audit_records()
+    assert record["stream"] is True
+    assert record["stream_events"] == 4
+    assert record["time_to_first_byte_ms"] is not None
+    assert record["tokens_used"] == 17
+    assert up.hits == 1
+
+
+async def test_keep_alives_and_crlf_pass_through_as_sent(upstream_factory, sidecar_factory):
+    body = (
+        b": ping\r\n\r\nevent: ping\r\ndata: {}\r\n\r\n"
+        + sse(chat("x", "stop")).replace(b"\n", b"\r\n")
+        + b"data: [DONE]\r\n\r\n"
+    )
+    streamer = Streamer(body, b": bye\n\n")
+    streamer.release.set()
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, streamer)
+    async with _post(sc, STREAM_ENV) as resp:
+        raw = await resp.content.read()
+    assert raw.startswith(body + b": bye\n\n")
+    assert _final(raw)["success"] is True
+
+
+async def test_a_stream_cut_mid_way_ends_with_stream_interrupted_and_is_not_resent(
+    upstream_factory, sidecar_factory
+):
+    async def cut(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse(chat("Hel")))
+        await resp.write_eof()  # a clean close, but no [DONE] and no finish_reason
+        return resp
+
+    up, sc = await _sidecar(
+        upstream_factory, sidecar_factory, cut, idempotency={"methods": ["POST"]}
+    )
+    async with _post(sc, {**STREAM_ENV, "max_retries": 2}) as resp:
+        assert resp.status == 200
+        raw = await resp.content.read()
+    final = _final(raw)
+    assert final["success"] is False
+    assert final["error"]["code"] == "STREAM_INTERRUPTED"
+    assert final["error"]["retryable"] is True
+    assert up.hits == 1  # no retry once an event has been relayed
+    [record] = sc.audit_records()
+    assert record["error_code"] == "STREAM_INTERRUPTED"
+    assert record["stream"] is True
+
+
+async def test_an_error_event_inside_the_200_stream_is_the_final_error(
+    upstream_factory, sidecar_factory
+):
+    body = sse(("message_start", A_START), ("error", {"type": "error", "error": {
+        "type": "rate_limit_error", "message": "slow down"}}))  # fmt: skip
+    streamer = Streamer(body)
+    streamer.release.set()
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, streamer, usage="anthropic")
+    async with _post(sc, STREAM_ENV) as resp:
+        raw = await resp.content.read()
+    assert raw.startswith(body)
+    final = _final(raw)
+    assert final["error"]["code"] == "CAPACITY_EXCEEDED"
+    assert final["error"]["details"]["upstream_reason"] == "rate_limit_error"
+
+
+async def test_failures_before_the_stream_are_retried_and_answered_as_json(
+    upstream_factory, sidecar_factory
+):
+    answers = iter([503, 200])
+    streamer = Streamer(sse(chat("ok", "stop"), "[DONE]"))
+    streamer.release.set()
+
+    async def flaky(request: web.Request) -> web.StreamResponse:
+        if next(answers) == 503:
+            return web.json_response({"error": {"message": "busy"}}, status=503)
+        return await streamer(request)
+
+    up, sc = await _sidecar(upstream_factory, sidecar_factory, flaky)
+    async with _post(sc, STREAM_ENV) as resp:
+        raw = await resp.content.read()
+    assert _final(raw)["success"] is True
+    assert up.hits == 2
+
+    async def refused(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "bad model"}}, status=400)
+
+    up.handler = refused
+    async with _post(sc, STREAM_ENV) as resp:
+        assert resp.status == 400
+        assert resp.content_type == "application/json"
+        answer = await resp.json()
+    assert answer["error"]["code"] == "UPSTREAM_REJECTED"
+
+
+async def test_the_agent_hanging_up_closes_the_upstream_request_at_once(
+    upstream_factory, sidecar_factory
+):
+    streamer = Streamer(sse(chat("Hel")), ping=True)  # pings until its peer goes away
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, streamer)
+    resp = await _post(sc, STREAM_ENV)
+    await resp.content.readexactly(len(streamer.head))
+    resp.close()  # the agent goes away
+    streamer.release.set()
+    await asyncio.wait_for(streamer.closed_by_peer.wait(), 5)
+
+    async def audited() -> dict[str, Any]:
+        while not sc.audit_records():
+            await asyncio.sleep(0.01)
+        return sc.audit_records()[0]
+
+    record = await asyncio.wait_for(audited(), 5)
+    assert record["success"] is False
+    assert record["error_code"] == "STREAM_INTERRUPTED"
+    assert record["stream"] is True
+
+
+async def test_a_silent_stream_is_cut_by_stream_idle_timeout(upstream_factory, sidecar_factory):
+    streamer = Streamer(sse(chat("Hel")), sse(chat("lo", "stop")))  # never released
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, streamer, stream_idle_timeout_s=0.3)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with _post(sc, STREAM_ENV) as resp:
+        raw = await resp.content.read()
+    elapsed = loop.time() - started
+    final = _final(raw)
+    assert final["error"]["code"] == "STREAM_INTERRUPTED"
+    assert final["error"]["details"]["reason"] == "idle_timeout"
+    assert 0.3 <= elapsed < 3.0
+    streamer.release.set()
+
+
+async def test_one_event_of_300_kib_is_relayed_whole(upstream_factory, sidecar_factory):
+    big = sse(chat("A" * 307_200), chat("", "stop"), "[DONE]")
+    streamer = Streamer(big)
+    streamer.release.set()
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, streamer)
+    async with _post(sc, STREAM_ENV) as resp:
+        raw = await resp.content.read()
+    assert raw.startswith(big)
+    assert _final(raw)["success"] is True
+
+
+async def test_without_the_accept_header_the_stream_is_assembled(upstream_factory, sidecar_factory):
+    streamer = Streamer(sse(chat("Hel"), chat("lo", "stop"), CHAT_USAGE, "[DONE]"))
+    streamer.release.set()
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, streamer)
+    status, answer = await sc.call(STREAM_ENV)
+    assert status == 200
+    assert answer["data"]["content"] == "Hello"
+    assert answer["tokens_used"] == 17
+    assert sc.audit_records()[0]["stream"] is False
+
+
+async def test_refusals_before_the_upstream_are_json_even_when_a_stream_is_asked(
+    upstream_factory, sidecar_factory
+):
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, Streamer(b""))
+    async with sc.session.post(
+        sc.url + "/v1/calls",
+        json={**STREAM_ENV, "endpoint": "/v1/not-allowed"},
+        headers={"Accept": "text/event-stream"},
+    ) as resp:
+        assert resp.status == 403
+        assert (await resp.json())["error"]["code"] == "PERMISSION_DENIED"
+    assert isinstance(aiohttp.__version__, str)
