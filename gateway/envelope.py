@@ -39,6 +39,8 @@ HttpMethod = Literal["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 IDEMPOTENT_METHODS: Final = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 #: Methods whose ``parameters`` travel as the query string; the others send a JSON body.
 QUERY_METHODS: Final = frozenset({"GET", "HEAD", "DELETE"})
+#: Methods that may carry a ``body`` (an upload) instead of ``parameters``.
+BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
 #: C0 controls, DEL and C1 controls: never in a string the sidecar copies into a header,
 #: an answer or a log line (CR/LF split headers, ESC drives terminals reading logs).
@@ -84,6 +86,16 @@ class ErrorCode(StrEnum):
     UNKNOWN = "UNKNOWN"
 
 
+class RequestBody(BaseModel):
+    """A request body that is not JSON (an upload: audio, a file, a form), instead of
+    ``parameters``: its media type and its bytes in standard base64 (RFC 4648 section 4)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    content_type: Annotated[str, StringConstraints(min_length=1, max_length=256), _NoControls]
+    base64: str
+
+
 class ExternalCallRequest(BaseModel):
     """One outbound call an agent asks the sidecar to make.
 
@@ -112,6 +124,11 @@ class ExternalCallRequest(BaseModel):
     agent_id: Identifier | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    #: Query string items for any method (Gemini's ``?alt=sse``), after those that
+    #: ``parameters`` gives a GET/HEAD/DELETE; lists repeat the name.
+    query: dict[str, Any] = Field(default_factory=dict)
+    #: For POST/PUT/PATCH, a body that is not JSON, instead of ``parameters``.
+    body: RequestBody | None = None
 
 
 class ErrorPayload(BaseModel):

@@ -80,6 +80,8 @@ def test_every_documented_field_is_known() -> None:
         "agent_id",
         "headers",
         "metadata",
+        "query",
+        "body",
     } == REQUEST_FIELDS
 
 

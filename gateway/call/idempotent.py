@@ -44,7 +44,14 @@ async def once_per_key(
     ``forward`` raises (``failure`` builds the answer stored for an UPSTREAM_REJECTED)."""
     assert ctx.idempotency_key is not None
     key = store_key(target, ctx.idempotency_key)
-    fp = fingerprint(target, request.method, request.endpoint, request.parameters)
+    fp = fingerprint(
+        target,
+        request.method,
+        request.endpoint,
+        request.parameters,
+        query=request.query,
+        body=request.body.model_dump() if request.body is not None else None,
+    )
     while True:
         outcome = await store.begin(key, fp, lease_s=max(deadline - time.monotonic(), 0.001))
         if isinstance(outcome, Replay):

@@ -9,6 +9,8 @@ reported instead, for rolling upgrades of agents. Type errors are INVALID_PAYLOA
 
 from __future__ import annotations
 
+import base64
+import binascii
 import difflib
 import json
 import math
@@ -20,6 +22,7 @@ from pydantic import ValidationError
 
 from gateway import fastjson
 from gateway.envelope import (
+    BODY_METHODS,
     CONTROL_CHARACTERS,
     MAX_METADATA_BYTES,
     REQUEST_FIELDS,
@@ -223,10 +226,32 @@ def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reje
             for err in exc.errors(include_url=False, include_input=False)
         ][:_MAX_REPORTED_ERRORS]
         raise _invalid_fields(errors) from None
+    problem = request_problem(request)
+    if problem is not None:
+        raise _invalid_fields([problem])
+    return Intake(request, tuple(str(k) for k in unknown))
+
+
+def request_problem(request: ExternalCallRequest) -> dict[str, str] | None:
+    """What the model's types cannot say is wrong with ``request`` (``{field, problem}``),
+    or None: ``metadata`` past its bounds (:func:`metadata_problem`), a ``body`` on a
+    method that sends none or beside ``parameters``, or whose base64 is not base64."""
     problem = metadata_problem(request.metadata)
     if problem is not None:
-        raise _invalid_fields([{"field": "metadata", "problem": problem}])
-    return Intake(request, tuple(str(k) for k in unknown))
+        return {"field": "metadata", "problem": problem}
+    if request.body is not None:
+        if request.method not in BODY_METHODS:
+            return {"field": "body", "problem": "a body goes with POST, PUT or PATCH only"}
+        if request.parameters:
+            return {
+                "field": "body",
+                "problem": "give either body (not JSON) or parameters (a JSON body), not both",
+            }
+        try:
+            base64.b64decode(request.body.base64, validate=True)
+        except (binascii.Error, ValueError):
+            return {"field": "body.base64", "problem": "not standard base64 (RFC 4648 section 4)"}
+    return None
 
 
 def _invalid_fields(errors: list[dict[str, str]]) -> InvalidPayload:
@@ -321,4 +346,6 @@ def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
         return None
     if request.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
         return None
-    return request if metadata_problem(request.metadata) is None else None
+    if (request.metadata or request.body is not None) and request_problem(request):
+        return None
+    return request

@@ -6,7 +6,9 @@
 * URL: the target's ``base_url`` plus the checked endpoint (:func:`gateway.policy.egress.
   upstream_url`), never another origin;
 * ``parameters``: the query string for GET, HEAD and DELETE (lists repeat the key), a
-  compact JSON body otherwise; the digest of those bytes is what the audit record keeps;
+  compact JSON body otherwise; an envelope ``body`` (base64) is sent as its bytes with its
+  ``content_type`` instead; the envelope's ``query`` is added to the query string for any
+  method; the digest of the body (or of the query) is what the audit record keeps;
 * headers, later ones winning: the target's static headers, the agent's allowlisted
   ``headers`` (less trace headers), W3C ``traceparent``/``tracestate``
   (:mod:`gateway.tracing`), and the idempotency key under the target's header name.
@@ -18,17 +20,20 @@ by :mod:`gateway.upstream` when the request is written.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from dataclasses import dataclass, replace
 from urllib.parse import urlencode
 
 from gateway import fastjson
-from gateway.envelope import ExternalCallRequest
+from gateway.envelope import QUERY_METHODS, ExternalCallRequest
 from gateway.policy import CompiledTarget
 from gateway.policy.egress import query_items, upstream_url
 from gateway.secrets import ResolvedSecret
 from gateway.tracing import TRACE_HEADERS, outbound_headers
 from gateway.upstream import Credential, OutboundRequest
+
+JSON = "application/json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +58,15 @@ def build(
     origin (cannot happen for an endpoint :func:`gateway.policy.egress.decide` allowed)."""
     spec = target.spec
     url = upstream_url(target, request.endpoint)
-    query = query_items(request.method, request.parameters)
+    query = query_items(request.method, request.parameters, request.query)
     body = None
-    if query is None:
+    content_type = JSON
+    if request.body is not None:
+        body = base64.b64decode(request.body.base64)  # checked at intake
+        content_type = request.body.content_type
+    elif request.method not in QUERY_METHODS:
         body = fastjson.compact(request.parameters)
-        sent = body
-    else:
-        sent = urlencode(query).encode()
+    sent = body if body is not None else urlencode(query or []).encode()
     agent_headers = {k: v for k, v in request.headers.items() if k.lower() not in TRACE_HEADERS}
     headers = {
         **spec.static_headers,
@@ -69,7 +76,13 @@ def build(
     if idempotency_key is not None and spec.idempotency is not None:
         headers[spec.idempotency.header] = idempotency_key
     outbound = OutboundRequest(
-        target=target, method=request.method, url=url, query=query, body=body, headers=headers
+        target=target,
+        method=request.method,
+        url=url,
+        query=query,
+        body=body,
+        headers=headers,
+        content_type=content_type,
     )
     return outbound, BodyDigest(len(sent), hashlib.sha256(sent).hexdigest() if digest else None)
 

@@ -42,8 +42,31 @@ def derive_key(
     return DERIVED_KEY_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def fingerprint(target_system: str, method: str, endpoint: str, parameters: Any) -> str:
-    """SHA-256 hex of the request a key stands for (target, method, endpoint, parameters)."""
+def fingerprint(
+    target_system: str,
+    method: str,
+    endpoint: str,
+    parameters: Any,
+    *,
+    query: Any = None,
+    body: Any = None,
+) -> str:
+    """SHA-256 hex of the request a key stands for (target, method, endpoint, parameters,
+    and the envelope's ``query`` and ``body`` when it has them: an envelope without them
+    keeps the fingerprint it always had)."""
+    if query or body is not None:
+        return hashlib.sha256(
+            canonical_json(
+                {
+                    "target_system": target_system,
+                    "method": method.upper(),
+                    "endpoint": endpoint,
+                    "parameters": parameters,
+                    "query": query or {},
+                    "body": body,
+                }
+            )
+        ).hexdigest()
     # = canonical_json({"target_system": ..., "method": ..., "endpoint": ...,
     # "parameters": ...}): keys in sorted order, the strings by the stdlib's encoder.
     params = canonical_json(parameters)

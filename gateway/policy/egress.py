@@ -347,9 +347,10 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
 
 
 def _check_query_names(target: CompiledTarget, request: ExternalCallRequest, param: str) -> None:
-    if request.method not in QUERY_METHODS:
-        return  # parameters go in the JSON body: the query holds the credential alone
-    for name in request.parameters:
+    names = list(request.query)
+    if request.method in QUERY_METHODS:  # otherwise parameters go in the body
+        names += request.parameters
+    for name in names:
         if same_query_name(name, param):
             shown = name[:64]
             raise PermissionDenied(
@@ -373,10 +374,18 @@ def upstream_url(target: CompiledTarget, endpoint: str) -> URL:
     return url
 
 
-def query_items(method: str, parameters: dict[str, Any]) -> list[tuple[str, str]] | None:
-    """The query string for GET/HEAD/DELETE (lists repeat the key), else None."""
+def query_items(
+    method: str, parameters: dict[str, Any], query: dict[str, Any] | None = None
+) -> list[tuple[str, str]] | None:
+    """The query string: ``parameters`` for GET/HEAD/DELETE, then the envelope's ``query``
+    for any method (lists repeat the key); None when there is none for a method whose
+    parameters are its body."""
     if method not in QUERY_METHODS:
-        return None
+        return _pairs(query) if query else None
+    return _pairs(parameters) + (_pairs(query) if query else [])
+
+
+def _pairs(parameters: dict[str, Any]) -> list[tuple[str, str]]:
     items: list[tuple[str, str]] = []
     for key, value in parameters.items():
         for item in value if isinstance(value, list) else [value]:

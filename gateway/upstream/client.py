@@ -292,7 +292,7 @@ class Upstream:
         # puts in a redirect (userinfo, cookies, a query credential) is carried over.
         headers = dict(request.headers)
         if has_body:
-            headers["Content-Type"] = "application/json"
+            headers["Content-Type"] = request.content_type
         query = list(query) if query is not None else None
         cred = request.credential
         if cred is not None:

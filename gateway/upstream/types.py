@@ -44,10 +44,10 @@ class OutboundRequest:
     between the call path and this module.
 
     ``url`` is the target's ``base_url`` plus the checked endpoint (origin = the target's);
-    ``query`` the query items (None for a method whose parameters are the body); ``body``
-    the compact JSON bytes (sent as ``application/json``) or None; ``headers`` what goes
-    out besides ``User-Agent``, ``Content-Type`` and the credential, which :meth:`Upstream.
-    send` adds last, so nothing in ``headers`` can replace it.
+    ``query`` the query items (None when there are none); ``body`` the bytes to send
+    (compact JSON, or an upload's) with ``content_type``, or None; ``headers`` what goes out
+    besides ``User-Agent``, ``Content-Type`` and the credential, which :meth:`Upstream.send`
+    adds last, so nothing in ``headers`` can replace it.
     """
 
     target: CompiledTarget
@@ -57,6 +57,8 @@ class OutboundRequest:
     body: bytes | None
     headers: dict[str, str] = field(default_factory=dict)
     credential: Credential | None = None
+    #: The media type of ``body``: JSON, or an upload's own (envelope ``body``).
+    content_type: str = "application/json"
 
 
 @dataclass(frozen=True, slots=True)
