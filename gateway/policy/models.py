@@ -2,26 +2,29 @@
 
 The policy is the operator's contract with the sidecar: keys may be added, never renamed.
 Every model forbids unknown keys and is strictly typed (``port: "8181"`` is an error).
-Every optional key has a default, defined once below.
+Every optional key has a default, and every number a bound the runtime can honour, each
+defined once below; ``.inf`` and ``.nan`` are refused wherever a number is taken.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     StringConstraints,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 from yarl import URL
 
-from gateway.envelope import HttpMethod
+from gateway.envelope import MAX_RETRIES_LIMIT, MAX_TIMEOUT_S, HttpMethod
 from gateway.policy.refs import InvalidSecretRef, parse_ref
 
 # Defaults, in one place. Units are in the names.
@@ -51,15 +54,104 @@ DEFAULT_VAULT_CACHE_TTL_S: Final = 300.0
 DEFAULT_VAULT_STALE_IF_ERROR_S: Final = 3600.0
 DEFAULT_VAULT_TIMEOUT_S: Final = 5.0
 DEFAULT_K8S_JWT_PATH: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+DEFAULT_REDIS_TIMEOUT_S: Final = 0.5
+
+# Bounds, in one place, each with its reason: what the runtime can honour, or past which
+# a setting no longer means what it says. (Counts and sizes are Python ints and durations
+# floats, so arithmetic never overflows; the bounds keep values inside what asyncio's
+# clock, Redis and the pod can do.)
+#: One wait of the sidecar's own (an attempt, the drain, a breaker's open time, the
+#: reload interval): an hour. A call is bounded by its envelope ``timeout`` anyway (at
+#: most ``MAX_TIMEOUT_S``, 600 s) and the drain by the pod's termination grace period.
+MAX_WAIT_S: Final = 3600.0
+#: Waits inside one call (queueing for a rate-limit group, the longest backoff): a call
+#: never waits past its deadline, which is at most the envelope's ``MAX_TIMEOUT_S``.
+MAX_CALL_WAIT_S: Final = MAX_TIMEOUT_S
+#: The first backoff step: a retry later than a minute is no longer a retry of the call.
+MAX_BACKOFF_BASE_S: Final = 60.0
+#: Retries of one call: the envelope's own cap (``MAX_RETRIES_LIMIT``), so both agree.
+MAX_POLICY_MAX_RETRIES: Final = MAX_RETRIES_LIMIT
+#: Failed attempts before a breaker opens: past a thousand a breaker never opens in time.
+MAX_FAIL_MAX: Final = 1000
+#: Idempotency answers kept: a month. Past any provider's own key retention (Stripe keeps
+#: keys at least 24 hours), and far inside Redis's expiry range (milliseconds, int64).
+MAX_IDEMPOTENCY_TTL_S: Final = 30 * 86400.0
+#: A Vault secret cached as fresh: a day, so a rotated secret reaches the sidecar daily
+#: at the latest (the lease Vault gives shortens it further).
+MAX_VAULT_CACHE_TTL_S: Final = 86400.0
+#: An expired cached secret served while Vault is down: a week rides out a weekend's
+#: outage; longer keeps a possibly revoked secret in use indefinitely.
+MAX_VAULT_STALE_IF_ERROR_S: Final = 7 * 86400.0
+#: One Vault request: hvac blocks a worker thread (of a small pool) that long.
+MAX_VAULT_TIMEOUT_S: Final = 120.0
+#: Redis connect and socket timeouts: a Redis that has not answered in a minute is down,
+#: and ``on_redis_error`` (fail open or closed) should decide, not the wait.
+MAX_REDIS_TIMEOUT_S: Final = 60.0
+MAX_REDIS_POOL_SIZE: Final = 10_000
+#: Envelope and upstream bodies are held whole in memory (parsed, hashed, stored for
+#: replay): past a GiB the pod's memory limit, not the policy, would decide.
+MAX_BODY_BYTES: Final = 1024 * 1024 * 1024
+#: The in-memory idempotency store lives in the sidecar's heap; more than 16 GiB is more
+#: than any sidecar's memory limit. Entries: ~1.4 kB each, so 10 M is 14 GB.
+MAX_IDEMPOTENCY_STORE_BYTES: Final = 16 * 1024 * 1024 * 1024
+MAX_IDEMPOTENCY_ENTRIES: Final = 10_000_000
+#: Rate-limit groups. The cluster limiter books a bucket as an instant in integer
+#: microseconds inside Redis's Lua, whose numbers are doubles (exact below 2**53, about
+#: 9.0e15; now is about 1.8e15): with at most ``MAX_BURST`` calls and at least
+#: ``MIN_REQUESTS_PER_SECOND``, a bucket is at most 1e14 us (~3 years) deep.
+MIN_REQUESTS_PER_SECOND: Final = 0.001
+MAX_REQUESTS_PER_SECOND: Final = 100_000.0
+MAX_BURST: Final = 100_000
+#: A trillion tokens a minute: no provider sells a tier near it, and the local token
+#: bucket (a float level) still counts single tokens exactly (below 2**53).
+MAX_TOKENS_PER_MINUTE: Final = 10**12
+#: An audit file's rotation size is compared with a file offset, an int64 (``off_t``).
+MAX_AUDIT_FILE_BYTES: Final = 2**63 - 1
+MAX_AUDIT_BACKUPS: Final = 1000
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
-# CIDRs are written as strings in YAML: parsed leniently although the models are strict.
-Cidr = (
-    Annotated[ipaddress.IPv4Network, Field(strict=False)]
-    | Annotated[ipaddress.IPv6Network, Field(strict=False)]
-)
-RetryOn = int | Literal["timeout", "connect"]
+
+
+def _cidr(value: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    # Only a string is a CIDR: YAML reads ``10`` and ``10.0`` as numbers, and
+    # ``ip_network(10)`` is 0.0.0.10/32, which is not what the writer meant.
+    if not isinstance(value, str):
+        raise PydanticCustomError(
+            "cidr_type",
+            "a CIDR is written as a string such as '10.0.0.0/8' (got {kind})",
+            {"kind": _kind(value)},
+        )
+    try:
+        return ipaddress.ip_network(value)
+    except ValueError as exc:
+        raise PydanticCustomError(
+            "cidr", "not a CIDR such as '10.0.0.0/8': {reason}", {"reason": str(exc)[:200]}
+        ) from None
+
+
+def _retry_on(value: Any) -> int | str:
+    # One check instead of an int | Literal union: a union's member names would show in
+    # error locations (and YAML's ``true`` is no status).
+    if (isinstance(value, int) and not isinstance(value, bool)) or value in _RETRY_CONDITIONS:
+        return value  # type: ignore[no-any-return]
+    raise PydanticCustomError(
+        "retry_on", "must be an HTTP status (429, 5xx) or 'timeout' or 'connect'"
+    )
+
+
+_RETRY_CONDITIONS: Final = ("timeout", "connect")
+
+
+def _kind(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
+    return kinds.get(type(value), "null" if value is None else f"a {type(value).__name__}")
+
+
+#: A network of ``egress.allow_cidrs`` / ``deny_cidrs``: a string, ``10.0.0.0/8``.
+Cidr = Annotated[ipaddress.IPv4Network | ipaddress.IPv6Network, PlainValidator(_cidr)]
+#: A ``retry_on`` item: a status (429 or 5xx, checked by the list) or a failure kind.
+RetryOn = Annotated[int | Literal["timeout", "connect"], PlainValidator(_retry_on)]
 #: A header name: an RFC 9110 token.
 HEADER_NAME: Final = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 #: What a header value may not hold: control characters other than HTAB (RFC 9110 5.5).
@@ -89,7 +181,7 @@ FORBIDDEN_FORWARD_HEADERS: Final = frozenset(
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ServerSpec(_Strict):
@@ -99,15 +191,19 @@ class ServerSpec(_Strict):
     # scrapers can reach it on the pod IP while the calls API stays on loopback.
     ops_host: str = DEFAULT_HOST
     ops_port: int | None = Field(DEFAULT_OPS_PORT, ge=0, le=65535)
-    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
-    max_response_bytes: int = Field(DEFAULT_MAX_RESPONSE_BYTES, ge=1024)
-    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=3600)
-    reload_interval_s: float = Field(DEFAULT_RELOAD_INTERVAL_S, ge=0, le=3600)  # 0: SIGHUP only
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=MAX_BODY_BYTES)
+    max_response_bytes: int = Field(DEFAULT_MAX_RESPONSE_BYTES, ge=1024, le=MAX_BODY_BYTES)
+    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=MAX_WAIT_S)
+    reload_interval_s: float = Field(DEFAULT_RELOAD_INTERVAL_S, ge=0, le=MAX_WAIT_S)  # 0: SIGHUP
     debug: bool = False  # stack traces in UNKNOWN answers: development only
     # Bounds of the in-memory idempotency store (scope: local): completed answers are
     # evicted closest to their expiry first; the main lever on the sidecar's memory.
-    idempotency_max_entries: int = Field(DEFAULT_IDEMPOTENCY_MAX_ENTRIES, ge=1, le=10_000_000)
-    idempotency_max_bytes: int = Field(DEFAULT_IDEMPOTENCY_MAX_BYTES, ge=4096)
+    idempotency_max_entries: int = Field(
+        DEFAULT_IDEMPOTENCY_MAX_ENTRIES, ge=1, le=MAX_IDEMPOTENCY_ENTRIES
+    )
+    idempotency_max_bytes: int = Field(
+        DEFAULT_IDEMPOTENCY_MAX_BYTES, ge=4096, le=MAX_IDEMPOTENCY_STORE_BYTES
+    )
 
 
 class EnvelopeSpec(_Strict):
@@ -226,9 +322,9 @@ class EndpointRule(_Strict):
 
 
 class RetrySpec(_Strict):
-    max_retries: int = Field(DEFAULT_POLICY_MAX_RETRIES, ge=0, le=10)
-    backoff_base_s: float = Field(DEFAULT_BACKOFF_BASE_S, ge=0, le=60)
-    backoff_max_s: float = Field(DEFAULT_BACKOFF_MAX_S, ge=0, le=600)
+    max_retries: int = Field(DEFAULT_POLICY_MAX_RETRIES, ge=0, le=MAX_POLICY_MAX_RETRIES)
+    backoff_base_s: float = Field(DEFAULT_BACKOFF_BASE_S, ge=0, le=MAX_BACKOFF_BASE_S)
+    backoff_max_s: float = Field(DEFAULT_BACKOFF_MAX_S, ge=0, le=MAX_CALL_WAIT_S)
     retry_on: list[RetryOn] = Field(default_factory=lambda: list[RetryOn](DEFAULT_RETRY_ON))
 
     @field_validator("retry_on")
@@ -244,14 +340,14 @@ class RetrySpec(_Strict):
 
 
 class BreakerSpec(_Strict):
-    fail_max: int = Field(DEFAULT_FAIL_MAX, ge=1, le=1000)
-    reset_timeout_s: float = Field(DEFAULT_RESET_TIMEOUT_S, gt=0, le=3600)
+    fail_max: int = Field(DEFAULT_FAIL_MAX, ge=1, le=MAX_FAIL_MAX)
+    reset_timeout_s: float = Field(DEFAULT_RESET_TIMEOUT_S, gt=0, le=MAX_WAIT_S)
 
 
 class IdempotencySpec(_Strict):
     header: str = "Idempotency-Key"
     methods: list[HttpMethod] = Field(default_factory=lambda: ["POST"])  # type: ignore[arg-type]
-    ttl_s: float = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0)
+    ttl_s: float = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0, le=MAX_IDEMPOTENCY_TTL_S)
     scope: Scope = "local"
 
     @field_validator("header")
@@ -267,7 +363,7 @@ class TargetSpec(_Strict):
     credential: CredentialSpec | None = None
     endpoints: list[EndpointRule] = Field(min_length=1)
     rate_limit_group: Name | None = None
-    timeout_s: float = Field(DEFAULT_TARGET_TIMEOUT_S, gt=0, le=3600)
+    timeout_s: float = Field(DEFAULT_TARGET_TIMEOUT_S, gt=0, le=MAX_WAIT_S)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     circuit_breaker: BreakerSpec | None = Field(default_factory=BreakerSpec)
     usage: Literal["openai", "anthropic", "gemini", "none"] = "none"
@@ -331,10 +427,10 @@ def _canonical_ipv4(host: str) -> bool:
 class RateLimitGroupSpec(_Strict):
     """A token bucket: ``burst`` calls at once, refilled at ``requests_per_second``."""
 
-    requests_per_second: float = Field(gt=0, le=100_000)
-    burst: int = Field(1, ge=1, le=100_000)
-    tokens_per_minute: int | None = Field(None, gt=0)
-    max_queue_s: float = Field(DEFAULT_MAX_QUEUE_S, ge=0, le=600)
+    requests_per_second: float = Field(ge=MIN_REQUESTS_PER_SECOND, le=MAX_REQUESTS_PER_SECOND)
+    burst: int = Field(1, ge=1, le=MAX_BURST)
+    tokens_per_minute: int | None = Field(None, gt=0, le=MAX_TOKENS_PER_MINUTE)
+    max_queue_s: float = Field(DEFAULT_MAX_QUEUE_S, ge=0, le=MAX_CALL_WAIT_S)
     scope: Scope = "local"
     on_redis_error: Literal["fail_open", "fail_closed"] = "fail_open"
 
@@ -371,9 +467,11 @@ class VaultSpec(_Strict):
     kv_mount: str = "secret"
     kv_version: Literal[1, 2] = 2
     refs: dict[str, VaultRefSpec] = Field(default_factory=dict)
-    cache_ttl_s: float = Field(DEFAULT_VAULT_CACHE_TTL_S, ge=0)
-    stale_if_error_s: float = Field(DEFAULT_VAULT_STALE_IF_ERROR_S, ge=0)
-    timeout_s: float = Field(DEFAULT_VAULT_TIMEOUT_S, gt=0, le=120)
+    cache_ttl_s: float = Field(DEFAULT_VAULT_CACHE_TTL_S, ge=0, le=MAX_VAULT_CACHE_TTL_S)
+    stale_if_error_s: float = Field(
+        DEFAULT_VAULT_STALE_IF_ERROR_S, ge=0, le=MAX_VAULT_STALE_IF_ERROR_S
+    )
+    timeout_s: float = Field(DEFAULT_VAULT_TIMEOUT_S, gt=0, le=MAX_VAULT_TIMEOUT_S)
     ca_cert: str | None = None
     skip_verify: bool = False
 
@@ -385,9 +483,9 @@ class SecretsSpec(_Strict):
 class RedisSpec(_Strict):
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "egress"
-    pool_size: int = Field(32, ge=1, le=10_000)
-    socket_timeout_s: float = Field(0.5, gt=0)
-    connect_timeout_s: float = Field(0.5, gt=0)
+    pool_size: int = Field(32, ge=1, le=MAX_REDIS_POOL_SIZE)
+    socket_timeout_s: float = Field(DEFAULT_REDIS_TIMEOUT_S, gt=0, le=MAX_REDIS_TIMEOUT_S)
+    connect_timeout_s: float = Field(DEFAULT_REDIS_TIMEOUT_S, gt=0, le=MAX_REDIS_TIMEOUT_S)
 
 
 class AuditSpec(_Strict):
@@ -395,8 +493,8 @@ class AuditSpec(_Strict):
     path: str | None = None
     payloads: Literal["none", "summary"] = "summary"
     chain: bool = False
-    max_bytes: int | None = Field(None, ge=4096)
-    backup_count: int = Field(5, ge=0, le=1000)
+    max_bytes: int | None = Field(None, ge=4096, le=MAX_AUDIT_FILE_BYTES)
+    backup_count: int = Field(5, ge=0, le=MAX_AUDIT_BACKUPS)
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> AuditSpec:
@@ -421,19 +519,28 @@ class Policy(_Strict):
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
-        problems: list[str] = []
+        """Keys that refer to other sections. Raises one ``cross_reference`` error whose
+        ``ctx["problems"]`` is a tuple of ``(key path tuple, message)``, so the loader can
+        name each key and its line."""
+        problems: list[tuple[tuple[str, ...], str]] = []
         for name, target in self.targets.items():
             group = target.rate_limit_group
             if group is not None and group not in self.rate_limit_groups:
                 problems.append(
-                    f"targets.{name}.rate_limit_group: no rate-limit group {group!r} "
-                    f"(known: {', '.join(sorted(self.rate_limit_groups)) or 'none'})"
+                    (
+                        ("targets", name, "rate_limit_group"),
+                        f"no rate-limit group {group!r} "
+                        f"(known: {', '.join(sorted(self.rate_limit_groups)) or 'none'})",
+                    )
                 )
             if target.credential is not None:
-                for ref in target.credential.permitted_refs():
+                for ref in sorted(target.credential.permitted_refs()):
                     if ref.startswith("vault://") and self.secrets.vault is None:
                         problems.append(
-                            f"targets.{name}.credential: {ref!r} needs a secrets.vault section"
+                            (
+                                ("targets", name, "credential"),
+                                f"{ref!r} needs a secrets.vault section",
+                            )
                         )
             host = URL(target.base_url).host or ""
             try:
@@ -442,20 +549,31 @@ class Policy(_Strict):
                 address = None
             if address is not None and not self.egress.allows(address):
                 problems.append(
-                    f"targets.{name}.base_url: {host} is not allowed by the egress policy "
-                    "(not a public address, or in egress.deny_cidrs); list it in "
-                    "egress.allow_cidrs to allow it"
+                    (
+                        ("targets", name, "base_url"),
+                        f"{host} is not allowed by the egress policy (not a public address, "
+                        "or in egress.deny_cidrs); list it in egress.allow_cidrs to allow it",
+                    )
                 )
             needs_redis = target.idempotency is not None and target.idempotency.scope == "cluster"
             if needs_redis and self.redis is None:
                 problems.append(
-                    f"targets.{name}.idempotency.scope: 'cluster' needs a redis section"
+                    (("targets", name, "idempotency", "scope"), "'cluster' needs a redis section")
                 )
         for name, group_spec in self.rate_limit_groups.items():
             if group_spec.scope == "cluster" and self.redis is None:
-                problems.append(f"rate_limit_groups.{name}.scope: 'cluster' needs a redis section")
+                problems.append(
+                    (("rate_limit_groups", name, "scope"), "'cluster' needs a redis section")
+                )
         if problems:
-            raise ValueError("\n".join(problems))
+            raise PydanticCustomError(
+                "cross_reference",
+                "{summary}",
+                {
+                    "summary": "\n".join(f"{'.'.join(loc)}: {msg}" for loc, msg in problems),
+                    "problems": tuple(problems),
+                },
+            )
         return self
 
 
