@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from gateway.cli import main
 from gateway.policy import PolicyError, load_policy, parse_policy
+from gateway.policy import defaults as d
 from gateway.policy import models as m
 from gateway.server.runtime import Gateway
 from tests.test_policy import BAD_POLICIES, FIXTURES, ROOT, expected_problems
@@ -145,31 +146,31 @@ FLOAT_KEYS = {
 
 #: Every bounded key with its upper bound (the named constant the model uses).
 UPPER_BOUNDS = {
-    "server.drain_s": m.MAX_WAIT_S,
-    "server.reload_interval_s": m.MAX_WAIT_S,
-    "targets.t.timeout_s": m.MAX_WAIT_S,
-    "targets.t.retry.backoff_base_s": m.MAX_BACKOFF_BASE_S,
-    "targets.t.retry.backoff_max_s": m.MAX_CALL_WAIT_S,
-    "targets.t.circuit_breaker.reset_timeout_s": m.MAX_WAIT_S,
-    "targets.t.idempotency.ttl_s": m.MAX_IDEMPOTENCY_TTL_S,
-    "rate_limit_groups.g.requests_per_second": m.MAX_REQUESTS_PER_SECOND,
-    "rate_limit_groups.g.max_queue_s": m.MAX_CALL_WAIT_S,
-    "secrets.vault.cache_ttl_s": m.MAX_VAULT_CACHE_TTL_S,
-    "secrets.vault.stale_if_error_s": m.MAX_VAULT_STALE_IF_ERROR_S,
-    "secrets.vault.timeout_s": m.MAX_VAULT_TIMEOUT_S,
-    "redis.socket_timeout_s": m.MAX_REDIS_TIMEOUT_S,
-    "redis.connect_timeout_s": m.MAX_REDIS_TIMEOUT_S,
-    "server.max_request_bytes": m.MAX_BODY_BYTES,
-    "server.max_response_bytes": m.MAX_BODY_BYTES,
-    "server.idempotency_max_entries": m.MAX_IDEMPOTENCY_ENTRIES,
-    "server.idempotency_max_bytes": m.MAX_IDEMPOTENCY_STORE_BYTES,
-    "rate_limit_groups.g.burst": m.MAX_BURST,
-    "rate_limit_groups.g.tokens_per_minute": m.MAX_TOKENS_PER_MINUTE,
-    "targets.t.retry.max_retries": m.MAX_POLICY_MAX_RETRIES,
-    "targets.t.circuit_breaker.fail_max": m.MAX_FAIL_MAX,
-    "redis.pool_size": m.MAX_REDIS_POOL_SIZE,
-    "audit.max_bytes": m.MAX_AUDIT_FILE_BYTES,
-    "audit.backup_count": m.MAX_AUDIT_BACKUPS,
+    "server.drain_s": d.MAX_WAIT_S,
+    "server.reload_interval_s": d.MAX_WAIT_S,
+    "targets.t.timeout_s": d.MAX_WAIT_S,
+    "targets.t.retry.backoff_base_s": d.MAX_BACKOFF_BASE_S,
+    "targets.t.retry.backoff_max_s": d.MAX_CALL_WAIT_S,
+    "targets.t.circuit_breaker.reset_timeout_s": d.MAX_WAIT_S,
+    "targets.t.idempotency.ttl_s": d.MAX_IDEMPOTENCY_TTL_S,
+    "rate_limit_groups.g.requests_per_second": d.MAX_REQUESTS_PER_SECOND,
+    "rate_limit_groups.g.max_queue_s": d.MAX_CALL_WAIT_S,
+    "secrets.vault.cache_ttl_s": d.MAX_VAULT_CACHE_TTL_S,
+    "secrets.vault.stale_if_error_s": d.MAX_VAULT_STALE_IF_ERROR_S,
+    "secrets.vault.timeout_s": d.MAX_VAULT_TIMEOUT_S,
+    "redis.socket_timeout_s": d.MAX_REDIS_TIMEOUT_S,
+    "redis.connect_timeout_s": d.MAX_REDIS_TIMEOUT_S,
+    "server.max_request_bytes": d.MAX_BODY_BYTES,
+    "server.max_response_bytes": d.MAX_BODY_BYTES,
+    "server.idempotency_max_entries": d.MAX_IDEMPOTENCY_ENTRIES,
+    "server.idempotency_max_bytes": d.MAX_IDEMPOTENCY_STORE_BYTES,
+    "rate_limit_groups.g.burst": d.MAX_BURST,
+    "rate_limit_groups.g.tokens_per_minute": d.MAX_TOKENS_PER_MINUTE,
+    "targets.t.retry.max_retries": d.MAX_POLICY_MAX_RETRIES,
+    "targets.t.circuit_breaker.fail_max": d.MAX_FAIL_MAX,
+    "redis.pool_size": d.MAX_REDIS_POOL_SIZE,
+    "audit.max_bytes": d.MAX_AUDIT_FILE_BYTES,
+    "audit.backup_count": d.MAX_AUDIT_BACKUPS,
 }
 INT_KEYS = {
     "server.max_request_bytes": "server: {max_request_bytes: @}",
@@ -251,7 +252,7 @@ def test_every_number_has_its_named_upper_bound(key: str) -> None:
 
 def test_requests_per_second_has_a_floor_the_cluster_limiter_can_count() -> None:
     snippet = INT_KEYS["rate_limit_groups.g.burst"].replace("second: 1", "second: %")
-    parse_policy(with_value(snippet, m.MAX_BURST).replace("%", "0.001"), "p.yaml")
+    parse_policy(with_value(snippet, d.MAX_BURST).replace("%", "0.001"), "p.yaml")
     assert problems_of(with_value(snippet, 1).replace("%", "0.0009")) == [
         "p.yaml:3: rate_limit_groups.g.requests_per_second: "
         "Input should be greater than or equal to 0.001"

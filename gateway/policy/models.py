@@ -3,7 +3,8 @@
 The policy is the operator's contract with the sidecar: keys may be added, never renamed.
 Every model forbids unknown keys and is strictly typed (``port: "8181"`` is an error).
 Every optional key has a default, and every number a bound the runtime can honour, each
-defined once below; ``.inf`` and ``.nan`` are refused wherever a number is taken.
+defined once in :mod:`gateway.policy.defaults` with its reason; ``.inf`` and ``.nan``
+are refused wherever a number is taken.
 """
 
 from __future__ import annotations
@@ -24,110 +25,38 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from yarl import URL
 
-from gateway.envelope import MAX_RETRIES_LIMIT, MAX_TIMEOUT_S, HttpMethod
+from gateway.envelope import HttpMethod
+from gateway.policy import defaults as d
+
+# Re-exported: gateway.idempotency.memory imports them from here.
+from gateway.policy.defaults import (
+    DEFAULT_IDEMPOTENCY_MAX_BYTES as DEFAULT_IDEMPOTENCY_MAX_BYTES,
+)
+from gateway.policy.defaults import (
+    DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
+)
 from gateway.policy.refs import InvalidSecretRef, parse_ref
-
-# Defaults, in one place. Units are in the names.
-DEFAULT_HOST: Final = "127.0.0.1"
-DEFAULT_PORT: Final = 8181
-DEFAULT_OPS_PORT: Final = 8182
-DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
-DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
-DEFAULT_DRAIN_S: Final = 20.0
-DEFAULT_RELOAD_INTERVAL_S: Final = 2.0
-DEFAULT_TARGET_TIMEOUT_S: Final = 30.0
-DEFAULT_RETRY_ON: Final = (429, 500, 502, 503, 504, 529, "timeout", "connect")
-DEFAULT_BACKOFF_BASE_S: Final = 0.5
-DEFAULT_BACKOFF_MAX_S: Final = 20.0
-DEFAULT_POLICY_MAX_RETRIES: Final = 3
-DEFAULT_FAIL_MAX: Final = 5
-DEFAULT_RESET_TIMEOUT_S: Final = 30.0
-DEFAULT_MAX_QUEUE_S: Final = 5.0
-DEFAULT_IDEMPOTENCY_TTL_S: Final = 86400.0
-#: Bounds of the in-memory idempotency store. An entry costs about 1.4 kB plus its
-#: answer beyond ~700 bytes; with 5,000 a sidecar with the benchmark's policy stays at
-#: about 65 MiB resident (docs/performance.md, "Memory"); the byte bound caps the store
-#: when answers are large.
-DEFAULT_IDEMPOTENCY_MAX_ENTRIES: Final = 5_000
-DEFAULT_IDEMPOTENCY_MAX_BYTES: Final = 64 * 1024 * 1024
-DEFAULT_VAULT_CACHE_TTL_S: Final = 300.0
-DEFAULT_VAULT_STALE_IF_ERROR_S: Final = 3600.0
-DEFAULT_VAULT_TIMEOUT_S: Final = 5.0
-DEFAULT_K8S_JWT_PATH: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-DEFAULT_REDIS_TIMEOUT_S: Final = 0.5
-
-# Bounds, in one place, each with its reason: what the runtime can honour, or past which
-# a setting no longer means what it says. (Counts and sizes are Python ints and durations
-# floats, so arithmetic never overflows; the bounds keep values inside what asyncio's
-# clock, Redis and the pod can do.)
-#: One wait of the sidecar's own (an attempt, the drain, a breaker's open time, the
-#: reload interval): an hour. A call is bounded by its envelope ``timeout`` anyway (at
-#: most ``MAX_TIMEOUT_S``, 600 s) and the drain by the pod's termination grace period.
-MAX_WAIT_S: Final = 3600.0
-#: Waits inside one call (queueing for a rate-limit group, the longest backoff): a call
-#: never waits past its deadline, which is at most the envelope's ``MAX_TIMEOUT_S``.
-MAX_CALL_WAIT_S: Final = MAX_TIMEOUT_S
-#: The first backoff step: a retry later than a minute is no longer a retry of the call.
-MAX_BACKOFF_BASE_S: Final = 60.0
-#: Retries of one call: the envelope's own cap (``MAX_RETRIES_LIMIT``), so both agree.
-MAX_POLICY_MAX_RETRIES: Final = MAX_RETRIES_LIMIT
-#: Failed attempts before a breaker opens: past a thousand a breaker never opens in time.
-MAX_FAIL_MAX: Final = 1000
-#: Idempotency answers kept: a month. Past any provider's own key retention (Stripe keeps
-#: keys at least 24 hours), and far inside Redis's expiry range (milliseconds, int64).
-MAX_IDEMPOTENCY_TTL_S: Final = 30 * 86400.0
-#: A Vault secret cached as fresh: a day, so a rotated secret reaches the sidecar daily
-#: at the latest (the lease Vault gives shortens it further).
-MAX_VAULT_CACHE_TTL_S: Final = 86400.0
-#: An expired cached secret served while Vault is down: a week rides out a weekend's
-#: outage; longer keeps a possibly revoked secret in use indefinitely.
-MAX_VAULT_STALE_IF_ERROR_S: Final = 7 * 86400.0
-#: One Vault request: hvac blocks a worker thread (of a small pool) that long.
-MAX_VAULT_TIMEOUT_S: Final = 120.0
-#: Redis connect and socket timeouts: a Redis that has not answered in a minute is down,
-#: and ``on_redis_error`` (fail open or closed) should decide, not the wait.
-MAX_REDIS_TIMEOUT_S: Final = 60.0
-MAX_REDIS_POOL_SIZE: Final = 10_000
-#: Envelope and upstream bodies are held whole in memory (parsed, hashed, stored for
-#: replay): past a GiB the pod's memory limit, not the policy, would decide.
-MAX_BODY_BYTES: Final = 1024 * 1024 * 1024
-#: The in-memory idempotency store lives in the sidecar's heap; more than 16 GiB is more
-#: than any sidecar's memory limit. Entries: ~1.4 kB each, so 10 M is 14 GB.
-MAX_IDEMPOTENCY_STORE_BYTES: Final = 16 * 1024 * 1024 * 1024
-MAX_IDEMPOTENCY_ENTRIES: Final = 10_000_000
-#: Rate-limit groups. The cluster limiter books a bucket as an instant in integer
-#: microseconds inside Redis's Lua, whose numbers are doubles (exact below 2**53, about
-#: 9.0e15; now is about 1.8e15): with at most ``MAX_BURST`` calls and at least
-#: ``MIN_REQUESTS_PER_SECOND``, a bucket is at most 1e14 us (~3 years) deep.
-MIN_REQUESTS_PER_SECOND: Final = 0.001
-MAX_REQUESTS_PER_SECOND: Final = 100_000.0
-MAX_BURST: Final = 100_000
-#: A trillion tokens a minute: no provider sells a tier near it, and the local token
-#: bucket (a float level) still counts single tokens exactly (below 2**53).
-MAX_TOKENS_PER_MINUTE: Final = 10**12
-#: An audit file's rotation size is compared with a file offset, an int64 (``off_t``).
-MAX_AUDIT_FILE_BYTES: Final = 2**63 - 1
-MAX_AUDIT_BACKUPS: Final = 1000
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
+
+
+_KINDS: Final = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
+_RETRY_CONDITIONS: Final = ("timeout", "connect")
 
 
 def _cidr(value: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     # Only a string is a CIDR: YAML reads ``10`` and ``10.0`` as numbers, and
     # ``ip_network(10)`` is 0.0.0.10/32, which is not what the writer meant.
     if not isinstance(value, str):
-        raise PydanticCustomError(
-            "cidr_type",
-            "a CIDR is written as a string such as '10.0.0.0/8' (got {kind})",
-            {"kind": _kind(value)},
-        )
+        kind = _KINDS.get(type(value), "null" if value is None else f"a {type(value).__name__}")
+        message = "a CIDR is written as a string such as '10.0.0.0/8' (got {kind})"
+        raise PydanticCustomError("cidr_type", message, {"kind": kind})
     try:
         return ipaddress.ip_network(value)
     except ValueError as exc:
-        raise PydanticCustomError(
-            "cidr", "not a CIDR such as '10.0.0.0/8': {reason}", {"reason": str(exc)[:200]}
-        ) from None
+        message = "not a CIDR such as '10.0.0.0/8': {reason}"
+        raise PydanticCustomError("cidr", message, {"reason": str(exc)[:200]}) from None
 
 
 def _retry_on(value: Any) -> int | str:
@@ -135,17 +64,8 @@ def _retry_on(value: Any) -> int | str:
     # error locations (and YAML's ``true`` is no status).
     if (isinstance(value, int) and not isinstance(value, bool)) or value in _RETRY_CONDITIONS:
         return value  # type: ignore[no-any-return]
-    raise PydanticCustomError(
-        "retry_on", "must be an HTTP status (429, 5xx) or 'timeout' or 'connect'"
-    )
-
-
-_RETRY_CONDITIONS: Final = ("timeout", "connect")
-
-
-def _kind(value: Any) -> str:
-    kinds = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
-    return kinds.get(type(value), "null" if value is None else f"a {type(value).__name__}")
+    message = "must be an HTTP status (429, 5xx) or 'timeout' or 'connect'"
+    raise PydanticCustomError("retry_on", message)
 
 
 #: A network of ``egress.allow_cidrs`` / ``deny_cidrs``: a string, ``10.0.0.0/8``.
@@ -185,24 +105,26 @@ class _Strict(BaseModel):
 
 
 class ServerSpec(_Strict):
-    host: str = DEFAULT_HOST
-    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    host: str = d.DEFAULT_HOST
+    port: int = Field(d.DEFAULT_PORT, ge=0, le=65535)
     # The ops listener serves only /healthz, /readyz and /metrics, so kubelet probes and
     # scrapers can reach it on the pod IP while the calls API stays on loopback.
-    ops_host: str = DEFAULT_HOST
-    ops_port: int | None = Field(DEFAULT_OPS_PORT, ge=0, le=65535)
-    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=MAX_BODY_BYTES)
-    max_response_bytes: int = Field(DEFAULT_MAX_RESPONSE_BYTES, ge=1024, le=MAX_BODY_BYTES)
-    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=MAX_WAIT_S)
-    reload_interval_s: float = Field(DEFAULT_RELOAD_INTERVAL_S, ge=0, le=MAX_WAIT_S)  # 0: SIGHUP
+    ops_host: str = d.DEFAULT_HOST
+    ops_port: int | None = Field(d.DEFAULT_OPS_PORT, ge=0, le=65535)
+    max_request_bytes: int = Field(d.DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=d.MAX_BODY_BYTES)
+    max_response_bytes: int = Field(d.DEFAULT_MAX_RESPONSE_BYTES, ge=1024, le=d.MAX_BODY_BYTES)
+    drain_s: float = Field(d.DEFAULT_DRAIN_S, ge=0, le=d.MAX_WAIT_S)
+    reload_interval_s: float = Field(
+        d.DEFAULT_RELOAD_INTERVAL_S, ge=0, le=d.MAX_WAIT_S
+    )  # 0: SIGHUP
     debug: bool = False  # stack traces in UNKNOWN answers: development only
     # Bounds of the in-memory idempotency store (scope: local): completed answers are
     # evicted closest to their expiry first; the main lever on the sidecar's memory.
     idempotency_max_entries: int = Field(
-        DEFAULT_IDEMPOTENCY_MAX_ENTRIES, ge=1, le=MAX_IDEMPOTENCY_ENTRIES
+        d.DEFAULT_IDEMPOTENCY_MAX_ENTRIES, ge=1, le=d.MAX_IDEMPOTENCY_ENTRIES
     )
     idempotency_max_bytes: int = Field(
-        DEFAULT_IDEMPOTENCY_MAX_BYTES, ge=4096, le=MAX_IDEMPOTENCY_STORE_BYTES
+        d.DEFAULT_IDEMPOTENCY_MAX_BYTES, ge=4096, le=d.MAX_IDEMPOTENCY_STORE_BYTES
     )
 
 
@@ -322,10 +244,10 @@ class EndpointRule(_Strict):
 
 
 class RetrySpec(_Strict):
-    max_retries: int = Field(DEFAULT_POLICY_MAX_RETRIES, ge=0, le=MAX_POLICY_MAX_RETRIES)
-    backoff_base_s: float = Field(DEFAULT_BACKOFF_BASE_S, ge=0, le=MAX_BACKOFF_BASE_S)
-    backoff_max_s: float = Field(DEFAULT_BACKOFF_MAX_S, ge=0, le=MAX_CALL_WAIT_S)
-    retry_on: list[RetryOn] = Field(default_factory=lambda: list[RetryOn](DEFAULT_RETRY_ON))
+    max_retries: int = Field(d.DEFAULT_POLICY_MAX_RETRIES, ge=0, le=d.MAX_POLICY_MAX_RETRIES)
+    backoff_base_s: float = Field(d.DEFAULT_BACKOFF_BASE_S, ge=0, le=d.MAX_BACKOFF_BASE_S)
+    backoff_max_s: float = Field(d.DEFAULT_BACKOFF_MAX_S, ge=0, le=d.MAX_CALL_WAIT_S)
+    retry_on: list[RetryOn] = Field(default_factory=lambda: list[RetryOn](d.DEFAULT_RETRY_ON))
 
     @field_validator("retry_on")
     @classmethod
@@ -340,14 +262,14 @@ class RetrySpec(_Strict):
 
 
 class BreakerSpec(_Strict):
-    fail_max: int = Field(DEFAULT_FAIL_MAX, ge=1, le=MAX_FAIL_MAX)
-    reset_timeout_s: float = Field(DEFAULT_RESET_TIMEOUT_S, gt=0, le=MAX_WAIT_S)
+    fail_max: int = Field(d.DEFAULT_FAIL_MAX, ge=1, le=d.MAX_FAIL_MAX)
+    reset_timeout_s: float = Field(d.DEFAULT_RESET_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
 
 
 class IdempotencySpec(_Strict):
     header: str = "Idempotency-Key"
     methods: list[HttpMethod] = Field(default_factory=lambda: ["POST"])  # type: ignore[arg-type]
-    ttl_s: float = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0, le=MAX_IDEMPOTENCY_TTL_S)
+    ttl_s: float = Field(d.DEFAULT_IDEMPOTENCY_TTL_S, gt=0, le=d.MAX_IDEMPOTENCY_TTL_S)
     scope: Scope = "local"
 
     @field_validator("header")
@@ -363,7 +285,7 @@ class TargetSpec(_Strict):
     credential: CredentialSpec | None = None
     endpoints: list[EndpointRule] = Field(min_length=1)
     rate_limit_group: Name | None = None
-    timeout_s: float = Field(DEFAULT_TARGET_TIMEOUT_S, gt=0, le=MAX_WAIT_S)
+    timeout_s: float = Field(d.DEFAULT_TARGET_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     circuit_breaker: BreakerSpec | None = Field(default_factory=BreakerSpec)
     usage: Literal["openai", "anthropic", "gemini", "none"] = "none"
@@ -427,10 +349,10 @@ def _canonical_ipv4(host: str) -> bool:
 class RateLimitGroupSpec(_Strict):
     """A token bucket: ``burst`` calls at once, refilled at ``requests_per_second``."""
 
-    requests_per_second: float = Field(ge=MIN_REQUESTS_PER_SECOND, le=MAX_REQUESTS_PER_SECOND)
-    burst: int = Field(1, ge=1, le=MAX_BURST)
-    tokens_per_minute: int | None = Field(None, gt=0, le=MAX_TOKENS_PER_MINUTE)
-    max_queue_s: float = Field(DEFAULT_MAX_QUEUE_S, ge=0, le=MAX_CALL_WAIT_S)
+    requests_per_second: float = Field(ge=d.MIN_REQUESTS_PER_SECOND, le=d.MAX_REQUESTS_PER_SECOND)
+    burst: int = Field(1, ge=1, le=d.MAX_BURST)
+    tokens_per_minute: int | None = Field(None, gt=0, le=d.MAX_TOKENS_PER_MINUTE)
+    max_queue_s: float = Field(d.DEFAULT_MAX_QUEUE_S, ge=0, le=d.MAX_CALL_WAIT_S)
     scope: Scope = "local"
     on_redis_error: Literal["fail_open", "fail_closed"] = "fail_open"
 
@@ -439,7 +361,7 @@ class VaultAuthSpec(_Strict):
     method: Literal["token", "kubernetes", "approle"] = "token"
     token_file: str | None = None
     role: str | None = None
-    jwt_path: str = DEFAULT_K8S_JWT_PATH
+    jwt_path: str = d.DEFAULT_K8S_JWT_PATH
     mount_path: str | None = None
     role_id_file: str | None = None
     secret_id_file: str | None = None
@@ -467,11 +389,11 @@ class VaultSpec(_Strict):
     kv_mount: str = "secret"
     kv_version: Literal[1, 2] = 2
     refs: dict[str, VaultRefSpec] = Field(default_factory=dict)
-    cache_ttl_s: float = Field(DEFAULT_VAULT_CACHE_TTL_S, ge=0, le=MAX_VAULT_CACHE_TTL_S)
+    cache_ttl_s: float = Field(d.DEFAULT_VAULT_CACHE_TTL_S, ge=0, le=d.MAX_VAULT_CACHE_TTL_S)
     stale_if_error_s: float = Field(
-        DEFAULT_VAULT_STALE_IF_ERROR_S, ge=0, le=MAX_VAULT_STALE_IF_ERROR_S
+        d.DEFAULT_VAULT_STALE_IF_ERROR_S, ge=0, le=d.MAX_VAULT_STALE_IF_ERROR_S
     )
-    timeout_s: float = Field(DEFAULT_VAULT_TIMEOUT_S, gt=0, le=MAX_VAULT_TIMEOUT_S)
+    timeout_s: float = Field(d.DEFAULT_VAULT_TIMEOUT_S, gt=0, le=d.MAX_VAULT_TIMEOUT_S)
     ca_cert: str | None = None
     skip_verify: bool = False
 
@@ -483,9 +405,9 @@ class SecretsSpec(_Strict):
 class RedisSpec(_Strict):
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "egress"
-    pool_size: int = Field(32, ge=1, le=MAX_REDIS_POOL_SIZE)
-    socket_timeout_s: float = Field(DEFAULT_REDIS_TIMEOUT_S, gt=0, le=MAX_REDIS_TIMEOUT_S)
-    connect_timeout_s: float = Field(DEFAULT_REDIS_TIMEOUT_S, gt=0, le=MAX_REDIS_TIMEOUT_S)
+    pool_size: int = Field(32, ge=1, le=d.MAX_REDIS_POOL_SIZE)
+    socket_timeout_s: float = Field(d.DEFAULT_REDIS_TIMEOUT_S, gt=0, le=d.MAX_REDIS_TIMEOUT_S)
+    connect_timeout_s: float = Field(d.DEFAULT_REDIS_TIMEOUT_S, gt=0, le=d.MAX_REDIS_TIMEOUT_S)
 
 
 class AuditSpec(_Strict):
@@ -493,8 +415,8 @@ class AuditSpec(_Strict):
     path: str | None = None
     payloads: Literal["none", "summary"] = "summary"
     chain: bool = False
-    max_bytes: int | None = Field(None, ge=4096, le=MAX_AUDIT_FILE_BYTES)
-    backup_count: int = Field(5, ge=0, le=MAX_AUDIT_BACKUPS)
+    max_bytes: int | None = Field(None, ge=4096, le=d.MAX_AUDIT_FILE_BYTES)
+    backup_count: int = Field(5, ge=0, le=d.MAX_AUDIT_BACKUPS)
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> AuditSpec:
@@ -523,48 +445,38 @@ class Policy(_Strict):
         ``ctx["problems"]`` is a tuple of ``(key path tuple, message)``, so the loader can
         name each key and its line."""
         problems: list[tuple[tuple[str, ...], str]] = []
+
+        def problem(*loc: str, message: str) -> None:
+            problems.append((loc, message))
+
+        no_redis = "'cluster' needs a redis section"
         for name, target in self.targets.items():
             group = target.rate_limit_group
             if group is not None and group not in self.rate_limit_groups:
-                problems.append(
-                    (
-                        ("targets", name, "rate_limit_group"),
-                        f"no rate-limit group {group!r} "
-                        f"(known: {', '.join(sorted(self.rate_limit_groups)) or 'none'})",
-                    )
-                )
-            if target.credential is not None:
-                for ref in sorted(target.credential.permitted_refs()):
-                    if ref.startswith("vault://") and self.secrets.vault is None:
-                        problems.append(
-                            (
-                                ("targets", name, "credential"),
-                                f"{ref!r} needs a secrets.vault section",
-                            )
-                        )
+                known = ", ".join(sorted(self.rate_limit_groups)) or "none"
+                message = f"no rate-limit group {group!r} (known: {known})"
+                problem("targets", name, "rate_limit_group", message=message)
+            for ref in sorted(target.credential.permitted_refs() if target.credential else ()):
+                if ref.startswith("vault://") and self.secrets.vault is None:
+                    message = f"{ref!r} needs a secrets.vault section"
+                    problem("targets", name, "credential", message=message)
             host = URL(target.base_url).host or ""
             try:
                 address = ipaddress.ip_address(host)
             except ValueError:
                 address = None
             if address is not None and not self.egress.allows(address):
-                problems.append(
-                    (
-                        ("targets", name, "base_url"),
-                        f"{host} is not allowed by the egress policy (not a public address, "
-                        "or in egress.deny_cidrs); list it in egress.allow_cidrs to allow it",
-                    )
+                message = (
+                    f"{host} is not allowed by the egress policy (not a public address, or in "
+                    "egress.deny_cidrs); list it in egress.allow_cidrs to allow it"
                 )
-            needs_redis = target.idempotency is not None and target.idempotency.scope == "cluster"
-            if needs_redis and self.redis is None:
-                problems.append(
-                    (("targets", name, "idempotency", "scope"), "'cluster' needs a redis section")
-                )
+                problem("targets", name, "base_url", message=message)
+            idempotency = target.idempotency
+            if idempotency and idempotency.scope == "cluster" and self.redis is None:
+                problem("targets", name, "idempotency", "scope", message=no_redis)
         for name, group_spec in self.rate_limit_groups.items():
             if group_spec.scope == "cluster" and self.redis is None:
-                problems.append(
-                    (("rate_limit_groups", name, "scope"), "'cluster' needs a redis section")
-                )
+                problem("rate_limit_groups", name, "scope", message=no_redis)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",
