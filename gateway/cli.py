@@ -100,6 +100,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             failed = True
             for problem in exc.problems:
                 print(problem, file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - a bug in the checks: still no traceback
+            failed = True
+            detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            print(
+                f"{path}:1: (top level): internal error while checking the policy "
+                f"({detail}); please report it",
+                file=sys.stderr,
+            )
         else:
             print(f"{path}: ok ({len(policy.targets)} targets, agent_id {policy.policy.agent_id})")
     return 1 if failed else 0

@@ -33,11 +33,14 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/envelope.py",
             "gateway/audit/schema.py",
             "gateway/policy/models.py",
+            "gateway/policy/stores.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }
     ),
     "prometheus_client": frozenset({"gateway/metrics.py"}),
+    # pydantic's own core (its error types), used where the models are defined.
+    "pydantic_core": frozenset({"gateway/policy/models.py"}),
     "structlog": frozenset({"gateway/audit/log.py"}),
     "yaml": frozenset({"gateway/policy/loader.py"}),
     "hvac": frozenset({"gateway/secrets/vault.py", "gateway/secrets/vault_auth.py"}),

@@ -8,6 +8,7 @@ problem that loading it must report, in order, with ``{file}`` standing for its 
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from gateway.policy import (
     load_policy,
     parse_policy,
 )
+from gateway.policy.loader import MAX_POLICY_BYTES
 from tests.conftest import compile_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +34,10 @@ EXPECT = "# expect: "
 
 
 def expected_problems(path: Path) -> list[str]:
+    # Read as bytes: some fixtures are not UTF-8 after their '# expect:' lines.
     expected = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for raw in path.read_bytes().split(b"\n"):
+        line = raw.decode("utf-8", errors="replace")
         if not line.startswith(EXPECT):
             break
         expected.append(line.removeprefix(EXPECT).replace("{file}", str(path)))
@@ -75,15 +79,52 @@ def test_unreadable_policy(tmp_path: Path) -> None:
     missing = tmp_path / "missing.yaml"
     with pytest.raises(PolicyError) as info:
         load_policy(missing)
-    assert info.value.problems == [f"{missing}: cannot read the policy: No such file or directory"]
+    assert info.value.problems == [
+        f"{missing}:1: (top level): cannot read the policy: No such file or directory"
+    ]
 
 
-def test_policy_that_is_not_utf8(tmp_path: Path) -> None:
-    path = tmp_path / "latin1.yaml"
-    path.write_bytes("version: 1\nagent_id: caf\xe9\n".encode("latin-1"))
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda p: p.mkdir(), "cannot read the policy: Is a directory"),
+        (lambda p: p.write_bytes(b""), "the policy is empty: it must be a YAML mapping"),
+        (lambda p: p.write_bytes(b"\n\n  \n"), "the policy is empty: it must be a YAML mapping"),
+        (
+            lambda p: p.write_bytes(b"# " + b"x" * MAX_POLICY_BYTES),
+            f"the policy is larger than {MAX_POLICY_BYTES} bytes",
+        ),
+    ],
+    ids=["directory", "empty", "blank", "too-large"],
+)
+def test_policy_files_that_are_not_policies(make: Any, problem: str, tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    make(path)
     with pytest.raises(PolicyError) as info:
         load_policy(path)
-    assert info.value.problems == [f"{path}: the policy is not UTF-8 text"]
+    assert info.value.problems == [f"{path}:1: (top level): {problem}"]
+
+
+def test_a_policy_under_a_file_is_unreadable(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    path = tmp_path / "file" / "policy.yaml"
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    assert info.value.problems == [
+        f"{path}:1: (top level): cannot read the policy: Not a directory"
+    ]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_a_policy_without_read_permission(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("version: 1\nagent_id: a\n")
+    path.chmod(0)
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    assert info.value.problems == [
+        f"{path}:1: (top level): cannot read the policy: Permission denied"
+    ]
 
 
 def test_in_memory_policy_errors_name_the_given_source() -> None:

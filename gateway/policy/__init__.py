@@ -6,8 +6,7 @@ name file, line and key path.
 """
 
 from gateway.policy.compiled import CompiledTarget, PolicySet
-from gateway.policy.loader import PolicyError, load_policy, parse_policy
-from gateway.policy.models import (
+from gateway.policy.defaults import (
     DEFAULT_BACKOFF_BASE_S,
     DEFAULT_BACKOFF_MAX_S,
     DEFAULT_DRAIN_S,
@@ -28,10 +27,12 @@ from gateway.policy.models import (
     DEFAULT_VAULT_CACHE_TTL_S,
     DEFAULT_VAULT_STALE_IF_ERROR_S,
     DEFAULT_VAULT_TIMEOUT_S,
+)
+from gateway.policy.loader import PolicyError, load_policy, parse_policy
+from gateway.policy.models import (
     FORBIDDEN_FORWARD_HEADERS,
     HEADER_NAME,
     HEADER_VALUE_FORBIDDEN,
-    AuditSpec,
     BreakerSpec,
     Cidr,
     CredentialSpec,
@@ -42,13 +43,16 @@ from gateway.policy.models import (
     Name,
     Policy,
     RateLimitGroupSpec,
-    RedisSpec,
     RetryOn,
     RetrySpec,
     Scope,
-    SecretsSpec,
     ServerSpec,
     TargetSpec,
+)
+from gateway.policy.stores import (
+    AuditSpec,
+    RedisSpec,
+    SecretsSpec,
     VaultAuthSpec,
     VaultRefSpec,
     VaultSpec,

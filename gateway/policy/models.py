@@ -2,70 +2,80 @@
 
 The policy is the operator's contract with the sidecar: keys may be added, never renamed.
 Every model forbids unknown keys and is strictly typed (``port: "8181"`` is an error).
-Every optional key has a default, defined once below.
+Every optional key has a default, and every number a bound the runtime can honour, each
+defined once in :mod:`gateway.policy.defaults` with its reason; ``.inf`` and ``.nan``
+are refused wherever a number is taken.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
+    PlainValidator,
     StringConstraints,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from gateway.envelope import HttpMethod
-from gateway.policy.refs import InvalidSecretRef, parse_ref
-from gateway.urls import URL
+from gateway.policy import defaults as d
 
-# Defaults, in one place. Units are in the names.
-DEFAULT_HOST: Final = "127.0.0.1"
-DEFAULT_PORT: Final = 8181
-DEFAULT_OPS_PORT: Final = 8182
-DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
-DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
-DEFAULT_DRAIN_S: Final = 20.0
-#: SIGTERM beside a live agent: keep serving new calls while draining (the chart's
-#: regular-container mode, where the agent gets SIGTERM at the same moment).
-DEFAULT_SHUTDOWN_ACCEPT_NEW_CALLS: Final = True
-#: Seconds with nothing in flight and no new call after which a draining sidecar exits.
-DEFAULT_SHUTDOWN_QUIET_S: Final = 1.0
-DEFAULT_RELOAD_INTERVAL_S: Final = 2.0
-DEFAULT_TARGET_TIMEOUT_S: Final = 30.0
-DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 60.0
-DEFAULT_RETRY_ON: Final = (429, 500, 502, 503, 504, 529, "timeout", "connect")
-DEFAULT_BACKOFF_BASE_S: Final = 0.5
-DEFAULT_BACKOFF_MAX_S: Final = 20.0
-DEFAULT_POLICY_MAX_RETRIES: Final = 3
-DEFAULT_FAIL_MAX: Final = 5
-DEFAULT_RESET_TIMEOUT_S: Final = 30.0
-DEFAULT_MAX_QUEUE_S: Final = 5.0
-DEFAULT_IDEMPOTENCY_TTL_S: Final = 86400.0
-#: Bounds of the in-memory idempotency store. An entry costs about 1.4 kB plus its
-#: answer beyond ~700 bytes; with 5,000 a sidecar with the benchmark's policy stays at
-#: about 65 MiB resident (docs/performance.md, "Memory"); the byte bound caps the store
-#: when answers are large.
-DEFAULT_IDEMPOTENCY_MAX_ENTRIES: Final = 5_000
-DEFAULT_IDEMPOTENCY_MAX_BYTES: Final = 64 * 1024 * 1024
-DEFAULT_VAULT_CACHE_TTL_S: Final = 300.0
-DEFAULT_VAULT_STALE_IF_ERROR_S: Final = 3600.0
-DEFAULT_VAULT_TIMEOUT_S: Final = 5.0
-DEFAULT_K8S_JWT_PATH: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+# Re-exported: gateway.idempotency.memory imports them from here.
+from gateway.policy.defaults import (
+    DEFAULT_IDEMPOTENCY_MAX_BYTES as DEFAULT_IDEMPOTENCY_MAX_BYTES,
+)
+from gateway.policy.defaults import (
+    DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
+)
+from gateway.policy.refs import InvalidSecretRef, parse_ref
+from gateway.policy.stores import (
+    AuditSpec,
+    RedisSpec,
+    SecretsSpec,
+)
+from gateway.policy.stores import StrictModel as _Strict
+from gateway.urls import URL
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
-# CIDRs are written as strings in YAML: parsed leniently although the models are strict.
-Cidr = (
-    Annotated[ipaddress.IPv4Network, Field(strict=False)]
-    | Annotated[ipaddress.IPv6Network, Field(strict=False)]
-)
-RetryOn = int | Literal["timeout", "connect"]
+
+
+_KINDS: Final = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
+_RETRY_CONDITIONS: Final = ("timeout", "connect")
+
+
+def _cidr(value: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    # Only a string is a CIDR: YAML reads ``10`` and ``10.0`` as numbers, and
+    # ``ip_network(10)`` is 0.0.0.10/32, which is not what the writer meant.
+    if not isinstance(value, str):
+        kind = _KINDS.get(type(value), "null" if value is None else f"a {type(value).__name__}")
+        message = "a CIDR is written as a string such as '10.0.0.0/8' (got {kind})"
+        raise PydanticCustomError("cidr_type", message, {"kind": kind})
+    try:
+        return ipaddress.ip_network(value)
+    except ValueError as exc:
+        message = "not a CIDR such as '10.0.0.0/8': {reason}"
+        raise PydanticCustomError("cidr", message, {"reason": str(exc)[:200]}) from None
+
+
+def _retry_on(value: Any) -> int | str:
+    # One check instead of an int | Literal union: a union's member names would show in
+    # error locations (and YAML's ``true`` is no status).
+    if (isinstance(value, int) and not isinstance(value, bool)) or value in _RETRY_CONDITIONS:
+        return value  # type: ignore[no-any-return]
+    message = "must be an HTTP status (429, 5xx) or 'timeout' or 'connect'"
+    raise PydanticCustomError("retry_on", message)
+
+
+#: A network of ``egress.allow_cidrs`` / ``deny_cidrs``: a string, ``10.0.0.0/8``.
+Cidr = Annotated[ipaddress.IPv4Network | ipaddress.IPv6Network, PlainValidator(_cidr)]
+#: A ``retry_on`` item: a status (429 or 5xx, checked by the list) or a failure kind.
+RetryOn = Annotated[int | Literal["timeout", "connect"], PlainValidator(_retry_on)]
 #: A header name: an RFC 9110 token.
 HEADER_NAME: Final = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 #: What a header value may not hold: control characters other than HTAB (RFC 9110 5.5).
@@ -94,10 +104,6 @@ FORBIDDEN_FORWARD_HEADERS: Final = frozenset(
 )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
 class ShutdownSpec(_Strict):
     """What the sidecar does between SIGTERM and its exit (README, "Graceful shutdown").
 
@@ -110,27 +116,33 @@ class ShutdownSpec(_Strict):
     flight and no call has arrived for this long (seconds), or when ``drain_s`` runs out.
     """
 
-    accept_new_calls: bool = DEFAULT_SHUTDOWN_ACCEPT_NEW_CALLS
-    quiet_s: float = Field(DEFAULT_SHUTDOWN_QUIET_S, ge=0, le=60)
+    accept_new_calls: bool = d.DEFAULT_SHUTDOWN_ACCEPT_NEW_CALLS
+    quiet_s: float = Field(d.DEFAULT_SHUTDOWN_QUIET_S, ge=0, le=d.MAX_SHUTDOWN_QUIET_S)
 
 
 class ServerSpec(_Strict):
-    host: str = DEFAULT_HOST
-    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    host: str = d.DEFAULT_HOST
+    port: int = Field(d.DEFAULT_PORT, ge=0, le=65535)
     # The ops listener serves only /healthz, /readyz and /metrics, so kubelet probes and
     # scrapers can reach it on the pod IP while the calls API stays on loopback.
-    ops_host: str = DEFAULT_HOST
-    ops_port: int | None = Field(DEFAULT_OPS_PORT, ge=0, le=65535)
-    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
-    max_response_bytes: int = Field(DEFAULT_MAX_RESPONSE_BYTES, ge=1024)
-    drain_s: float = Field(DEFAULT_DRAIN_S, ge=0, le=3600)
+    ops_host: str = d.DEFAULT_HOST
+    ops_port: int | None = Field(d.DEFAULT_OPS_PORT, ge=0, le=65535)
+    max_request_bytes: int = Field(d.DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=d.MAX_BODY_BYTES)
+    max_response_bytes: int = Field(d.DEFAULT_MAX_RESPONSE_BYTES, ge=1024, le=d.MAX_BODY_BYTES)
+    drain_s: float = Field(d.DEFAULT_DRAIN_S, ge=0, le=d.MAX_WAIT_S)
     shutdown: ShutdownSpec = Field(default_factory=ShutdownSpec)
-    reload_interval_s: float = Field(DEFAULT_RELOAD_INTERVAL_S, ge=0, le=3600)  # 0: SIGHUP only
+    reload_interval_s: float = Field(
+        d.DEFAULT_RELOAD_INTERVAL_S, ge=0, le=d.MAX_WAIT_S
+    )  # 0: SIGHUP
     debug: bool = False  # stack traces in UNKNOWN answers: development only
     # Bounds of the in-memory idempotency store (scope: local): completed answers are
     # evicted closest to their expiry first; the main lever on the sidecar's memory.
-    idempotency_max_entries: int = Field(DEFAULT_IDEMPOTENCY_MAX_ENTRIES, ge=1, le=10_000_000)
-    idempotency_max_bytes: int = Field(DEFAULT_IDEMPOTENCY_MAX_BYTES, ge=4096)
+    idempotency_max_entries: int = Field(
+        d.DEFAULT_IDEMPOTENCY_MAX_ENTRIES, ge=1, le=d.MAX_IDEMPOTENCY_ENTRIES
+    )
+    idempotency_max_bytes: int = Field(
+        d.DEFAULT_IDEMPOTENCY_MAX_BYTES, ge=4096, le=d.MAX_IDEMPOTENCY_STORE_BYTES
+    )
 
 
 class EnvelopeSpec(_Strict):
@@ -248,10 +260,10 @@ class EndpointRule(_Strict):
 
 
 class RetrySpec(_Strict):
-    max_retries: int = Field(DEFAULT_POLICY_MAX_RETRIES, ge=0, le=10)
-    backoff_base_s: float = Field(DEFAULT_BACKOFF_BASE_S, ge=0, le=60)
-    backoff_max_s: float = Field(DEFAULT_BACKOFF_MAX_S, ge=0, le=600)
-    retry_on: list[RetryOn] = Field(default_factory=lambda: list[RetryOn](DEFAULT_RETRY_ON))
+    max_retries: int = Field(d.DEFAULT_POLICY_MAX_RETRIES, ge=0, le=d.MAX_POLICY_MAX_RETRIES)
+    backoff_base_s: float = Field(d.DEFAULT_BACKOFF_BASE_S, ge=0, le=d.MAX_BACKOFF_BASE_S)
+    backoff_max_s: float = Field(d.DEFAULT_BACKOFF_MAX_S, ge=0, le=d.MAX_CALL_WAIT_S)
+    retry_on: list[RetryOn] = Field(default_factory=lambda: list[RetryOn](d.DEFAULT_RETRY_ON))
 
     @field_validator("retry_on")
     @classmethod
@@ -266,14 +278,14 @@ class RetrySpec(_Strict):
 
 
 class BreakerSpec(_Strict):
-    fail_max: int = Field(DEFAULT_FAIL_MAX, ge=1, le=1000)
-    reset_timeout_s: float = Field(DEFAULT_RESET_TIMEOUT_S, gt=0, le=3600)
+    fail_max: int = Field(d.DEFAULT_FAIL_MAX, ge=1, le=d.MAX_FAIL_MAX)
+    reset_timeout_s: float = Field(d.DEFAULT_RESET_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
 
 
 class IdempotencySpec(_Strict):
     header: str = "Idempotency-Key"
     methods: list[HttpMethod] = Field(default_factory=lambda: ["POST"])  # type: ignore[arg-type]
-    ttl_s: float = Field(DEFAULT_IDEMPOTENCY_TTL_S, gt=0)
+    ttl_s: float = Field(d.DEFAULT_IDEMPOTENCY_TTL_S, gt=0, le=d.MAX_IDEMPOTENCY_TTL_S)
     scope: Scope = "local"
 
     @field_validator("header")
@@ -289,10 +301,10 @@ class TargetSpec(_Strict):
     credential: CredentialSpec | None = None
     endpoints: list[EndpointRule] = Field(min_length=1)
     rate_limit_group: Name | None = None
-    timeout_s: float = Field(DEFAULT_TARGET_TIMEOUT_S, gt=0, le=3600)
+    timeout_s: float = Field(d.DEFAULT_TARGET_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
     #: Longest gap between two chunks of a relayed stream (the call's deadline still
     #: bounds the whole): reasoning models may think for a while before their first token.
-    stream_idle_timeout_s: float = Field(DEFAULT_STREAM_IDLE_TIMEOUT_S, gt=0, le=3600)
+    stream_idle_timeout_s: float = Field(d.DEFAULT_STREAM_IDLE_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     circuit_breaker: BreakerSpec | None = Field(default_factory=BreakerSpec)
     usage: Literal["openai", "anthropic", "gemini", "none"] = "none"
@@ -356,78 +368,12 @@ def _canonical_ipv4(host: str) -> bool:
 class RateLimitGroupSpec(_Strict):
     """A token bucket: ``burst`` calls at once, refilled at ``requests_per_second``."""
 
-    requests_per_second: float = Field(gt=0, le=100_000)
-    burst: int = Field(1, ge=1, le=100_000)
-    tokens_per_minute: int | None = Field(None, gt=0)
-    max_queue_s: float = Field(DEFAULT_MAX_QUEUE_S, ge=0, le=600)
+    requests_per_second: float = Field(ge=d.MIN_REQUESTS_PER_SECOND, le=d.MAX_REQUESTS_PER_SECOND)
+    burst: int = Field(1, ge=1, le=d.MAX_BURST)
+    tokens_per_minute: int | None = Field(None, gt=0, le=d.MAX_TOKENS_PER_MINUTE)
+    max_queue_s: float = Field(d.DEFAULT_MAX_QUEUE_S, ge=0, le=d.MAX_CALL_WAIT_S)
     scope: Scope = "local"
     on_redis_error: Literal["fail_open", "fail_closed"] = "fail_open"
-
-
-class VaultAuthSpec(_Strict):
-    method: Literal["token", "kubernetes", "approle"] = "token"
-    token_file: str | None = None
-    role: str | None = None
-    jwt_path: str = DEFAULT_K8S_JWT_PATH
-    mount_path: str | None = None
-    role_id_file: str | None = None
-    secret_id_file: str | None = None
-
-    @model_validator(mode="after")
-    def _needs(self) -> VaultAuthSpec:
-        if self.method == "kubernetes" and not self.role:
-            raise ValueError("kubernetes auth needs 'role'")
-        return self
-
-
-class VaultRefSpec(_Strict):
-    """An explicit mapping of one vault:// ref to a mount, KV version, path and field."""
-
-    mount: str | None = None
-    kv_version: Literal[1, 2] | None = None
-    path: str
-    field: str | None = None
-
-
-class VaultSpec(_Strict):
-    address: str | None = None
-    namespace: str | None = None
-    auth: VaultAuthSpec = Field(default_factory=VaultAuthSpec)
-    kv_mount: str = "secret"
-    kv_version: Literal[1, 2] = 2
-    refs: dict[str, VaultRefSpec] = Field(default_factory=dict)
-    cache_ttl_s: float = Field(DEFAULT_VAULT_CACHE_TTL_S, ge=0)
-    stale_if_error_s: float = Field(DEFAULT_VAULT_STALE_IF_ERROR_S, ge=0)
-    timeout_s: float = Field(DEFAULT_VAULT_TIMEOUT_S, gt=0, le=120)
-    ca_cert: str | None = None
-    skip_verify: bool = False
-
-
-class SecretsSpec(_Strict):
-    vault: VaultSpec | None = None
-
-
-class RedisSpec(_Strict):
-    url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "egress"
-    pool_size: int = Field(32, ge=1, le=10_000)
-    socket_timeout_s: float = Field(0.5, gt=0)
-    connect_timeout_s: float = Field(0.5, gt=0)
-
-
-class AuditSpec(_Strict):
-    sink: Literal["stdout", "file"] = "stdout"
-    path: str | None = None
-    payloads: Literal["none", "summary"] = "summary"
-    chain: bool = False
-    max_bytes: int | None = Field(None, ge=4096)
-    backup_count: int = Field(5, ge=0, le=1000)
-
-    @model_validator(mode="after")
-    def _file_needs_path(self) -> AuditSpec:
-        if self.sink == "file" and not self.path:
-            raise ValueError("sink 'file' needs 'path'")
-        return self
 
 
 class Policy(_Strict):
@@ -446,41 +392,51 @@ class Policy(_Strict):
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
-        problems: list[str] = []
+        """Keys that refer to other sections. Raises one ``cross_reference`` error whose
+        ``ctx["problems"]`` is a tuple of ``(key path tuple, message)``, so the loader can
+        name each key and its line."""
+        problems: list[tuple[tuple[str, ...], str]] = []
+
+        def problem(*loc: str, message: str) -> None:
+            problems.append((loc, message))
+
+        no_redis = "'cluster' needs a redis section"
         for name, target in self.targets.items():
             group = target.rate_limit_group
             if group is not None and group not in self.rate_limit_groups:
-                problems.append(
-                    f"targets.{name}.rate_limit_group: no rate-limit group {group!r} "
-                    f"(known: {', '.join(sorted(self.rate_limit_groups)) or 'none'})"
-                )
-            if target.credential is not None:
-                for ref in target.credential.permitted_refs():
-                    if ref.startswith("vault://") and self.secrets.vault is None:
-                        problems.append(
-                            f"targets.{name}.credential: {ref!r} needs a secrets.vault section"
-                        )
+                known = ", ".join(sorted(self.rate_limit_groups)) or "none"
+                message = f"no rate-limit group {group!r} (known: {known})"
+                problem("targets", name, "rate_limit_group", message=message)
+            for ref in sorted(target.credential.permitted_refs() if target.credential else ()):
+                if ref.startswith("vault://") and self.secrets.vault is None:
+                    message = f"{ref!r} needs a secrets.vault section"
+                    problem("targets", name, "credential", message=message)
             host = URL(target.base_url).host or ""
             try:
                 address = ipaddress.ip_address(host)
             except ValueError:
                 address = None
             if address is not None and not self.egress.allows(address):
-                problems.append(
-                    f"targets.{name}.base_url: {host} is not allowed by the egress policy "
-                    "(not a public address, or in egress.deny_cidrs); list it in "
-                    "egress.allow_cidrs to allow it"
+                message = (
+                    f"{host} is not allowed by the egress policy (not a public address, or in "
+                    "egress.deny_cidrs); list it in egress.allow_cidrs to allow it"
                 )
-            needs_redis = target.idempotency is not None and target.idempotency.scope == "cluster"
-            if needs_redis and self.redis is None:
-                problems.append(
-                    f"targets.{name}.idempotency.scope: 'cluster' needs a redis section"
-                )
+                problem("targets", name, "base_url", message=message)
+            idempotency = target.idempotency
+            if idempotency and idempotency.scope == "cluster" and self.redis is None:
+                problem("targets", name, "idempotency", "scope", message=no_redis)
         for name, group_spec in self.rate_limit_groups.items():
             if group_spec.scope == "cluster" and self.redis is None:
-                problems.append(f"rate_limit_groups.{name}.scope: 'cluster' needs a redis section")
+                problem("rate_limit_groups", name, "scope", message=no_redis)
         if problems:
-            raise ValueError("\n".join(problems))
+            raise PydanticCustomError(
+                "cross_reference",
+                "{summary}",
+                {
+                    "summary": "\n".join(f"{'.'.join(loc)}: {msg}" for loc, msg in problems),
+                    "problems": tuple(problems),
+                },
+            )
         return self
 
 

@@ -1,0 +1,101 @@
+"""The policy's defaults and bounds, in one place: every optional key's default, and every
+number's upper (and a few lower) bounds with their reasons. Units are in the names.
+:mod:`gateway.policy.models` applies them; the README's "Policy format" lists them.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from gateway.envelope import MAX_RETRIES_LIMIT, MAX_TIMEOUT_S
+
+# Defaults.
+DEFAULT_HOST: Final = "127.0.0.1"
+DEFAULT_PORT: Final = 8181
+DEFAULT_OPS_PORT: Final = 8182
+DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
+DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
+DEFAULT_DRAIN_S: Final = 20.0
+#: SIGTERM beside a live agent: keep serving new calls while draining (the chart's
+#: regular-container mode, where the agent gets SIGTERM at the same moment).
+DEFAULT_SHUTDOWN_ACCEPT_NEW_CALLS: Final = True
+#: Seconds with nothing in flight and no new call after which a draining sidecar exits.
+DEFAULT_SHUTDOWN_QUIET_S: Final = 1.0
+#: A quiet period longer than a minute would only keep a terminated pod around.
+MAX_SHUTDOWN_QUIET_S: Final = 60.0
+DEFAULT_RELOAD_INTERVAL_S: Final = 2.0
+DEFAULT_TARGET_TIMEOUT_S: Final = 30.0
+#: Longest gap between two chunks of a relayed stream.
+DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 60.0
+DEFAULT_RETRY_ON: Final = (429, 500, 502, 503, 504, 529, "timeout", "connect")
+DEFAULT_BACKOFF_BASE_S: Final = 0.5
+DEFAULT_BACKOFF_MAX_S: Final = 20.0
+DEFAULT_POLICY_MAX_RETRIES: Final = 3
+DEFAULT_FAIL_MAX: Final = 5
+DEFAULT_RESET_TIMEOUT_S: Final = 30.0
+DEFAULT_MAX_QUEUE_S: Final = 5.0
+DEFAULT_IDEMPOTENCY_TTL_S: Final = 86400.0
+#: Bounds of the in-memory idempotency store. An entry costs about 1.4 kB plus its
+#: answer beyond ~700 bytes; with 5,000 a sidecar with the benchmark's policy stays at
+#: about 65 MiB resident (docs/performance.md, "Memory"); the byte bound caps the store
+#: when answers are large.
+DEFAULT_IDEMPOTENCY_MAX_ENTRIES: Final = 5_000
+DEFAULT_IDEMPOTENCY_MAX_BYTES: Final = 64 * 1024 * 1024
+DEFAULT_VAULT_CACHE_TTL_S: Final = 300.0
+DEFAULT_VAULT_STALE_IF_ERROR_S: Final = 3600.0
+DEFAULT_VAULT_TIMEOUT_S: Final = 5.0
+DEFAULT_K8S_JWT_PATH: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+DEFAULT_REDIS_TIMEOUT_S: Final = 0.5
+
+# Bounds, in one place, each with its reason: what the runtime can honour, or past which
+# a setting no longer means what it says. (Counts and sizes are Python ints and durations
+# floats, so arithmetic never overflows; the bounds keep values inside what asyncio's
+# clock, Redis and the pod can do.)
+#: One wait of the sidecar's own (an attempt, the drain, a breaker's open time, the
+#: reload interval): an hour. A call is bounded by its envelope ``timeout`` anyway (at
+#: most ``MAX_TIMEOUT_S``, 600 s) and the drain by the pod's termination grace period.
+MAX_WAIT_S: Final = 3600.0
+#: Waits inside one call (queueing for a rate-limit group, the longest backoff): a call
+#: never waits past its deadline, which is at most the envelope's ``MAX_TIMEOUT_S``.
+MAX_CALL_WAIT_S: Final = MAX_TIMEOUT_S
+#: The first backoff step: a retry later than a minute is no longer a retry of the call.
+MAX_BACKOFF_BASE_S: Final = 60.0
+#: Retries of one call: the envelope's own cap (``MAX_RETRIES_LIMIT``), so both agree.
+MAX_POLICY_MAX_RETRIES: Final = MAX_RETRIES_LIMIT
+#: Failed attempts before a breaker opens: past a thousand a breaker never opens in time.
+MAX_FAIL_MAX: Final = 1000
+#: Idempotency answers kept: a month. Past any provider's own key retention (Stripe keeps
+#: keys at least 24 hours), and far inside Redis's expiry range (milliseconds, int64).
+MAX_IDEMPOTENCY_TTL_S: Final = 30 * 86400.0
+#: A Vault secret cached as fresh: a day, so a rotated secret reaches the sidecar daily
+#: at the latest (the lease Vault gives shortens it further).
+MAX_VAULT_CACHE_TTL_S: Final = 86400.0
+#: An expired cached secret served while Vault is down: a week rides out a weekend's
+#: outage; longer keeps a possibly revoked secret in use indefinitely.
+MAX_VAULT_STALE_IF_ERROR_S: Final = 7 * 86400.0
+#: One Vault request: hvac blocks a worker thread (of a small pool) that long.
+MAX_VAULT_TIMEOUT_S: Final = 120.0
+#: Redis connect and socket timeouts: a Redis that has not answered in a minute is down,
+#: and ``on_redis_error`` (fail open or closed) should decide, not the wait.
+MAX_REDIS_TIMEOUT_S: Final = 60.0
+MAX_REDIS_POOL_SIZE: Final = 10_000
+#: Envelope and upstream bodies are held whole in memory (parsed, hashed, stored for
+#: replay): past a GiB the pod's memory limit, not the policy, would decide.
+MAX_BODY_BYTES: Final = 1024 * 1024 * 1024
+#: The in-memory idempotency store lives in the sidecar's heap; more than 16 GiB is more
+#: than any sidecar's memory limit. Entries: ~1.4 kB each, so 10 M is 14 GB.
+MAX_IDEMPOTENCY_STORE_BYTES: Final = 16 * 1024 * 1024 * 1024
+MAX_IDEMPOTENCY_ENTRIES: Final = 10_000_000
+#: Rate-limit groups. The cluster limiter books a bucket as an instant in integer
+#: microseconds inside Redis's Lua, whose numbers are doubles (exact below 2**53, about
+#: 9.0e15; now is about 1.8e15): with at most ``MAX_BURST`` calls and at least
+#: ``MIN_REQUESTS_PER_SECOND``, a bucket is at most 1e14 us (~3 years) deep.
+MIN_REQUESTS_PER_SECOND: Final = 0.001
+MAX_REQUESTS_PER_SECOND: Final = 100_000.0
+MAX_BURST: Final = 100_000
+#: A trillion tokens a minute: no provider sells a tier near it, and the local token
+#: bucket (a float level) still counts single tokens exactly (below 2**53).
+MAX_TOKENS_PER_MINUTE: Final = 10**12
+#: An audit file's rotation size is compared with a file offset, an int64 (``off_t``).
+MAX_AUDIT_FILE_BYTES: Final = 2**63 - 1
+MAX_AUDIT_BACKUPS: Final = 1000
