@@ -11,6 +11,7 @@ of defence: the first is never putting a value into text at all.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import threading
@@ -86,6 +87,10 @@ class _Registered(NamedTuple):
     #: text without it holds no form, so one search spares them all ("" when none).
     anchor: str
     raw_anchor: bytes
+    #: The value's bytes as they look inside any base64 text (:func:`base64_forms`),
+    #: searched whatever the anchor says (base64 changes every character).
+    b64: tuple[str, ...] = ()
+    raw_b64: tuple[bytes, ...] = ()
 
 
 _lock = threading.Lock()
@@ -110,7 +115,7 @@ def encoded_forms(value: str) -> tuple[str, ...]:
       ``/`` as ``\\/``, as an upstream may echo it; and all of those JSON-escaped again,
       as the sidecar's writers put an upstream's text into JSON.
 
-    No writer of the sidecar emits base64 of upstream bytes, so no base64 form is kept.
+    Base64 (answers carry bodies that are not text as base64) is :func:`base64_forms`.
     """
     encoded = {
         value,
@@ -129,6 +134,23 @@ def encoded_forms(value: str) -> tuple[str, ...]:
     forms |= _json_escaped(forms)
     # Longest first: a shorter form replaced first could leave a longer one half shown.
     return tuple(sorted((f for f in forms if len(f) >= MIN_SCRUB_LENGTH), key=len, reverse=True))
+
+
+def base64_forms(value: str) -> tuple[str, ...]:
+    """What the UTF-8 bytes of ``value`` look like inside standard base64 (RFC 4648
+    section 4) of any bytes that contain them: one run of characters for each of the
+    three alignments a byte string can have to base64's 3-byte groups, less the first
+    and last characters, which depend on the neighbouring bytes."""
+    raw = value.encode("utf-8", "surrogateescape")
+    forms = []
+    for lead in range(3):
+        text = base64.b64encode(b"\x00" * lead + raw).decode("ascii")
+        start = 4 if lead else 0  # the group holding the filler bytes
+        end = ((lead + len(raw)) // 3) * 4  # whole groups of the value's own bytes only
+        core = text[start:end]
+        if len(core) >= MIN_SCRUB_LENGTH:
+            forms.append(core)
+    return tuple(forms)
 
 
 def _json_escaped(forms: set[str]) -> set[str]:
@@ -165,11 +187,14 @@ def register(value: str) -> None:
             return
     forms = encoded_forms(value)  # outside the lock: pure, and well under a millisecond
     anchor = _anchor(value, forms)
+    b64 = base64_forms(value)
     entry = _Registered(
         forms,
         tuple(form.encode("utf-8", "surrogateescape") for form in forms),
         anchor,
         anchor.encode(),
+        b64,
+        tuple(form.encode("ascii") for form in b64),
     )
     with _lock:
         _values[value] = entry
@@ -183,6 +208,9 @@ def scrub(text: str) -> str:
     if not _values:
         return text
     for entry in tuple(_values.values()):
+        for form in entry.b64:
+            if form in text:
+                text = text.replace(form, REDACTED)
         if entry.anchor and entry.anchor not in text:
             continue
         for form in entry.forms:
@@ -222,6 +250,9 @@ def scrub_bytes(data: bytes) -> bytes:
     if not _values:
         return data
     for entry in tuple(_values.values()):
+        for form in entry.raw_b64:
+            if form in data:
+                data = data.replace(form, _REDACTED_BYTES)
         if entry.raw_anchor and entry.raw_anchor not in data:
             continue
         for form in entry.raw:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -127,10 +128,15 @@ def test_invalid_json_on_an_error_status_is_truncated_too() -> None:
         ("text/event-stream", b'data: {"a": "\xff"}\n\ndata: \xfe\n\n'),
     ],
 )
-def test_bytes_that_are_not_utf8_never_raise(content_type: str | None, body: bytes) -> None:
+def test_bytes_that_are_not_utf8_never_raise_and_are_never_decoded_lossily(
+    content_type: str | None, body: bytes
+) -> None:
+    # Issue 14: these bytes used to come back with U+FFFD in them; now they are kept whole.
     data, is_json = parse_body(content_type, body, 200)
     assert is_json is False
-    assert "\ufffd" in json.dumps(data, ensure_ascii=False)
+    assert "\ufffd" not in json.dumps(data, ensure_ascii=False)
+    assert base64.b64decode(data["base64"]) == body
+    assert data["bytes"] == len(body)
 
 
 # --- server-sent events -----------------------------------------------------------------------

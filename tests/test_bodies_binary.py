@@ -116,3 +116,55 @@ async def test_an_idempotency_key_reused_with_another_upload_is_a_conflict(
     status, answer = await sc.call(first)
     assert answer["replayed"] is True
     assert up.hits == 1
+
+
+# -- answers that are not text --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("audio/mpeg", AUDIO),
+        ("image/png", b"\x89PNG\r\n\x1a\n" + bytes(range(200))),
+        ("application/octet-stream", b"\x00\x01\x02\xff"),
+        ("text/plain", b"caf\xe9 \xff"),  # says text, is not UTF-8
+        (None, b"\x80\x81\x82"),
+    ],
+    ids=["audio", "png", "octets", "not-utf8-text", "untyped"],
+)
+async def test_a_binary_answer_comes_back_byte_for_byte(
+    content_type: str | None, body: bytes, upstream_factory, sidecar_factory
+):
+    async def serve(_: web.Request) -> web.StreamResponse:
+        resp = web.Response(body=body)
+        if content_type is not None:
+            resp.headers["Content-Type"] = content_type
+        return resp
+
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, serve)
+    status, answer = await sc.call(envelope())
+    assert status == 200, answer
+    assert answer["success"] is True
+    data = answer["data"]
+    assert base64.b64decode(data["base64"]) == body
+    assert data["bytes"] == len(body)
+    assert "text" not in data
+
+
+async def test_a_secret_inside_a_binary_answer_is_scrubbed_in_its_base64(
+    upstream_factory, sidecar_factory
+):
+    async def echo(request: web.Request) -> web.StreamResponse:
+        secret = request.headers["Authorization"].encode()
+        # The secret at every alignment to base64's 3-byte groups.
+        body = b"\x00\xff" + secret + b"\x01" + b"x" + secret + b"xy" + secret + b"\xfe"
+        return web.Response(body=body, content_type="application/octet-stream")
+
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, echo)
+    async with sc.session.post(sc.url + "/v1/calls", json=envelope()) as resp:
+        raw = await resp.read()
+    secret = b"sk-fake-TEST-0001-NOTREAL"
+    for lead in range(3):
+        core = base64.b64encode(b"\x00" * lead + secret).decode()[4 if lead else 0 : -4]
+        assert core[:12].encode() not in raw
+    assert b"[REDACTED]" in raw

@@ -11,12 +11,17 @@
   assembled text of the chunks, in any dialect :func:`gateway.providers.delta_text` knows
   (OpenAI ``choices[0].delta.content``, Anthropic ``text_delta``). Events may be of any
   size (no line-length limit).
-* Anything else becomes ``{"content_type": ..., "text": ...}``; for error statuses the
-  text is cut to :data:`ERROR_TEXT_LIMIT` characters (an HTML 502 page is not data).
+* Text (``text/*``, XML, forms..., or no type) that is valid UTF-8 becomes
+  ``{"content_type": ..., "text": ...}``; for error statuses the text is cut to
+  :data:`ERROR_TEXT_LIMIT` characters (an HTML 502 page is not data).
+* Anything else (audio, images, PDFs, or bytes that are not UTF-8 whatever their type
+  says) becomes ``{"content_type": ..., "base64": ..., "bytes": N}``: never decoded
+  lossily.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any, Final
 
@@ -26,6 +31,19 @@ from gateway.providers import delta_text
 from gateway.redaction import nesting_depth, scrub_cut
 
 ERROR_TEXT_LIMIT: Final = 512
+_TEXT_TYPES: Final = frozenset(
+    {
+        "application/xml",
+        "application/javascript",
+        "application/ecmascript",
+        "application/x-www-form-urlencoded",
+        "application/x-ndjson",
+        "application/jsonl",
+        "application/graphql",
+        "application/yaml",
+        "application/x-yaml",
+    }
+)
 #: Levels of nesting an upstream JSON value may have to be answered as parsed data: the
 #: answer's writer (pydantic-core) refuses values deeper than 255 levels, and the answer
 #: and the idempotency store wrap ``data`` in a few more.
@@ -77,16 +95,52 @@ def parse_body(content_type: str | None, body: bytes, status: int) -> tuple[Any,
         return None, False
     mtype = media_type(content_type)
     if mtype == "text/event-stream":
+        if _as_text(mtype, body) is None:
+            return binary_form(mtype, body, status), False  # not UTF-8: kept whole
         return parse_sse(body), False
     if is_json_type(mtype) or not mtype:
         try:
             return _loads(body, MAX_DATA_DEPTH), True
         except (ValueError, UnicodeDecodeError, RecursionError):
             pass
-    text = body.decode("utf-8", errors="replace")
+    text = _as_text(mtype, body)
+    if text is None:
+        return binary_form(mtype, body, status), False
     if status >= 400 and len(text) > ERROR_TEXT_LIMIT:
         text = scrub_cut(text, ERROR_TEXT_LIMIT)
     return {"content_type": mtype or None, "text": text}, False
+
+
+def _as_text(mtype: str, body: bytes) -> str | None:
+    """``body`` as text when its type is textual (or unknown) and it is valid UTF-8."""
+    if mtype and not is_text_type(mtype):
+        return None
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def is_text_type(mtype: str) -> bool:
+    """Media types whose bodies are text: ``text/*``, JSON and XML (any ``+json`` or
+    ``+xml``), JavaScript, form data (RFC 6838 section 4.2.1; RFC 7303; RFC 8259)."""
+    return (
+        mtype.startswith("text/")
+        or is_json_type(mtype)
+        or mtype.endswith("+xml")
+        or mtype in _TEXT_TYPES
+    )
+
+
+def binary_form(mtype: str, body: bytes, status: int) -> dict[str, Any]:
+    """A body that is not text as data: its bytes in standard base64 (RFC 4648 section 4)
+    and their count; for an error status at most :data:`ERROR_TEXT_LIMIT` bytes of it."""
+    kept = body if status < 400 else body[:ERROR_TEXT_LIMIT]
+    return {
+        "content_type": mtype or None,
+        "base64": base64.b64encode(kept).decode("ascii"),
+        "bytes": len(body),
+    }
 
 
 def parse_sse(body: bytes) -> dict[str, Any]:
