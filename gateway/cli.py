@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import IO, Final
 
 from gateway import __version__
 from gateway.audit.query import cli as audit_cli
@@ -116,11 +116,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_call(args: argparse.Namespace) -> int:
     raw = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
     url = args.url.rstrip("/") + "/v1/calls"
+    headers = {"Content-Type": "application/json"}
+    if args.stream:
+        headers["Accept"] = "text/event-stream"
     req = urllib.request.Request(  # noqa: S310 - the URL is the operator's sidecar
-        url, data=raw, method="POST", headers={"Content-Type": "application/json"}
+        url, data=raw, method="POST", headers=headers
     )
     try:
         with urllib.request.urlopen(req, timeout=args.timeout) as resp:  # noqa: S310
+            if resp.headers.get_content_type() == "text/event-stream":
+                return _print_stream(resp)
             status, body = resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         status, body = exc.code, exc.read()
@@ -132,6 +137,22 @@ def _cmd_call(args: argparse.Namespace) -> int:
     except ValueError:
         print(body.decode("utf-8", errors="replace"))
     return 0 if status == 200 else 1
+
+
+def _print_stream(resp: IO[bytes]) -> int:
+    """Print a streamed answer's lines as they arrive; exit 0 when its final
+    ``egress.response`` says success."""
+    final = None
+    last_event = ""
+    for line in resp:
+        text = line.decode("utf-8", errors="replace")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if text.startswith("event:"):
+            last_event = text[6:].strip()
+        elif text.startswith("data:") and last_event == "egress.response":
+            final = json.loads(text[5:])
+    return 0 if final is not None and final.get("success") else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -178,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the sidecar's base URL (env GATEWAY_URL)",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="ask for a stream (Accept: text/event-stream): print events as they arrive",
+    )
     p.set_defaults(func=_cmd_call)
 
     audit_cli.register(sub)

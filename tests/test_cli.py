@@ -29,7 +29,13 @@ async def test_demo_runs_every_example_as_expected(tmp_path, monkeypatch):
     assert "unexpected" not in text
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     calls = [r for r in records if r["event"] == "egress_call"]
-    assert len(calls) == len(examples)
+    # Every example once, and the streamed one again as a stream, token by token.
+    assert len(calls) == len(examples) + 1
+    streamed = [r for r in calls if r["stream"]]
+    assert [r["correlation_id"] for r in streamed] == ["corr-demo-0004-streamed"]
+    assert streamed[0]["success"] is True
+    assert streamed[0]["stream_events"] >= 4
+    assert "egress.response" in text
     for record in calls:  # every record the sidecar wrote matches the documented schema
         AuditRecord.model_validate(record)
     assert {r["decision"] for r in calls} == {"allowed", "denied", "invalid"}

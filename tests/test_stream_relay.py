@@ -261,3 +261,50 @@ async def test_refusals_before_the_upstream_are_json_even_when_a_stream_is_asked
         assert resp.status == 403
         assert (await resp.json())["error"]["code"] == "PERMISSION_DENIED"
     assert isinstance(aiohttp.__version__, str)
+
+
+async def test_a_stored_streamed_answer_is_replayed_as_its_stream(
+    upstream_factory, sidecar_factory
+):
+    body = sse(chat("Hel"), chat("lo", "stop"), CHAT_USAGE, "[DONE]")
+    streamer = Streamer(body)
+    streamer.release.set()
+    up, sc = await _sidecar(
+        upstream_factory, sidecar_factory, streamer, idempotency={"methods": ["POST"]}
+    )
+    env = {**STREAM_ENV, "idempotency_key": "stream-once"}
+    async with _post(sc, env) as resp:
+        first = await resp.content.read()
+    async with _post(sc, env) as resp:  # the same key: a replay, streamed again
+        assert resp.content_type == "text/event-stream"
+        again = await resp.content.read()
+    assert again.startswith(body)
+    replayed = _final(again)
+    assert replayed["replayed"] is True
+    assert replayed["success"] is True
+    assert _final(first)["replayed"] is False
+    status, assembled = await sc.call(env)  # no Accept header: the assembled form
+    assert status == 200
+    assert assembled["replayed"] is True
+    assert assembled["data"]["content"] == "Hello"
+    assert up.hits == 1
+
+
+async def test_an_assembled_stream_is_replayed_as_a_stream_when_one_is_asked(
+    upstream_factory, sidecar_factory
+):
+    body = sse(chat("Hel"), chat("lo", "stop"), "[DONE]")
+    streamer = Streamer(body)
+    streamer.release.set()
+    up, sc = await _sidecar(
+        upstream_factory, sidecar_factory, streamer, idempotency={"methods": ["POST"]}
+    )
+    env = {**STREAM_ENV, "idempotency_key": "assembled-first"}
+    status, answer = await sc.call(env)
+    assert status == 200
+    assert answer["data"]["content"] == "Hello"
+    async with _post(sc, env) as resp:
+        again = await resp.content.read()
+    assert again.startswith(body)
+    assert _final(again)["replayed"] is True
+    assert up.hits == 1

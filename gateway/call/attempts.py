@@ -211,7 +211,10 @@ class Attempts:
     async def _relay(self, answer: UpstreamResponse) -> GatewayError | None:
         """Relay ``answer``'s stream; None when it ended complete, else its error."""
         assert self.relay is not None
-        relayed = self.log.relayed = Relayed(StreamJudge(self.target.spec.usage, self.target.name))
+        relayed = self.log.relayed = Relayed(
+            StreamJudge(self.target.spec.usage, self.target.name),
+            kept=bytearray() if self.has_idempotency_key else None,
+        )
         try:
             await relay_stream(
                 answer.stream,

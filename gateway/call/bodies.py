@@ -143,6 +143,11 @@ def binary_form(mtype: str, body: bytes, status: int) -> dict[str, Any]:
     }
 
 
+def is_stream_form(data: Any) -> bool:
+    """True for the data :func:`parse_sse` makes of an event stream."""
+    return isinstance(data, dict) and data.get("content_type") == "text/event-stream"
+
+
 def parse_sse(body: bytes) -> dict[str, Any]:
     """Parse a complete ``text/event-stream`` body (WHATWG HTML, "Server-sent events",
     by :mod:`gateway.call.sse`, the grammar the relay reads too)."""

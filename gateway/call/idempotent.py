@@ -12,13 +12,18 @@ even when its data cannot be written as JSON (a note replaces it) or the store f
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from gateway.audit import get_logger
 from gateway.call.attempts import deadline_error
+from gateway.call.bodies import parse_sse
 from gateway.call.record import CallContext
+from gateway.call.relay import AgentGone, Relay
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
 from gateway.errors import GatewayError, IdempotencyConflict, UpstreamRejected
 from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Replay
@@ -37,11 +42,13 @@ async def once_per_key(
     ttl_s: float,
     forward: Callable[[], Awaitable[ExternalCallResponse]],
     failure: Callable[[GatewayError], ExternalCallResponse],
+    relay: Relay | None = None,
 ) -> tuple[int, ExternalCallResponse]:
     """Run ``forward`` at most once for ``ctx.idempotency_key`` on ``target``; returns
     (HTTP status, answer). Raises :class:`IdempotencyConflict` for a reused key, AGENT_
     TIMEOUT when an identical call in flight outlasts the deadline, and whatever
-    ``forward`` raises (``failure`` builds the answer stored for an UPSTREAM_REJECTED)."""
+    ``forward`` raises (``failure`` builds the answer stored for an UPSTREAM_REJECTED).
+    A stored streamed answer is replayed to ``relay`` as its stream when one is given."""
     assert ctx.idempotency_key is not None
     key = store_key(target, ctx.idempotency_key)
     fp = fingerprint(
@@ -55,7 +62,7 @@ async def once_per_key(
     while True:
         outcome = await store.begin(key, fp, lease_s=max(deadline - time.monotonic(), 0.001))
         if isinstance(outcome, Replay):
-            return replay(outcome.answer, request, ctx)
+            return await replay(outcome.answer, request, ctx, relay)
         if isinstance(outcome, Conflict):
             raise IdempotencyConflict(
                 f"idempotency key {ctx.idempotency_key!r} was already used on target "
@@ -66,7 +73,7 @@ async def once_per_key(
         if isinstance(outcome, InFlight):
             stored = await store.wait(key, fp, deadline=deadline)
             if stored is not None:
-                return replay(stored, request, ctx)
+                return await replay(stored, request, ctx, relay)
             if time.monotonic() >= deadline:
                 raise deadline_error("waiting for an identical call in flight")
             continue
@@ -84,29 +91,41 @@ async def once_per_key(
     # From here on the upstream has acted: whatever fails, the key is completed with
     # the answer the agent gets, so that a resend replays it and never acts twice.
     try:
-        stored = stored_answer(200, response)
+        stored = stored_answer(200, response, ctx.stream_body)
     except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
         response = _unrenderable(response, exc, ctx)
-        stored = stored_answer(200, response)
+        stored = stored_answer(200, response, ctx.stream_body)
     await settle(store, key, token, stored, ttl_s, ctx)
     return 200, response
 
 
-def replay(
-    stored: bytes, request: ExternalCallRequest, ctx: CallContext
+async def replay(
+    stored: bytes, request: ExternalCallRequest, ctx: CallContext, relay: Relay | None = None
 ) -> tuple[int, ExternalCallResponse]:
-    """A stored answer as the answer to ``request`` (its ids, ``replayed``, this latency)."""
+    """A stored answer as the answer to ``request`` (its ids, ``replayed``, this latency).
+
+    A stored streamed answer (its events kept) is sent again as a stream to ``relay``
+    when the agent asked for one; otherwise its ``data`` is the stream's assembled form."""
     doc = json.loads(stored)
     ctx.replayed = True
-    response = ExternalCallResponse.model_validate(doc["response"]).model_copy(
-        update={
-            "replayed": True,
-            "latency_ms": round((time.monotonic() - ctx.started) * 1000, 3),
-            "trace_id": request.trace_id,
-            "correlation_id": request.correlation_id,
-        }
-    )
-    return int(doc["status"]), response
+    response = ExternalCallResponse.model_validate(doc["response"])
+    update: dict[str, Any] = {
+        "replayed": True,
+        "trace_id": request.trace_id,
+        "correlation_id": request.correlation_id,
+    }
+    stream = doc.get("stream")
+    if stream is not None:
+        body = base64.b64decode(stream)
+        if relay is not None:
+            with contextlib.suppress(AgentGone):  # nobody left to replay to: still audited
+                await relay.start()
+                await relay.send(body)
+            update["data"] = None
+        else:
+            update["data"] = parse_sse(body)
+    update["latency_ms"] = round((time.monotonic() - ctx.started) * 1000, 3)
+    return int(doc["status"]), response.model_copy(update=update)
 
 
 def answer_status(exc: GatewayError) -> int:
@@ -147,7 +166,17 @@ def _unrenderable(
     return response.model_copy(update={"data": {"content_type": None, "text": note}})
 
 
-def stored_answer(status: int, response: ExternalCallResponse) -> bytes:
-    """An answer as the idempotency store keeps it (HTTP status and the envelope)."""
+def stored_answer(
+    status: int, response: ExternalCallResponse, stream: bytes | None = None
+) -> bytes:
+    """An answer as the idempotency store keeps it: its HTTP status, the envelope, and
+    for a streamed answer its events (the stream's bytes, base64), to replay them."""
     # pydantic's JSON writer (Rust): one pass instead of model_dump + json.dumps.
-    return b'{"status":%d,"response":%s}' % (status, response.model_dump_json().encode())
+    body = response.model_dump_json().encode()
+    if stream is None:
+        return b'{"status":%d,"response":%s}' % (status, body)
+    return b'{"status":%d,"response":%s,"stream":"%s"}' % (
+        status,
+        body,
+        base64.b64encode(stream),
+    )

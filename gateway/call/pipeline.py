@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from gateway.audit import AuditLog, get_logger
 from gateway.breaker import CircuitBreakers, breaker_specs
 from gateway.call.attempts import Attempts, deadline_error
-from gateway.call.bodies import parse_body
+from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.idempotent import answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
@@ -238,6 +238,7 @@ class Pipeline:
             ttl_s=idempotency.ttl_s,
             forward=lambda: self._forward(policy, request, decision, ctx, deadline, relay),
             failure=lambda exc: self._failure(exc, ctx),
+            relay=relay,
         )
 
     async def _forward(
@@ -299,9 +300,13 @@ class Pipeline:
         relayed = attempts.log.relayed
         if relayed is not None:
             data, ctx.usage = None, relayed.judge.usage()  # the agent has had the events
+            if relayed.kept is not None:
+                ctx.stream_body = bytes(relayed.kept)
         else:
             data, _ = parse_body(answer.content_type, answer.body, answer.status)
             ctx.usage = extract_usage(target.spec.usage, data)
+            if ctx.idempotency_key is not None and is_stream_form(data):
+                ctx.stream_body = answer.body
         if group is not None and ctx.usage is not None:
             # Unknown usage keeps the reservation: the upstream answered, so tokens were
             # spent, and a refund would let the group overspend (design.md).

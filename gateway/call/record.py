@@ -54,6 +54,9 @@ class CallContext:
     warnings: list[str] = field(default_factory=list)
     #: Identifiers read from an envelope that failed validation, for its audit record.
     claimed: dict[str, str] = field(default_factory=dict)
+    #: The bytes of a streamed answer, kept for the idempotency store (keyed calls only):
+    #: a replay re-sends them as a stream, or answers their assembled form.
+    stream_body: bytes | None = None
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:

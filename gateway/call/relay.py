@@ -55,6 +55,8 @@ class Relayed:
     judge: StreamJudge
     bytes: int = 0
     first_byte_s: float | None = None
+    #: The relayed bytes, when they are to be stored (a keyed call), else None.
+    kept: bytearray | None = None
 
 
 async def relay_stream(
@@ -109,6 +111,8 @@ async def relay_stream(
                     judge.observe(event)
             except EventTooLarge:
                 raise _too_large(judge, max_bytes) from None
+            if done.kept is not None:
+                done.kept += chunk
             try:
                 if not relay.started:
                     await relay.start()

@@ -142,10 +142,14 @@ async def _run(
         f"stand-in APIs on 127.0.0.1:{bound_port}\n"
     )
     rows: list[tuple[str, ...]] = []
+    streamed: list[str] = []
     try:
         async with aiohttp.ClientSession() as session:
             for path in examples:
                 rows.append(await _send(session, sidecar_url, path))
+            stream_example = next((p for p in examples if "stream" in p.stem), None)
+            if stream_example is not None:
+                streamed = await _stream(session, sidecar_url, stream_example)
     finally:
         await sidecar.cleanup()
         await stand_ins.cleanup()
@@ -168,7 +172,16 @@ async def _run(
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    if streamed:
+        console.print(
+            "\nThe same streamed call with [bold]Accept: text/event-stream[/bold]: each event "
+            "relayed as the stand-in sends it (ms since the call began):"
+        )
+        for line in streamed:
+            console.print(f"  {line}")
     unexpected = [row[0] for row in rows if row[8].startswith("no")]
+    if streamed and not streamed[-1].endswith("success"):
+        unexpected.append("streamed call")
     records = sum(
         1 for line in Path(audit_path).read_text().splitlines() if '"event":"egress_call"' in line
     )
@@ -212,6 +225,34 @@ async def _send(session: aiohttp.ClientSession, url: str, path: Path) -> tuple[s
         "-" if expected is None else "yes" if expected == outcome else f"no ({expected})",
         str(metadata.get("demo_note", "")),
     )
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, path: Path) -> list[str]:
+    """Send ``path`` asking for a stream; one line per relayed token, then the outcome."""
+    started = time.monotonic()
+    lines: list[str] = []
+    event = ""
+    envelope = json.loads(path.read_bytes())
+    # A call of its own: the same ids would replay the answer of the call in the table.
+    envelope["correlation_id"] = envelope["correlation_id"] + "-streamed"
+    async with session.post(
+        url + "/v1/calls", json=envelope, headers={"Accept": "text/event-stream"}
+    ) as resp:
+        async for raw in resp.content:
+            text = raw.decode("utf-8", "replace").strip()
+            at = f"+{(time.monotonic() - started) * 1000:6.0f} ms"
+            if text.startswith("event:"):
+                event = text[6:].strip()
+            elif text.startswith("data:") and event == "egress.response":
+                final = json.loads(text[5:])
+                outcome = "success" if final.get("success") else final["error"]["code"]
+                lines.append(f"{at}  egress.response: {final.get('tokens_used')} tokens, {outcome}")
+            elif text.startswith("data:") and text != "data: [DONE]":
+                choices = json.loads(text[5:]).get("choices") or [{}]
+                piece = (choices[0].get("delta") or {}).get("content")
+                if piece:
+                    lines.append(f"{at}  {piece!r}")
+    return lines
 
 
 def _program() -> str:

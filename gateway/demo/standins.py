@@ -20,6 +20,8 @@ DEMO_SECRETS = {
     "DEMO_SLACK_TOKEN": "xoxb-demo-0003-NOT-A-REAL-TOKEN",
 }
 _SLOW_S = 3.0
+#: Seconds between two streamed tokens of the OpenAI stand-in.
+_TOKEN_GAP_S = 0.15
 
 
 def _unauthorized(provider: str) -> web.Response:
@@ -49,6 +51,9 @@ async def _openai(request: web.Request) -> web.StreamResponse:
                 "choices": [{"index": 0, "delta": {"content": piece}}],
             }
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(_TOKEN_GAP_S)  # a model producing tokens, one at a time
+        finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        await resp.write(f"data: {json.dumps(finish)}\n\n".encode())
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
