@@ -338,3 +338,22 @@ async def test_an_error_event_in_a_200_stream_is_a_failure(upstream_factory, sid
     assert answer["error"]["retryable"] is True
     assert answer["error"]["details"]["upstream_reason"] == "overloaded_error"
     assert up.hits == 1
+
+
+@pytest.mark.parametrize(
+    ("items", "code"),
+    [
+        ([G_PART, G_END], None),
+        ([G_PART], "STREAM_INTERRUPTED"),
+        ([G_PART, {"error": {"code": 429, "status": "RESOURCE_EXHAUSTED", "message": "x"}}],
+         "CAPACITY_EXCEEDED"),
+        ([{"name": "models/a"}, {"name": "models/b"}], None),  # not a stream: a list answer
+    ],
+    ids=["complete", "cut", "error", "not-a-stream"],
+)  # fmt: skip
+def test_gemini_json_array_streams_are_judged_too(items: list[Any], code: str | None) -> None:
+    body = json.dumps(items).encode()
+    error, data = judge_body("gemini", "t", "application/json", body, 200)
+    assert (error.code.value if error else None) == code
+    if error is not None:
+        assert data == items

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Final
 
-from gateway.call.bodies import media_type, parse_sse
+from gateway.call.bodies import is_json_type, media_type, parse_sse
 from gateway.call.sse import SseEvent, decode_all
 from gateway.errors import (
     CapacityExceeded,
@@ -64,12 +64,15 @@ class StreamJudge:
 
     def observe(self, event: SseEvent) -> Any:
         """Judge one event; returns its ``data``, parsed as JSON when it is JSON."""
+        return self.observe_data(event.event, _judged_data(event.data))
+
+    def observe_data(self, name: str | None, data: Any) -> Any:
+        """Judge one event given its type and parsed data (a JSON-array stream's item)."""
         self.events += 1
-        data = _judged_data(event.data)
         dialect = self._dialect
         if dialect is None:
             return data
-        signal = dialect.stream_signal(event.event, data)
+        signal = dialect.stream_signal(name, data)
         if signal is END:
             self.complete = True
         elif isinstance(signal, StreamFailure) and self.failure is None:
@@ -110,15 +113,32 @@ def judge_body(
     """Judge a whole answer ``body``: ``(error or None, its data)``. Only an SSE body is
     judged (its data is the SSE form of :func:`gateway.call.bodies.parse_sse`); any other
     body gives ``(None, None)`` and is parsed by the caller as usual."""
-    if media_type(content_type) != "text/event-stream" or not body:
+    if not body:
         return None, None
+    mtype = media_type(content_type)
     judge = StreamJudge(provider, target)
-    for event in decode_all(body, len(body) + 1):
-        judge.observe(event)
-    error = judge.verdict(status=status)
+    data: Any
+    if mtype == "text/event-stream":
+        for event in decode_all(body, len(body) + 1):
+            judge.observe(event)
+        error = judge.verdict(status=status)
+        data = parse_sse(body) if error is not None else None
+    elif provider == "gemini" and body[:1] == b"[" and is_json_type(mtype):
+        # streamGenerateContent without alt=sse: a JSON array of chunks, judged as one
+        # stream; anything that is not such an array is an ordinary JSON answer.
+        items = _judged_data(body.decode("utf-8", "replace"))
+        if not (isinstance(items, list) and items and isinstance(items[0], dict)):
+            return None, None
+        if "candidates" not in items[0] and "error" not in items[0]:
+            return None, None
+        for item in items:
+            judge.observe_data(None, item)
+        error = judge.verdict(status=status)
+        data = items
+    else:
+        return None, None
     if error is None:
         return None, None
-    data = parse_sse(body)
     error.status_code = status
     error.data = data
     return error, data
