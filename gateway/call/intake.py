@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from gateway import fastjson
 from gateway.envelope import (
@@ -33,14 +33,38 @@ from gateway.errors import InvalidPayload, SchemaMismatch
 from gateway.redaction import MAX_REDACT_DEPTH, nesting_depth
 
 _MAX_REPORTED_ERRORS = 20
+#: Unknown top-level fields named (and given a "did you mean") in an answer or a warning:
+#: an envelope of a million unknown keys must cost no more than one of twenty
+#: (difflib compares each name with every known field).
+MAX_REPORTED_UNKNOWN_FIELDS: Final = 20
+#: An unknown field's name is echoed up to this many characters.
+_MAX_NAME_CHARS: Final = 64
+#: Above this size an envelope is read once, by pydantic's JSON parser (about twice the
+#: stdlib's speed on dense JSON, and it holds the GIL just the same, so a worker thread
+#: would not free the event loop), and validated without walking its free-form objects.
+#: Below it, the one-pass fast path and the stdlib parser are quicker.
+LARGE_BODY_BYTES: Final = 256 * 1024
+#: The envelope's free-form objects: a JSON object's keys are strings and its values
+#: anything, so pydantic's dict[str, Any] check could only copy them (a second of the
+#: event loop for a million keys).
+_FREE_FORM: Final = ("parameters", "metadata")
+#: How far a lone surrogate is followed into the envelope to name its field: deeper, or
+#: inside a container of more items, the container is named (each level re-encodes
+#: what is below it, so the walk is kept to a few passes over the envelope).
+_MAX_PATH_DEPTH: Final = 2
+_MAX_PATH_FANOUT: Final = 256
+#: pydantic's JSON parser (the fast path's), for values of any shape.
+_ANY_JSON: Final = TypeAdapter(Any)
 
 
 @dataclass(frozen=True, slots=True)
 class Intake:
-    """A validated request and the unknown fields that were dropped (warn mode only)."""
+    """A validated request and the unknown fields that were dropped (warn mode only):
+    the first :data:`MAX_REPORTED_UNKNOWN_FIELDS` names, and how many there were."""
 
     request: ExternalCallRequest
     unknown_fields: tuple[str, ...] = ()
+    unknown_field_count: int = 0
 
 
 def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
@@ -52,7 +76,17 @@ def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
     be forwarded untouched); ``lone_surrogate`` for a ``\\uD800``-style escape that
     is not half of a pair (no Unicode character: it cannot be re-encoded as UTF-8); or
     ``too_deep`` past the interpreter's recursion limit.
+
+    A body over :data:`LARGE_BODY_BYTES` is parsed by pydantic's parser when it holds
+    nothing the two parsers read differently (:func:`_needs_exact_path`: NaN, infinities,
+    overflowing numbers; it refuses what the stdlib's refuses, and lone surrogates): the
+    same value, once.
     """
+    if len(body) > LARGE_BODY_BYTES and not _needs_exact_path(body):
+        try:
+            return _ANY_JSON.validate_json(body)
+        except ValidationError:
+            pass  # not JSON, too deep for it, a BOM...: the stdlib parser says precisely
     try:
         # Decode first: json.loads(bytes) would also accept UTF-16 and UTF-32 (RFC 8259 8.1).
         value = json.loads(
@@ -90,9 +124,14 @@ def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
 
 
 def refuse_lone_surrogates(raw: bytes, value: Any) -> None:
-    """Raise :class:`InvalidPayload` (reason ``lone_surrogate``) if ``value`` holds one."""
-    if has_lone_surrogates(raw, value):
-        field = _surrogate_path(value) or "(envelope)"
+    """Raise :class:`InvalidPayload` (reason ``lone_surrogate``) if ``value``, parsed from
+    the JSON text ``raw``, holds one. Cheap unless ``raw`` has a ``\\uD8xx``-``\\uDFxx``
+    escape at all; then a few C-speed encodes of the envelope at most."""
+    if b"\\ud" not in raw and b"\\uD" not in raw:
+        return
+    path = _surrogate_path(value)
+    if path is not None:
+        field = path or "(envelope)"
         raise InvalidPayload(
             f"{field}: the request body contains a \\u escape of a lone UTF-16 surrogate "
             "(\\uD800-\\uDFFF without its pair), which is not a character",
@@ -100,25 +139,45 @@ def refuse_lone_surrogates(raw: bytes, value: Any) -> None:
         )
 
 
-def _surrogate_path(value: Any, path: str = "") -> str | None:
-    """The dotted path of the first key or string holding a lone surrogate, or None."""
+def _surrogate_path(value: Any) -> str | None:
+    """Where the first lone surrogate in ``value`` is, or None if there is none: the
+    dotted path of the key or string holding it; or of the container holding it, past
+    :data:`_MAX_PATH_DEPTH` levels or inside a container of more than
+    :data:`_MAX_PATH_FANOUT` items (``""``: the envelope itself). Each level checks its
+    items with a C-speed encode rather than visiting everything below them."""
+    path = ""
+    for _ in range(_MAX_PATH_DEPTH):
+        if not isinstance(value, dict | list) or len(value) > _MAX_PATH_FANOUT:
+            break
+        items: Any = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            here = _escaped(f"{path}.{key}" if path else str(key))
+            if isinstance(key, str) and not _encodes(key):
+                return here
+            if _holds_lone_surrogate(item):
+                value, path = item, here
+                break
+        else:
+            return None  # neither its keys nor its items hold one
+    # Below the top, ``value`` was entered because it holds one; the top is checked whole.
+    return path if path or _holds_lone_surrogate(value) else None
+
+
+def _holds_lone_surrogate(value: Any) -> bool:
     if isinstance(value, str):
-        return path if not _encodes(value) else None
-    items: Any = (
-        value.items()
-        if isinstance(value, dict)
-        else enumerate(value)
-        if isinstance(value, list)
-        else ()
-    )
-    for key, item in items:
-        here = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and not _encodes(key):
-            return here.encode("utf-8", "backslashreplace").decode()
-        found = _surrogate_path(item, here)
-        if found is not None:
-            return found.encode("utf-8", "backslashreplace").decode()
-    return None
+        return not _encodes(value)
+    if isinstance(value, dict | list):
+        try:
+            # orjson (when installed) refuses a lone surrogate at once; else the stdlib's
+            # text does not encode.
+            fastjson.compact(value)
+        except UnicodeEncodeError:
+            return True
+    return False
+
+
+def _escaped(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def printable(text: str) -> str:
@@ -180,25 +239,8 @@ def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reje
         )
     unknown = [key for key in raw if key not in REQUEST_FIELDS]
     if unknown:
-        described = []
-        for key in unknown:
-            close = difflib.get_close_matches(str(key), sorted(REQUEST_FIELDS), n=1, cutoff=0.6)
-            described.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
         if unknown_fields == "reject":
-            raise InvalidPayload(
-                "unknown envelope field(s): "
-                + ", ".join(described)
-                + "; put free-form additions in 'metadata'",
-                details={
-                    "reason": "unknown_fields",
-                    "unknown_fields": unknown,
-                    "suggestions": {
-                        k: c[0]
-                        for k in unknown
-                        if (c := difflib.get_close_matches(str(k), sorted(REQUEST_FIELDS), n=1))
-                    },
-                },
-            )
+            raise _unknown_fields_error(unknown)
         raw = {k: v for k, v in raw.items() if k in REQUEST_FIELDS}
     version = raw.get("protocol_version")
     if (
@@ -215,8 +257,17 @@ def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reje
                 "supported": sorted(SUPPORTED_PROTOCOL_VERSIONS),
             },
         )
+    free = {k: v for k in _FREE_FORM if _is_json_object(v := raw.get(k))}
+    checked = {**raw, **{key: {} for key in free}} if free else raw
+    headers = raw.get("headers")
+    if isinstance(headers, dict):
+        wrong = [k for k, v in headers.items() if not isinstance(v, str)]
+        if wrong:  # only these get errors: pydantic would list every one
+            checked = {**checked, "headers": {k: headers[k] for k in wrong[:_MAX_REPORTED_ERRORS]}}
     try:
-        request = ExternalCallRequest.model_validate(raw)
+        request = ExternalCallRequest.model_validate(checked)
+        if free:
+            request = request.model_copy(update=free)
     except ValidationError as exc:
         errors = [
             {
@@ -229,7 +280,11 @@ def parse_request(raw: Any, *, unknown_fields: Literal["reject", "warn"] = "reje
     problem = request_problem(request)
     if problem is not None:
         raise _invalid_fields([problem])
-    return Intake(request, tuple(str(k) for k in unknown))
+    return Intake(
+        request,
+        tuple(str(k)[:_MAX_NAME_CHARS] for k in unknown[:MAX_REPORTED_UNKNOWN_FIELDS]),
+        len(unknown),
+    )
 
 
 def request_problem(request: ExternalCallRequest) -> dict[str, str] | None:
@@ -254,6 +309,43 @@ def request_problem(request: ExternalCallRequest) -> dict[str, str] | None:
     return None
 
 
+def _unknown_fields_error(unknown: list[str]) -> InvalidPayload:
+    """The refusal of an envelope with unknown top-level fields. Only the first
+    :data:`MAX_REPORTED_UNKNOWN_FIELDS` are named (each cut to :data:`_MAX_NAME_CHARS`)
+    and given a suggestion, so that the answer and the work stay small whatever the
+    envelope holds; ``details.unknown_field_count`` is the full count."""
+    named = [key[:_MAX_NAME_CHARS] for key in unknown[:MAX_REPORTED_UNKNOWN_FIELDS]]
+    known = sorted(REQUEST_FIELDS)
+    suggestions = {
+        key: close[0] for key in named if (close := difflib.get_close_matches(key, known, n=1))
+    }
+    described = [
+        f"{key!r} (did you mean {suggestions[key]!r}?)" if key in suggestions else repr(key)
+        for key in named
+    ]
+    more = len(unknown) - len(named)
+    if more:
+        described.append(f"and {more} more")
+    details: dict[str, Any] = {
+        "reason": "unknown_fields",
+        "unknown_fields": named,
+        "suggestions": suggestions,
+    }
+    if more:
+        details["unknown_field_count"] = len(unknown)
+    return InvalidPayload(
+        "unknown envelope field(s): "
+        + ", ".join(described)
+        + "; put free-form additions in 'metadata'",
+        details=details,
+    )
+
+
+def _is_json_object(value: Any) -> bool:
+    """A dict with string keys only (as every JSON object is)."""
+    return isinstance(value, dict) and set(map(type, value)) <= {str}
+
+
 def _invalid_fields(errors: list[dict[str, str]]) -> InvalidPayload:
     summary = "; ".join(f"{e['field']}: {e['problem']}" for e in errors)
     return InvalidPayload(
@@ -269,6 +361,14 @@ def metadata_problem(metadata: dict[str, Any]) -> str | None:
     bytes of compact JSON (as the audit line holds it)."""
     if not metadata:
         return None
+    # Every item takes at least two bytes of compact JSON (the value and a separator):
+    # counted first, with an early stop, so that a huge metadata is refused without
+    # walking all of it (or writing it out).
+    if _more_items_than(metadata, MAX_METADATA_BYTES // 2):
+        return (
+            f"metadata is more than {MAX_METADATA_BYTES} bytes of JSON; at most "
+            f"{MAX_METADATA_BYTES} are kept in the audit record (put payloads in parameters)"
+        )
     if nesting_depth(metadata) > MAX_REDACT_DEPTH:
         return (
             f"metadata is nested more than {MAX_REDACT_DEPTH} levels deep; "
@@ -291,6 +391,20 @@ def metadata_problem(metadata: dict[str, Any]) -> str | None:
             "the audit record (put payloads in parameters)"
         )
     return None
+
+
+def _more_items_than(value: Any, limit: int) -> bool:
+    """True if the dicts and lists in ``value`` hold more than ``limit`` items in all;
+    visits at most ``limit`` of them."""
+    stack, count = [value], 0
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict | list):
+            count += len(item)
+            if count > limit:
+                return True
+            stack.extend(item.values() if isinstance(item, dict) else item)
+    return False
 
 
 def _control_key(value: Any) -> str | None:
@@ -336,8 +450,12 @@ def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
     """The envelope in ``body`` validated in one pass by pydantic's JSON parser, or None
     when the exact path must decide (anything invalid, unknown fields, another
     ``protocol_version``, a BOM, non-finite numbers): that path gives the same request
-    for any envelope this one accepts, and the precise error for the others."""
-    if _needs_exact_path(body):
+    for any envelope this one accepts, and the precise error for the others.
+
+    Not for bodies over :data:`LARGE_BODY_BYTES`: pydantic's errors for a million unknown
+    keys or header values would cost seconds before the exact path even starts, and that
+    path parses a large body with the same parser, once."""
+    if len(body) > LARGE_BODY_BYTES or _needs_exact_path(body):
         return None
     try:
         # Strict, extra fields forbidden; a lone surrogate escape is a JSON error here.

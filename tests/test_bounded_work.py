@@ -1,0 +1,300 @@
+"""Bounded work per request (issue 13, class 5).
+
+No envelope may hold the event loop for long: what the sidecar reports about an invalid
+envelope is capped (unknown fields, header errors, metadata, lone surrogates) and a large
+body is parsed once. The heartbeat test measures the loop's longest stall while a real
+sidecar handles the worst envelopes built at the policy's ``server.max_request_bytes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from gateway.call.intake import (
+    LARGE_BODY_BYTES,
+    MAX_REPORTED_UNKNOWN_FIELDS,
+    decode_json,
+    parse_envelope_fast,
+    parse_request,
+    refuse_lone_surrogates,
+)
+from gateway.envelope import MAX_METADATA_BYTES, ExternalCallRequest, ExternalCallResponse
+from gateway.errors import InvalidPayload
+from tests.conftest import compile_policy, envelope, openai_target
+
+MiB = 1024 * 1024
+#: The policy limit of the heartbeat test: the stall of the worst envelope grows with its
+#: size (one parse at least), so it is measured at a size whose parse is well inside the
+#: bound on a loaded 2-core machine; 8 MiB figures are in the issue note.
+LIMIT = 1 * MiB
+#: The longest event-loop stall allowed while one envelope is handled (generous: the
+#: machine is shared; the real figures are a few tens of milliseconds).
+MAX_STALL_S = 0.25
+_FILL = "__FILL__"
+
+
+def filled(
+    item: Callable[[int], str],
+    *,
+    open_: str,
+    close: str,
+    size: int = LIMIT,
+    template: str | None = None,
+    **over: Any,
+) -> bytes:
+    """An envelope of about ``size`` bytes: ``template`` (default: the test envelope with
+    ``over``) whose ``"__FILL__"`` is replaced by ``open_`` + as many ``item(i)`` (all of
+    one length) as fit + ``close``."""
+    text = template if template is not None else json.dumps(envelope(**over))
+    before, after = text.split(json.dumps(_FILL), 1)
+    room = size - len(before) - len(after) - len(open_) - len(close) - 16
+    count = room // (len(item(0)) + 1)
+    body = before + open_ + ",".join(item(i) for i in range(count)) + close + after
+    return body.encode()
+
+
+def _key(prefix: str) -> Callable[[int], str]:
+    return lambda i: f'"{prefix}{i:07d}":1'
+
+
+# -- what is reported stays small --------------------------------------------------------
+
+
+def test_only_the_first_unknown_fields_are_named_and_suggested() -> None:
+    raw = {f"x{i}": 1 for i in range(50_000)} | {"max_retires": 1}
+    with pytest.raises(InvalidPayload) as caught:
+        parse_request(raw)
+    details = caught.value.details
+    assert details["unknown_fields"] == [f"x{i}" for i in range(MAX_REPORTED_UNKNOWN_FIELDS)]
+    assert details["unknown_field_count"] == 50_001
+    assert details["suggestions"] == {}  # only the named ones are compared
+    assert caught.value.message.endswith(
+        f", and {50_001 - MAX_REPORTED_UNKNOWN_FIELDS} more; put free-form additions in 'metadata'"
+    )
+    assert len(caught.value.message) < 2000
+
+
+def test_few_unknown_fields_are_reported_as_before() -> None:
+    with pytest.raises(InvalidPayload) as caught:
+        parse_request(envelope(max_retires=0))
+    assert "unknown_field_count" not in caught.value.details
+    assert caught.value.details["suggestions"] == {"max_retires": "max_retries"}
+
+
+def test_an_unknown_field_name_is_echoed_cut() -> None:
+    with pytest.raises(InvalidPayload) as caught:
+        parse_request(envelope(**{"k" * 100_000: 1}))
+    [name] = caught.value.details["unknown_fields"]
+    assert name == "k" * 64
+    assert len(caught.value.message) < 300
+
+
+def test_warn_mode_keeps_the_first_unknown_fields_and_their_count() -> None:
+    intake = parse_request(envelope(**{f"x{i}": 1 for i in range(1000)}), unknown_fields="warn")
+    assert intake.unknown_fields == tuple(f"x{i}" for i in range(MAX_REPORTED_UNKNOWN_FIELDS))
+    assert intake.unknown_field_count == 1000
+
+
+def test_many_wrong_header_values_give_twenty_errors() -> None:
+    with pytest.raises(InvalidPayload) as caught:
+        parse_request(envelope(headers={f"h{i}": i for i in range(100_000)}))
+    errors = caught.value.details["errors"]
+    assert [e["field"] for e in errors] == [f"headers.h{i}" for i in range(20)]
+    assert {e["problem"] for e in errors} == {"Input should be a valid string"}
+
+
+def test_other_field_errors_come_first_as_pydantic_orders_them() -> None:
+    with pytest.raises(InvalidPayload) as caught:
+        parse_request(envelope(trace_id=5, headers={"a": 1, "b": "ok"}))
+    assert [e["field"] for e in caught.value.details["errors"]] == ["trace_id", "headers.a"]
+
+
+def test_huge_metadata_is_refused_without_walking_it() -> None:
+    with pytest.raises(InvalidPayload) as caught:
+        parse_request(envelope(metadata={"a": [1] * 2_000_000}))
+    [error] = caught.value.details["errors"]
+    assert error == {
+        "field": "metadata",
+        "problem": f"metadata is more than {MAX_METADATA_BYTES} bytes of JSON; at most "
+        f"{MAX_METADATA_BYTES} are kept in the audit record (put payloads in parameters)",
+    }
+
+
+def test_metadata_just_under_the_item_bound_is_measured_exactly() -> None:
+    with pytest.raises(InvalidPayload) as caught:
+        parse_request(envelope(metadata={"a": "x" * MAX_METADATA_BYTES}))
+    assert "metadata is 16392 bytes of JSON" in caught.value.details["errors"][0]["problem"]
+
+
+@pytest.mark.parametrize("where", [0, -1])
+def test_a_lone_surrogate_in_a_huge_list_names_the_list(where: int) -> None:
+    items = ["1"] * 200_000
+    items[where] = '"\\udc00"'
+    body = json.dumps(envelope(parameters={"a": _FILL})).replace(
+        json.dumps(_FILL), "[" + ",".join(items) + "]"
+    )
+    raw = body.encode()
+    with pytest.raises(InvalidPayload) as caught:
+        refuse_lone_surrogates(raw, decode_json(raw, check_surrogates=False))
+    assert caught.value.details == {"reason": "lone_surrogate", "field": "parameters.a"}
+
+
+def test_a_lone_surrogate_among_many_top_level_keys_names_the_envelope() -> None:
+    value = {f"x{i}": 1 for i in range(1000)} | {"z": "\udc00"}
+    with pytest.raises(InvalidPayload) as caught:
+        refuse_lone_surrogates(b"\\udc00", value)
+    assert caught.value.details["field"] == "(envelope)"
+
+
+def test_surrogate_pairs_are_not_refused() -> None:
+    refuse_lone_surrogates(b"\\ud83d\\ude00", {"a": ["\U0001f600"] * 1000})
+
+
+# -- a large body is parsed once, to the same request ------------------------------------
+
+
+def test_a_large_envelope_takes_one_parse_to_the_same_request() -> None:
+    body = filled(_key("k"), open_="{", close="}", size=LARGE_BODY_BYTES * 2, parameters=_FILL)
+    assert parse_envelope_fast(body) is None  # not the one-pass path: see below
+    request = parse_request(decode_json(body)).request
+    assert request == ExternalCallRequest.model_validate_json(body)
+    assert len(request.parameters) > 10_000
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"a": NaN, "b": "' + b"x" * LARGE_BODY_BYTES + b'"}', "not_finite"),
+        (b'{"a": 1e999, "b": "' + b"x" * LARGE_BODY_BYTES + b'"}', "not_finite"),
+        (b'{"b": "' + b"x" * LARGE_BODY_BYTES + b'"', "not_json"),
+        (b'{"b": "' + b"\xff" * LARGE_BODY_BYTES + b'"}', "not_utf8"),
+    ],
+    ids=["nan", "overflow", "truncated", "not-utf8"],
+)
+def test_a_large_body_gets_the_exact_errors(body: bytes, reason: str) -> None:
+    with pytest.raises(InvalidPayload) as caught:
+        decode_json(body)
+    assert caught.value.details["reason"] == reason
+
+
+def test_a_large_body_nested_past_the_fast_parsers_limit_still_parses() -> None:
+    deep = "[" * 500 + "]" * 500
+    body = ('{"a": ' + deep + ', "b": "' + "x" * LARGE_BODY_BYTES + '"}').encode()
+    assert decode_json(body)["b"] == "x" * LARGE_BODY_BYTES
+    assert decode_json(b"\xef\xbb\xbf" + body)["b"]  # a BOM, too
+
+
+# -- the event loop keeps running --------------------------------------------------------
+
+
+def _worst() -> dict[str, tuple[bytes, int, str | None]]:
+    """Envelopes of LIMIT bytes that make the sidecar work per item, with the answer's
+    expected (HTTP status, error code)."""
+    keys, ones = _key("x"), (lambda i: "1")
+    top_level = json.dumps(envelope())[:-1] + ", " + json.dumps(_FILL) + "}"
+    surrogate = filled(ones, open_="[", close=',"\\udc00"]', parameters={"a": _FILL})
+    return {
+        "unknown-fields": (
+            filled(keys, open_="{", close="}", template=json.dumps(_FILL)),
+            400,
+            "INVALID_PAYLOAD",
+        ),
+        "unknown-fields-warn": (filled(keys, open_="", close="", template=top_level), 200, None),
+        "wrong-header-values": (
+            filled(keys, open_="{", close="}", headers=_FILL),
+            400,
+            "INVALID_PAYLOAD",
+        ),
+        "many-headers": (
+            filled(lambda i: f'"h{i:07d}":"v"', open_="{", close="}", headers=_FILL),
+            403,
+            "PERMISSION_DENIED",
+        ),
+        "huge-metadata": (
+            filled(ones, open_="[", close="]", metadata={"a": _FILL}),
+            400,
+            "INVALID_PAYLOAD",
+        ),
+        "metadata-keys": (
+            filled(keys, open_="{", close="}", metadata=_FILL),
+            400,
+            "INVALID_PAYLOAD",
+        ),
+        "lone-surrogate-last": (surrogate, 400, "INVALID_PAYLOAD"),
+        "wrong-type-list": (
+            filled(ones, open_="[", close="]", max_retries=_FILL),
+            400,
+            "INVALID_PAYLOAD",
+        ),
+        "parameters-keys": (filled(keys, open_="{", close="}", parameters=_FILL), 200, None),
+        "parameters-ints": (filled(ones, open_="[", close="]", parameters={"a": _FILL}), 200, None),
+        "parameters-escapes": (
+            filled(lambda i: '"\\u00e9"', open_="[", close="]", parameters={"a": _FILL}),
+            200,
+            None,
+        ),
+    }
+
+
+WORST = (
+    "unknown-fields",
+    "unknown-fields-warn",
+    "wrong-header-values",
+    "many-headers",
+    "huge-metadata",
+    "metadata-keys",
+    "lone-surrogate-last",
+    "wrong-type-list",
+    "parameters-keys",
+    "parameters-ints",
+    "parameters-escapes",
+)
+
+
+def test_the_worst_cases_are_all_measured() -> None:
+    assert sorted(WORST) == sorted(_worst())
+
+
+@pytest.mark.parametrize("case", WORST)
+async def test_the_event_loop_never_stalls_long_on_one_envelope(
+    case: str, upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    body, status, code = _worst()[case]
+    assert LIMIT - 4096 < len(body) <= LIMIT
+    up = await upstream_factory()
+    policy = compile_policy(
+        {"fake-openai": openai_target(up.url)},
+        server={"max_request_bytes": LIMIT},
+        envelope={"unknown_fields": "warn" if case.endswith("-warn") else "reject"},
+    )
+    sc = await sidecar_factory(policy)
+    await sc.call(envelope())  # warm: first-call imports and connections
+
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def heartbeat() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    beat = asyncio.create_task(heartbeat())
+    await asyncio.sleep(0.02)
+    got_status, answer = await sc.call(body)
+    stop.set()
+    await beat
+    response = ExternalCallResponse.model_validate(answer)
+    assert got_status == status, answer
+    assert (response.error.code if response.error else None) == code
+    assert len(sc.audit_records()) == 2
+    longest = max(gaps)
+    assert longest < MAX_STALL_S, f"{case}: the loop stalled {longest * 1000:.0f} ms"
