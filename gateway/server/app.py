@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 
 from gateway import redaction
 from gateway.audit import get_logger
@@ -37,6 +38,19 @@ GATEWAY_KEY: Final = web.AppKey("gateway", Gateway)
 #: Set on the calls application: its refusals are audited (the ops listener's are not).
 AUDITED_KEY: Final = web.AppKey("audited", bool)
 CALLS_PATH: Final = "/v1/calls"
+#: Slow and idle clients (README, "Running it"). aiohttp closes a connection that has
+#: been idle this long: from its opening, and again from each answer, until a request's
+#: headers are complete. So it bounds slow headers as well as idle keep-alive.
+KEEPALIVE_TIMEOUT_S: Final = 75.0
+#: The whole envelope must arrive within this long of its headers, or the answer is 408
+#: (INVALID_PAYLOAD, ``details.reason: body_timeout``) and the connection is closed.
+BODY_TIMEOUT_S: Final = 30.0
+BODY_TIMEOUT_KEY: Final = web.AppKey("body_timeout_s", float)
+#: The Content-Encodings of an envelope that aiohttp decodes before the handler reads it
+#: (its ``http_parser``: one coding, ASCII, any case). ``br`` and ``zstd`` need the
+#: optional Brotli and backports.zstd packages; without them aiohttp's parser refuses
+#: the request itself (400, text) before any handler runs.
+_DECODED_ENCODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
 _log = get_logger("gateway.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -95,10 +109,7 @@ async def _calls(request: web.Request) -> web.StreamResponse:
     try:
         if request.content_length is not None and request.content_length > limit:
             raise _too_large(request.content_length, limit)
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _too_large(None, limit) from None
+        body = await _read_body(request, limit)
         relay = _SseRelay(request) if _wants_stream(request) else None
         status, response = await gateway.call(body, relay=relay)
     except GatewayError as exc:
@@ -153,6 +164,92 @@ class _SseRelay:
         return self._response
 
 
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The envelope's bytes, as aiohttp decoded them from their Content-Encoding, read
+    within the app's body timeout.
+
+    Raises :class:`InvalidPayload`: 413 past ``limit`` bytes (decoded); 415 for a
+    Content-Encoding aiohttp does not decode (``details.reason: content_encoding``);
+    400 for a body that is not what its Content-Encoding says (same reason) or whose
+    framing broke part-way (``framing``: a bad chunk or a connection closed early); 408
+    when it does not arrive in time (``body_timeout``). After any of these but the first
+    the connection is closed once the answer is sent: what follows on it cannot be
+    trusted to start a request.
+    """
+    encodings = request.headers.getall("Content-Encoding", [])
+    if not _decoded(encodings):
+        _close_after_answer(request)
+        raise InvalidPayload(
+            f"Content-Encoding {', '.join(encodings)!r} is not supported: send the "
+            "envelope as is, or encoded with one of gzip or deflate",
+            details={
+                "reason": "content_encoding",
+                "content_encoding": ", ".join(encodings)[:128],
+                "supported": ["identity", "gzip", "deflate"],
+            },
+            http_status=415,
+        )
+    timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(None, limit) from None
+    except TimeoutError:
+        _close_after_answer(request)
+        raise InvalidPayload(
+            f"the envelope did not arrive within {timeout_s:g} s of its headers; "
+            "send the whole body at once",
+            details={"reason": "body_timeout", "timeout_s": timeout_s},
+            http_status=408,
+        ) from None
+    except web.RequestPayloadError as exc:
+        _close_after_answer(request)
+        if isinstance(exc.__cause__, ContentEncodingError):
+            raise InvalidPayload(
+                f"the body is not {', '.join(encodings)}-encoded data, as its "
+                "Content-Encoding says; send it as is, without the header, or encode it",
+                details={"reason": "content_encoding", "content_encoding": encodings[0]},
+            ) from None
+        raise InvalidPayload(
+            "the request body could not be read: its framing broke part-way "
+            "(Transfer-Encoding chunks or Content-Length)",
+            details={"reason": "framing"},
+        ) from None
+    except ConnectionError:  # the agent hung up part-way: nobody reads this answer
+        raise InvalidPayload(
+            "the connection closed before the whole envelope arrived",
+            details={"reason": "framing"},
+        ) from None
+
+
+def _decoded(encodings: list[str]) -> bool:
+    """True if aiohttp has decoded a body sent with these Content-Encoding values (or
+    there is nothing to decode: none, empty, or ``identity``)."""
+    if not encodings:
+        return True
+    if len(encodings) > 1:
+        return False
+    encoding = encodings[0]
+    return encoding.isascii() and encoding.lower() in _DECODED_ENCODINGS | {"", "identity"}
+
+
+_CLOSE_KEY: Final = web.RequestKey("close_after_answer", bool)
+
+
+def _close_after_answer(request: web.Request) -> None:
+    request[_CLOSE_KEY] = True
+
+
+async def _close_if_asked(request: web.Request, response: web.StreamResponse) -> None:
+    """Send ``Connection: close`` and close after this answer, when its request's body
+    could not be read whole: nothing more on that connection is read as a request."""
+    if request.get(_CLOSE_KEY):
+        response.force_close()
+        # This hook runs after aiohttp has chosen the headers, before it writes them.
+        response.headers["Connection"] = "close"
+
+
 def _too_large(size: int | None, limit: int) -> InvalidPayload:
     said = f"{size} bytes" if size is not None else "larger than the limit"
     return InvalidPayload(
@@ -182,14 +279,19 @@ async def _readyz(request: web.Request) -> web.Response:
     )
 
 
-def create_app(gateway: Gateway, *, manage_lifecycle: bool = True) -> web.Application:
-    """The calls application. With ``manage_lifecycle`` it starts and closes ``gateway``."""
+def create_app(
+    gateway: Gateway, *, manage_lifecycle: bool = True, body_timeout_s: float = BODY_TIMEOUT_S
+) -> web.Application:
+    """The calls application. With ``manage_lifecycle`` it starts and closes ``gateway``.
+    ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
         middlewares=[_json_errors],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
+    app[BODY_TIMEOUT_KEY] = body_timeout_s
+    app.on_response_prepare.append(_close_if_asked)
     app.router.add_post(CALLS_PATH, _calls)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -213,6 +315,31 @@ def create_ops_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     return app
+
+
+def make_runner(
+    app: web.Application,
+    *,
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+    handler_cancellation: bool = False,
+) -> web.AppRunner:
+    """The runner of one listener, with the sidecar's limits on slow and idle clients.
+
+    ``keepalive_timeout_s`` (aiohttp's ``keepalive_timeout``) closes a connection idle
+    that long, counted from its opening and from each answer until the next request's
+    headers are complete. Request lines and header fields are cut at aiohttp's 8190
+    bytes, and at 128 header fields (400 from its parser). A body is bounded by the
+    calls app's ``body_timeout_s``; after an early answer (413, 404...) aiohttp reads
+    and drops the rest of a body for at most 10 s (``lingering_time``) and closes.
+    Writing the answer to an agent that does not read it is not bounded here.
+    """
+    return web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=handler_cancellation,
+        keepalive_timeout=keepalive_timeout_s,
+    )
 
 
 async def serve(
@@ -264,14 +391,12 @@ async def serve(
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
     # handler_cancellation off (aiohttp's default, made explicit): an agent hanging up
     # must not cancel its call half-way (Gateway.call).
-    runner = web.AppRunner(
-        create_app(gateway), access_log=None, handle_signals=False, handler_cancellation=False
-    )
+    runner = make_runner(create_app(gateway), handler_cancellation=False)
     await runner.setup()
     sites = [web.TCPSite(runner, host, port, reuse_address=True)]
     ops_runner = None
     if ops_port is not None:
-        ops_runner = web.AppRunner(create_ops_app(gateway), access_log=None)
+        ops_runner = make_runner(create_ops_app(gateway))
         await ops_runner.setup()
         sites.append(web.TCPSite(ops_runner, ops_host or host, ops_port, reuse_address=True))
     try:
