@@ -237,6 +237,14 @@ async def _listener(upstream: FakeUpstream, listener_factory: ListenerFactory, *
     return await listener_factory(_policy(upstream), **kw)
 
 
+def _assert_one_refusal_record(lst: Listener, status: int) -> None:
+    """The refusal before the pipeline has its one audit record (decision ``invalid``)."""
+    [record] = lst.log.records()
+    assert (record["decision"], record["error_code"]) == ("invalid", "INVALID_PAYLOAD")
+    assert (record["http_method"], record["http_path"]) == ("POST", "/v1/calls")
+    assert record["http_status"] == status
+
+
 # -- Content-Encoding --------------------------------------------------------------------
 
 
@@ -292,6 +300,7 @@ async def test_a_body_that_is_not_what_its_content_encoding_says_is_invalid_payl
     assert answer.headers.get("connection", "").lower() == "close"
     assert ex.closed
     assert upstream.hits == 0
+    _assert_one_refusal_record(lst, 400)
 
 
 @pytest.mark.parametrize(
@@ -314,6 +323,7 @@ async def test_a_content_encoding_the_sidecar_does_not_decode_is_415(
     assert error.details["supported"] == ["identity", "gzip", "deflate"]
     assert ex.closed
     assert upstream.hits == 0
+    _assert_one_refusal_record(lst, 415)
 
 
 def _decodes(name: str) -> bool:
@@ -463,6 +473,7 @@ async def test_a_body_that_stalls_is_answered_408_and_the_connection_closed(
     assert answer.headers.get("connection", "").lower() == "close"
     assert 0.2 <= elapsed < 3.0
     assert upstream.hits == 0
+    _assert_one_refusal_record(lst, 408)
 
 
 async def test_a_chunked_body_that_never_ends_is_answered_408(
