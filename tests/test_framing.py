@@ -15,215 +15,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
-import io
 import json
-import re
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
-from gateway.audit.schema import AuditRecord
-from gateway.envelope import ExternalCallResponse
 from gateway.policy import PolicySet
-from gateway.server.app import (
-    BODY_TIMEOUT_S,
-    KEEPALIVE_TIMEOUT_S,
-    create_app,
-    create_ops_app,
-    make_runner,
-)
-from gateway.server.runtime import Gateway
+from gateway.server.app import BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT_S, LINGERING_TIME_S
 from tests.conftest import FakeUpstream, compile_policy, envelope, openai_target
+from tests.rawhttp import Listener, chunked, closed_within, exchange, listening, request
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# -- a raw HTTP/1.1 client --------------------------------------------------------------
-
-
-@dataclass
-class RawAnswer:
-    status: int
-    headers: dict[str, str]  # lower-case names
-    body: bytes
-
-    @property
-    def is_json(self) -> bool:
-        return self.headers.get("content-type", "").startswith("application/json")
-
-    def envelope(self) -> ExternalCallResponse:
-        """The answer as the wire contract (raises if it is not one)."""
-        assert self.is_json, (self.status, self.headers, self.body[:300])
-        return ExternalCallResponse.model_validate_json(self.body)
-
-
-@dataclass
-class Exchange:
-    answers: list[RawAnswer]
-    closed: bool  # the sidecar closed the connection
-    rest: bytes  # bytes after the last complete answer
-
-
-def parse_answers(data: bytes) -> tuple[list[RawAnswer], bytes]:
-    """The complete HTTP/1.x responses at the start of ``data`` (aiohttp always sends a
-    Content-Length on the answers these tests get), and what follows them."""
-    answers = []
-    while b"\r\n\r\n" in data:
-        head, rest = data.split(b"\r\n\r\n", 1)
-        lines = head.decode("latin-1").split("\r\n")
-        match = re.match(r"HTTP/\d\.\d (\d{3})", lines[0])
-        assert match, lines[0]
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        length = int(headers.get("content-length", "0"))
-        if len(rest) < length:
-            break
-        answers.append(RawAnswer(int(match[1]), headers, rest[:length]))
-        data = rest[length:]
-    return answers, data
-
-
-async def exchange(port: int, *parts: bytes, answers: int = 1, timeout_s: float = 5.0) -> Exchange:
-    """Write ``parts`` (each on its own write) and read until the sidecar closes the
-    connection or ``answers`` complete answers have arrived; fails past ``timeout_s``."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    data = b""
-    closed = False
-    try:
-        for part in parts:
-            writer.write(part)
-            try:
-                await writer.drain()
-            except ConnectionError:
-                break  # the sidecar already answered and closed
-        async with asyncio.timeout(timeout_s):
-            while True:
-                try:
-                    chunk = await reader.read(65536)
-                except ConnectionError:
-                    chunk = b""
-                if not chunk:
-                    closed = True
-                    break
-                data += chunk
-                if len(parse_answers(data)[0]) >= answers:
-                    break
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-    got, rest = parse_answers(data)
-    return Exchange(got, closed, rest)
-
-
-async def closed_within(port: int, send: bytes, *, timeout_s: float) -> bool:
-    """True if the sidecar closes a connection (after ``send``) within ``timeout_s``,
-    without answering anything."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        if send:
-            writer.write(send)
-            await writer.drain()
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await reader.read(65536) == b""
-        except TimeoutError:
-            return False
-    finally:
-        writer.close()
-
-
-def request(
-    body: bytes,
-    *headers: tuple[str, str],
-    method: str = "POST",
-    path: str = "/v1/calls",
-    version: str = "HTTP/1.1",
-    length: bool = True,
-) -> bytes:
-    """One request as bytes; ``length`` adds a correct Content-Length first."""
-    lines = [f"{method} {path} {version}", "Host: 127.0.0.1"]
-    if length:
-        lines.append(f"Content-Length: {len(body)}")
-    lines += [f"{name}: {value}" for name, value in headers]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-
-def chunked(*chunks: bytes) -> bytes:
-    return b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
-
-
-# -- a listener as `gateway serve` builds it ---------------------------------------------
-
-
-class LineSink(io.TextIOBase):
-    """A log stream that keeps complete lines (cheap to read incrementally)."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._partial = ""
-
-    def write(self, text: str) -> int:
-        # JSON lines end at "\n" only (str.splitlines would split at U+2028 and others).
-        *complete, self._partial = (self._partial + text).split("\n")
-        self.lines.extend(line for line in complete if line.strip())
-        return len(text)
-
-    def records(self, start: int = 0) -> list[dict[str, Any]]:
-        """The audit records from line ``start`` on, each checked against the schema."""
-        found = []
-        for line in self.lines[start:]:
-            value = json.loads(line)
-            if value.get("event") == "egress_call":
-                AuditRecord.model_validate(value)
-                found.append(value)
-        return found
-
-
-@dataclass
-class Listener:
-    gateway: Gateway
-    runner: web.AppRunner
-    port: int
-    log: LineSink = field(repr=False)
-
 
 ListenerFactory = Callable[..., Awaitable[Listener]]
 
 
 @pytest.fixture
 async def listener_factory() -> AsyncIterator[ListenerFactory]:
-    runners: list[web.AppRunner] = []
+    async with contextlib.AsyncExitStack() as stack:
 
-    async def make(
-        policy: PolicySet,
-        *,
-        body_timeout_s: float = BODY_TIMEOUT_S,
-        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
-        ops: bool = False,
-    ) -> Listener:
-        log = LineSink()
-        gateway = Gateway(policy, log_stream=log)
-        app = create_ops_app(gateway) if ops else create_app(gateway, body_timeout_s=body_timeout_s)
-        runner = make_runner(
-            app, keepalive_timeout_s=keepalive_timeout_s, handler_cancellation=False
-        )
-        await runner.setup()
-        runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return Listener(gateway, runner, port, log)
+        async def make(policy: PolicySet, **kw: Any) -> Listener:
+            return await stack.enter_async_context(listening(policy, **kw))
 
-    yield make
-    for runner in reversed(runners):
-        await runner.cleanup()
+        yield make
 
 
 def _policy(up: FakeUpstream) -> PolicySet:
@@ -529,7 +346,20 @@ async def test_headers_that_trickle_in_are_cut_off_by_the_keepalive_timeout(
     assert upstream.hits == 0
 
 
+async def test_after_a_408_the_rest_of_the_body_is_waited_for_no_longer_than_lingering(
+    upstream: FakeUpstream, listener_factory: ListenerFactory
+) -> None:
+    lst = await _listener(upstream, listener_factory, body_timeout_s=0.1, lingering_time_s=0.3)
+    head = request(b"", ("Content-Length", str(len(ENVELOPE))), length=False)
+    started = asyncio.get_running_loop().time()
+    ex = await exchange(lst.port, head + ENVELOPE[:10], answers=2)
+    assert [a.status for a in ex.answers] == [408]
+    assert ex.closed
+    assert asyncio.get_running_loop().time() - started < 3.0
+
+
 def test_the_listener_limits_are_documented_with_their_defaults() -> None:
     readme = (ROOT / "README.md").read_text()
     assert f"{KEEPALIVE_TIMEOUT_S:g} s" in readme
     assert f"{BODY_TIMEOUT_S:g} s" in readme
+    assert f"{LINGERING_TIME_S:g} s" in readme

@@ -46,6 +46,10 @@ KEEPALIVE_TIMEOUT_S: Final = 75.0
 #: (INVALID_PAYLOAD, ``details.reason: body_timeout``) and the connection is closed.
 BODY_TIMEOUT_S: Final = 30.0
 BODY_TIMEOUT_KEY: Final = web.AppKey("body_timeout_s", float)
+#: After an answer sent before its body was read whole (413, 404, 408...), aiohttp reads
+#: and drops what more of the body comes for at most this long, so that the agent gets
+#: the answer rather than a reset, then closes (aiohttp's default, made explicit).
+LINGERING_TIME_S: Final = 10.0
 #: The Content-Encodings of an envelope that aiohttp decodes before the handler reads it
 #: (its ``http_parser``: one coding, ASCII, any case). ``br`` and ``zstd`` need the
 #: optional Brotli and backports.zstd packages; without them aiohttp's parser refuses
@@ -321,6 +325,7 @@ def make_runner(
     app: web.Application,
     *,
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+    lingering_time_s: float = LINGERING_TIME_S,
     handler_cancellation: bool = False,
 ) -> web.AppRunner:
     """The runner of one listener, with the sidecar's limits on slow and idle clients.
@@ -329,9 +334,9 @@ def make_runner(
     that long, counted from its opening and from each answer until the next request's
     headers are complete. Request lines and header fields are cut at aiohttp's 8190
     bytes, and at 128 header fields (400 from its parser). A body is bounded by the
-    calls app's ``body_timeout_s``; after an early answer (413, 404...) aiohttp reads
-    and drops the rest of a body for at most 10 s (``lingering_time``) and closes.
-    Writing the answer to an agent that does not read it is not bounded here.
+    calls app's ``body_timeout_s``; after an early answer (413, 404, 408...) aiohttp reads
+    and drops the rest of a body for at most ``lingering_time_s`` and closes. Writing
+    the answer to an agent that does not read it is not bounded here.
     """
     return web.AppRunner(
         app,
@@ -339,6 +344,7 @@ def make_runner(
         handle_signals=False,
         handler_cancellation=handler_cancellation,
         keepalive_timeout=keepalive_timeout_s,
+        lingering_time=lingering_time_s,
     )
 
 
