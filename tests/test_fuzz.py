@@ -531,32 +531,51 @@ def raw_requests(draw: st.DrawFn) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
 
 
-#: What aiohttp's parser says when it answers a request itself (the start of its 400
-#: text): README, "Calling the sidecar", lists these inputs. A new one fails the run.
+#: What aiohttp's parser (llhttp) says when it answers a request itself: the start of its
+#: 400 text. README, "Calling the sidecar", lists these inputs; a new one fails the run.
 PARSER_REFUSAL_MESSAGES = (
-    "*",  # an asterisk-form target
-    "http",  # an absolute-form target (with CONNECT)
-    "Bad status line",  # a version other than HTTP/1.0 and 1.1, bare LF, junk first
-    "Can not decode content-encoding",  # br or zstd without their packages
-    "Content-Length can't be present with Transfer-Encoding",
-    "Data after `Connection",  # bytes behind a request that said Connection: close
-    "deflate",  # a deflate body that ends before its stream does
-    "Duplicate",  # Content-Length twice, or another single-valued header (Host...)
-    "Expected LF after chunk",  # a chunk's size or data not ended by CRLF
-    "Missing expected CR after chunk",
-    "Got more than N bytes when reading",  # a request or header line over 8190 bytes
-    "Invalid `Transfer-Encoding` header value",
+    # the request line
+    "Invalid method",
+    "Expected space after",
+    "Expected HTTP/",
+    "Invalid HTTP version",
+    "Invalid major version",
+    "Invalid minor version",
+    "Expected dot",
+    "Unexpected space after start line",
+    "Bad status line",  # aiohttp's word for a broken start line (junk, bare LF...)
     "Invalid char in url",
-    "Invalid character in Content-Length",  # a sign, a list, not a number
-    "Invalid character in chunk size",
-    "Invalid header token",  # a header name with a space or another separator
-    "Invalid header value char",  # a NUL or another control character in a value
-    "Invalid method encountered",
-    "Request has invalid `Transfer-Encoding`",
-    "Too many headers received",  # more than 128 header fields
-    "Transfer-Encoding can't be present with Content-Length",
+    "Invalid characters in url",
     "Unexpected char in url",
+    "Unexpected start char in url",
+    "*",  # an asterisk-form target (aiohttp's message is the target)
+    "http",  # an absolute-form target with CONNECT
     "Received HTTPS traffic on an HTTP port",
+    # header lines
+    "Got more than N bytes when reading",  # a request or header line over 8190 bytes
+    "Too many headers received",  # more than 128 header fields
+    "Invalid header",  # a separator in a name, a control character in a value
+    "Unexpected whitespace after header value",
+    "Duplicate",  # Content-Length twice, or another single-valued header (Host...)
+    # framing
+    "Content-Length can't be present with Transfer-Encoding",
+    "Transfer-Encoding can't be present with Content-Length",
+    "Invalid character in Content-Length",  # a sign, a list, not a number
+    "Empty Content-Length",
+    "Content-Length overflow",
+    "Invalid `Transfer-Encoding` header value",
+    "Request has invalid `Transfer-Encoding`",  # not a final chunked
+    "Invalid character in chunk",  # its size or its extensions
+    "Invalid quoted-pair in chunk",
+    "Chunk size overflow",
+    "Expected LF after",  # a CR not followed by LF: headers, chunk size or data
+    "Expected CRLF",
+    "Missing expected CR",
+    "Missing expected LF",
+    "Data after `Connection",  # bytes behind a request that said Connection: close
+    # content codings
+    "deflate",  # a deflate body that ends before its stream does
+    "Can not decode content-encoding",  # br or zstd without their packages
 )
 
 
