@@ -298,3 +298,20 @@ async def test_the_event_loop_never_stalls_long_on_one_envelope(
     assert len(sc.audit_records()) == 2
     longest = max(gaps)
     assert longest < MAX_STALL_S, f"{case}: the loop stalled {longest * 1000:.0f} ms"
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        ({"a": "\udc00"}, "a"),
+        ({"a": {"b": "ok", "c": "\udc00"}}, "a.c"),
+        ({"a": ["ok", "\udc00", "ok"]}, "a.1"),
+        ({"a": {"b": {"c": "\udc00"}}}, "a.b"),  # two levels are named, no more
+        ({"k\udc00": 1}, "k\\udc00"),
+        ({"a": {"k\udc00": 1}}, "a.k\\udc00"),
+    ],
+)
+def test_a_lone_surrogate_is_named_down_to_two_levels(value: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidPayload) as caught:
+        refuse_lone_surrogates(b"\\udc00", value)
+    assert caught.value.details == {"reason": "lone_surrogate", "field": field}

@@ -79,10 +79,11 @@ def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
 
     A body over :data:`LARGE_BODY_BYTES` is parsed by pydantic's parser when it holds
     nothing the two parsers read differently (:func:`_needs_exact_path`: NaN, infinities,
-    overflowing numbers; it refuses what the stdlib's refuses, and lone surrogates): the
+    overflowing numbers; it refuses what the stdlib's refuses) and no ``\\uD8xx``-style
+    escape (it refuses a lone surrogate, which must be refused naming its field): the
     same value, once.
     """
-    if len(body) > LARGE_BODY_BYTES and not _needs_exact_path(body):
+    if len(body) > LARGE_BODY_BYTES and not _needs_exact_path(body) and not _escapes_utf16(body):
         try:
             return _ANY_JSON.validate_json(body)
         except ValidationError:
@@ -123,11 +124,16 @@ def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
         ) from None
 
 
+def _escapes_utf16(raw: bytes) -> bool:
+    """True if JSON text ``raw`` may hold a ``\\uD800``-``\\uDFFF`` escape."""
+    return b"\\ud" in raw or b"\\uD" in raw
+
+
 def refuse_lone_surrogates(raw: bytes, value: Any) -> None:
     """Raise :class:`InvalidPayload` (reason ``lone_surrogate``) if ``value``, parsed from
     the JSON text ``raw``, holds one. Cheap unless ``raw`` has a ``\\uD8xx``-``\\uDFxx``
     escape at all; then a few C-speed encodes of the envelope at most."""
-    if b"\\ud" not in raw and b"\\uD" not in raw:
+    if not _escapes_utf16(raw):
         return
     path = _surrogate_path(value)
     if path is not None:
@@ -150,11 +156,13 @@ def _surrogate_path(value: Any) -> str | None:
         if not isinstance(value, dict | list) or len(value) > _MAX_PATH_FANOUT:
             break
         items: Any = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
+        last = len(value) - 1
+        for i, (key, item) in enumerate(items):
             here = _escaped(f"{path}.{key}" if path else str(key))
             if isinstance(key, str) and not _encodes(key):
                 return here
-            if _holds_lone_surrogate(item):
+            # Below the top, ``value`` holds one: if no other item did, the last one does.
+            if (path and i == last) or _holds_lone_surrogate(item):
                 value, path = item, here
                 break
         else:
