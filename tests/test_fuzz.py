@@ -313,6 +313,16 @@ _fields: dict[str, st.SearchStrategy[Any]] = {
         _wrong,
     ),
     "metadata": st.one_of(st.dictionaries(_odd_text, _json, max_size=5), _wrong),
+    "body": st.one_of(
+        st.fixed_dictionaries(
+            {
+                "content_type": st.sampled_from(["audio/wav", "text/plain", "a\nb"]) | _odd_text,
+                "base64": st.sampled_from(["aGk=", "", "not base64!", "aGk"]) | _odd_text,
+            }
+        ),
+        st.none(),
+        _wrong,
+    ),
 }
 
 
