@@ -82,6 +82,7 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "stream_events": 12 if number % 5 == 0 else None,
         "time_to_first_byte_ms": 3.5 if number % 5 == 0 else None,
         "tokens_reasoning": None,
+        "api": "envelope",
     }
     return record
 

@@ -22,7 +22,12 @@ PACKAGE = ROOT / "gateway"
 #: Third-party module -> the files that may import it (paths relative to the repository).
 OWNERS: dict[str, frozenset[str]] = {
     "aiohttp": frozenset(
-        {"gateway/upstream/client.py", "gateway/upstream/resolver.py", "gateway/server/app.py"}
+        {
+            "gateway/upstream/client.py",
+            "gateway/upstream/resolver.py",
+            "gateway/server/app.py",
+            "gateway/server/proxy.py",
+        }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
     "multidict": frozenset({"gateway/ratelimit/headers.py"}),

@@ -85,6 +85,9 @@ class AuditRecord(BaseModel):
     stream_events: int | None = None
     time_to_first_byte_ms: float | None = None
     tokens_reasoning: int | None = None
+    # Which API the call came in by (added in 1.x): the envelope (``POST /v1/calls``) or a
+    # drop-in provider route (``/proxy/{target}/...``, an SDK pointed at the sidecar).
+    api: Literal["envelope", "proxy"] = "envelope"
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -137,6 +140,7 @@ class Fields:
     STREAM_EVENTS: Final = "stream_events"
     TIME_TO_FIRST_BYTE_MS: Final = "time_to_first_byte_ms"
     TOKENS_REASONING: Final = "tokens_reasoning"
+    API: Final = "api"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

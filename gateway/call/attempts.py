@@ -61,6 +61,9 @@ class AttemptLog:
     warnings: list[str] = field(default_factory=list)
     #: Set when the answer was relayed as a stream (what was relayed, its verdict, usage).
     relayed: Relayed | None = None
+    #: The last attempt's answer as the upstream gave it (status, headers, body), None
+    #: when the last attempt got none: what the drop-in routes write back unchanged.
+    answer: UpstreamResponse | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +96,7 @@ class Attempts:
         retry_number = 0
         refreshed = False
         while True:
+            self.log.answer = None
             if self.deadline - time.monotonic() <= 0:
                 raise deadline_error("waiting to retry")
             await self._admit(first=self.log.attempts == 0)
@@ -131,6 +135,7 @@ class Attempts:
                     permit.release()  # interrupted or refused locally: counts as nothing
                 raise
             _settle(permit, answer.status, None)
+            self.log.answer = answer
             self.log.upstream_latency_s = answer.elapsed_s
             self.log.response_bytes = len(answer.body)
             if answer.status < 300:

@@ -16,6 +16,7 @@ import random
 import time
 import traceback
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from gateway.audit import AuditLog, get_logger
 from gateway.breaker import CircuitBreakers, breaker_specs
@@ -32,6 +33,7 @@ from gateway.call.intake import (
 )
 from gateway.call.outbound import build as build_outbound
 from gateway.call.outbound import credential, with_credential
+from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, audit_record, observe
 from gateway.call.relay import Relay
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
@@ -110,19 +112,46 @@ class Pipeline:
         """
         policy = self.policy  # one policy for the whole call, even across a reload
         ctx = CallContext(started=time.monotonic(), agent_id=policy.policy.agent_id)
+
+        def intake() -> Intake:
+            fast = parse_envelope_fast(body) if refuse is None else None
+            return Intake(fast) if fast is not None else self._intake(body, ctx, refuse, policy)
+
+        return await self._run(policy, ctx, intake, relay)
+
+    async def handle_proxy(
+        self,
+        http: ProxyRequest,
+        *,
+        ctx: CallContext,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+    ) -> tuple[int, ExternalCallResponse]:
+        """Run one call of a drop-in provider route (:mod:`gateway.call.proxy` builds its
+        request from ``http``): the same stages as an envelope. ``ctx`` is the caller's,
+        so that it can write back the upstream's own answer (``ctx.attempt_log.answer``)."""
+        policy = self.policy
+        return await self._run(policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay)
+
+    async def _run(
+        self,
+        policy: PolicySet,
+        ctx: CallContext,
+        intake: Callable[[], Intake],
+        relay: Relay | None,
+    ) -> tuple[int, ExternalCallResponse]:
         status, response = 500, None
         try:
-            fast = parse_envelope_fast(body) if refuse is None else None
-            intake = Intake(fast) if fast is not None else self._intake(body, ctx, refuse, policy)
-            request = ctx.request = intake.request
+            taken = intake()
+            request = ctx.request = taken.request
             ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
-            if intake.unknown_fields:
+            if taken.unknown_fields:
                 ctx.warnings.append(
-                    "unknown envelope fields ignored: " + ", ".join(intake.unknown_fields)
+                    "unknown envelope fields ignored: " + ", ".join(taken.unknown_fields)
                 )
                 _log.warning(
                     "unknown_envelope_fields",
-                    fields=list(intake.unknown_fields),
+                    fields=list(taken.unknown_fields),
                     trace_id=request.trace_id,
                     correlation_id=request.correlation_id,
                 )
@@ -257,6 +286,8 @@ class Pipeline:
             idempotency_key=ctx.idempotency_key,
             digest=policy.policy.audit.payloads == "summary",  # "none": no hash either
         )
+        if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
+            outbound = replace(outbound, headers={**ctx.passthrough_headers, **outbound.headers})
         ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
         ctx.traceparent = outbound.headers["traceparent"]
         group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None

@@ -10,7 +10,7 @@ in metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from gateway.audit.schema import Fields as F
 from gateway.call.attempts import AttemptLog
@@ -57,6 +57,11 @@ class CallContext:
     #: The bytes of a streamed answer, kept for the idempotency store (keyed calls only):
     #: a replay re-sends them as a stream, or answers their assembled form.
     stream_body: bytes | None = None
+    #: The API the call came in by: ``proxy`` for the drop-in provider routes.
+    api: Literal["envelope", "proxy"] = "envelope"
+    #: Drop-in routes: the request headers an SDK sent that go upstream beneath the
+    #: policy's own (:mod:`gateway.call.proxy`); empty for envelopes.
+    passthrough_headers: dict[str, str] = field(default_factory=dict)
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:
@@ -113,6 +118,7 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
             else None
         ),
         F.TOKENS_REASONING: usage.reasoning if usage else None,
+        F.API: ctx.api,
     }
 
 

@@ -11,7 +11,10 @@ key ``usage`` (``none`` reads nothing). The call path uses only the functions be
 * :func:`exhausted_holds`: rate-limit resets the answer's headers report, in any dialect;
 * :func:`error_hint`: what an error answer says about retrying it, by the target's
   dialect (quota and credit errors) and ``x-should-retry`` (any target);
-* :func:`estimate_tokens`: the token reservation for a request body.
+* :func:`estimate_tokens`: the token reservation for a request body;
+* :func:`drop_in_dialect`: whose error shape a drop-in answer takes; with
+  :data:`SDK_HEADERS`, :data:`CREDENTIAL_HEADERS` and :data:`CREDENTIAL_QUERY`, what the
+  providers' SDKs send (the drop-in route's intake, :mod:`gateway.call.proxy`).
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from gateway.providers import anthropic, gemini, openai
 from gateway.providers.base import Dialect, ErrorHint, TokenUsage, Verdict, should_retry_header
 
 __all__ = [
+    "CREDENTIAL_HEADERS",
+    "CREDENTIAL_QUERY",
     "DIALECTS",
     "PROMPT_BYTES_PER_TOKEN",
+    "SDK_HEADERS",
     "Dialect",
     "ErrorHint",
     "TokenUsage",
     "delta_text",
+    "drop_in_dialect",
     "error_hint",
     "estimate_tokens",
     "exhausted_holds",
@@ -45,6 +52,14 @@ DIALECTS: Final[Mapping[str, Dialect]] = {
 PROMPT_BYTES_PER_TOKEN: Final = 4
 _PROMPT_KEYS: Final = tuple(dict.fromkeys(k for d in DIALECTS.values() for k in d.prompt_keys))
 _DELTA_READERS: Final = tuple(d.delta_text for d in DIALECTS.values())
+#: Request headers (lower case) that the providers' SDKs send and the providers need.
+SDK_HEADERS: Final = frozenset(h for d in DIALECTS.values() for h in d.sdk_headers)
+#: Where the providers' SDKs put the agent's own key: headers (lower case), query names.
+CREDENTIAL_HEADERS: Final = frozenset(h for d in DIALECTS.values() for h in d.credential_headers)
+CREDENTIAL_QUERY: Final = frozenset(q for d in DIALECTS.values() for q in d.credential_query)
+#: The shape of drop-in errors when neither the target nor the request says: OpenAI's,
+#: which most clients of LLM APIs read.
+_DEFAULT_DROP_IN: Final = openai.DIALECT
 
 
 def extract_usage(provider: str, data: Any) -> TokenUsage | None:
@@ -100,6 +115,19 @@ def error_hint(
         return ErrorHint("retry", "x-should-retry: true", retry_after_s=wait)
     verdict: Verdict = "quota" if status == 429 else "no_retry"
     return ErrorHint(verdict, "x-should-retry: false")
+
+
+def drop_in_dialect(provider: str | None, header_names: frozenset[str]) -> Dialect:
+    """The dialect whose error shapes a drop-in answer uses: the target's (its policy key
+    ``usage``), else the one whose SDK sent ``header_names`` (lower case; e.g.
+    ``anthropic-version``), else OpenAI's."""
+    dialect = DIALECTS.get(provider) if provider is not None else None
+    if dialect is not None:
+        return dialect
+    for candidate in DIALECTS.values():
+        if any(name in header_names for name in candidate.marker_headers):
+            return candidate
+    return _DEFAULT_DROP_IN
 
 
 def estimate_tokens(parameters: Mapping[str, Any]) -> int:

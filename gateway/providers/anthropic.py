@@ -23,6 +23,16 @@ Sources:
   Messages are matched by their documented beginnings, case-insensitively; any other 400
   stays a plain rejection, and a 429 without the code (a rate limit) is retried.
   ``overloaded_error`` (529) is not quota: it is the API's own load.
+* Error bodies (https://platform.claude.com/docs/en/api/errors): ``{"type": "error",
+  "error": {"type", "message"}}``, the SDK's exception class chosen by HTTP status and
+  ``error.details.error_code`` (anthropic-sdk-python ``_error_classes.py``,
+  ``make_status_error``; an unknown code falls back to the status: 400
+  ``BadRequestError``, 403 ``PermissionDeniedError``, 429 ``RateLimitError``, 503
+  ``ServiceUnavailableError``, 504, 529 ``OverloadedError``, other >= 500
+  ``InternalServerError``, else ``APIStatusError``). Inside a stream, ``event: error``
+  with that body makes it raise (``_streaming.py``). Its SDK sends the key as
+  ``x-api-key`` (or ``Authorization: Bearer`` with an auth token) and needs
+  ``anthropic-version`` (and ``anthropic-beta`` for beta features) to reach the API.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from gateway.providers.base import (
     failure,
     number,
     positive_cap,
+    sse_event,
     text_of,
 )
 
@@ -183,6 +194,33 @@ def error_hint(status: int, headers: Mapping[str, str], body: Any) -> ErrorHint 
     return None
 
 
+#: Anthropic's ``error.type`` for an HTTP status (others: ``invalid_request_error``
+#: below 500, ``api_error`` from 500).
+_ERROR_TYPES: Final = {
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(status: int, code: str, message: str) -> dict[str, Any]:
+    """``{"type": "error", "error": {type, message, details: {error_code}}}``; the egress
+    error code goes where Anthropic puts its own finer codes."""
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    error = {"type": kind, "message": message, "details": {"error_code": code}}
+    return {"type": "error", "error": error}
+
+
+def stream_error(status: int, code: str, message: str) -> bytes:
+    """``event: error`` with the error body, as Anthropic fails a stream."""
+    return sse_event("error", error_body(status, code, message))
+
+
 DIALECT: Final = Dialect(
     name="anthropic",
     usage=usage,
@@ -194,4 +232,9 @@ DIALECT: Final = Dialect(
     error_hint=error_hint,
     stream_signal=stream_signal,
     usage_event=usage_event,
+    error_body=error_body,
+    stream_error=stream_error,
+    sdk_headers=("anthropic-version", "anthropic-beta"),
+    credential_headers=("x-api-key", "authorization"),
+    marker_headers=("anthropic-version",),
 )

@@ -17,6 +17,20 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
   ``usage_event(data)``: whether the event carries usage that ``stream_usage`` reads (the
   relay keeps only those, so memory stays bounded whatever the stream's length).
 
+For the drop-in routes (design.md, "Drop-in provider routes"), what the provider's SDKs
+expect of an answer and send in a request:
+
+* ``error_body(status, code, message)``: the sidecar's own refusal (its HTTP status, the
+  egress error code, the message) as a JSON error body in the provider's shape, so that
+  its SDK raises its usual exception class for ``status`` with ``message``;
+* ``stream_error(status, code, message)``: the same as one SSE event that ends a stream
+  the SDK is reading (bytes, ending with a blank line), so that it raises instead of
+  returning a partial answer as complete;
+* ``sdk_headers``: request headers its SDKs send that the provider needs (API version,
+  beta flags: lower case); ``credential_headers`` and ``credential_query``: where its
+  SDKs put the agent's own key (never forwarded); ``marker_headers``: headers only its
+  SDKs send, to pick the error shape when the target does not say.
+
 Absent is not zero: an answer that reports no usage gives None, never 0.
 
 Shared by every dialect: :func:`should_retry_header` reads ``x-should-retry``, the
@@ -25,6 +39,7 @@ header with which the OpenAI and Anthropic APIs tell their SDKs whether to retry
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -177,6 +192,27 @@ def _no_usage_event(_: Any) -> bool:
     return False
 
 
+def _generic_error_body(status: int, code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "status": status}}
+
+
+def _generic_stream_error(status: int, code: str, message: str) -> bytes:
+    return sse_event(None, _generic_error_body(status, code, message))
+
+
+#: The domain that drop-in error bodies name as the source of a refusal (where a shape
+#: has a place for one: Gemini's ``google.rpc.ErrorInfo``).
+ERROR_DOMAIN: Final = "egress-gateway"
+
+
+def sse_event(event: str | None, data: Any, *, newline: bytes = b"\n") -> bytes:
+    """One server-sent event: an ``event:`` line when ``event`` is given, one ``data:``
+    line of compact JSON (ASCII, so no line break can hide in it), a blank line."""
+    head = b"event: " + event.encode() + newline if event else b""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=True).encode()
+    return head + b"data: " + text + newline + newline
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """One provider's knowledge, as the call path uses it (see the module docstring)."""
@@ -191,6 +227,12 @@ class Dialect:
     error_hint: Callable[[int, Mapping[str, str], Any], ErrorHint | None] = _no_hint
     stream_signal: Callable[[str | None, Any], StreamSignal | None] = _no_signal
     usage_event: Callable[[Any], bool] = _no_usage_event
+    error_body: Callable[[int, str, str], dict[str, Any]] = _generic_error_body
+    stream_error: Callable[[int, str, str], bytes] = _generic_stream_error
+    sdk_headers: tuple[str, ...] = ()
+    credential_headers: tuple[str, ...] = ()
+    credential_query: tuple[str, ...] = ()
+    marker_headers: tuple[str, ...] = ()
 
 
 def last_reported(

@@ -21,6 +21,12 @@ Sources (Gemini API reference, ``generateContent``):
   later.") stays a retryable rate limit, as google-genai retries every 429
   (``_api_client.py``, ``_RETRY_HTTP_STATUS_CODES``). A ``RetryInfo.retryDelay``
   (protobuf JSON duration, ``"37s"``) is the wait before the retry.
+* Drop-in error bodies are that shape, ``status`` the google.rpc code of the HTTP status
+  (https://cloud.google.com/apis/design/errors, "Handling errors") and the egress error
+  code as an ``ErrorInfo`` reason; google-genai raises ``ClientError`` for 4xx and
+  ``ServerError`` for 5xx (``errors.py``), and inside a stream for a ``data:`` chunk that
+  is ``{"error": ...}`` (``_api_client.py``, ``request_streamed``). Its SDK sends the key
+  as ``x-goog-api-key`` (REST clients also as ``?key=``) and ``x-goog-api-client``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any, Final
 
 from gateway.providers.base import (
     END,
+    ERROR_DOMAIN,
     Dialect,
     ErrorHint,
     FailureKind,
@@ -42,6 +49,7 @@ from gateway.providers.base import (
     failure,
     last_reported,
     positive_cap,
+    sse_event,
     text_of,
 )
 
@@ -169,6 +177,35 @@ def _duration_s(value: Any) -> float | None:
     return seconds if math.isfinite(seconds) else None
 
 
+#: google.rpc code names for HTTP statuses (others: INVALID_ARGUMENT below 500,
+#: INTERNAL from 500).
+_RPC_CODES: Final = {
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    409: "ABORTED",
+    422: "FAILED_PRECONDITION",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    501: "UNIMPLEMENTED",
+    502: "UNAVAILABLE",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+def error_body(status: int, code: str, message: str) -> dict[str, Any]:
+    """``{"error": {code, message, status, details: [ErrorInfo]}}`` (google.rpc.Status)."""
+    rpc = _RPC_CODES.get(status, "INTERNAL" if status >= 500 else "INVALID_ARGUMENT")
+    info = {"@type": _TYPE_PREFIX + "ErrorInfo", "reason": code, "domain": ERROR_DOMAIN}
+    return {"error": {"code": status, "message": message, "status": rpc, "details": [info]}}
+
+
+def stream_error(status: int, code: str, message: str) -> bytes:
+    """A ``data:`` chunk that is the error body (CRLF framing, as Gemini's streams)."""
+    return sse_event(None, error_body(status, code, message), newline=b"\r\n")
+
+
 DIALECT: Final = Dialect(
     name="gemini",
     usage=usage,
@@ -178,4 +215,9 @@ DIALECT: Final = Dialect(
     stream_signal=stream_signal,
     usage_event=usage_event,
     error_hint=error_hint,
+    error_body=error_body,
+    stream_error=stream_error,
+    credential_headers=("x-goog-api-key",),
+    credential_query=("key",),
+    marker_headers=("x-goog-api-key", "x-goog-api-client"),
 )

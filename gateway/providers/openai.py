@@ -16,6 +16,15 @@ Sources:
   ``x-ratelimit-reset-requests`` / ``-tokens`` (a duration such as ``1s``, ``6m0s``,
   ``20ms``, ``1h2m3.5s``; Azure OpenAI sends plain seconds). Azure sends ``-1`` for
   "unknown", which is not exhaustion.
+* Error bodies (API reference, "Error codes"; openai-python ``_exceptions.py``):
+  ``{"error": {"message", "type", "param", "code"}}``; the SDK raises its exception class
+  by HTTP status (``_client.py``, ``_make_status_error``: 400 ``BadRequestError``, 401
+  ``AuthenticationError``, 403 ``PermissionDeniedError``, 404, 409, 422, 429
+  ``RateLimitError``, >= 500 ``InternalServerError``, any other ``APIStatusError``) with
+  ``error.message`` in its text. Inside a stream, a ``data:`` event whose JSON has an
+  ``error`` object makes it raise ``APIError`` (``_streaming.py``), for Chat Completions
+  and the Responses API alike. Its SDK sends the key as ``Authorization: Bearer``
+  (Azure OpenAI: ``api-key``) and beta flags as ``OpenAI-Beta``.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from gateway.providers.base import (
     last_reported,
     number,
     positive_cap,
+    sse_event,
 )
 
 _KINDS: Final = ("requests", "tokens")
@@ -207,6 +217,27 @@ def error_hint(status: int, headers: Mapping[str, str], body: Any) -> ErrorHint 
     return None
 
 
+#: OpenAI's ``error.type`` for an HTTP status (others: ``invalid_request_error`` below
+#: 500, ``server_error`` from 500).
+_ERROR_TYPES: Final = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+def error_body(status: int, code: str, message: str) -> dict[str, Any]:
+    """``{"error": {message, type, param, code}}``; ``code`` is the egress error code."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def stream_error(status: int, code: str, message: str) -> bytes:
+    """``data: {"error": {...}}``, as OpenAI ends a failed stream."""
+    return sse_event(None, error_body(status, code, message))
+
+
 DIALECT: Final = Dialect(
     name="openai",
     usage=usage,
@@ -218,4 +249,8 @@ DIALECT: Final = Dialect(
     error_hint=error_hint,
     stream_signal=stream_signal,
     usage_event=usage_event,
+    error_body=error_body,
+    stream_error=stream_error,
+    sdk_headers=("openai-beta",),
+    credential_headers=("authorization", "api-key"),
 )

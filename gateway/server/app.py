@@ -5,6 +5,8 @@ Routes of the calls listener (loopback by default):
 * ``POST /v1/calls``: body an ExternalCallRequest; the answer is always an
   ExternalCallResponse JSON, whatever happened, with an HTTP status that mirrors the
   outcome (README, "Error codes").
+* ``ANY /proxy/{target}/{path}``: a provider SDK's own request, the same call as an
+  envelope, answered as the provider would (:mod:`gateway.server.proxy`).
 * ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
 
 The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``
@@ -31,6 +33,7 @@ from gateway.call.relay import AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
 from gateway.server.eventloop import loop_name
+from gateway.server.proxy import PROXY_ROUTE, ProxyRoute
 from gateway.server.reload import PolicyWatcher
 from gateway.server.runtime import Gateway
 
@@ -297,6 +300,7 @@ def create_app(
     app[BODY_TIMEOUT_KEY] = body_timeout_s
     app.on_response_prepare.append(_close_if_asked)
     app.router.add_post(CALLS_PATH, _calls)
+    app.router.add_route("*", PROXY_ROUTE, ProxyRoute(gateway).handle)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

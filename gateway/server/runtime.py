@@ -16,9 +16,11 @@ from typing import IO, TYPE_CHECKING, Any
 from gateway import audit
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.call.pipeline import Pipeline
+from gateway.call.proxy import ProxyRequest
+from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import ShuttingDown
+from gateway.errors import GatewayError, ShuttingDown
 from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
@@ -248,27 +250,58 @@ class Gateway:
         Raises :class:`ShuttingDown` before :meth:`start` or after :meth:`aclose`.
         With ``relay``, a 2xx event stream is relayed to it as it arrives.
         """
-        if self.pipeline is None:
+        pipeline = self.pipeline
+        if pipeline is None:
             raise _refusal()
+        if not self._admit():
+            return await pipeline.handle(body, refuse=_refusal())
+        task = self._enter()
+        try:
+            return await pipeline.handle(body, relay=relay)
+        finally:
+            self._forget(task)
+
+    async def proxy(
+        self,
+        http: ProxyRequest,
+        *,
+        ctx: CallContext,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+    ) -> tuple[int, ExternalCallResponse]:
+        """Run one drop-in provider call (:meth:`Pipeline.handle_proxy`), tracked and
+        refused while draining exactly as :meth:`call`."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            raise _refusal()
+        if not self._admit():
+            return await pipeline.handle_proxy(http, ctx=ctx, refuse=refuse or _refusal())
+        task = self._enter()
+        try:
+            return await pipeline.handle_proxy(http, ctx=ctx, refuse=refuse, relay=relay)
+        finally:
+            self._forget(task)
+
+    def _admit(self) -> bool:
+        """False when a new call is to be refused because the sidecar is draining."""
         if self.draining:
             if not self._admitting:
-                return await self.pipeline.handle(body, refuse=_refusal())
+                return False
             self.served_while_draining += 1
+        return True
+
+    def _enter(self) -> asyncio.Task[Any]:
         task = asyncio.current_task()
         if task is None:  # pragma: no cover - always called from a task
             raise RuntimeError("Gateway.call must run in an asyncio task")
         self._tasks.add(task)
         self._idle.clear()
         self._last_activity = time.monotonic()
-        inflight = self.metrics.inflight
-        inflight.inc()
-        try:
-            return await self.pipeline.handle(body, relay=relay)
-        finally:
-            inflight.dec()
-            self._forget(task)
+        self.metrics.inflight.inc()
+        return task
 
     def _forget(self, task: asyncio.Task[Any]) -> None:
+        self.metrics.inflight.dec()
         self._tasks.discard(task)
         if not self._tasks:
             self._last_activity = time.monotonic()

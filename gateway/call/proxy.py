@@ -1,0 +1,351 @@
+"""The drop-in provider routes, call side (pure, no I/O): an SDK's own HTTP request as an
+:class:`ExternalCallRequest`, and what its answer carries back (design.md, "Drop-in
+provider routes"; README, "Use it from your SDK").
+
+``ANY /proxy/{target}/{path}``: ``{path}`` and the query are the endpoint on ``target``,
+so an SDK whose ``base_url`` is ``http://127.0.0.1:8181/proxy/openai/v1`` goes through the
+same stages as an envelope. :func:`proxy_intake` builds the request:
+
+* body: a JSON object (``application/json``, ``+json`` or untyped) becomes
+  ``parameters`` (so token estimates and idempotency fingerprints read it); anything else
+  (multipart uploads, audio, a JSON array, text) becomes ``body``, its bytes unchanged
+  with their ``Content-Type``. GET, HEAD, DELETE and OPTIONS carry no body.
+* headers: the agent's own credentials (``Authorization``, ``x-api-key``, ``api-key``,
+  ``x-goog-api-key``; :data:`gateway.providers.CREDENTIAL_HEADERS`) and a ``key`` query
+  item are dropped, never forwarded, as are hop-by-hop headers (RFC 9110 section 7.6.1)
+  and everything else not listed here. What passes: ``traceparent``/``tracestate``, the
+  target's ``forward_headers`` (as an envelope's ``headers``), and, beneath the policy's
+  ``static_headers``, ``Accept`` and the headers the providers' SDKs need
+  (:data:`gateway.providers.SDK_HEADERS`: ``anthropic-version``, ``anthropic-beta``,
+  ``openai-beta``). SDK telemetry (``User-Agent``, ``x-stainless-*``,
+  ``x-goog-api-client``) describes the agent's machine and stays here.
+* the sidecar's own headers: ``x-egress-secret-ref`` (``api_key_ref``: another of the
+  target's ``allowed_refs``), ``x-egress-trace-id`` and ``x-egress-correlation-id`` (else
+  the trace-id of a valid ``traceparent``, else generated), ``x-egress-timeout``
+  (seconds; else the SDK's own timeout: ``x-stainless-timeout``,
+  ``x-stainless-read-timeout``, ``X-Server-Timeout``, at most 600; else 30), and
+  ``Idempotency-Key`` (the envelope's ``idempotency_key``).
+* retries: ``x-stainless-retry-count`` above 0 means the SDK is itself retrying this
+  request (the OpenAI and Anthropic SDKs send it on every attempt): the sidecar then
+  makes one attempt only, so the two retry loops do not multiply (SDK attempts x sidecar
+  attempts). Its first attempt keeps the policy's retries, which know ``Retry-After``,
+  the breaker and the deadline; ``max_retries=0`` on the client leaves them all to the
+  sidecar.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from gateway import fastjson
+from gateway.call.bodies import is_json_type, media_type
+from gateway.call.intake import Intake, decode_json, parse_request, printable
+from gateway.call.record import CLAIM_LIMIT, CallContext
+from gateway.envelope import (
+    BODY_METHODS,
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    ErrorPayload,
+    ExternalCallResponse,
+)
+from gateway.errors import GatewayError, InvalidPayload
+from gateway.policy import PolicySet
+from gateway.policy.egress import same_query_name
+from gateway.providers import CREDENTIAL_HEADERS, CREDENTIAL_QUERY, SDK_HEADERS
+from gateway.tracing import TRACE_HEADERS
+
+#: Methods a drop-in call may use (the envelope's).
+METHODS: Final = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+#: Hop-by-hop headers (RFC 9110 section 7.6.1, and the pre-standard ``Keep-Alive`` and
+#: ``Proxy-Connection``): they concern one connection and never pass, either way.
+HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+#: Upstream headers not passed back besides those: the body written is decoded (aiohttp
+#: undid gzip and deflate) and framed anew by the server.
+_NOT_PASSED_BACK: Final = HOP_BY_HOP | {"content-length", "content-encoding"}
+_PASSED: Final = SDK_HEADERS | {"accept"}
+TRACE_ID_HEADER: Final = "x-egress-trace-id"
+CORRELATION_ID_HEADER: Final = "x-egress-correlation-id"
+_SECRET_REF_HEADER: Final = "x-egress-secret-ref"  # noqa: S105 - a header name
+_TIMEOUT_HEADER: Final = "x-egress-timeout"
+_IDEMPOTENCY_HEADER: Final = "idempotency-key"
+_SDK_RETRY_HEADER: Final = "x-stainless-retry-count"
+#: The SDKs' own timeouts, in seconds (OpenAI and Anthropic; google-genai).
+_SDK_TIMEOUT_HEADERS: Final = (
+    "x-stainless-timeout",
+    "x-stainless-read-timeout",
+    "x-server-timeout",
+)
+_OCTETS: Final = "application/octet-stream"
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRequest:
+    """A request on ``/proxy/{target}/{path}`` as the server read it: ``path`` is the rest
+    of the path as received (percent-encoded, starting with ``/``), ``query`` its query
+    items (decoded), ``headers`` every header line (names in any case, repeats kept)."""
+
+    method: str
+    target: str
+    path: str
+    query: tuple[tuple[str, str], ...]
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+def header_map(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Headers by lower-case name; a repeated name's values joined with ``", "`` (RFC 9110
+    section 5.3)."""
+    merged: dict[str, str] = {}
+    for name, value in headers:
+        key = name.lower()
+        merged[key] = f"{merged[key]}, {value}" if key in merged else value
+    return merged
+
+
+def proxy_intake(
+    http: ProxyRequest, policy: PolicySet, ctx: CallContext, refuse: GatewayError | None = None
+) -> Intake:
+    """The request of a drop-in call (module docstring), validated as an envelope is.
+    Records the ids and request line in ``ctx`` first, so that a refusal is audited with
+    them. Raises ``refuse`` when given, else :class:`InvalidPayload` (a method the sidecar
+    does not forward, a body on GET/HEAD/DELETE/OPTIONS, a bad header value)."""
+    ctx.api = "proxy"
+    headers = header_map(http.headers)
+    trace_id, correlation_id = _ids(headers)
+    ctx.claimed = {
+        "trace_id": trace_id,
+        "correlation_id": correlation_id,
+        "target_system": printable(http.target[:CLAIM_LIMIT]),
+        "endpoint": printable(http.path[:CLAIM_LIMIT]),
+        "method": printable(http.method[:CLAIM_LIMIT]),
+    }
+    if refuse is not None:
+        raise refuse
+    method = http.method
+    if method not in METHODS:
+        raise InvalidPayload(
+            f"method {printable(method[:32])} is not forwarded (allowed: "
+            f"{', '.join(sorted(METHODS))})",
+            details={"reason": "method", "http_status": 405},
+            http_status=405,
+        )
+    target = policy.targets.get(http.target)
+    forward = target.forward_headers if target is not None else frozenset()
+    credential = target.spec.credential if target is not None else None
+    own_query = credential.query_param if credential is not None else None
+    dropped = CREDENTIAL_QUERY | ({own_query} if own_query else set())
+    connection = {t.strip() for t in headers.get("connection", "").lower().split(",")}
+    agent_headers: dict[str, str] = {}
+    passthrough: dict[str, str] = {}
+    for name, value in headers.items():
+        if name in HOP_BY_HOP or name in connection or name in CREDENTIAL_HEADERS:
+            continue
+        if name in TRACE_HEADERS or name in forward:
+            agent_headers[name] = value
+        elif name in _PASSED:  # not the idempotency header: the key goes as the target says
+            passthrough[name] = value
+    raw: dict[str, Any] = {
+        "trace_id": trace_id,
+        "correlation_id": correlation_id,
+        "target_system": http.target,
+        "endpoint": http.path,
+        "method": method,
+        "headers": agent_headers,
+        "query": _query(http.query, dropped),
+        "timeout": _timeout(headers),
+    }
+    raw.update(_body(method, http.body, headers.get("content-type")))
+    idempotency = target.spec.idempotency if target is not None else None
+    key_header = idempotency.header.lower() if idempotency is not None else _IDEMPOTENCY_HEADER
+    for header, key in (
+        (_SECRET_REF_HEADER, "api_key_ref"),
+        (key_header, "idempotency_key"),
+        (_IDEMPOTENCY_HEADER, "idempotency_key"),
+    ):
+        if header in headers and key not in raw:
+            raw[key] = headers[header]
+    retry_count = headers.get(_SDK_RETRY_HEADER, "0").strip()
+    if retry_count.isdigit() and int(retry_count) > 0:
+        raw["max_retries"] = 0
+        ctx.warnings.append(
+            f"the SDK is retrying this request ({_SDK_RETRY_HEADER}: {retry_count}): one "
+            "attempt, no retries by the sidecar"
+        )
+    intake = parse_request(raw)
+    ctx.passthrough_headers = passthrough
+    return intake
+
+
+def _ids(headers: Mapping[str, str]) -> tuple[str, str]:
+    """(trace_id, correlation_id): the ``x-egress-*`` headers, else the trace-id of a
+    valid ``traceparent`` (W3C Trace Context 3.2), else generated (UUID4 hex)."""
+    trace = headers.get(TRACE_ID_HEADER, "").strip()
+    if not trace:
+        parts = headers.get("traceparent", "").strip().split("-")
+        valid = len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32
+        trace = parts[1].lower() if valid and _hex(parts[1]) else uuid.uuid4().hex
+    correlation = headers.get(CORRELATION_ID_HEADER, "").strip() or uuid.uuid4().hex
+    return printable(trace[:CLAIM_LIMIT]), printable(correlation[:CLAIM_LIMIT])
+
+
+def _hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text.lower())
+
+
+def _query(items: Iterable[tuple[str, str]], dropped: Iterable[str]) -> dict[str, Any]:
+    """The query items as the envelope's ``query`` (a repeated name as a list), without
+    those an upstream could read as a credential (the SDKs' ``key``, the target's own)."""
+    names = tuple(dropped)
+    query: dict[str, Any] = {}
+    for name, value in items:
+        if any(same_query_name(name, other) for other in names):
+            continue
+        if name in query:
+            held = query[name]
+            query[name] = [*held, value] if isinstance(held, list) else [held, value]
+        else:
+            query[name] = value
+    return query
+
+
+def _timeout(headers: Mapping[str, str]) -> Any:
+    """The call's deadline in seconds (module docstring). An ``x-egress-timeout`` that is
+    not a number is refused; a bad SDK timeout is ignored."""
+    given = headers.get(_TIMEOUT_HEADER)
+    if given is not None:
+        try:
+            return float(given)  # the envelope's bounds then apply (0 < t <= 600)
+        except ValueError:
+            raise InvalidPayload(
+                f"{_TIMEOUT_HEADER} must be a number of seconds",
+                details={"reason": "invalid_header", "header": _TIMEOUT_HEADER},
+            ) from None
+    for name in _SDK_TIMEOUT_HEADERS:
+        try:
+            seconds = float(headers.get(name, ""))
+        except ValueError:
+            continue
+        if math.isfinite(seconds) and seconds > 0:
+            return min(seconds, MAX_TIMEOUT_S)
+    return DEFAULT_TIMEOUT_S
+
+
+def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
+    """``parameters`` (a JSON object) or ``body`` (the bytes as they came) for the request."""
+    if method not in BODY_METHODS:
+        if body:
+            raise InvalidPayload(
+                f"a {method} request carries no body through the sidecar",
+                details={"reason": "body_not_allowed", "method": method},
+            )
+        return {}
+    mtype = media_type(content_type)
+    if body and (is_json_type(mtype) or not mtype):
+        try:
+            value = decode_json(body)
+        except InvalidPayload:
+            value = None  # not JSON after all: sent as it came, the upstream judges it
+        if isinstance(value, dict):
+            return {"parameters": value}
+    content_type = (content_type or "").strip() or (_OCTETS if body else "application/json")
+    return {"body": {"content_type": content_type, "base64": base64.b64encode(body).decode()}}
+
+
+# -- answers ----------------------------------------------------------------------------
+
+
+def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The upstream's answer headers that go back to the agent: all of them (repeats
+    kept, e.g. ``Set-Cookie``) but hop-by-hop ones, those the upstream's ``Connection``
+    names, ``Content-Length`` and ``Content-Encoding``. ``headers`` is aiohttp's
+    multi-valued mapping (its ``items()`` gives every line)."""
+    named = {t.strip().lower() for t in headers.get("Connection", "").split(",")}
+    return [
+        (name, value)
+        for name, value in headers.items()
+        if name.lower() not in _NOT_PASSED_BACK and name.lower() not in named
+    ]
+
+
+def egress_headers(
+    error: ErrorPayload | None, *, upstream: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The sidecar's headers on a failed drop-in answer: ``x-egress-error-code``,
+    ``x-egress-retryable``, ``retry-after`` (whole seconds, RFC 9110 section 10.2.3) and
+    ``retry-after-ms`` when the wait is known (the OpenAI and Anthropic SDKs read both),
+    and ``x-should-retry`` (the header with which the OpenAI and Anthropic APIs tell their
+    SDKs whether to retry) saying ``retryable``, unless the upstream's answer has its own."""
+    if error is None:
+        return {}
+    out = {
+        "x-egress-error-code": error.code.value,
+        "x-egress-retryable": "true" if error.retryable else "false",
+    }
+    upstream = upstream or {}
+    wait = error.suggested_retry_after
+    if wait is not None and "retry-after" not in upstream and "retry-after-ms" not in upstream:
+        out["retry-after"] = str(math.ceil(wait))
+        out["retry-after-ms"] = str(round(wait * 1000))
+    if "x-should-retry" not in upstream:
+        out["x-should-retry"] = "true" if error.retryable else "false"
+    return out
+
+
+def id_headers(trace_id: str | None, correlation_id: str | None) -> dict[str, str]:
+    """The call's ids, on every drop-in answer, so that its audit record can be found."""
+    out = {}
+    if trace_id:
+        out[TRACE_ID_HEADER] = trace_id
+    if correlation_id:
+        out[CORRELATION_ID_HEADER] = correlation_id
+    return out
+
+
+def replayed_body(response: ExternalCallResponse) -> tuple[str | None, bytes] | None:
+    """The body of a stored answer replayed on a drop-in route, rebuilt from its ``data``
+    (:mod:`gateway.call.bodies` forms): ``(content type, bytes)``; None when the stored
+    answer cannot give one (a stream already relayed keeps no events: ``data`` null on a
+    200). JSON is written compactly (the same value; whitespace may differ)."""
+    data = response.data
+    if data is None:
+        return None if response.status_code == 200 else (None, b"")
+    if isinstance(data, dict) and set(data) == {"content_type", "base64", "bytes"}:
+        return data["content_type"] or _OCTETS, base64.b64decode(data["base64"])
+    if isinstance(data, dict) and set(data) == {"content_type", "text"}:
+        return data["content_type"] or "text/plain", str(data["text"]).encode()
+    return "application/json", fastjson.compact(data)
+
+
+#: The ends of a server-sent event: a blank line after LF, CRLF or CR line endings.
+_EVENT_ENDS: Final = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+def complete_events(buffer: bytes | bytearray) -> int:
+    """How many leading bytes of ``buffer`` are whole server-sent events (0: none yet).
+
+    The drop-in relay writes only whole events, so that a stream cut mid-event still ends
+    with a parseable error event of the provider's (WHATWG HTML 9.2.6: an event ends at a
+    blank line)."""
+    end = 0
+    for mark in _EVENT_ENDS:
+        at = buffer.rfind(mark)
+        if at >= 0:
+            end = max(end, at + len(mark))
+    return end

@@ -1,0 +1,274 @@
+"""The drop-in provider routes' HTTP side: ``ANY /proxy/{target}/{path}`` (design.md,
+"Drop-in provider routes"; README, "Use it from your SDK").
+
+An SDK pointed at ``http://127.0.0.1:8181/proxy/openai/v1`` (or ``/proxy/anthropic``...)
+gets what the provider would have answered, written back unchanged: the upstream's
+status, headers (less hop-by-hop ones, :func:`gateway.call.proxy.passback_headers`) and
+body, binary included; an event stream relayed as it arrives, whole events at a time. The
+call itself runs through the same pipeline as an envelope (:meth:`Gateway.proxy`).
+
+What the sidecar says itself comes in the provider's shape (:func:`gateway.providers.
+drop_in_dialect`: the target's ``usage``, else the SDK's own headers, else OpenAI's), so
+the SDK raises its usual exception class: a refusal is the provider's error body with
+the HTTP status of the error code (README, "Error codes") and the ``x-egress-*``
+headers; a stream that fails or is cut mid-way ends with the provider's own error event,
+never a clean end. Every answer carries ``x-egress-trace-id`` and
+``x-egress-correlation-id``, the ids of its audit record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import Final
+
+from aiohttp import web
+
+from gateway import redaction
+from gateway.audit import get_logger
+from gateway.call.proxy import (
+    ProxyRequest,
+    complete_events,
+    egress_headers,
+    id_headers,
+    passback_headers,
+    replayed_body,
+)
+from gateway.call.record import CallContext, refusal_record
+from gateway.call.relay import AgentGone
+from gateway.envelope import ExternalCallResponse
+from gateway.errors import (
+    GatewayError,
+    IdempotencyConflict,
+    InternalError,
+    InvalidPayload,
+    error_response,
+)
+from gateway.providers import Dialect, drop_in_dialect
+from gateway.server.runtime import Gateway
+
+#: The route, for every method (``{path}`` may hold slashes and is read raw).
+PROXY_ROUTE: Final = "/proxy/{target}/{path:.*}"
+_log = get_logger("gateway.server")
+#: A relayed stream that failed this way needs no error event of ours: the upstream's own
+#: error event was relayed (the SDK raises on it), or nobody is reading any more.
+_ENDED_BY_ITSELF: Final = frozenset({"stream_error_event", "agent_disconnected"})
+
+
+class ProxyRoute:
+    """The handler of :data:`PROXY_ROUTE` for one :class:`Gateway`."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        gateway = self._gateway
+        policy = gateway.policy.policy
+        ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
+        names = frozenset(k.lower() for k in request.headers)
+        try:
+            body, refuse = await _read_body(request, policy.server.max_request_bytes)
+            http = _proxy_request(request, body)
+            relay = _ProxyRelay(request, ctx)
+            status, response = await gateway.proxy(http, ctx=ctx, refuse=refuse, relay=relay)
+            dialect = _dialect(ctx, names)
+            if relay.started:
+                return await relay.finish(status, response, dialect)
+            return _answer(status, response, ctx, dialect, request.method)
+        except GatewayError as exc:  # refused before the pipeline (not started, shut down)
+            return self._refused(exc, ctx, request, names)
+        except Exception:  # noqa: BLE001 - the answer must be the provider's shape anyway
+            _log.exception("proxy_handler_error")
+            error = InternalError("the sidecar failed unexpectedly")
+            return self._refused(error, ctx, request, names)
+
+    def _refused(
+        self, exc: GatewayError, ctx: CallContext, request: web.Request, names: frozenset[str]
+    ) -> web.Response:
+        response = error_response(exc, latency_ms=(time.monotonic() - ctx.started) * 1000)
+        gateway = self._gateway
+        if gateway.audit is not None:
+            gateway.audit.call(
+                refusal_record(
+                    gateway.policy.policy.agent_id,
+                    response,
+                    http_method=request.method,
+                    http_path=request.rel_url.raw_path,
+                    http_status=exc.http_status,
+                )
+            )
+        return _refusal(exc.http_status, response, _dialect(ctx, names), ctx)
+
+
+async def _read_body(request: web.Request, limit: int) -> tuple[bytes, GatewayError | None]:
+    """The request body, or a refusal when it is over ``server.max_request_bytes``."""
+    if request.content_length is not None and request.content_length > limit:
+        return b"", _too_large(limit)
+    try:
+        return await request.read(), None
+    except web.HTTPRequestEntityTooLarge:
+        return b"", _too_large(limit)
+
+
+def _too_large(limit: int) -> InvalidPayload:
+    return InvalidPayload(
+        f"the request body is larger than this sidecar accepts ({limit} bytes, "
+        "server.max_request_bytes in the policy)",
+        details={"reason": "too_large", "limit_bytes": limit},
+        http_status=413,
+    )
+
+
+def _proxy_request(request: web.Request, body: bytes) -> ProxyRequest:
+    # The raw path: the endpoint is checked and sent percent-encoded as received.
+    raw = request.rel_url.raw_path.split("/", 3)  # "", "proxy", target, rest
+    return ProxyRequest(
+        method=request.method,
+        target=request.match_info["target"],
+        path="/" + (raw[3] if len(raw) > 3 else ""),
+        query=tuple(request.query.items()),
+        headers=tuple(request.headers.items()),
+        body=body,
+    )
+
+
+def _dialect(ctx: CallContext, names: frozenset[str]) -> Dialect:
+    return drop_in_dialect(ctx.target.spec.usage if ctx.target is not None else None, names)
+
+
+def _ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
+    return id_headers(
+        response.trace_id or ctx.claimed.get("trace_id"),
+        response.correlation_id or ctx.claimed.get("correlation_id"),
+    )
+
+
+def _answer(
+    status: int,
+    response: ExternalCallResponse,
+    ctx: CallContext,
+    dialect: Dialect,
+    method: str,
+) -> web.Response:
+    """The upstream's own answer when there is one to give, else the sidecar's refusal."""
+    if ctx.replayed:
+        return _replayed(status, response, ctx, dialect, method)
+    answer = ctx.attempt_log.answer
+    error = response.error
+    # An upstream error answer is passed on as the provider wrote it (its SDK reads its
+    # codes), never a redirect: the SDK would follow it past the sidecar.
+    if answer is not None and (
+        error is None or (answer.status >= 400 and response.status_code == answer.status)
+    ):
+        headers = passback_headers(answer.headers)
+        upstream = {k.lower(): v for k, v in headers}
+        headers += [*_ids(response, ctx).items(), *egress_headers(error, upstream=upstream).items()]
+        return web.Response(
+            status=answer.status,
+            reason=answer.reason or None,
+            body=redaction.scrub_bytes(answer.body),
+            headers=[(k, redaction.scrub(v)) for k, v in headers],
+        )
+    return _refusal(status, response, dialect, ctx)
+
+
+def _replayed(
+    status: int, response: ExternalCallResponse, ctx: CallContext, dialect: Dialect, method: str
+) -> web.Response:
+    """A stored answer (idempotency replay), rebuilt from its envelope."""
+    rebuilt = (None, b"") if method == "HEAD" else replayed_body(response)
+    if rebuilt is None:
+        refused = IdempotencyConflict(
+            "this idempotency key's answer was a stream, already delivered; a stream is "
+            "not replayed: use a new key for a new request",
+            details={"reason": "stream_not_replayable"},
+        )
+        replay = error_response(refused, latency_ms=response.latency_ms)
+        return _refusal(refused.http_status, replay, dialect, ctx)
+    content_type, body = rebuilt
+    headers = {**_ids(response, ctx), **egress_headers(response.error), "x-egress-replayed": "true"}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    return web.Response(
+        status=response.status_code or status, body=redaction.scrub_bytes(body), headers=headers
+    )
+
+
+def _refusal(
+    status: int, response: ExternalCallResponse, dialect: Dialect, ctx: CallContext
+) -> web.Response:
+    """The sidecar's own answer in the provider's error shape."""
+    error = response.error
+    assert error is not None
+    body = json.dumps(dialect.error_body(status, error.code.value, error.message)).encode()
+    headers = {**_ids(response, ctx), **egress_headers(error)}
+    return web.Response(
+        status=status,
+        body=redaction.scrub_bytes(body),
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+class _ProxyRelay:
+    """The upstream's event stream, relayed to the SDK (:class:`gateway.call.relay.
+    Relay`): opened at the first chunk with the upstream's status and headers, written
+    whole events at a time (a partial event waits for its end), so that a failure can
+    always end the stream with one parseable error event of the provider's."""
+
+    def __init__(self, request: web.Request, ctx: CallContext) -> None:
+        self._request = request
+        self._ctx = ctx
+        self._response: web.StreamResponse | None = None
+        self._held = bytearray()
+        self.started = False
+
+    async def start(self) -> None:
+        answer = self._ctx.attempt_log.answer
+        assert answer is not None  # set by the attempt whose stream this is
+        request = self._ctx.request
+        ids = id_headers(request.trace_id, request.correlation_id) if request else {}
+        headers = [*passback_headers(answer.headers), *ids.items()]
+        self._response = web.StreamResponse(
+            status=answer.status, reason=answer.reason or None, headers=headers
+        )
+        try:
+            await self._response.prepare(self._request)
+        except (ConnectionError, RuntimeError) as exc:
+            raise AgentGone from exc
+        self.started = True
+
+    async def send(self, chunk: bytes) -> None:
+        held = self._held
+        held += chunk
+        whole = complete_events(held)
+        if not whole:
+            return
+        piece = bytes(held[:whole])
+        del held[:whole]
+        await self._write(piece)
+
+    async def _write(self, piece: bytes) -> None:
+        assert self._response is not None
+        try:
+            await self._response.write(redaction.scrub_bytes(piece))
+        except (ConnectionError, RuntimeError) as exc:
+            raise AgentGone from exc
+
+    async def finish(
+        self, status: int, response: ExternalCallResponse, dialect: Dialect
+    ) -> web.StreamResponse:
+        """End the relayed stream: the rest of it when it was complete, else (in place of
+        a partial event) the provider's error event saying what went wrong."""
+        assert self._response is not None
+        error = response.error
+        with contextlib.suppress(AgentGone, ConnectionError, RuntimeError):
+            if error is None:
+                if self._held:
+                    await self._write(bytes(self._held))
+            elif error.details.get("reason") not in _ENDED_BY_ITSELF:
+                event = dialect.stream_error(status, error.code.value, error.message)
+                await self._write(event)
+            await self._response.write_eof()
+        return self._response
