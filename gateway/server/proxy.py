@@ -27,6 +27,7 @@ from aiohttp import web
 
 from gateway import redaction
 from gateway.audit import get_logger
+from gateway.audit.schema import Fields
 from gateway.call.proxy import (
     ProxyRequest,
     complete_events,
@@ -89,15 +90,15 @@ class ProxyRoute:
         response = error_response(exc, latency_ms=(time.monotonic() - ctx.started) * 1000)
         gateway = self._gateway
         if gateway.audit is not None:
-            gateway.audit.call(
-                refusal_record(
-                    gateway.policy.policy.agent_id,
-                    response,
-                    http_method=request.method,
-                    http_path=request.rel_url.raw_path,
-                    http_status=exc.http_status,
-                )
+            record = refusal_record(
+                gateway.policy.policy.agent_id,
+                response,
+                http_method=request.method,
+                http_path=request.rel_url.raw_path,
+                http_status=exc.http_status,
             )
+            record[Fields.API] = "proxy"
+            gateway.audit.call(record)
         return _refusal(exc.http_status, response, _dialect(ctx, names), ctx)
 
 
