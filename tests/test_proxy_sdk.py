@@ -12,7 +12,10 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -676,3 +679,20 @@ async def test_a_gemini_stream_cut_raises_and_a_refusal_is_a_client_error(
     assert refused.value.code == 403
     assert refused.value.status == "PERMISSION_DENIED"
     assert os.environ["TEST_GEMINI_KEY"] not in json.dumps(refused.value.details)
+
+
+def test_the_sdk_example_runs_against_the_demo_stand_ins(tmp_path) -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "sdk_openai.py"
+    done = subprocess.run(
+        [sys.executable, str(example)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,  # it finds the policy beside itself, wherever it is run from
+    )
+    assert done.returncode == 0, done.stderr
+    assert "chat:     '1. Freeze. 2. Test. 3. Tag and publish.'" in done.stdout
+    assert "streamed: 'Hello!'" in done.stdout
+    assert "refused:  PermissionDeniedError PERMISSION_DENIED" in done.stdout
+    assert done.stdout.count("api=proxy") == 3
