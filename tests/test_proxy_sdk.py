@@ -574,6 +574,28 @@ async def test_an_outcome_unknown_is_not_retried_by_the_sdk(upstream_factory, si
     assert up.hits == 1  # neither the sidecar nor the SDK sent it again
 
 
+async def test_spent_quota_is_passed_on_and_the_sdk_does_not_resend_it(
+    upstream_factory, sidecar_factory
+):
+    quota = {"message": "You exceeded your current quota", "type": "insufficient_quota"}
+
+    async def spent(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {**quota, "code": "insufficient_quota"}}, status=429)
+
+    up = await upstream_factory(spent)
+    sc = await sidecar_factory(compile_policy(targets(up.url)))
+    async with oai(sc, "async", max_retries=2) as client:
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(model="gpt-test", messages=MESSAGES)
+    assert caught.value.code == "insufficient_quota"  # the provider's own answer
+    headers = caught.value.response.headers
+    assert (headers["x-egress-error-code"], headers["x-should-retry"]) == (
+        "QUOTA_EXHAUSTED",
+        "false",
+    )
+    assert up.hits == 1  # neither the sidecar nor the SDK resent it
+
+
 async def test_the_sdks_own_retries_get_one_attempt_each(upstream_factory, sidecar_factory):
     async def busy(request: web.Request) -> web.StreamResponse:
         return web.json_response(

@@ -285,26 +285,34 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 
 
 def egress_headers(
-    error: ErrorPayload | None, *, upstream: Mapping[str, str] | None = None
+    error: ErrorPayload | None, *, upstream: Mapping[str, str] | None = None, status: int = 0
 ) -> dict[str, str]:
     """The sidecar's headers on a failed drop-in answer: ``x-egress-error-code``,
     ``x-egress-retryable``, ``retry-after`` (whole seconds, RFC 9110 section 10.2.3) and
     ``retry-after-ms`` when the wait is known (the OpenAI and Anthropic SDKs read both),
-    and ``x-should-retry`` (the header with which the OpenAI and Anthropic APIs tell their
-    SDKs whether to retry) saying ``retryable``, unless the upstream's answer has its own."""
+    and ``x-should-retry``, the header with which the OpenAI and Anthropic APIs tell their
+    SDKs whether to retry (``_base_client.py``, ``_should_retry``).
+
+    On the sidecar's own refusal ``x-should-retry`` says ``retryable``. On an upstream
+    answer passed on (``upstream``: its headers, lower-case names; ``status``) nothing the
+    upstream said is replaced, and ``x-should-retry: false`` is added only where the SDK
+    would otherwise resend what the sidecar judged final (a 429 or 5xx not retryable,
+    e.g. QUOTA_EXHAUSTED): the SDK keeps its own rules for the rest (408, 409)."""
     if error is None:
         return {}
     out = {
         "x-egress-error-code": error.code.value,
         "x-egress-retryable": "true" if error.retryable else "false",
     }
-    upstream = upstream or {}
+    given = upstream or {}
     wait = error.suggested_retry_after
-    if wait is not None and "retry-after" not in upstream and "retry-after-ms" not in upstream:
+    if wait is not None and "retry-after" not in given and "retry-after-ms" not in given:
         out["retry-after"] = str(math.ceil(wait))
         out["retry-after-ms"] = str(round(wait * 1000))
-    if "x-should-retry" not in upstream:
+    if upstream is None:
         out["x-should-retry"] = "true" if error.retryable else "false"
+    elif "x-should-retry" not in given and not error.retryable and (status == 429 or status >= 500):
+        out["x-should-retry"] = "false"
     return out
 
 

@@ -164,7 +164,8 @@ def _answer(
     ):
         headers = passback_headers(answer.headers)
         upstream = {k.lower(): v for k, v in headers}
-        headers += [*_ids(response, ctx).items(), *egress_headers(error, upstream=upstream).items()]
+        egress = egress_headers(error, upstream=upstream, status=answer.status)
+        headers += [*_ids(response, ctx).items(), *egress.items()]
         return web.Response(
             status=answer.status,
             reason=answer.reason or None,
