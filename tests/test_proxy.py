@@ -387,3 +387,30 @@ def test_the_error_shape_follows_the_target_then_the_sdks_headers() -> None:
         assert event.endswith((b"\n\n", b"\r\n\r\n"))
         assert complete_events(event) == len(event)
         assert "STREAM_INTERRUPTED" in json.dumps(dialect.error_body(502, "STREAM_INTERRUPTED", ""))
+
+
+async def test_a_keyed_stream_is_replayed_as_its_events(upstream_factory, sidecar_factory):
+    events = (
+        b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+        b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(events)
+        await resp.write_eof()
+        return resp
+
+    up, sc = await _stack(
+        upstream_factory, sidecar_factory, stream, idempotency={"methods": ["POST"]}
+    )
+    answers = []
+    for _ in range(2):
+        async with _post(sc, json={**CHAT, "stream": True}, headers={"Idempotency-Key": "s"}) as r:
+            assert r.status == 200
+            assert r.content_type == "text/event-stream"
+            answers.append((await r.read(), r.headers.get("x-egress-replayed")))
+    assert answers == [(events, None), (events, "true")]
+    assert up.hits == 1

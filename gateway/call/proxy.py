@@ -329,8 +329,10 @@ def id_headers(trace_id: str | None, correlation_id: str | None) -> dict[str, st
 def replayed_body(response: ExternalCallResponse) -> tuple[str | None, bytes] | None:
     """The body of a stored answer replayed on a drop-in route, rebuilt from its ``data``
     (:mod:`gateway.call.bodies` forms): ``(content type, bytes)``; None when the stored
-    answer cannot give one (a stream already relayed keeps no events: ``data`` null on a
-    200). JSON is written compactly (the same value; whitespace may differ)."""
+    answer cannot give one (``data`` null on a 200: a relayed stream stored without its
+    events; one stored with them is replayed to the relay instead, by
+    :func:`gateway.call.idempotent.replay`). JSON is written compactly (the same value;
+    whitespace may differ)."""
     data = response.data
     if data is None:
         return None if response.status_code == 200 else (None, b"")

@@ -300,7 +300,7 @@ def create_app(
     app[BODY_TIMEOUT_KEY] = body_timeout_s
     app.on_response_prepare.append(_close_if_asked)
     app.router.add_post(CALLS_PATH, _calls)
-    app.router.add_route("*", PROXY_ROUTE, ProxyRoute(gateway).handle)
+    app.router.add_route("*", PROXY_ROUTE, ProxyRoute(gateway, _read_body).handle)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

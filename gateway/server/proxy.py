@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
@@ -57,11 +58,18 @@ _log = get_logger("gateway.server")
 _ENDED_BY_ITSELF: Final = frozenset({"stream_error_event", "agent_disconnected"})
 
 
-class ProxyRoute:
-    """The handler of :data:`PROXY_ROUTE` for one :class:`Gateway`."""
+#: Reads a request's body within the listener's limits (the app's: decoded from its
+#: Content-Encoding, within the body timeout); raises the GatewayError that refuses it.
+BodyReader = Callable[[web.Request, int], Awaitable[bytes]]
 
-    def __init__(self, gateway: Gateway) -> None:
+
+class ProxyRoute:
+    """The handler of :data:`PROXY_ROUTE` for one :class:`Gateway`; ``read_body`` is the
+    calls listener's own body reader, so both routes read bodies by the same rules."""
+
+    def __init__(self, gateway: Gateway, read_body: BodyReader) -> None:
         self._gateway = gateway
+        self._read_body = read_body
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         gateway = self._gateway
@@ -69,7 +77,7 @@ class ProxyRoute:
         ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
         names = frozenset(k.lower() for k in request.headers)
         try:
-            body, refuse = await _read_body(request, policy.server.max_request_bytes)
+            body, refuse = await self._body(request, policy.server.max_request_bytes)
             http = _proxy_request(request, body)
             relay = _ProxyRelay(request, ctx)
             status, response = await gateway.proxy(http, ctx=ctx, refuse=refuse, relay=relay)
@@ -83,6 +91,15 @@ class ProxyRoute:
             _log.exception("proxy_handler_error")
             error = InternalError("the sidecar failed unexpectedly")
             return self._refused(error, ctx, request, names)
+
+    async def _body(self, request: web.Request, limit: int) -> tuple[bytes, GatewayError | None]:
+        """The request body, or the refusal of it (audited by the pipeline, as the call)."""
+        if request.content_length is not None and request.content_length > limit:
+            return b"", _too_large(limit)
+        try:
+            return await self._read_body(request, limit), None
+        except GatewayError as exc:
+            return b"", exc
 
     def _refused(
         self, exc: GatewayError, ctx: CallContext, request: web.Request, names: frozenset[str]
@@ -100,16 +117,6 @@ class ProxyRoute:
             record[Fields.API] = "proxy"
             gateway.audit.call(record)
         return _refusal(exc.http_status, response, _dialect(ctx, names), ctx)
-
-
-async def _read_body(request: web.Request, limit: int) -> tuple[bytes, GatewayError | None]:
-    """The request body, or a refusal when it is over ``server.max_request_bytes``."""
-    if request.content_length is not None and request.content_length > limit:
-        return b"", _too_large(limit)
-    try:
-        return await request.read(), None
-    except web.HTTPRequestEntityTooLarge:
-        return b"", _too_large(limit)
 
 
 def _too_large(limit: int) -> InvalidPayload:
@@ -227,14 +234,17 @@ class _ProxyRelay:
         self.started = False
 
     async def start(self) -> None:
-        answer = self._ctx.attempt_log.answer
-        assert answer is not None  # set by the attempt whose stream this is
+        answer = self._ctx.attempt_log.answer  # the attempt whose stream this is
         request = self._ctx.request
         ids = id_headers(request.trace_id, request.correlation_id) if request else {}
-        headers = [*passback_headers(answer.headers), *ids.items()]
-        self._response = web.StreamResponse(
-            status=answer.status, reason=answer.reason or None, headers=headers
-        )
+        if answer is not None:
+            headers = [*passback_headers(answer.headers), *ids.items()]
+            status, reason = answer.status, answer.reason or None
+        else:  # a stored stream replayed (idempotency): its events, not its headers
+            headers = [("Content-Type", "text/event-stream"), *ids.items()]
+            headers.append(("x-egress-replayed", "true"))
+            status, reason = 200, None
+        self._response = web.StreamResponse(status=status, reason=reason, headers=headers)
         try:
             await self._response.prepare(self._request)
         except (ConnectionError, RuntimeError) as exc:
