@@ -136,22 +136,22 @@ def transport_error(exc: httpx.RequestError, request: ExternalCallRequest) -> Eg
     (connect or pool failures, or the request not written whole: the sidecar acts only
     on a whole envelope): retryable. Sent but no answer: retryable only for a call safe
     to resend (idempotent method or an idempotency key), else OUTCOME_UNKNOWN."""
-    url = f"{type(exc).__name__}: {exc}"[:300]
+    said = f"{type(exc).__name__}: {exc}"[:300]
     never_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
     never_sent = never_sent or isinstance(exc, httpx.WriteError | httpx.WriteTimeout)
     if never_sent:
         return SidecarUnavailable(
-            f"the sidecar could not be reached ({url}); is it running?",
+            f"the sidecar could not be reached ({said}); is it running?",
             details={"source": "client", "reason": "sidecar_unreachable"},
         )
     if request.method in IDEMPOTENT_METHODS or request.idempotency_key is not None:
         return SidecarUnavailable(
-            f"the connection to the sidecar broke before its answer ({url}); the call is "
+            f"the connection to the sidecar broke before its answer ({said}); the call is "
             "safe to resend",
             details={"source": "client", "reason": "sidecar_connection_lost"},
         )
     return OutcomeUnknown(
-        f"the connection to the sidecar broke before its answer ({url}); the call may "
+        f"the connection to the sidecar broke before its answer ({said}); the call may "
         "have been made: give it an idempotency_key to make resending safe",
         details={"source": "client", "reason": "sidecar_connection_lost"},
     )
