@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import Answer, FakeSidecar, envelope_answer, error_answer
+from fake_sidecar import Answer, FakeSidecar, envelope_answer, error_answer
 
 from egress_client import (
     AsyncEgressClient,
