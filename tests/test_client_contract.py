@@ -103,6 +103,9 @@ _valid = st.fixed_dictionaries(
         "agent_id": st.none() | _ok_text,
         "headers": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2),
         "metadata": st.dictionaries(st.text(max_size=5), _json, max_size=2),
+        "query": st.dictionaries(st.text(max_size=5), _json, max_size=2),
+        "body": st.none()
+        | st.fixed_dictionaries({"content_type": _ok_text, "base64": st.text(max_size=8)}),
     },
 )
 _EDGES: list[tuple[str, Any]] = [
@@ -117,7 +120,10 @@ _EDGES: list[tuple[str, Any]] = [
     ("idempotency_key", "x" * 255), ("idempotency_key", "x" * 256), ("idempotency_key", "k\x00"),
     ("protocol_version", "x" * 17), ("protocol_version", ""), ("protocol_version", 1),
     ("agent_id", ""), ("headers", {"a": 1}), ("headers", {"a": None}), ("metadata", "m"),
-    ("max_retires", 1), ("rate_limit_group", ""), ("success", True),
+    ("max_retires", 1), ("rate_limit_group", ""), ("success", True), ("query", []),
+    ("body", {"content_type": "", "base64": ""}), ("body", {"content_type": "a/b"}),
+    ("body", {"content_type": "a\nb", "base64": ""}), ("body", "raw"),
+    ("body", {"content_type": "a/b", "base64": "", "name": "f"}),
 ]  # fmt: skip
 _envelopes = st.tuples(_valid, st.none() | st.sampled_from(_EDGES)).map(
     lambda pair: pair[0] if pair[1] is None else {**pair[0], pair[1][0]: pair[1][1]}
@@ -223,6 +229,26 @@ async def test_a_call_round_trips(upstream_factory, sidecar_factory):
         "tr-client-1",
         {"step": "plan"},
     )
+
+
+async def test_an_upload_and_query_items_arrive_as_given(upstream_factory, sidecar_factory):
+    async def ok(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"choices": []})
+
+    up, sc = await _sidecar(upstream_factory, sidecar_factory, ok)
+    audio = b"RIFF\x00\x01\xff\xfe not text"
+    async with AsyncEgressClient(sc.url) as client:
+        answer = await client.call(
+            "fake-openai",
+            "/v1/chat/completions",
+            "POST",
+            body=egress_client.RequestBody.of("audio/wav", audio),
+            query={"alt": "sse", "tag": ["a", "b"]},
+        )
+    assert answer.raise_for_error().success
+    [seen] = up.seen
+    assert (seen.body, seen.headers["Content-Type"]) == (audio, "audio/wav")
+    assert seen.query["alt"] == "sse"
 
 
 async def test_refusals_parse_into_their_exceptions(upstream_factory, sidecar_factory):

@@ -59,6 +59,15 @@ def test_the_request_refuses_what_the_sidecar_refuses(bad: dict[str, Any]) -> No
         ExternalCallRequest.model_validate({**BASE, **bad})
 
 
+def test_an_upload_body_is_base64_of_the_bytes() -> None:
+    body = egress_client.RequestBody.of("audio/wav", b"\x00\xffRIFF")
+    assert body.model_dump() == {"content_type": "audio/wav", "base64": "AP9SSUZG"}
+    request = ExternalCallRequest.model_validate({**BASE, "body": body, "query": {"alt": "sse"}})
+    assert request.body == body
+    with pytest.raises(ValidationError):
+        egress_client.RequestBody(content_type="a\r\nb", base64="")
+
+
 def test_the_request_defaults_are_the_contracts() -> None:
     request = ExternalCallRequest.model_validate(BASE)
     assert (request.timeout, request.max_retries, request.protocol_version) == (30.0, 3, "1")

@@ -49,6 +49,7 @@ from egress_client.models import (
     ErrorPayload,
     ExternalCallRequest,
     ExternalCallResponse,
+    RequestBody,
 )
 from egress_client.retry import RetryPolicy
 from egress_client.sse import ServerSentEvent, SSEDecoder
@@ -77,6 +78,7 @@ __all__ = [
     "OutcomeUnknown",
     "PermissionDenied",
     "QuotaExhausted",
+    "RequestBody",
     "ResponseTooLarge",
     "RetryPolicy",
     "SSEDecoder",

@@ -26,6 +26,7 @@ from egress_client.models import (
     ExternalCallRequest,
     ExternalCallResponse,
     HttpMethod,
+    RequestBody,
 )
 from egress_client.sse import ServerSentEvent
 
@@ -53,6 +54,8 @@ class CallOptions(TypedDict, total=False):
     agent_id: str | None
     headers: Mapping[str, str] | None
     metadata: Mapping[str, Any] | None
+    query: Mapping[str, Any] | None
+    body: RequestBody | None
 
 
 def base_url(given: str | None) -> str:
@@ -88,6 +91,8 @@ def build_request(
         agent_id=options.get("agent_id", default_agent_id),
         headers=headers,
         metadata=dict(options.get("metadata") or {}),
+        query=dict(options.get("query") or {}),
+        body=options.get("body"),
     )
 
 

@@ -13,6 +13,7 @@ are added, never renamed or removed) instead of refusing the whole answer.
 
 from __future__ import annotations
 
+import base64
 import re
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, Self
@@ -73,14 +74,32 @@ class ErrorCode(StrEnum):
     UNKNOWN = "UNKNOWN"
 
 
+class RequestBody(BaseModel):
+    """A request body that is not JSON (an upload: audio, a file, a form), for
+    POST/PUT/PATCH instead of ``parameters``: its media type and its bytes in standard
+    base64 (RFC 4648 section 4). :meth:`of` builds one from bytes."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    content_type: Annotated[str, StringConstraints(min_length=1, max_length=256), _NoControls]
+    base64: str
+
+    @classmethod
+    def of(cls, content_type: str, data: bytes) -> RequestBody:
+        """The body for ``data`` sent with ``Content-Type: content_type``."""
+        return cls(content_type=content_type, base64=base64.b64encode(data).decode("ascii"))
+
+
 class ExternalCallRequest(BaseModel):
     """One outbound call for the sidecar to make (``POST /v1/calls``).
 
     ``timeout`` is the deadline of the whole call in seconds (queueing and the sidecar's
     retries included), 0 < timeout <= 600; ``max_retries`` (0-10) is capped by the
     target's policy. ``parameters`` go as the query string for GET/HEAD/DELETE and as
-    the JSON body otherwise. ``api_key_ref`` is a secret reference (``vault://...``),
-    never a key. Strictly typed like the sidecar: ``"5"`` is not an int.
+    the JSON body otherwise; ``query`` adds query items for any method (lists repeat
+    the name); ``body`` replaces ``parameters`` with a body that is not JSON (POST, PUT,
+    PATCH). ``api_key_ref`` is a secret reference (``vault://...``), never a key.
+    Strictly typed like the sidecar: ``"5"`` is not an int.
     """
 
     # NaN and infinities are written as such, not as null: the sidecar refuses them
@@ -104,6 +123,8 @@ class ExternalCallRequest(BaseModel):
     agent_id: Identifier | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    query: dict[str, Any] = Field(default_factory=dict)
+    body: RequestBody | None = None
 
 
 class ErrorPayload(BaseModel):
