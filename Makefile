@@ -16,8 +16,10 @@ $(VENV)/.fast: $(VENV)/.runtime
 	$(BIN)/python -m pip install --quiet -e '.[fast]'
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.runtime
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+# The dev tools, and the agents' client (clients/python, its own distribution) so that its
+# tests run with the sidecar's and the sidecar's contract tests can import it.
+$(VENV)/.dev: $(VENV)/.runtime clients/python/pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[dev]' -e ./clients/python
 	touch $@
 
 demo: $(VENV)/.runtime

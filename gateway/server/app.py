@@ -8,9 +8,11 @@ Routes of the calls listener (loopback by default):
 * ``ANY /proxy/{target}/{path}``: a provider SDK's own request, the same call as an
   envelope, answered as the provider would (:mod:`gateway.server.proxy`).
 * ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
+* ``GET /openapi.json``: this API as an OpenAPI 3.1 document (both listeners).
 
-The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``
-and ``/metrics`` so probes and scrapers can reach it without exposing the calls API.
+The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
+``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
+the calls API.
 Any other path or method gets a JSON error answer too, never an HTML page.
 """
 
@@ -26,7 +28,7 @@ from typing import Final
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from gateway import redaction
+from gateway import openapi, redaction
 from gateway.audit import get_logger
 from gateway.call.record import refusal_record
 from gateway.call.relay import AgentGone
@@ -102,11 +104,14 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
             raise
         code_exc: GatewayError = InvalidPayload(
             f"{request.method} {request.path}: {exc.reason}; the sidecar serves "
-            f"POST {CALLS_PATH}, GET /healthz, GET /readyz and GET /metrics",
+            f"POST {CALLS_PATH}, GET /healthz, GET /readyz, GET /metrics and GET /openapi.json",
             details={"reason": "route", "http_status": exc.status},
             http_status=exc.status,
         )
-        return _error_answer(code_exc, started, request)
+        answer = _error_answer(code_exc, started, request)
+        if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110, 15.5.6)
+            answer.headers["Allow"] = exc.headers["Allow"]
+        return answer
 
 
 async def _calls(request: web.Request) -> web.StreamResponse:
@@ -278,6 +283,10 @@ async def _metrics(request: web.Request) -> web.Response:
     return resp
 
 
+async def _openapi(_: web.Request) -> web.Response:
+    return web.Response(body=openapi.document_bytes(), content_type="application/json")
+
+
 async def _readyz(request: web.Request) -> web.Response:
     ready, checks = request.app[GATEWAY_KEY].ready()
     return web.json_response(
@@ -304,6 +313,7 @@ def create_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     if manage_lifecycle:
 
         async def lifecycle(_: web.Application) -> AsyncIterator[None]:
@@ -322,6 +332,7 @@ def create_ops_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     return app
 
 
