@@ -30,23 +30,34 @@ def _target(value: float | None, op: str, bound: float) -> dict[str, Any]:
     return {"target": f"{op} {bound:g}", "value": value, "met": met}
 
 
+def _present(main: list[dict[str, Any]], labels: tuple[str, ...]) -> tuple[str, ...]:
+    """The labels a run has (results from before the proxy route have no ``proxy``)."""
+    seen = {run["label"] for run in main}
+    return tuple(label for label in labels if label in seen)
+
+
 def summarise(results: dict[str, Any]) -> dict[str, Any]:
     main = results["main"]
     rps = {
         s: {f"c{c}": _run(main, s, c)["rps"] for c in (16, 64)}
-        for s in ("direct", "passthrough", "sidecar")
+        for s in _present(main, ("direct", "passthrough", "sidecar", "proxy"))
     }
+    pairs = (("sidecar", "passthrough"), ("sidecar", "direct"), ("passthrough", "direct"))
+    pairs += (("proxy", "passthrough"),) if "proxy" in rps else ()
     ratios = {
         f"{a}_vs_{b}": {k: round(rps[a][k] / rps[b][k], 3) for k in ("c16", "c64")}
-        for a, b in (("sidecar", "passthrough"), ("sidecar", "direct"), ("passthrough", "direct"))
+        for a, b in pairs
     }
     added = {
         s: {f"c{c}": {p: _added_ms(main, s, c, p) for p in ("p50", "p99")} for c in (1, 16)}
-        for s in ("passthrough", "sidecar")
+        for s in _present(main, ("passthrough", "sidecar", "proxy"))
     }
     cpu = {
-        s: {f"c{c}": _run(main, s, c)["cpu_us_per_call"].get(s) for c in (1, 16, 64)}
-        for s in ("passthrough", "sidecar")
+        s: {
+            f"c{c}": _run(main, s, c)["cpu_us_per_call"].get("sidecar" if s == "proxy" else s)
+            for c in (1, 16, 64)
+        }
+        for s in _present(main, ("passthrough", "sidecar", "proxy"))
     }
     peak_mib = round(results["sidecar_memory_kib"]["VmHWM"] / 1024, 1)
     soak = results.get("soak") or {}
@@ -123,9 +134,9 @@ def table(results: dict[str, Any]) -> str:
         f"{'':13s}{'req/s c16':>10s}{'req/s c64':>10s}{'p50 c1':>9s}{'p99 c1':>9s}"
         f"{'p50 c16':>9s}{'p99 c16':>9s}{'CPU/call':>10s}",
     ]
-    for name in ("direct", "passthrough", "sidecar"):
+    for name in _present(main, ("direct", "passthrough", "sidecar", "proxy")):
         c1, c16, c64 = (_run(main, name, c) for c in (1, 16, 64))
-        cpu = c16["cpu_us_per_call"].get(name)
+        cpu = c16["cpu_us_per_call"].get("sidecar" if name == "proxy" else name)
         lines.append(
             f"{name:13s}{c16['rps']:10.0f}{c64['rps']:10.0f}"
             f"{c1['latency_us']['p50'] / 1000:8.3f}m{c1['latency_us']['p99'] / 1000:8.3f}m"
@@ -145,6 +156,13 @@ def table(results: dict[str, Any]) -> str:
         f"{a['passthrough']['c1']['p50']:.3f} p99 {a['passthrough']['c1']['p99']:.3f}",
         f"sidecar peak RSS (VmHWM) after the main runs: {s['peak_rss_mib']:.1f} MiB",
     ]
+    if "proxy_vs_passthrough" in r:
+        lines.insert(
+            -1,
+            f"proxy route / pass-through req/s: c16 {r['proxy_vs_passthrough']['c16']:.2f}x; "
+            f"added latency c1 p50 {a['proxy']['c1']['p50']:.3f} ms "
+            f"(targets >= 0.7x, <= 0.3 ms)",
+        )
     if s["soak"]:
         k = s["soak"]
         lines.append(

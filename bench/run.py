@@ -252,10 +252,13 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         direct_url = f"http://{up.address}/v1/chat/completions"
         pt_url = f"http://{passthrough.address}/v1/calls"
         sc_url = f"http://{sidecar.address}/v1/calls"
+        # The drop-in route: an SDK's own request body, straight to /proxy/{target}/...
+        proxy_url = f"http://{sidecar.address}/proxy/openai/v1/chat/completions"
         setups = {
             "direct": (direct_url, [up], True),
             "passthrough": (pt_url, [passthrough, up], False),
             "sidecar": (sc_url, [sidecar, up], False),
+            "proxy": (proxy_url, [sidecar, up], True),
         }
         for name, (url, watch, raw) in setups.items():  # warm-up: connections, caches
             bench.load(f"warmup-{name}", url, 16, max(d / 3, 1), watch, raw=raw)
