@@ -17,12 +17,16 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN python -m venv /opt/venv
 
-# Dependencies in their own layer: it is rebuilt only when pyproject.toml changes, not on
-# every source edit. The list is read from [project.dependencies] plus the optional `fast`
-# extra (uvloop, orjson: less CPU per call), the one place they live.
-COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['fast']))" > /tmp/requirements.txt \
-    && pip install --requirement /tmp/requirements.txt
+# Dependencies in their own layer, rebuilt only when the lock changes. requirements.lock
+# pins every package of [project.dependencies] plus the `fast` extra (uvloop, orjson: less
+# CPU per call) and their dependencies, each with the hashes of its files on PyPI, so two
+# builds install the same bytes and a tampered download fails. After a change of
+# pyproject.toml's dependencies, regenerate it (tests/test_dockerfile.py checks that it
+# matches) with the command in its header:
+#   uv pip compile pyproject.toml --extra fast --generate-hashes --python-version 3.11 \
+#       --python-platform linux --no-cache -o requirements.lock
+COPY requirements.lock ./
+RUN pip install --require-hashes --no-deps --requirement requirements.lock
 
 # The project itself, built as a wheel and installed without touching the dependencies.
 COPY README.md ./
@@ -45,8 +49,17 @@ RUN groupadd --system --gid 10001 gateway \
        --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin gateway
 
 COPY --from=builder /opt/venv /opt/venv
+# nft, for the chart's egress.enforce init container (deploy/egress-gateway-enforce, run
+# as root with NET_ADMIN in that container only; the sidecar never has the capability).
+# Pinned to bookworm's version: bump it with the base image.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends nftables=1.0.6-2+deb12u2 \
+    && rm -rf /var/lib/apt/lists/*
+
 # Default policies; the Helm chart mounts its ConfigMap over this directory.
 COPY policies/ /etc/egress-gateway/
+# The egress enforcement script (executable in the repository; COPY keeps the mode).
+COPY deploy/egress-gateway-enforce /usr/local/bin/egress-gateway-enforce
 
 # Nothing is written outside /tmp: no bytecode, HOME and TMPDIR in /tmp (an emptyDir
 # under a read-only root filesystem), audit records to stdout, unbuffered.

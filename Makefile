@@ -16,10 +16,11 @@ $(VENV)/.fast: $(VENV)/.runtime
 	$(BIN)/python -m pip install --quiet -e '.[fast]'
 	touch $@
 
-# The dev tools, and the agents' client (clients/python, its own distribution) so that its
-# tests run with the sidecar's and the sidecar's contract tests can import it.
+# The dev tools, the `fast` extra (the tests then run uvloop, the image's event loop), and
+# the agents' client (clients/python, its own distribution) so that its tests run with the
+# sidecar's and the sidecar's contract tests can import it.
 $(VENV)/.dev: $(VENV)/.runtime clients/python/pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[dev]' -e ./clients/python
+	$(BIN)/python -m pip install --quiet -e '.[dev,fast]' -e ./clients/python
 	touch $@
 
 demo: $(VENV)/.runtime

@@ -2,10 +2,12 @@
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
-GATEWAY_URL (for ``call``), GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see
-:mod:`gateway.server.eventloop`), GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or
-``false``, over the policy's ``server.shutdown.accept_new_calls``). Exit codes: 0 success,
-1 a failed check or call, 2 usage.
+GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
+GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or ``false``, over the policy's
+``server.shutdown.accept_new_calls``). ``call`` finds the sidecar at EGRESS_GATEWAY_URL,
+the variable the Helm chart sets in the agent's container (GATEWAY_URL, its former name,
+still works with a deprecation note). Exit codes: 0 success, 1 a failed check or call, 2
+usage; ``validate``'s warnings (stderr) leave the exit code 0.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
 
 from gateway import __version__
 from gateway.audit.query import cli as audit_cli
+
+if TYPE_CHECKING:
+    from gateway.policy import PolicySet
 
 
 def _env_int(name: str) -> int | None:
@@ -40,6 +45,30 @@ def _env_bool(name: str) -> bool | None:
     if value not in ("true", "false"):
         raise ValueError(f"{name} must be true or false, not {os.environ[name]!r}")
     return value == "true"
+
+
+#: Where ``call`` finds the sidecar: the agent-side variable (set by the Helm chart), its
+#: deprecated former name, and the default (the sidecar's calls listener).
+URL_ENV: Final = "EGRESS_GATEWAY_URL"
+DEPRECATED_URL_ENV: Final = "GATEWAY_URL"
+DEFAULT_URL: Final = "http://127.0.0.1:8181"
+
+
+def _sidecar_url(flag: str | None) -> str:
+    """``--url``, else EGRESS_GATEWAY_URL, else GATEWAY_URL (with a note on stderr), else
+    the default."""
+    if flag:
+        return flag
+    if os.environ.get(URL_ENV):
+        return os.environ[URL_ENV]
+    if os.environ.get(DEPRECATED_URL_ENV):
+        print(
+            f"egress-gateway call: {DEPRECATED_URL_ENV} is deprecated, set {URL_ENV} "
+            "(the variable the Helm chart sets for the agent)",
+            file=sys.stderr,
+        )
+        return os.environ[DEPRECATED_URL_ENV]
+    return DEFAULT_URL
 
 
 #: Cyclic GC thresholds while serving (gen0 allocations, gen1 and gen2 multipliers).
@@ -89,6 +118,44 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_warnings(path: str, policy: PolicySet) -> list[str]:
+    """One ``FILE:LINE: key.path: warning: ...`` line per env:// reference (a target's
+    ``default_ref`` or ``allowed_refs``) whose variable is unset or empty here, where the
+    sidecar would answer SECRET_NOT_FOUND. LINE is the first line (not a comment) that
+    holds the ref."""
+    from gateway.policy.refs import parse_ref
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeError):
+        lines = []
+    warnings = []
+    for name, target in policy.targets.items():
+        credential = target.spec.credential
+        if credential is None:
+            continue
+        keyed = [("default_ref", credential.default_ref)] + [
+            (f"allowed_refs.{i}", ref) for i, ref in enumerate(credential.allowed_refs)
+        ]
+        for key, raw in keyed:
+            if raw is None:
+                continue
+            ref = parse_ref(raw)
+            if ref.scheme != "env" or os.environ.get(ref.path, "").strip("\r\n"):
+                continue
+            line = next(
+                (n for n, t in enumerate(lines, 1) if raw in t and not t.lstrip().startswith("#")),
+                1,
+            )
+            state = "empty" if ref.path in os.environ else "not set"
+            warnings.append(
+                f"{path}:{line}: targets.{name}.credential.{key}: warning: {raw}: "
+                f"{ref.path} is {state} in this environment; the sidecar answers "
+                "SECRET_NOT_FOUND until its environment has it (--no-env-check: skip)"
+            )
+    return warnings
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
 
@@ -110,12 +177,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             )
         else:
             print(f"{path}: ok ({len(policy.targets)} targets, agent_id {policy.policy.agent_id})")
+            if args.env_check:
+                for warning in _env_warnings(path, policy):
+                    print(warning, file=sys.stderr)
     return 1 if failed else 0
 
 
 def _cmd_call(args: argparse.Namespace) -> int:
     raw = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
-    url = args.url.rstrip("/") + "/v1/calls"
+    url = _sidecar_url(args.url).rstrip("/") + "/v1/calls"
     headers = {"Content-Type": "application/json"}
     if args.stream:
         headers["Accept"] = "text/event-stream"
@@ -189,14 +259,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check policy files; print every error")
     p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument(
+        "--no-env-check",
+        dest="env_check",
+        action="store_false",
+        help="do not warn about env:// references whose variable is not set here",
+    )
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("call", help="send one envelope to a running sidecar, print the answer")
     p.add_argument("file", nargs="?", default="-", help="envelope JSON file, or - for stdin")
     p.add_argument(
         "--url",
-        default=os.environ.get("GATEWAY_URL", "http://127.0.0.1:8181"),
-        help="the sidecar's base URL (env GATEWAY_URL)",
+        default=None,
+        help=f"the sidecar's base URL (env {URL_ENV}; default {DEFAULT_URL})",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer")
     p.add_argument(

@@ -1,5 +1,6 @@
-"""The Dockerfile: hadolint, its shape (two stages, pinned base, non-root, exec form), and
-its start command run on the host, since no container engine runs here."""
+"""The Dockerfile: hadolint, its shape (two stages, pinned base, non-root, exec form), the
+dependency lock it installs (matching pyproject.toml, every file hashed), and its start
+command run on the host, since no container engine runs here."""
 
 from __future__ import annotations
 
@@ -19,10 +20,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
+LOCK = ROOT / "requirements.lock"
+ENFORCE_SCRIPT = ROOT / "deploy" / "egress-gateway-enforce"
+#: What the lock's header says about how it was made (the command that regenerates it).
+LOCK_COMMAND = (
+    "uv pip compile pyproject.toml --extra fast --generate-hashes --python-version 3.11 "
+    "--python-platform linux --no-cache -o requirements.lock"
+)
+PYPROJECT_VIA = "egress-gateway (pyproject.toml)"
 IMAGE_POLICY = "/etc/egress-gateway/policy.yaml"
 PINNED_BASE = re.compile(r"^python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}$")
 START_TIMEOUT_S = 20.0
@@ -147,6 +158,86 @@ def test_build_context_holds_what_the_image_copies() -> None:
     # The default policy the CMD names is the one `COPY policies/ /etc/egress-gateway/` ships.
     assert "policies/ /etc/egress-gateway/" in final_stage("COPY")
     assert (ROOT / "policies" / Path(IMAGE_POLICY).name).is_file()
+
+
+# --- the dependency lock ----------------------------------------------------------------
+
+
+def locked() -> dict[str, tuple[str, list[str], list[str]]]:
+    """requirements.lock as {canonical name: (version, hashes, what needs it)}."""
+    found: dict[str, tuple[str, list[str], list[str]]] = {}
+    name = ""
+    in_via = False
+    for raw in LOCK.read_text().splitlines():
+        line = raw.strip()
+        if raw and not raw[0].isspace() and not raw.startswith("#"):
+            spec, _, _ = line.partition(" ")
+            pkg, sep, version = spec.partition("==")
+            assert sep, f"not pinned with ==: {raw!r}"
+            name = canonicalize_name(pkg)
+            assert name not in found, f"{name} pinned twice"
+            found[name] = (version, [], [])
+            in_via = False
+        elif line.startswith("--hash="):
+            found[name][1].append(line.removeprefix("--hash=").rstrip(" \\"))
+        elif line.startswith("# via"):
+            rest = line.removeprefix("# via").strip()
+            in_via = not rest
+            if rest:
+                found[name][2].append(rest)
+        elif in_via and line.startswith("#   "):
+            found[name][2].append(line.removeprefix("#").strip())
+    return found
+
+
+def image_requirements() -> list[Requirement]:
+    """What the image installs: [project.dependencies] plus the `fast` extra."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [
+        Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["fast"]
+    ]
+
+
+def test_lock_pins_what_pyproject_asks_for_and_nothing_else() -> None:
+    lock = locked()
+    wanted = {canonicalize_name(r.name): r for r in image_requirements()}
+    direct = {name for name, (_, _, via) in lock.items() if PYPROJECT_VIA in via}
+    assert direct == set(wanted), "requirements.lock is stale: regenerate it (its header)"
+    for name, requirement in wanted.items():
+        version = lock[name][0]
+        assert requirement.specifier.contains(version, prereleases=True), (
+            f"{name}=={version} does not satisfy pyproject.toml's {requirement}"
+        )
+    for name, (version, hashes, via) in lock.items():
+        assert hashes, f"{name}=={version} has no hash"
+        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), hashes
+        # Every other package is there because a locked package needs it: no strays.
+        needed_by = {canonicalize_name(v) for v in via if v != PYPROJECT_VIA}
+        assert via, f"{name} is locked but nothing needs it"
+        assert needed_by <= set(lock), f"{name} is needed by {needed_by - set(lock)}"
+    assert LOCK_COMMAND in LOCK.read_text().splitlines()[1]
+
+
+def test_image_installs_the_lock_with_hashes_only() -> None:
+    builder = stages()[0]
+    assert ("COPY", "requirements.lock ./") in builder
+    installs = [args for kw, args in builder if kw == "RUN" and "pip install" in args]
+    # The lock, hashes required, nothing resolved beside it; then the project's own wheel.
+    assert installs[0] == "pip install --require-hashes --no-deps --requirement requirements.lock"
+    assert all("--no-deps" in args for args in installs)
+
+
+def test_image_ships_the_egress_enforcement_script_and_nft() -> None:
+    # The chart's egress.enforce init container runs `egress-gateway-enforce` (on PATH).
+    assert "deploy/egress-gateway-enforce /usr/local/bin/egress-gateway-enforce" in final_stage(
+        "COPY"
+    )
+    assert ENFORCE_SCRIPT.read_text().startswith("#!/bin/sh\n")
+    assert ENFORCE_SCRIPT.stat().st_mode & 0o111 == 0o111  # COPY keeps the checkout's mode
+    (install,) = [a for a in final_stage("RUN") if "apt-get install" in a]
+    assert re.search(r"\bnftables=[0-9][^ ]*", install), install  # pinned, like the base
+    assert "--no-install-recommends" in install
+    assert "rm -rf /var/lib/apt/lists/*" in install
 
 
 # --- the start command, on the host ---------------------------------------------------

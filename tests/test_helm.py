@@ -1,11 +1,11 @@
 """The Helm chart: rendered offline with helm-python-sdk (Helm's own engine, no binary, no
 cluster), every manifest validated with kubernetes-validate in strict mode (unknown fields
-are errors), and values.schema.json enforced on wrong value types."""
+are errors) for Kubernetes 1.29-1.33 and the newest schemas, and values.schema.json
+enforced on wrong value types. Enforced egress and the NetworkPolicy: test_helm_egress.py."""
 
 from __future__ import annotations
 
 import copy
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +16,22 @@ import pytest
 import yaml
 
 from gateway.policy import DEFAULT_DRAIN_S, parse_policy
+from tests.helm_helpers import (
+    CHART,
+    KUBE_VERSION,
+    KUBE_VERSIONS,
+    ROOT,
+    agent_chart,
+    container,
+    env_of,
+    init_names,
+    kinds,
+    only,
+    pod_spec,
+    render,
+    sidecar,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "helm" / "egress-gateway"
-#: The newest Kubernetes version the installed kubernetes-validate bundles schemas for.
-KUBE_VERSION = kubernetes_validate.latest_version()
 TOKEN_PATH = "/var/run/secrets/vault/token"
 
 VAULT_POLICY = f"""\
@@ -87,45 +98,6 @@ def chart() -> Iterator[helm.Chart]:
         yield loaded
 
 
-def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> dict[str, list[Any]]:
-    """Render and return {template file: [manifest, ...]}, each manifest strictly valid."""
-    out = chart.render(values, name="demo", namespace="agents")
-    manifests: dict[str, list[Any]] = {}
-    for path, text in out.items():
-        if not path.endswith(".yaml"):
-            continue
-        docs = [d for d in yaml.safe_load_all(text) if d]
-        for doc in docs:
-            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
-        manifests[Path(path).name] = docs
-    return manifests
-
-
-def only(manifests: dict[str, list[Any]], kind: str) -> dict[str, Any]:
-    found = [d for docs in manifests.values() for d in docs if d["kind"] == kind]
-    assert len(found) == 1, [d["kind"] for docs in manifests.values() for d in docs]
-    return found[0]
-
-
-def pod_spec(manifests: dict[str, list[Any]]) -> dict[str, Any]:
-    spec: dict[str, Any] = only(manifests, "Deployment")["spec"]["template"]["spec"]
-    return spec
-
-
-def sidecar(spec: dict[str, Any]) -> dict[str, Any]:
-    found = [
-        c
-        for c in spec["containers"] + spec.get("initContainers", [])
-        if c["name"] == "egress-gateway"
-    ]
-    assert len(found) == 1
-    return found[0]
-
-
-def env_of(container: dict[str, Any]) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
-
-
 def test_lint_passes_strict_with_default_and_custom_values() -> None:
     for values in (None, CUSTOM):
         report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}")
@@ -150,8 +122,7 @@ def test_default_render_is_one_resource_per_template(chart: helm.Chart) -> None:
     manifests = render(chart)
 
     assert all(len(docs) <= 1 for docs in manifests.values())
-    kinds = sorted(d["kind"] for docs in manifests.values() for d in docs)
-    assert kinds == ["ConfigMap", "Deployment", "ServiceAccount"]
+    assert kinds(manifests) == ["ConfigMap", "Deployment", "ServiceAccount"]
 
 
 def test_default_policy_value_is_a_valid_policy(chart: helm.Chart) -> None:
@@ -216,7 +187,7 @@ def test_sidecar_is_locked_down_and_probed(chart: helm.Chart, values: dict[str, 
 def test_default_sidecar_is_a_regular_container(chart: helm.Chart) -> None:
     spec = pod_spec(render(chart))
     assert [c["name"] for c in spec["containers"]] == ["agent", "egress-gateway"]
-    assert "initContainers" not in spec
+    assert init_names(spec) == ["egress-gateway-validate"]  # the policy check only
     assert "restartPolicy" not in sidecar(spec)
     # SIGTERM reaches the agent at the same moment: the policy's server.shutdown decides
     # (new calls served while draining, by default).
@@ -226,8 +197,9 @@ def test_default_sidecar_is_a_regular_container(chart: helm.Chart) -> None:
 def test_native_sidecar_is_an_always_restarting_init_container(chart: helm.Chart) -> None:
     spec = pod_spec(render(chart, {"sidecar": {"native": True}}))
     assert [c["name"] for c in spec["containers"]] == ["agent"]
-    assert [c["name"] for c in spec["initContainers"]] == ["egress-gateway"]
-    assert spec["initContainers"][0]["restartPolicy"] == "Always"
+    # The policy is checked before the sidecar starts; the agent starts after both.
+    assert init_names(spec) == ["egress-gateway-validate", "egress-gateway"]
+    assert sidecar(spec)["restartPolicy"] == "Always"
     # Stopped after the agent has exited: nothing is left to send a new call.
     assert env_of(sidecar(spec))["GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS"] == "false"
 
@@ -251,7 +223,9 @@ def test_vault_kubernetes_auth_mounts_a_projected_token_in_the_sidecar_only(
     assert spec["serviceAccountName"] == only(manifests, "ServiceAccount")["metadata"]["name"]
 
     volume = next(v for v in spec["volumes"] if v["name"] == "egress-gateway-vault-token")
-    assert volume["projected"]["defaultMode"] == 0o440  # readable through fsGroup only
+    # Readable by the sidecar without a pod fsGroup (an agent's chart may set none); only
+    # the sidecar container mounts it.
+    assert volume["projected"]["defaultMode"] == 0o444
     assert volume["projected"]["sources"] == [
         {"serviceAccountToken": {"audience": "vault", "expirationSeconds": 1800, "path": "token"}}
     ]
@@ -264,6 +238,11 @@ def test_vault_kubernetes_auth_mounts_a_projected_token_in_the_sidecar_only(
     }
     agent = next(c for c in spec["containers"] if c["name"] == "agent")
     assert [m["name"] for m in agent["volumeMounts"]] == ["agent-tmp"]
+    every = spec["containers"] + spec["initContainers"]
+    mounting = [
+        c["name"] for c in every if volume["name"] in {m["name"] for m in c["volumeMounts"]}
+    ]
+    assert mounting == ["egress-gateway"]
 
     env = env_of(container)
     assert env["VAULT_ADDR"] == "https://vault.vault.svc:8200"
@@ -407,6 +386,8 @@ def test_drain_default_matches_the_policy_model(chart: helm.Chart) -> None:
         )
 
 
+#: An agent's Deployment, as docs/kubernetes.md shows it: two includes (initContainers,
+#: volumes) with a native sidecar; a third (containers) only without one.
 AGENT_DEPLOYMENT = """\
 {{- $gw := dict "root" $ "gateway" (index $.Values "egress-gateway") }}
 apiVersion: apps/v1
@@ -418,75 +399,105 @@ spec:
     matchLabels: {app: planner}
   template:
     metadata:
-      labels:
-        app: planner
-        {{- include "egress-gateway.podLabels" $gw | nindent 8 }}
-      annotations:
-        {{- include "egress-gateway.podAnnotations" $gw | nindent 8 }}
+      labels: {app: planner}
     spec:
-      serviceAccountName: {{ include "egress-gateway.serviceAccountName" $gw }}
-      automountServiceAccountToken: false
-      terminationGracePeriodSeconds: \
-{{ include "egress-gateway.terminationGracePeriodSeconds" $gw }}
-      securityContext:
-        {{- include "egress-gateway.podSecurityContext" $gw | nindent 8 }}
       initContainers:
-        {{- include "egress-gateway.sidecarContainer" $gw | nindent 8 }}
+        {{- include "egress-gateway.initContainers" $gw | nindent 8 }}
       containers:
         - name: planner
           image: registry.example.com/planner:1.0
-          env:
-            {{- include "egress-gateway.agentEnv" $gw | nindent 12 }}
+          securityContext: {runAsNonRoot: true, runAsUser: 20000}
+        {{- include "egress-gateway.containers" $gw | nindent 8 }}
       volumes:
-        {{- include "egress-gateway.sidecarVolumes" $gw | nindent 8 }}
+        {{- include "egress-gateway.volumes" $gw | nindent 8 }}
 """
+AGENT_VALUES: dict[str, Any] = {
+    "agent": {"enabled": False},
+    "sidecar": {"native": True},
+    "vault": copy.deepcopy(CUSTOM["vault"]),
+    "policy": {"content": VAULT_POLICY},
+    "terminationGracePeriodSeconds": 45,
+}
 
 
-def test_an_agent_chart_includes_the_sidecar_through_the_named_templates(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("extra", "native"),
+    [({}, True), ({"sidecar": {"native": False}, "egress": {"enforce": True}}, False)],
+    ids=["native", "regular-enforced"],
+)
+def test_an_agent_chart_includes_the_sidecar_with_two_includes(
+    tmp_path: Path, extra: dict[str, Any], native: bool
 ) -> None:
-    parent = tmp_path / "planner"
-    (parent / "templates").mkdir(parents=True)
-    shutil.copytree(CHART, parent / "charts" / "egress-gateway")
-    (parent / "Chart.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v2",
-                "name": "planner",
-                "version": "1.0.0",
-                "appVersion": "1.0.0",
-                "dependencies": [{"name": "egress-gateway", "version": "0.1.0", "repository": ""}],
-            }
-        )
-    )
-    values = {
-        "egress-gateway": {
-            "agent": {"enabled": False},
-            "sidecar": {"native": True},
-            "vault": copy.deepcopy(CUSTOM["vault"]),
-            "policy": {"content": VAULT_POLICY},
-            "terminationGracePeriodSeconds": 45,
-        }
-    }
-    (parent / "values.yaml").write_text(yaml.safe_dump(values))
-    (parent / "templates" / "deployment.yaml").write_text(AGENT_DEPLOYMENT)
+    values = copy.deepcopy(AGENT_VALUES)
+    for key, value in extra.items():
+        values[key] = {**values.get(key, {}), **value}
+    parent = agent_chart(tmp_path / "planner", {"egress-gateway": values}, AGENT_DEPLOYMENT)
+    with helm.Chart.load(parent) as agent:
+        manifests = render(agent, kube_versions=KUBE_VERSIONS)
 
-    with helm.Chart.load(parent) as agent_chart:
-        manifests = render(agent_chart)
-
-    kinds = sorted(d["kind"] for docs in manifests.values() for d in docs)
-    assert kinds == ["ConfigMap", "Deployment", "ServiceAccount"]  # no example agent
+    assert kinds(manifests) == ["ConfigMap", "Deployment", "ServiceAccount"]  # no example agent
     spec = pod_spec(manifests)
-    container = sidecar(spec)
+    side = sidecar(spec)
     # Image tag from the dependency's appVersion, not the agent chart's.
-    assert container["image"] == "egress-gateway:0.1.0"
-    assert container["restartPolicy"] == "Always"
-    assert env_of(container)["GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS"] == "false"
-    assert spec["terminationGracePeriodSeconds"] == 45
-    # The volumes name the dependency's own ConfigMap and ServiceAccount.
+    assert side["image"] == "egress-gateway:0.1.0"
+    expected_init = ["egress-gateway-validate"]
+    if not native:
+        expected_init.append("egress-gateway-enforce")
+    if native:
+        expected_init.append("egress-gateway")
+        assert side["restartPolicy"] == "Always"
+        assert env_of(side)["GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS"] == "false"
+    assert init_names(spec) == expected_init
+    assert [c["name"] for c in spec["containers"]] == ["planner"] + (
+        [] if native else ["egress-gateway"]
+    )
+    # The volumes name the dependency's own ConfigMap; the projected Vault token is
+    # readable by the sidecar without the pod-level settings the agent chart left out.
     policy_volume = next(v for v in spec["volumes"] if v["name"] == "egress-gateway-policy")
     assert policy_volume["configMap"]["name"] == only(manifests, "ConfigMap")["metadata"]["name"]
-    assert spec["serviceAccountName"] == only(manifests, "ServiceAccount")["metadata"]["name"]
-    assert any("projected" in v for v in spec["volumes"])
-    planner = spec["containers"][0]
-    assert env_of(planner) == {"EGRESS_GATEWAY_URL": "http://127.0.0.1:8181"}
+    token = next(v for v in spec["volumes"] if "projected" in v)
+    assert token["projected"]["defaultMode"] == 0o444
+    assert "securityContext" not in spec
+    mounted = {
+        m["name"]
+        for c in [side, container(spec, "egress-gateway-validate")]
+        for m in c["volumeMounts"]
+    }
+    assert mounted <= {v["name"] for v in spec["volumes"]}
+
+
+def test_the_older_named_templates_still_render_the_sidecar(tmp_path: Path) -> None:
+    # Agent charts written against the first version of the chart keep working.
+    old = AGENT_DEPLOYMENT.replace(
+        'include "egress-gateway.initContainers"', 'include "egress-gateway.sidecarContainer"'
+    ).replace('include "egress-gateway.volumes"', 'include "egress-gateway.sidecarVolumes"')
+    parent = agent_chart(tmp_path / "planner", {"egress-gateway": AGENT_VALUES}, old)
+    with helm.Chart.load(parent) as agent:
+        spec = pod_spec(render(agent))
+    assert init_names(spec) == ["egress-gateway"]
+    assert sidecar(spec)["restartPolicy"] == "Always"
+
+
+def test_the_repository_example_policy_renders_with_the_charts_vault_settings(
+    chart: helm.Chart,
+) -> None:
+    example = (ROOT / "policies" / "example.yaml").read_text()
+    values = {
+        "policy": {"content": example},
+        "vault": {"kubernetesAuth": {"enabled": True, "role": "planner-01"}},
+    }
+    spec = pod_spec(render(chart, values))
+    token = next(
+        m for m in sidecar(spec)["volumeMounts"] if m["name"] == "egress-gateway-vault-token"
+    )
+    assert parse_policy(example).secrets is not None
+    jwt_path = parse_policy(example).secrets.vault.auth.jwt_path  # type: ignore[union-attr]
+    assert str(Path(token["mountPath"]) / "token") == jwt_path == TOKEN_PATH
+
+
+def test_a_policy_without_jwt_path_is_told_what_to_add(chart: helm.Chart) -> None:
+    policy = VAULT_POLICY.replace(f", jwt_path: {TOKEN_PATH}", "")
+    values = {**CUSTOM, "policy": {"content": policy}}
+    with pytest.raises(helm.HelmRenderError) as caught:
+        chart.render(values, name="demo")
+    assert f"add jwt_path: {TOKEN_PATH} to secrets.vault.auth" in str(caught.value)

@@ -7,9 +7,20 @@ own root context and this chart's values:
   in this chart:                         (dict "root" $ "gateway" $.Values)
   in an agent chart depending on it:     (dict "root" $ "gateway" (index $.Values "egress-gateway"))
 
-  egress-gateway.sidecarContainer         the sidecar, one list item (containers or, when
-                                          sidecar.native, initContainers)
-  egress-gateway.sidecarVolumes           the pod volumes it needs (list items)
+What an agent's pod needs, in two includes (three with sidecar.native false):
+
+  egress-gateway.initContainers           list items for initContainers: the policy check
+                                          (policy.validateOnStart), the netfilter rules
+                                          (egress.enforce), and the sidecar itself when
+                                          sidecar.native
+  egress-gateway.containers               list items for containers: the sidecar when not
+                                          sidecar.native (nothing otherwise)
+  egress-gateway.volumes                  list items for volumes: what those containers mount
+
+The finer pieces, and pod-level settings an agent's chart may also take:
+
+  egress-gateway.sidecarContainer         the sidecar alone, one list item
+  egress-gateway.sidecarVolumes           the same as egress-gateway.volumes
   egress-gateway.agentEnv                 EGRESS_GATEWAY_URL for the agent container
   egress-gateway.podAnnotations           checksum/policy and Prometheus annotations
   egress-gateway.podLabels                the label the metrics Service selects on
@@ -104,11 +115,31 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
 
+{{/*
+Pod-level defaults. With egress.enforce the pod-level runAsUser is left out: a container
+that sets none must not inherit the sidecar's UID, the one UID whose traffic may leave.
+*/}}
 {{- define "egress-gateway.podSecurityContext" -}}
+runAsNonRoot: true
+{{- if not .gateway.egress.enforce }}
+runAsUser: {{ .gateway.sidecar.uid | int }}
+runAsGroup: {{ .gateway.sidecar.gid | int }}
+{{- end }}
+fsGroup: {{ .gateway.sidecar.gid | int }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* The sidecar's container securityContext, also that of the policy check. */}}
+{{- define "egress-gateway.containerSecurityContext" -}}
 runAsNonRoot: true
 runAsUser: {{ .gateway.sidecar.uid | int }}
 runAsGroup: {{ .gateway.sidecar.gid | int }}
-fsGroup: {{ .gateway.sidecar.gid | int }}
+readOnlyRootFilesystem: true
+allowPrivilegeEscalation: false
+privileged: false
+capabilities:
+  drop: ["ALL"]
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
@@ -156,7 +187,11 @@ fails the render with a message naming the keys to fix.
 {{- end }}
 {{- $jwtPath := default "/var/run/secrets/kubernetes.io/serviceaccount/token" $auth.jwt_path }}
 {{- if ne $jwtPath $v.tokenPath }}
+{{- if hasKey $auth "jwt_path" }}
 {{- fail (printf "egress-gateway: the policy's secrets.vault.auth.jwt_path (%q) must be vault.kubernetesAuth.tokenPath (%q), where the token is mounted" $jwtPath $v.tokenPath) }}
+{{- else }}
+{{- fail (printf "egress-gateway: the policy's secrets.vault.auth has no jwt_path, so the sidecar would read %q, which the chart does not mount (the API token is never mounted); add jwt_path: %s to secrets.vault.auth (vault.kubernetesAuth.tokenPath, where the projected token is)" $jwtPath $v.tokenPath) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -249,17 +284,10 @@ API binds 127.0.0.1 only and gets no containerPort; only the ops port is declare
     failureThreshold: {{ $g.sidecar.readinessProbe.failureThreshold | int }}
   resources:
     {{- toYaml $g.sidecar.resources | nindent 4 }}
+  # A refused policy or setting is the last lines of the log: shown by kubectl describe.
+  terminationMessagePolicy: FallbackToLogsOnError
   securityContext:
-    runAsNonRoot: true
-    runAsUser: {{ $g.sidecar.uid | int }}
-    runAsGroup: {{ $g.sidecar.gid | int }}
-    readOnlyRootFilesystem: true
-    allowPrivilegeEscalation: false
-    privileged: false
-    capabilities:
-      drop: ["ALL"]
-    seccompProfile:
-      type: RuntimeDefault
+    {{- include "egress-gateway.containerSecurityContext" . | nindent 4 }}
   volumeMounts:
     - name: egress-gateway-policy
       mountPath: /etc/egress-gateway
@@ -299,7 +327,10 @@ mounted as a directory (no subPath) so updates arrive by the kubelet's symlink s
 {{- if $g.vault.kubernetesAuth.enabled }}
 - name: egress-gateway-vault-token
   projected:
-    defaultMode: 0440
+    {{- /* Readable by the sidecar's UID without a pod fsGroup (an agent's chart may set
+    its own or none). The volume is mounted in the sidecar container only; Kubernetes'
+    own kube-api-access token volume has mode 0644. */}}
+    defaultMode: 0444
     sources:
       - serviceAccountToken:
           audience: {{ $g.vault.kubernetesAuth.audience | quote }}
@@ -317,4 +348,150 @@ mounted as a directory (no subPath) so updates arrive by the kubelet's symlink s
 {{- with $g.sidecar.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+The policy check: `egress-gateway validate` on the mounted policy, before the sidecar
+starts. It fails the pod's start with FILE:LINE problems in its log and its termination
+message; env:// variables that sidecar.extraEnv does not set are warnings (exit 0).
+*/}}
+{{- define "egress-gateway.validateContainer" -}}
+{{- $g := .gateway -}}
+- name: egress-gateway-validate
+  image: {{ include "egress-gateway.image" . | quote }}
+  imagePullPolicy: {{ $g.image.pullPolicy }}
+  args: ["validate", "/etc/egress-gateway/policy.yaml"]
+  {{- with $g.sidecar.extraEnv }}
+  env:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  terminationMessagePolicy: FallbackToLogsOnError
+  resources:  # the sidecar's program: the same memory
+    {{- toYaml $g.sidecar.resources | nindent 4 }}
+  securityContext:
+    {{- include "egress-gateway.containerSecurityContext" . | nindent 4 }}
+  volumeMounts:
+    - name: egress-gateway-policy
+      mountPath: /etc/egress-gateway
+      readOnly: true
+    - name: egress-gateway-tmp
+      mountPath: /tmp
+{{- end }}
+
+{{/*
+The netfilter rules of egress.enforce: deploy/egress-gateway-enforce in the image. The
+only container with NET_ADMIN; UID 0 because Kubernetes grants a non-root process no
+effective capabilities. Everything else stays locked down.
+*/}}
+{{- define "egress-gateway.enforceContainer" -}}
+{{- $g := .gateway -}}
+{{- $e := $g.egress -}}
+- name: egress-gateway-enforce
+  image: {{ include "egress-gateway.image" . | quote }}
+  imagePullPolicy: {{ $g.image.pullPolicy }}
+  command: ["egress-gateway-enforce"]
+  args:
+    - --uid
+    - {{ $g.sidecar.uid | int | quote }}
+    - --dns-port
+    - {{ $e.dns.port | int | quote }}
+    {{- range $e.dns.servers }}
+    - --dns
+    - {{ . | quote }}
+    {{- end }}
+    {{- range $e.allow }}
+    - --allow
+    {{- if .ports }}
+    - {{ printf "%s %s %s" .cidr (default "tcp" .protocol) (join "," .ports) | quote }}
+    {{- else }}
+    - {{ .cidr | quote }}
+    {{- end }}
+    {{- end }}
+  terminationMessagePolicy: FallbackToLogsOnError
+  resources:
+    {{- toYaml $e.resources | nindent 4 }}
+  securityContext:
+    runAsNonRoot: false
+    runAsUser: 0
+    runAsGroup: 0
+    readOnlyRootFilesystem: true
+    allowPrivilegeEscalation: false
+    privileged: false
+    capabilities:
+      drop: ["ALL"]
+      add: ["NET_ADMIN"]
+    seccompProfile:
+      type: RuntimeDefault
+{{- end }}
+
+{{/*
+Everything an agent's pod lists under initContainers, in order: the policy check, the
+netfilter rules (both finish before any other container starts), then the native sidecar.
+*/}}
+{{- define "egress-gateway.initContainers" -}}
+{{- $g := .gateway -}}
+{{- $items := list }}
+{{- if $g.policy.validateOnStart }}
+{{- $items = append $items (include "egress-gateway.validateContainer" .) }}
+{{- end }}
+{{- if $g.egress.enforce }}
+{{- $items = append $items (include "egress-gateway.enforceContainer" .) }}
+{{- end }}
+{{- if $g.sidecar.native }}
+{{- $items = append $items (include "egress-gateway.sidecarContainer" .) }}
+{{- end }}
+{{- join "\n" $items }}
+{{- end }}
+
+{{/* Everything an agent's pod lists under containers: the sidecar, unless native. */}}
+{{- define "egress-gateway.containers" -}}
+{{- if not .gateway.sidecar.native }}
+{{- include "egress-gateway.sidecarContainer" . }}
+{{- end }}
+{{- end }}
+
+{{- define "egress-gateway.volumes" -}}
+{{- include "egress-gateway.sidecarVolumes" . }}
+{{- end }}
+
+{{/*
+The TCP ports the sidecar connects to, as a JSON list: each target's base_url port (443
+for https, 80 for http unless written), Vault's and Redis' (from the values or the
+policy, with their defaults 8200 and 6379), and networkPolicy.extraPorts.
+*/}}
+{{- define "egress-gateway.egressPorts" -}}
+{{- $g := .gateway }}
+{{- $urls := list }}
+{{- $policy := dict }}
+{{- if not $g.policy.existingConfigMap }}
+{{- $policy = fromYaml $g.policy.content }}
+{{- end }}
+{{- range $name, $target := (default dict $policy.targets) }}
+{{- if kindIs "map" $target }}{{ $urls = append $urls (toString (default "" $target.base_url)) }}{{ end }}
+{{- end }}
+{{- $vault := dict }}
+{{- with $policy.secrets }}{{ with .vault }}{{ $vault = . }}{{ end }}{{ end }}
+{{- if $g.vault.address }}
+{{- $urls = append $urls $g.vault.address }}
+{{- else if $vault }}
+{{- $urls = append $urls (toString (default "http://127.0.0.1:8200" $vault.address)) }}
+{{- end }}
+{{- $ports := list }}
+{{- range $urls }}
+{{- $u := urlParse . }}
+{{- $port := regexFind "[0-9]+$" (regexFind ":[0-9]+$" $u.host) }}
+{{- if not $port }}{{ $port = ternary "443" "80" (eq $u.scheme "https") }}{{ end }}
+{{- $ports = append $ports ($port | int) }}
+{{- end }}
+{{- if or $g.redis.url $g.redis.urlSecret.name $policy.redis }}
+{{- $redisUrl := $g.redis.url }}
+{{- if and (not $redisUrl) $policy.redis }}{{ $redisUrl = toString (default "" $policy.redis.url) }}{{ end }}
+{{- $redisPort := "" }}
+{{- if $redisUrl }}{{ $redisPort = regexFind "[0-9]+$" (regexFind ":[0-9]+$" (urlParse $redisUrl).host) }}{{ end }}
+{{- $ports = append $ports (default "6379" $redisPort | int) }}
+{{- end }}
+{{- range $g.networkPolicy.extraPorts }}
+{{- $ports = append $ports (. | int) }}
+{{- end }}
+{{- $ports | uniq | sortAlpha | toJson }}
 {{- end }}

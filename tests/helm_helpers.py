@@ -1,0 +1,96 @@
+"""Rendering the Helm chart in tests: helm-python-sdk (Helm's own engine, no binary, no
+cluster) and kubernetes-validate in strict mode (an unknown field is an error), against
+every Kubernetes version the chart supports (Chart.yaml: kubeVersion >= 1.29)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "egress-gateway"
+#: The newest Kubernetes version the installed kubernetes-validate bundles schemas for.
+KUBE_VERSION = kubernetes_validate.latest_version()
+#: The supported range the issue fixes (1.29: native sidecars on by default; 1.33: GA).
+KUBE_VERSIONS = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
+
+Manifests = dict[str, list[Any]]
+
+
+def render(
+    chart: helm.Chart,
+    values: dict[str, Any] | None = None,
+    kube_versions: tuple[str, ...] = (KUBE_VERSION,),
+) -> Manifests:
+    """Render and return {template file: [manifest, ...]}, each manifest strictly valid
+    for every version of ``kube_versions``."""
+    out = chart.render(values, name="demo", namespace="agents")
+    manifests: Manifests = {}
+    for path, text in out.items():
+        if not path.endswith(".yaml"):
+            continue
+        docs = [d for d in yaml.safe_load_all(text) if d]
+        for doc in docs:
+            for version in kube_versions:
+                kubernetes_validate.validate(doc, version, strict=True)
+        manifests[Path(path).name] = docs
+    return manifests
+
+
+def kinds(manifests: Manifests) -> list[str]:
+    return sorted(d["kind"] for docs in manifests.values() for d in docs)
+
+
+def only(manifests: Manifests, kind: str) -> dict[str, Any]:
+    found = [d for docs in manifests.values() for d in docs if d["kind"] == kind]
+    assert len(found) == 1, kinds(manifests)
+    return found[0]
+
+
+def pod_spec(manifests: Manifests) -> dict[str, Any]:
+    spec: dict[str, Any] = only(manifests, "Deployment")["spec"]["template"]["spec"]
+    return spec
+
+
+def container(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    found = [c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == name]
+    assert len(found) == 1, [c["name"] for c in spec["containers"] + spec.get("initContainers", [])]
+    return found[0]
+
+
+def sidecar(spec: dict[str, Any]) -> dict[str, Any]:
+    return container(spec, "egress-gateway")
+
+
+def init_names(spec: dict[str, Any]) -> list[str]:
+    return [c["name"] for c in spec.get("initContainers", [])]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def agent_chart(parent: Path, values: dict[str, Any], deployment: str) -> Path:
+    """An agent's chart at ``parent`` that depends on this chart (copied to charts/), with
+    ``values`` and its own ``deployment`` template; returns its path."""
+    (parent / "templates").mkdir(parents=True)
+    shutil.copytree(CHART, parent / "charts" / "egress-gateway")
+    (parent / "Chart.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v2",
+                "name": "planner",
+                "version": "1.0.0",
+                "appVersion": "1.0.0",
+                "dependencies": [{"name": "egress-gateway", "version": "0.1.0", "repository": ""}],
+            }
+        )
+    )
+    (parent / "values.yaml").write_text(yaml.safe_dump(values))
+    (parent / "templates" / "deployment.yaml").write_text(deployment)
+    return parent
