@@ -33,7 +33,10 @@ from egress_client.sse import ServerSentEvent
 #: The sidecar's calls listener by default (its README, "Running it"); the sidecar's own
 #: ``egress-gateway call`` reads the same variable.
 DEFAULT_BASE_URL: Final = "http://127.0.0.1:8181"
-BASE_URL_ENV: Final = "GATEWAY_URL"
+#: Where the sidecar is: the variable the Helm chart sets for the agent, then the older
+#: name the CLI used to read (still honoured).
+BASE_URL_ENV: Final = "EGRESS_GATEWAY_URL"
+LEGACY_BASE_URL_ENV: Final = "GATEWAY_URL"
 CALLS_PATH: Final = "/v1/calls"
 #: The type of the sidecar's last event on a stream (design: "Streaming to the agent").
 FINAL_EVENT: Final = "egress.response"
@@ -59,7 +62,12 @@ class CallOptions(TypedDict, total=False):
 
 
 def base_url(given: str | None) -> str:
-    return (given or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL).rstrip("/")
+    return (
+        given
+        or os.environ.get(BASE_URL_ENV)
+        or os.environ.get(LEGACY_BASE_URL_ENV)
+        or DEFAULT_BASE_URL
+    ).rstrip("/")
 
 
 def build_request(
