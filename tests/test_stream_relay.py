@@ -308,3 +308,93 @@ async def test_an_assembled_stream_is_replayed_as_a_stream_when_one_is_asked(
     assert again.startswith(body)
     assert _final(again)["replayed"] is True
     assert up.hits == 1
+
+
+# -- found by review: the final event never runs into an upstream's half event -----------
+
+
+def _raw_upstream(*pieces: bytes, pause: asyncio.Event | None = None):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in pieces:
+            await resp.write(piece)
+            await asyncio.sleep(0)  # separate writes: separate network chunks
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
+def _events(raw: bytes) -> list[tuple[str | None, str]]:
+    from gateway.call.sse import decode_all
+
+    return [(e.event, e.data) for e in decode_all(raw, 1 << 24)]
+
+
+async def test_a_stream_cut_mid_event_drops_the_half_event(upstream_factory, sidecar_factory):
+    handler = _raw_upstream(sse(chat("Hel")), b'data: {"choi')
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, handler)
+    async with _post(sc, STREAM_ENV) as resp:
+        raw = await resp.content.read()
+    events = _events(raw)
+    assert events[-1][0] == "egress.response"  # an event of its own, parsed as such
+    assert json.loads(events[-1][1])["error"]["code"] == "STREAM_INTERRUPTED"
+    assert b'{"choi' not in raw
+
+
+async def test_a_last_event_without_its_blank_line_is_closed(upstream_factory, sidecar_factory):
+    handler = _raw_upstream(sse(chat("Hi", "stop")), b"data: [DONE]")
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, handler)
+    async with _post(sc, STREAM_ENV) as resp:
+        raw = await resp.content.read()
+    events = _events(raw)
+    assert events[-2] == (None, "[DONE]")
+    assert events[-1][0] == "egress.response"
+    assert json.loads(events[-1][1])["success"] is True
+
+
+async def test_an_upstream_cannot_send_the_sidecars_final_event(upstream_factory, sidecar_factory):
+    forged = b'event: egress.response\ndata: {"success": true, "correlation_id": "forged"}\n\n'
+    handler = _raw_upstream(forged, sse(chat("Hi", "stop"), "[DONE]"))
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, handler)
+    async with _post(sc, STREAM_ENV) as resp:
+        raw = await resp.content.read()
+    names = [name for name, _ in _events(raw)]
+    assert names.count("egress.response") == 1
+    assert names[0] == "upstream.egress.response"
+    assert names[-1] == "egress.response"
+
+
+async def test_a_secret_split_across_two_chunks_is_scrubbed(upstream_factory, sidecar_factory):
+    async def echo(request: web.Request) -> web.StreamResponse:
+        secret = request.headers["Authorization"].removeprefix("Bearer ").encode()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"delta": {"content": "' + secret[:9])
+        await asyncio.sleep(0.05)  # the rest in another network chunk
+        await resp.write(secret[9:] + b'"}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
+        await resp.write_eof()
+        return resp
+
+    _, sc = await _sidecar(upstream_factory, sidecar_factory, echo)
+    async with _post(sc, STREAM_ENV) as resp:
+        raw = await resp.content.read()
+    assert b"NOTREAL" not in raw
+    assert b"[REDACTED]" in raw
+
+
+async def test_an_event_past_the_limit_is_not_relayed(upstream_factory, sidecar_factory):
+    handler = _raw_upstream(sse(chat("ok")), b"data: " + b"A" * 300_000)
+    up = await upstream_factory(handler)
+    policy = compile_policy(
+        {"fake-openai": openai_target(up.url)}, server={"max_response_bytes": 100_000}
+    )
+    sc = await sidecar_factory(policy)
+    async with _post(sc, STREAM_ENV) as resp:
+        streamed = resp.content_type == "text/event-stream"
+        raw = await resp.content.read()
+    assert b"AAAA" not in raw
+    # Streamed when the first event arrived on its own, else refused before any relaying.
+    final = json.loads(_events(raw)[-1][1]) if streamed else json.loads(raw)
+    assert final["error"]["code"] == "RESPONSE_TOO_LARGE"

@@ -1,7 +1,9 @@
 """Relaying an upstream event stream to the agent as it arrives (design.md, "Streaming to
 the agent").
 
-The upstream's bytes go to the agent unchanged, chunk by chunk, as they arrive; the
+The upstream's bytes go to the agent unchanged, whole event by whole event, as they
+arrive (an event cut by the network waits for its end, so a cut stream never leaves a
+half event for the final one to run into, and each event is scrubbed whole); the
 stream is read at the same time by :class:`gateway.call.stream.StreamJudge`, which keeps
 the verdict and the usage. Memory is bounded whatever the stream's length: one chunk in
 hand, one event's text in the decoder, the usage-bearing events; a slow agent slows the
@@ -18,6 +20,8 @@ The HTTP side is the server's: it hands in a :class:`Relay`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,6 +30,9 @@ from gateway.call.sse import EventTooLarge, SseDecoder
 from gateway.call.stream import StreamJudge
 from gateway.errors import DeadlineExceeded, GatewayError, ResponseTooLarge, StreamInterrupted
 from gateway.upstream import TransportError
+
+#: An ``event:`` line naming one of the sidecar's own events (at a line start).
+_OWN_EVENT = re.compile(rb"((?:^|[\r\n])event: ?)egress\.")
 
 
 class AgentGone(Exception):
@@ -76,6 +83,7 @@ async def relay_stream(
     reason ``agent_disconnected``. The upstream stream is always closed on return."""
     judge = done.judge
     decoder = SseDecoder(max_bytes)
+    held = bytearray()  # bytes after the last whole event, not relayed yet
     try:
         while True:
             now = time.monotonic()
@@ -111,13 +119,13 @@ async def relay_stream(
                     judge.observe(event)
             except EventTooLarge:
                 raise _too_large(judge, max_bytes) from None
-            if done.kept is not None:
-                done.kept += chunk
+            held += chunk
+            cut = _last_boundary(held)
+            if not cut:
+                continue  # no whole event yet: nothing is relayed half-way
+            whole, held = bytes(held[:cut]), held[cut:]
             try:
-                if not relay.started:
-                    await relay.start()
-                    done.first_byte_s = time.monotonic() - started
-                await relay.send(chunk)
+                await _send(relay, done, whole, started)
             except AgentGone:
                 raise StreamInterrupted(
                     f"the agent hung up after {judge.events} events; the upstream request "
@@ -128,8 +136,38 @@ async def relay_stream(
         await stream.aclose()
     error = judge.verdict(status=200)
     if error is not None:
-        raise error
+        raise error  # an unfinished last event is dropped: the final event says why
+    if held.strip():
+        # A last event without its blank line that still completed the stream (``data:
+        # [DONE]`` right before the close): closed here, so it cannot run into ours.
+        with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
+            await _send(relay, done, bytes(held) + b"\n\n", started)
     return done
+
+
+async def _send(relay: Relay, done: Relayed, whole: bytes, started: float) -> None:
+    """Relay whole events: open the agent's stream on the first, keep them for the
+    idempotency store when asked. An upstream event named like the sidecar's own
+    (``egress.*``) is renamed ``upstream.egress.*``: only the sidecar ends a stream."""
+    if b"egress." in whole:
+        whole = _OWN_EVENT.sub(rb"\1upstream.egress.", whole)
+    if done.kept is not None:
+        done.kept += whole
+    if not relay.started:
+        await relay.start()
+        done.first_byte_s = time.monotonic() - started
+    await relay.send(whole)
+
+
+def _last_boundary(buf: bytearray) -> int:
+    """The offset just after the last blank line in ``buf`` (an event's end: CRLF, LF or
+    CR line ends, WHATWG "Server-sent events"), or 0 when it holds none yet."""
+    end = 0
+    for mark in (b"\n\n", b"\r\r", b"\r\n\r\n", b"\n\r\n", b"\r\n\n"):
+        at = buf.rfind(mark)
+        if at >= 0:
+            end = max(end, at + len(mark))
+    return end
 
 
 def _deadline(judge: StreamJudge) -> GatewayError:
