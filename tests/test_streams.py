@@ -357,3 +357,30 @@ def test_gemini_json_array_streams_are_judged_too(items: list[Any], code: str | 
     assert (error.code.value if error else None) == code
     if error is not None:
         assert data == items
+
+
+async def test_a_stream_whose_connection_breaks_is_stream_interrupted(
+    upstream_factory, sidecar_factory
+):
+    """Found by review: a reset mid-stream was DEPENDENCY_FAILED, 'could not be reached'."""
+
+    async def reset(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await resp.write(sse(chat("Hel")))
+        assert request.transport is not None
+        request.transport.abort()  # no last chunk: the framing breaks
+        return resp
+
+    up = await upstream_factory(reset)
+    target = openai_target(up.url, endpoints=[{"path": "/v1/**", "methods": ["POST", "PUT"]}])
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    status, answer = await sc.call(
+        envelope(method="PUT", parameters={"model": "m", "stream": True}, max_retries=0)
+    )
+    assert status == 502, answer
+    assert answer["error"]["code"] == "STREAM_INTERRUPTED"
+    assert answer["error"]["details"]["reason"] == "reset"
+    assert answer["status_code"] == 200
+    assert answer["data"]["content"] == "Hel"

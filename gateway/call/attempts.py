@@ -162,6 +162,7 @@ class Attempts:
                     answer.content_type,
                     answer.body,
                     answer.status,
+                    cut=answer.cut,
                 )
                 if judged is None:
                     return answer

@@ -108,20 +108,38 @@ class StreamJudge:
 
 
 def judge_body(
-    provider: str, target: str, content_type: str | None, body: bytes, status: int
+    provider: str,
+    target: str,
+    content_type: str | None,
+    body: bytes,
+    status: int,
+    *,
+    cut: bool = False,
 ) -> tuple[GatewayError | None, Any]:
     """Judge a whole answer ``body``: ``(error or None, its data)``. Only an SSE body is
     judged (its data is the SSE form of :func:`gateway.call.bodies.parse_sse`); any other
     body gives ``(None, None)`` and is parsed by the caller as usual."""
-    if not body:
+    if not body and not cut:
         return None, None
     mtype = media_type(content_type)
     judge = StreamJudge(provider, target)
     data: Any
+    if cut and mtype != "text/event-stream":  # pragma: no cover - only streams are cut
+        return None, None
     if mtype == "text/event-stream":
         for event in decode_all(body, len(body) + 1):
             judge.observe(event)
         error = judge.verdict(status=status)
+        # The connection broke: cut, unless the provider's terminal marker had arrived
+        # (targets without a dialect are judged by framing, and this framing failed).
+        if error is None and cut and (provider not in DIALECTS or not judge.complete):
+            error = StreamInterrupted(
+                f"the stream from target {target!r} was cut after {judge.events} events "
+                "(the connection broke)",
+                details={"reason": "reset", "target": target, "events": judge.events},
+            )
+        elif cut and isinstance(error, StreamInterrupted):
+            error.details["reason"] = "reset"  # more than no marker: the connection broke
         data = parse_sse(body) if error is not None else None
     elif provider == "gemini" and body[:1] == b"[" and is_json_type(mtype):
         # streamGenerateContent without alt=sse: a JSON array of chunks, judged as one

@@ -254,7 +254,11 @@ class Upstream:
                                 body = None
                             state.sent = False
                             continue
-                    content = await self._read(resp, url)
+                    cut = False
+                    try:
+                        content = await self._read(resp, url)
+                    except _CutStream as partial:
+                        content, cut = partial.body, True
                     return UpstreamResponse(
                         status=resp.status,
                         reason=resp.reason or "",
@@ -262,6 +266,7 @@ class Upstream:
                         content_type=resp.headers.get("Content-Type"),
                         body=content,
                         elapsed_s=time.monotonic() - started,
+                        cut=cut,
                     )
             except aiohttp.ClientError as exc:
                 raise _translate(exc, url, state.sent, request.target.name) from None
@@ -348,11 +353,26 @@ class Upstream:
                 # past the limit, so it is counted chunk by chunk below.
                 return await resp.read()
         buf = bytearray()
-        async for chunk in resp.content.iter_chunked(_READ_CHUNK):
-            buf += chunk
-            if len(buf) > limit:
-                raise _too_large(url, limit, resp.status)
+        try:
+            async for chunk in resp.content.iter_chunked(_READ_CHUNK):
+                buf += chunk
+                if len(buf) > limit:
+                    raise _too_large(url, limit, resp.status)
+        except aiohttp.ClientPayloadError:
+            if resp.status < 300 and _is_event_stream(resp):
+                # A 2xx stream cut mid-way: what arrived is its answer, judged by its
+                # events (STREAM_INTERRUPTED), not a failure to reach the upstream.
+                raise _CutStream(bytes(buf)) from None
+            raise
         return bytes(buf)
+
+
+class _CutStream(Exception):
+    """A 2xx event stream whose connection broke while it was read; ``body`` arrived."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__("stream cut")
+        self.body = body
 
 
 def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:

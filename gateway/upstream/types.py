@@ -79,3 +79,5 @@ class UpstreamResponse:
     #: With ``Upstream.send(stream=True)``, a 2xx event stream still to be read (its
     #: ``body`` is then empty): an :class:`gateway.upstream.client.UpstreamStream`.
     stream: Any = None
+    #: True when ``body`` is a 2xx event stream whose connection broke mid-way.
+    cut: bool = False
