@@ -11,7 +11,9 @@ key ``usage`` (``none`` reads nothing). The call path uses only the functions be
 * :func:`exhausted_holds`: rate-limit resets the answer's headers report, in any dialect;
 * :func:`error_hint`: what an error answer says about retrying it, by the target's
   dialect (quota and credit errors) and ``x-should-retry`` (any target);
-* :func:`estimate_tokens`: the token reservation for a request body.
+* :func:`estimate_tokens`: the token reservation for a request body;
+* :func:`genai_call` and :func:`response_model`: a call and its answer as the
+  OpenTelemetry GenAI semantic conventions describe them (provider, operation, models).
 """
 
 from __future__ import annotations
@@ -22,19 +24,29 @@ from typing import Any, Final
 
 from gateway import fastjson
 from gateway.providers import anthropic, gemini, openai
-from gateway.providers.base import Dialect, ErrorHint, TokenUsage, Verdict, should_retry_header
+from gateway.providers.base import (
+    Dialect,
+    ErrorHint,
+    GenAICall,
+    TokenUsage,
+    Verdict,
+    should_retry_header,
+)
 
 __all__ = [
     "DIALECTS",
     "PROMPT_BYTES_PER_TOKEN",
     "Dialect",
     "ErrorHint",
+    "GenAICall",
     "TokenUsage",
     "delta_text",
     "error_hint",
     "estimate_tokens",
     "exhausted_holds",
     "extract_usage",
+    "genai_call",
+    "response_model",
 ]
 
 DIALECTS: Final[Mapping[str, Dialect]] = {
@@ -122,3 +134,34 @@ def estimate_tokens(parameters: Mapping[str, Any]) -> int:
         else:
             prompt_bytes += len(fastjson.compact(value, default=str))
     return output + math.ceil(prompt_bytes / PROMPT_BYTES_PER_TOKEN)
+
+
+def genai_call(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> GenAICall | None:
+    """The GenAI description of a call to ``endpoint`` on a target of dialect ``provider``
+    (its policy key ``usage``); None when the target has no dialect or the endpoint is
+    not a model call (``GET /v1/models``, a file upload)."""
+    dialect = DIALECTS.get(provider)
+    if dialect is None:
+        return None
+    operation = dialect.operation(endpoint)
+    if operation is None:
+        return None
+    return GenAICall(
+        dialect.provider_name,
+        operation,
+        dialect.request_model(endpoint, parameters),
+        dialect.cached_outside_input,
+    )
+
+
+def response_model(provider: str, data: Any) -> str | None:
+    """The model an answer says it came from: ``data`` is a parsed body, the SSE shape of
+    :func:`gateway.call.bodies.parse_sse`, or a list of parsed stream events."""
+    dialect = DIALECTS.get(provider)
+    if dialect is None or data is None:
+        return None
+    if isinstance(data, dict) and data.get("content_type") == "text/event-stream":
+        data = data.get("events") or []
+    if isinstance(data, list):  # stream events, or Gemini's JSON array of chunks
+        return next((m for e in data if (m := dialect.response_model(e)) is not None), None)
+    return dialect.response_model(data)

@@ -41,6 +41,7 @@ from gateway.providers.base import (
     count,
     error_object,
     failure,
+    model_name,
     number,
     positive_cap,
     text_of,
@@ -183,6 +184,31 @@ def error_hint(status: int, headers: Mapping[str, str], body: Any) -> ErrorHint 
     return None
 
 
+def operation(endpoint: str) -> str | None:
+    """``chat`` for the Messages API, ``text_completion`` for the legacy completions."""
+    path = endpoint.rstrip("/")
+    if path.endswith("/messages"):
+        return "chat"
+    return "text_completion" if path.endswith("/complete") else None
+
+
+def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
+    """The body's ``model``."""
+    del endpoint
+    return model_name(parameters.get("model"))
+
+
+def response_model(data: Any) -> str | None:
+    """``model`` of a Messages answer, or ``message.model`` of a stream's
+    ``message_start`` event."""
+    if not isinstance(data, dict):
+        return None
+    message = data.get("message")
+    if isinstance(message, dict):
+        return model_name(message.get("model"))
+    return model_name(data.get("model"))
+
+
 DIALECT: Final = Dialect(
     name="anthropic",
     usage=usage,
@@ -194,4 +220,9 @@ DIALECT: Final = Dialect(
     error_hint=error_hint,
     stream_signal=stream_signal,
     usage_event=usage_event,
+    provider_name="anthropic",
+    operation=operation,
+    request_model=request_model,
+    response_model=response_model,
+    cached_outside_input=True,  # input_tokens excludes cache reads and writes
 )

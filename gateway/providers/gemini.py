@@ -41,6 +41,7 @@ from gateway.providers.base import (
     error_object,
     failure,
     last_reported,
+    model_name,
     positive_cap,
     text_of,
 )
@@ -169,6 +170,34 @@ def _duration_s(value: Any) -> float | None:
     return seconds if math.isfinite(seconds) else None
 
 
+#: ``models/{model}:{method}`` (or ``tunedModels/``) in a Gemini API path.
+_MODEL_METHOD = re.compile(r"/(?:tuned)?[mM]odels/([^/:]+):([A-Za-z]+)$")
+_OPERATIONS: Final = {
+    "generateContent": "generate_content",
+    "streamGenerateContent": "generate_content",
+    "embedContent": "embeddings",
+    "batchEmbedContents": "embeddings",
+}
+
+
+def operation(endpoint: str) -> str | None:
+    """``generate_content`` or ``embeddings`` by the path's method, else None."""
+    match = _MODEL_METHOD.search(endpoint)
+    return _OPERATIONS.get(match[2]) if match else None
+
+
+def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
+    """The model named in the path (``/v1beta/models/gemini-2.0-flash:generateContent``)."""
+    del parameters
+    match = _MODEL_METHOD.search(endpoint)
+    return model_name(match[1]) if match else None
+
+
+def response_model(data: Any) -> str | None:
+    """``modelVersion`` of an answer or of one stream chunk."""
+    return model_name(data.get("modelVersion")) if isinstance(data, dict) else None
+
+
 DIALECT: Final = Dialect(
     name="gemini",
     usage=usage,
@@ -178,4 +207,8 @@ DIALECT: Final = Dialect(
     stream_signal=stream_signal,
     usage_event=usage_event,
     error_hint=error_hint,
+    provider_name="gcp.gemini",
+    operation=operation,
+    request_model=request_model,
+    response_model=response_model,
 )
