@@ -27,6 +27,8 @@ breaker_transitions_total              counter    target, to
 secret_cache_total                     counter    result (hit|miss|stale)
 policy_reloads_total                   counter    result (ok|error)
 inflight_calls                         gauge      (none)
+audit_write_failures_total             counter    (none)
+secrets_ready                          gauge      (none): 1 usable, 0 Vault without a token
 build_info                             gauge      version, python (always 1)
 policy_info                            gauge      agent_id, digest (always 1)
 =====================================  =========  ======================================
@@ -65,7 +67,7 @@ base units, ``_total`` for counters, ``_seconds`` for durations.
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from prometheus_client import (
@@ -79,7 +81,9 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 import gateway
 from gateway.envelope import ErrorCode
@@ -228,6 +232,14 @@ class Metrics:
             "Time to receive the first chunk of a streamed answer, from the call's start.",
             list(_GENAI), registry=r, buckets=FIRST_CHUNK_BUCKETS_S,
         )  # fmt: skip
+        self._watched = _Watched()
+        r.register(self._watched)
+        # Label values known in advance start at 0, so that rate() and alerts see a series
+        # before the first event (Prometheus "avoid missing metrics").
+        for result in sorted(_CACHE_RESULTS):
+            self._child(self.secret_cache, result)
+        for ok in ("ok", "error"):
+            self._child(self.policy_reloads, ok)
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -262,6 +274,11 @@ class Metrics:
             self.breaker_state.labels(new).set(BREAKER_STATE_VALUES["closed"])
         self._targets = targets
         self._groups = frozenset(groups)
+        for target in targets:
+            self._child(self.retries, target)
+        for group in self._groups:
+            self._child(self.ratelimit_rejections, group)
+            self._child(self.ratelimit_wait, group)
 
     def _child(self, metric: Counter | Histogram, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: prometheus-client validates the values
@@ -402,6 +419,14 @@ class Metrics:
         result: ReloadResult = "ok" if ok else "error"
         self._child(self.policy_reloads, result).inc()
 
+    def watch(
+        self, *, audit_failures: Callable[[], int], secrets_ready: Callable[[], bool]
+    ) -> None:
+        """Read, at each scrape, the audit sink's write failures so far and whether the
+        secret store is usable (``/readyz``'s ``secrets`` check)."""
+        self._watched.audit_failures = audit_failures
+        self._watched.secrets_ready = secrets_ready
+
     # --- exposition -----------------------------------------------------------------------
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
@@ -412,3 +437,24 @@ class Metrics:
         """
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
+
+
+class _Watched(Collector):
+    """Values the sidecar holds elsewhere, read when scraped."""
+
+    def __init__(self) -> None:
+        self.audit_failures: Callable[[], int] = lambda: 0
+        self.secrets_ready: Callable[[], bool] = lambda: True
+
+    def collect(self) -> Iterator[Metric]:
+        failures = CounterMetricFamily(
+            f"{NAMESPACE}_audit_write_failures",
+            "Audit lines the audit file sink could not write (disk full, unwritable path).",
+        )
+        failures.add_metric([], self.audit_failures())
+        yield failures
+        yield GaugeMetricFamily(
+            f"{NAMESPACE}_secrets_ready",
+            "1 when the secret store is usable (no Vault, or Vault with a valid token), else 0.",
+            value=1 if self.secrets_ready() else 0,
+        )

@@ -188,7 +188,7 @@ def test_registries_are_isolated_from_each_other_and_the_global_one() -> None:
     a.observe_retry("openai")
 
     assert value(a, "egress_gateway_retries_total", target="openai") == 1
-    assert value(b, "egress_gateway_retries_total", target="openai") is None
+    assert value(b, "egress_gateway_retries_total", target="openai") == 0  # known: starts at 0
     assert not [n for n in REGISTRY._names_to_collectors if n.startswith("egress_gateway")]
 
 
@@ -330,3 +330,27 @@ async def test_a_model_call_feeds_the_genai_metrics(
     (info,) = series(m, "egress_gateway_policy_info")
     assert info["agent_id"] == "test-agent"
     assert len(info["digest"]) == 16
+
+
+def test_known_label_values_start_at_zero(m: Metrics) -> None:
+    # rate() and alerts need a series before the first event.
+    assert value(m, "egress_gateway_ratelimit_rejections_total", group="llm") == 0
+    assert value(m, "egress_gateway_retries_total", target="slack") == 0
+    assert value(m, "egress_gateway_secret_cache_total", result="stale") == 0
+    assert value(m, "egress_gateway_policy_reloads_total", result="error") == 0
+    assert value(m, "egress_gateway_audit_write_failures_total") == 0
+    assert value(m, "egress_gateway_secrets_ready") == 1
+
+
+async def test_audit_write_failures_are_counted(
+    sidecar_factory: Any, upstream: Any, tmp_path: Any
+) -> None:
+    # /dev/full opens, and every write to it fails with ENOSPC: a full disk.
+    policy = compile_policy(
+        {"fake-openai": openai_target(upstream.url)}, audit={"sink": "file", "path": "/dev/full"}
+    )
+    sidecar = await sidecar_factory(policy)
+    for _ in range(3):
+        assert (await sidecar.call(envelope()))[0] == 200
+    assert value(sidecar.gateway.metrics, "egress_gateway_audit_write_failures_total") == 3
+    assert value(sidecar.gateway.metrics, "egress_gateway_secrets_ready") == 1

@@ -161,6 +161,11 @@ class Gateway:
         self.metrics.set_known(
             self.policy.targets, policy.rate_limit_groups, **_labels(self.policy)
         )
+        audit_log, resolvers = self.audit, self.pipeline.resolvers
+        self.metrics.watch(
+            audit_failures=lambda: audit_log.write_failures,
+            secrets_ready=lambda: secrets_ready(resolvers),
+        )
         _log.info(
             "sidecar_started",
             policy=self.policy.source,
