@@ -19,9 +19,10 @@ RUN python -m venv /opt/venv
 
 # Dependencies in their own layer: it is rebuilt only when pyproject.toml changes, not on
 # every source edit. The list is read from [project.dependencies] plus the optional `fast`
-# extra (uvloop, orjson: less CPU per call), the one place they live.
+# extra (uvloop, orjson: less CPU per call) and `otel` (traces; imported only when on),
+# the one place they live.
 COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['fast']))" > /tmp/requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['fast'] + p['optional-dependencies']['otel']))" > /tmp/requirements.txt \
     && pip install --requirement /tmp/requirements.txt
 
 # The project itself, built as a wheel and installed without touching the dependencies.
