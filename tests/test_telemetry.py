@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -411,3 +412,26 @@ async def test_noop_trace_passes_the_send_through(upstream: FakeUpstream) -> Non
     with pytest.raises(ValueError, match="boom"), trace.span(telemetry.CREDENTIAL_RESOLVE, "env"):
         raise ValueError("boom")
     await asyncio.sleep(0)
+
+
+def test_without_the_sdk_tracing_stays_off_and_says_so(tmp_path: Path) -> None:
+    # An import hook that hides opentelemetry, as in an image built without the extra.
+    code = (
+        "import sys, io\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'opentelemetry':\n"
+        "            raise ImportError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "from gateway import audit, telemetry\n"
+        "audit.configure_logging(sys.stdout)\n"
+        "t = telemetry.start(None, {'OTEL_EXPORTER_OTLP_ENDPOINT': 'http://c:4318'})\n"
+        "assert t is telemetry.NO_TELEMETRY\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )  # fmt: skip
+    (line,) = [json.loads(x) for x in out.stdout.splitlines() if x.strip()]
+    assert line["event"] == "tracing_unavailable"
+    assert "otel extra" in line["reason"]

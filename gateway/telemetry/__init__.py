@@ -165,10 +165,21 @@ def tracing_settings(
 
 def start(spec: TelemetrySpec | None, environ: Mapping[str, str]) -> Telemetry:
     """Tracing as configured: :data:`NO_TELEMETRY` when off, else an exporting
-    :class:`Telemetry` (imports the OpenTelemetry SDK). Close it with ``aclose``."""
+    :class:`Telemetry` (imports the OpenTelemetry SDK; without the ``otel`` extra an
+    error line is logged and tracing stays off). Close it with ``aclose``."""
     settings = tracing_settings(spec, environ)
     if settings is None:
         return NO_TELEMETRY
-    from gateway.telemetry.otel import OtelTelemetry
+    try:
+        from gateway.telemetry.otel import OtelTelemetry
+    except ImportError as exc:
+        # Observability must not take the data path down: the calls still go, untraced.
+        from gateway.audit import get_logger
 
+        get_logger("gateway.telemetry").error(
+            "tracing_unavailable",
+            reason=f"{exc.name or 'opentelemetry'} is not installed (the otel extra)",
+            note="calls are served without traces",
+        )
+        return NO_TELEMETRY
     return OtelTelemetry(settings)
