@@ -27,7 +27,38 @@ breaker_transitions_total              counter    target, to
 secret_cache_total                     counter    result (hit|miss|stale)
 policy_reloads_total                   counter    result (ok|error)
 inflight_calls                         gauge      (none)
+audit_write_failures_total             counter    (none)
+secrets_ready                          gauge      (none): 1 usable, 0 Vault without a token
+build_info                             gauge      version, python (always 1)
+policy_info                            gauge      agent_id, digest (always 1)
 =====================================  =========  ======================================
+
+The OpenTelemetry GenAI client metrics (semantic conventions 1.44.0, "Development"; see
+:mod:`gateway.telemetry.genai`), named as the OpenTelemetry-to-Prometheus translation
+names them (dots to underscores, the unit ``s`` as ``_seconds``, ``{token}`` dropped),
+so dashboards made for other GenAI gateways work here too; one observation per model
+call (replays are not operations), for targets with a ``usage`` dialect and a model
+endpoint:
+
+===================================================  =========  ========================
+name                                                 type       labels
+===================================================  =========  ========================
+gen_ai_client_token_usage                            histogram  operation, provider,
+                                                                request and response
+                                                                model, token_type
+gen_ai_client_operation_duration_seconds             histogram  the same less token
+                                                                type, plus error_type
+gen_ai_client_operation_time_to_first_chunk_seconds  histogram  operation, provider,
+                                                                request model (streams)
+===================================================  =========  ========================
+
+(label names ``gen_ai_operation_name``, ``gen_ai_provider_name``, ``gen_ai_request_model``,
+``gen_ai_response_model``, ``gen_ai_token_type``, ``error_type``). Model labels are
+bounded: a model the policy's ``telemetry.models`` lists (an exact name, or a
+``prefix*`` whose first :data:`MAX_PREFIXED_MODELS` matches are kept) is its own value,
+any other ``_other``; no model at all is ``_none``. The standard ``process_*`` and
+``python_*`` collectors are registered too; ``_created`` series are not exported (they
+double the series count and no dashboard reads them).
 
 Naming follows the Prometheus guide (https://prometheus.io/docs/practices/naming/):
 base units, ``_total`` for counters, ``_seconds`` for durations.
@@ -35,22 +66,44 @@ base units, ``_total`` for counters, ``_seconds`` for durations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import platform
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
+import gateway
 from gateway.envelope import ErrorCode
 
 if TYPE_CHECKING:
     from gateway.breaker import BreakerState
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide; this module owns it
 
 NAMESPACE: Final = "egress_gateway"
 #: Label value for a target or group the current policy does not define.
 UNKNOWN_LABEL: Final = "_unknown"
 #: ``code`` label of a successful call (every failure carries an ErrorCode).
 OK_CODE: Final = "OK"
+
+#: Model label of a model the policy's ``telemetry.models`` does not name, and of none.
+OTHER_MODEL: Final = "_other"
+NO_MODEL: Final = "_none"
+#: Distinct models a ``prefix*`` entry may add as label values (the rest are ``_other``).
+MAX_PREFIXED_MODELS: Final = 50
 
 Outcome = Literal["success", "error", "replay"]
 CacheResult = Literal["hit", "miss", "stale"]
@@ -74,6 +127,13 @@ CALL_BUCKETS_S: Final = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
 WAIT_BUCKETS_S: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# The GenAI metrics' explicit bucket advice (semantic conventions, gen-ai-metrics).
+TOKEN_BUCKETS: Final = tuple(float(4**i) for i in range(14))  # 1 .. 67,108,864
+OPERATION_BUCKETS_S: Final = tuple(0.01 * 2**i for i in range(14))  # 0.01 .. 81.92
+FIRST_CHUNK_BUCKETS_S: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+_GENAI: Final = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model")
 
 
 class Metrics:
@@ -89,6 +149,9 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._targets: frozenset[str] = frozenset()
         self._groups: frozenset[str] = frozenset()
+        self._models: frozenset[str] = frozenset()
+        self._model_prefixes: tuple[str, ...] = ()
+        self._prefixed_seen: set[str] = set()
         self._children: dict[tuple[Counter | Histogram, tuple[str, ...]], Any] = {}
         r = self.registry
         self.calls = Counter(
@@ -145,16 +208,65 @@ class Metrics:
             "inflight_calls", "Calls currently inside the sidecar.",
             namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        self.build_info = Info(
+            "build", "The sidecar's version and the Python that runs it.",
+            namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.build_info.info({"version": gateway.__version__, "python": platform.python_version()})
+        self.policy_info = Info(
+            "policy", "The policy in force: its agent_id and a digest of its content.",
+            namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.token_usage = Histogram(
+            "gen_ai_client_token_usage", "Number of input and output tokens used.",
+            [*_GENAI, "gen_ai_response_model", "gen_ai_token_type"],
+            registry=r, buckets=TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.operation_duration = Histogram(
+            "gen_ai_client_operation_duration_seconds", "GenAI operation duration.",
+            [*_GENAI, "gen_ai_response_model", "error_type"],
+            registry=r, buckets=OPERATION_BUCKETS_S,
+        )  # fmt: skip
+        self.first_chunk = Histogram(
+            "gen_ai_client_operation_time_to_first_chunk_seconds",
+            "Time to receive the first chunk of a streamed answer, from the call's start.",
+            list(_GENAI), registry=r, buckets=FIRST_CHUNK_BUCKETS_S,
+        )  # fmt: skip
+        self._watched = _Watched()
+        r.register(self._watched)
+        # Label values known in advance start at 0, so that rate() and alerts see a series
+        # before the first event (Prometheus "avoid missing metrics").
+        for result in sorted(_CACHE_RESULTS):
+            self._child(self.secret_cache, result)
+        for ok in ("ok", "error"):
+            self._child(self.policy_reloads, ok)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
 
     # --- label hygiene --------------------------------------------------------------------
 
-    def set_known(self, targets: Iterable[str], groups: Iterable[str]) -> None:
-        """Set the target and rate-limit group names of the policy now in force.
+    def set_known(
+        self,
+        targets: Iterable[str],
+        groups: Iterable[str],
+        *,
+        models: Sequence[str] = (),
+        agent_id: str | None = None,
+        digest: str | None = None,
+    ) -> None:
+        """Set the target, rate-limit group and model names of the policy now in force
+        (``models``: the policy's ``telemetry.models``, exact names or ``prefix*``), and
+        with ``agent_id`` and ``digest`` the ``policy_info`` gauge.
 
         Call at start-up and after each successful reload. Targets new to the policy get a
         ``breaker_state`` of 0 (closed); the breaker series of removed targets are dropped
         so a dashboard does not show a stale open breaker forever. Counters are kept.
         """
+        self._models = frozenset(m for m in models if not m.endswith("*"))
+        self._model_prefixes = tuple(m[:-1] for m in models if m.endswith("*"))
+        if agent_id is not None:
+            self.policy_info.info({"agent_id": agent_id, "digest": digest or ""})
         targets = frozenset(targets)
         for gone in self._targets - targets:
             self.breaker_state.remove(gone)
@@ -162,6 +274,11 @@ class Metrics:
             self.breaker_state.labels(new).set(BREAKER_STATE_VALUES["closed"])
         self._targets = targets
         self._groups = frozenset(groups)
+        for target in targets:
+            self._child(self.retries, target)
+        for group in self._groups:
+            self._child(self.ratelimit_rejections, group)
+            self._child(self.ratelimit_wait, group)
 
     def _child(self, metric: Counter | Histogram, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: prometheus-client validates the values
@@ -178,6 +295,19 @@ class Metrics:
 
     def _group(self, name: str) -> str:
         return name if name in self._groups else UNKNOWN_LABEL
+
+    def _model(self, name: str | None) -> str:
+        """A model's label value: named by the policy, else ``_other`` (``_none``: none)."""
+        if name is None:
+            return NO_MODEL
+        if name in self._models or name in self._prefixed_seen:
+            return name
+        if name.startswith(self._model_prefixes) and len(self._prefixed_seen) < (
+            MAX_PREFIXED_MODELS
+        ):
+            self._prefixed_seen.add(name)
+            return name
+        return OTHER_MODEL
 
     # --- recording ------------------------------------------------------------------------
 
@@ -224,6 +354,35 @@ class Metrics:
             if count is not None and count > 0:
                 self._child(self.tokens, target, kind).inc(count)
 
+    def observe_genai(
+        self,
+        operation: str,
+        provider: str,
+        request_model: str | None,
+        response_model: str | None,
+        *,
+        duration_s: float,
+        error_type: str | None = None,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        first_chunk_s: float | None = None,
+    ) -> None:
+        """Record one model call (the GenAI client metrics): its duration in seconds,
+        ``error_type`` (the answer's error code) when it failed, its token counts (input
+        with cached tokens, as the conventions count them; None: unknown, not recorded)
+        and, for a relayed stream, the seconds to its first chunk. ``operation`` and
+        ``provider`` come from the dialect (fixed values); the models are bounded."""
+        base = (operation, provider, self._model(request_model))
+        response = self._model(response_model)
+        self._child(self.operation_duration, *base, response, error_type or "").observe(
+            max(duration_s, 0.0)
+        )
+        for kind, count in (("input", input_tokens), ("output", output_tokens)):
+            if count is not None and count >= 0:
+                self._child(self.token_usage, *base, response, kind).observe(count)
+        if first_chunk_s is not None:
+            self._child(self.first_chunk, *base).observe(max(first_chunk_s, 0.0))
+
     def observe_retry(self, target: str) -> None:
         """Count one retry (an upstream attempt after the first)."""
         self._child(self.retries, self._target(target)).inc()
@@ -260,6 +419,14 @@ class Metrics:
         result: ReloadResult = "ok" if ok else "error"
         self._child(self.policy_reloads, result).inc()
 
+    def watch(
+        self, *, audit_failures: Callable[[], int], secrets_ready: Callable[[], bool]
+    ) -> None:
+        """Read, at each scrape, the audit sink's write failures so far and whether the
+        secret store is usable (``/readyz``'s ``secrets`` check)."""
+        self._watched.audit_failures = audit_failures
+        self._watched.secrets_ready = secrets_ready
+
     # --- exposition -----------------------------------------------------------------------
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
@@ -270,3 +437,24 @@ class Metrics:
         """
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
+
+
+class _Watched(Collector):
+    """Values the sidecar holds elsewhere, read when scraped."""
+
+    def __init__(self) -> None:
+        self.audit_failures: Callable[[], int] = lambda: 0
+        self.secrets_ready: Callable[[], bool] = lambda: True
+
+    def collect(self) -> Iterator[Metric]:
+        failures = CounterMetricFamily(
+            f"{NAMESPACE}_audit_write_failures",
+            "Audit lines the audit file sink could not write (disk full, unwritable path).",
+        )
+        failures.add_metric([], self.audit_failures())
+        yield failures
+        yield GaugeMetricFamily(
+            f"{NAMESPACE}_secrets_ready",
+            "1 when the secret store is usable (no Vault, or Vault with a valid token), else 0.",
+            value=1 if self.secrets_ready() else 0,
+        )

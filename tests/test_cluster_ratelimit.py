@@ -67,7 +67,10 @@ async def make_group(redis_prefix: str) -> AsyncIterator[MakeGroup]:
         fallbacks: list[str] | None = None,
         on_admit: Any = None,
     ) -> ClusterRateLimitGroup:
-        client = RedisClient(RedisSpec(key_prefix=redis_prefix), url=url)
+        # The bound's arithmetic is under test, not Redis timeouts: dozens of connections
+        # opened at once on a busy 2-core machine may take longer than the 0.5 s default.
+        spec_ = RedisSpec(key_prefix=redis_prefix, connect_timeout_s=5, socket_timeout_s=5)
+        client = RedisClient(spec_, url=url)
         on_fallback = fallbacks.append if fallbacks is not None else None
         limits = ClusterLimits(client, on_fallback=on_fallback)
         made.append((limits, client))

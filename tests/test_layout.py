@@ -55,6 +55,8 @@ OWNERS: dict[str, frozenset[str]] = {
     "orjson": frozenset({"gateway/fastjson.py"}),
     "uvloop": frozenset({"gateway/server/eventloop.py"}),
     "rich": frozenset({"gateway/audit/query/render.py"}),
+    # The SDK, the OTLP/HTTP exporter and the API: imported only when tracing is on.
+    "opentelemetry": frozenset({"gateway/telemetry/otel.py"}),
 }
 #: A program of its own beside the sidecar (its stand-in upstreams and console output):
 #: it may import what it needs, and nothing imports it.

@@ -144,6 +144,7 @@ FLOAT_KEYS = {
     "secrets.vault.timeout_s": "secrets: {vault: {timeout_s: @}}",
     "redis.socket_timeout_s": "redis: {socket_timeout_s: @}",
     "redis.connect_timeout_s": "redis: {connect_timeout_s: @}",
+    "telemetry.tracing.sample_ratio": "telemetry: {tracing: {sample_ratio: @}}",
 }
 
 #: Every bounded key with its upper bound (the named constant the model uses).
@@ -164,6 +165,7 @@ UPPER_BOUNDS = {
     "secrets.vault.timeout_s": d.MAX_VAULT_TIMEOUT_S,
     "redis.socket_timeout_s": d.MAX_REDIS_TIMEOUT_S,
     "redis.connect_timeout_s": d.MAX_REDIS_TIMEOUT_S,
+    "telemetry.tracing.sample_ratio": d.MAX_TRACE_SAMPLE_RATIO,
     "server.max_request_bytes": d.MAX_BODY_BYTES,
     "server.max_response_bytes": d.MAX_BODY_BYTES,
     "server.idempotency_max_entries": d.MAX_IDEMPOTENCY_ENTRIES,

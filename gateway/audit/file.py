@@ -45,6 +45,8 @@ class RotatingFile:
         self._fh: BinaryIO | None = None
         self._size = 0
         self._regular = False
+        #: Lines that could not be written (for the metrics: an audit sink failing).
+        self.failures = 0
         self._open()
 
     def _open(self) -> None:
@@ -73,6 +75,7 @@ class RotatingFile:
                 self._fh.flush()
                 self._size += len(data)
             except OSError as exc:
+                self.failures += 1
                 print(
                     f"egress-gateway: audit file {self.path}: {exc.strerror or exc}",
                     file=sys.stderr,
@@ -98,9 +101,17 @@ class RotatingFile:
 
     def close(self) -> None:
         with self._lock:
-            if self._fh is not None:
-                self._fh.close()
-                self._fh = None
+            fh, self._fh = self._fh, None
+            if fh is None:
+                return
+            try:
+                fh.close()  # flushes what a failed write left buffered: may fail again
+            except OSError as exc:
+                self.failures += 1
+                print(
+                    f"egress-gateway: audit file {self.path}: {exc.strerror or exc}",
+                    file=sys.stderr,
+                )
 
 
 def _ends_with_newline(path: str) -> bool:

@@ -325,6 +325,12 @@ class AuditLog:
         with self._lock:
             self._log.info(name, **record)
 
+    @property
+    def write_failures(self) -> int:
+        """Audit lines the file sink could not write so far (0 for stdout)."""
+        handler = self._sink.handler
+        return handler.failures if handler is not None else 0
+
     def close(self) -> None:
         """Close the audit file, if any (idempotent); later records go to stdout."""
         with self._lock:

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gateway import telemetry
 from gateway.breaker import Permit, TargetBreaker
 from gateway.call.bodies import media_type, parse_body
 from gateway.call.relay import Relay, Relayed, relay_stream
@@ -109,8 +110,11 @@ class Attempts:
             )
             self.log.attempts += 1
             try:
-                answer = await self.upstream.send(
-                    self.outbound, timeout_s=attempt_timeout, stream=self.relay is not None
+                answer = await telemetry.current().send(
+                    self.upstream,
+                    self.outbound,
+                    timeout_s=attempt_timeout,
+                    stream=self.relay is not None,
                 )
             except TransportError as exc:
                 _settle(permit, None, exc.kind)
@@ -240,11 +244,12 @@ class Attempts:
     async def _admit(self, *, first: bool) -> None:
         if self.group is None:
             return
-        waited = await self.group.acquire(
-            tokens=self.tokens_reserved if first else 0,
-            deadline=self.deadline,
-            warnings=self.log.warnings,  # e.g. a cluster group that fell back to local
-        )
+        with telemetry.current().span(telemetry.RATE_LIMIT_WAIT, self.group.name):
+            waited = await self.group.acquire(
+                tokens=self.tokens_reserved if first else 0,
+                deadline=self.deadline,
+                warnings=self.log.warnings,  # e.g. a cluster group that fell back to local
+            )
         self.log.admitted = True
         self.log.rate_limit_wait_s += waited
 

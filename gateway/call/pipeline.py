@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+from gateway import telemetry
 from gateway.audit import AuditLog, get_logger
 from gateway.breaker import CircuitBreakers, breaker_specs
 from gateway.call.attempts import Attempts, deadline_error
@@ -77,6 +78,7 @@ class Pipeline:
         breakers: CircuitBreakers,
         idempotency: IdempotencyStores | IdempotencyStore,
         rng: random.Random | None = None,
+        tracer: telemetry.Telemetry = telemetry.NO_TELEMETRY,
     ) -> None:
         self.groups = groups
         self.breakers = breakers
@@ -92,6 +94,8 @@ class Pipeline:
         self.audit = audit
         self.metrics = metrics
         self._rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
+        #: Traces of the calls (gateway.telemetry); the no-op unless tracing is on.
+        self.tracer = tracer
         #: Set by the runtime when it cancels calls that outlived the drain time.
         self.aborting = False
 
@@ -140,6 +144,7 @@ class Pipeline:
         intake: Callable[[], Intake],
         relay: Relay | None,
     ) -> tuple[int, ExternalCallResponse]:
+        trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
             taken = intake()
@@ -195,6 +200,7 @@ class Pipeline:
         finally:
             if response is not None:
                 self._write_audit(ctx, response)
+                trace.end(ctx, status, response)
         return status, response
 
     @staticmethod
@@ -370,14 +376,15 @@ class Pipeline:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise deadline_error("resolving the secret")
-        if self.resolvers.is_local(ref.scheme):
-            resolved = await self.resolvers.resolve(ref)  # a file or the environment
-        else:
-            try:
-                async with asyncio.timeout(remaining):
-                    resolved = await self.resolvers.resolve(ref)
-            except TimeoutError:
-                raise deadline_error("resolving the secret") from None
+        with telemetry.current().span(telemetry.CREDENTIAL_RESOLVE, ref.scheme):
+            if self.resolvers.is_local(ref.scheme):
+                resolved = await self.resolvers.resolve(ref)  # a file or the environment
+            else:
+                try:
+                    async with asyncio.timeout(remaining):
+                        resolved = await self.resolvers.resolve(ref)
+                except TimeoutError:
+                    raise deadline_error("resolving the secret") from None
         ctx.warnings.extend(resolved.warnings)
         if ref.scheme == "vault":  # the only cached scheme
             self.metrics.observe_secret_cache(

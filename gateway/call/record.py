@@ -19,6 +19,7 @@ from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget
 from gateway.policy.egress import origin_label
 from gateway.providers import TokenUsage
+from gateway.telemetry.genai import outcome_of, token_counts
 
 #: Envelope fields copied into the audit record (under the same names), even from an
 #: envelope that failed validation (as strings, cut to CLAIM_LIMIT characters).
@@ -142,7 +143,8 @@ def refusal_record(
 
 
 def observe(metrics: Metrics, ctx: CallContext, response: ExternalCallResponse) -> None:
-    """Count the call in ``metrics`` (labels: policy names and fixed enums only)."""
+    """Count the call in ``metrics`` (labels: policy names and fixed enums only), and a
+    model call in the GenAI client metrics (:func:`gateway.telemetry.genai.outcome_of`)."""
     claimed = ctx.request.target_system if ctx.request else ctx.claimed.get("target_system")
     target = claimed or "_none"  # names outside the policy are counted as "_unknown"
     outcome: Outcome = "replay" if ctx.replayed else "success" if response.success else "error"
@@ -157,3 +159,19 @@ def observe(metrics: Metrics, ctx: CallContext, response: ExternalCallResponse) 
         metrics.observe_tokens(target, ctx.usage.input, ctx.usage.output, ctx.usage.cached)
     for _ in range(max(ctx.attempt_log.attempts - 1, 0)):
         metrics.observe_retry(target)
+    genai = outcome_of(ctx, response) if not ctx.replayed else None  # a replay: no operation
+    if genai is not None:
+        call, usage = genai.call, genai.usage
+        tokens = token_counts(call, usage) if usage is not None else (None, None)
+        relayed = ctx.attempt_log.relayed
+        metrics.observe_genai(
+            call.operation,
+            call.provider,
+            call.request_model,
+            genai.response_model,
+            duration_s=response.latency_ms / 1000,
+            error_type=response.error.code.value if response.error else None,
+            input_tokens=tokens[0],
+            output_tokens=tokens[1],
+            first_chunk_s=relayed.first_byte_s if relayed is not None else None,
+        )

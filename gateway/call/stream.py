@@ -90,6 +90,13 @@ class StreamJudge:
             return None
         return self._dialect.stream_usage(self._usage_events)
 
+    def response_model(self) -> str | None:
+        """The model the stream's usage-bearing events name (None when none does)."""
+        if self._dialect is None:
+            return None
+        read = self._dialect.response_model
+        return next((m for e in self._usage_events if (m := read(e)) is not None), None)
+
     def verdict(self, *, status: int | None = None) -> GatewayError | None:
         """None for a complete stream; else the error its end calls for."""
         failure = self.failure

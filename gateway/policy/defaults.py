@@ -99,3 +99,9 @@ MAX_TOKENS_PER_MINUTE: Final = 10**12
 #: An audit file's rotation size is compared with a file offset, an int64 (``off_t``).
 MAX_AUDIT_FILE_BYTES: Final = 2**63 - 1
 MAX_AUDIT_BACKUPS: Final = 1000
+#: Telemetry (docs/operations.md). A ratio is a probability; a model label list longer
+#: than this is a cardinality problem, not a dashboard.
+DEFAULT_TRACE_SAMPLE_RATIO: Final = 1.0
+MAX_TRACE_SAMPLE_RATIO: Final = 1.0
+MAX_TELEMETRY_MODELS: Final = 200
+DEFAULT_SERVICE_NAME: Final = "egress-gateway"

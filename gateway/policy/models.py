@@ -376,6 +376,43 @@ class RateLimitGroupSpec(_Strict):
     on_redis_error: Literal["fail_open", "fail_closed"] = "fail_open"
 
 
+#: A model name as ``telemetry.models`` lists it: exact, or a prefix ending in ``*``.
+ModelPattern = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+\-]{0,127}\*?$")
+]
+
+
+class TracingSpec(_Strict):
+    """OTLP/HTTP trace export (docs/operations.md, "Traces"); the standard ``OTEL_*``
+    variables win over these keys. ``endpoint``: the collector's OTLP/HTTP base URL
+    (``http://otel-collector:4318``; ``/v1/traces`` is added), none = tracing off.
+    ``sample_ratio``: the share of new traces recorded (a parent's sampled flag decides
+    for a call that continues the agent's trace)."""
+
+    endpoint: str | None = None
+    service_name: Name = d.DEFAULT_SERVICE_NAME
+    sample_ratio: float = Field(d.DEFAULT_TRACE_SAMPLE_RATIO, ge=0, le=d.MAX_TRACE_SAMPLE_RATIO)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        url = URL(v) if v is not None else None
+        if url is not None and (url.scheme not in ("http", "https") or not url.host):
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if url is not None and (url.user or url.password or url.query_string):
+            raise ValueError("no user info or query: put credentials in OTEL_EXPORTER_OTLP_HEADERS")
+        return v
+
+
+class TelemetrySpec(_Strict):
+    """Traces and the model labels of the ``gen_ai_*`` metrics (docs/operations.md).
+    ``models``: the model names (or ``prefix*``) that get their own label value; any
+    other model is counted as ``_other``."""
+
+    tracing: TracingSpec = Field(default_factory=TracingSpec)
+    models: list[ModelPattern] = Field(default_factory=list, max_length=d.MAX_TELEMETRY_MODELS)
+
+
 class Policy(_Strict):
     """The whole policy file, as written."""
 
@@ -389,6 +426,7 @@ class Policy(_Strict):
     secrets: SecretsSpec = Field(default_factory=SecretsSpec)
     redis: RedisSpec | None = None
     audit: AuditSpec = Field(default_factory=AuditSpec)
+    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:

@@ -15,6 +15,8 @@ key ``usage`` (``none`` reads nothing). The call path uses only the functions be
 * :func:`drop_in_dialect`: whose error shape a drop-in answer takes; with
   :data:`SDK_HEADERS`, :data:`CREDENTIAL_HEADERS` and :data:`CREDENTIAL_QUERY`, what the
   providers' SDKs send (the drop-in route's intake, :mod:`gateway.call.proxy`).
+* :func:`genai_call` and :func:`response_model`: a call and its answer as the
+  OpenTelemetry GenAI semantic conventions describe them (provider, operation, models).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from typing import Any, Final
 
 from gateway import fastjson
 from gateway.providers import anthropic, gemini, openai
-from gateway.providers.base import Dialect, ErrorHint, TokenUsage, Verdict, should_retry_header
+from gateway.providers.base import (
+    Dialect,
+    ErrorHint,
+    GenAICall,
+    TokenUsage,
+    Verdict,
+    should_retry_header,
+)
 
 __all__ = [
     "CREDENTIAL_HEADERS",
@@ -35,6 +44,7 @@ __all__ = [
     "SDK_HEADERS",
     "Dialect",
     "ErrorHint",
+    "GenAICall",
     "TokenUsage",
     "delta_text",
     "drop_in_dialect",
@@ -42,6 +52,8 @@ __all__ = [
     "estimate_tokens",
     "exhausted_holds",
     "extract_usage",
+    "genai_call",
+    "response_model",
 ]
 
 DIALECTS: Final[Mapping[str, Dialect]] = {
@@ -150,3 +162,34 @@ def estimate_tokens(parameters: Mapping[str, Any]) -> int:
         else:
             prompt_bytes += len(fastjson.compact(value, default=str))
     return output + math.ceil(prompt_bytes / PROMPT_BYTES_PER_TOKEN)
+
+
+def genai_call(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> GenAICall | None:
+    """The GenAI description of a call to ``endpoint`` on a target of dialect ``provider``
+    (its policy key ``usage``); None when the target has no dialect or the endpoint is
+    not a model call (``GET /v1/models``, a file upload)."""
+    dialect = DIALECTS.get(provider)
+    if dialect is None:
+        return None
+    operation = dialect.operation(endpoint)
+    if operation is None:
+        return None
+    return GenAICall(
+        dialect.provider_name,
+        operation,
+        dialect.request_model(endpoint, parameters),
+        dialect.cached_outside_input,
+    )
+
+
+def response_model(provider: str, data: Any) -> str | None:
+    """The model an answer says it came from: ``data`` is a parsed body, the SSE shape of
+    :func:`gateway.call.bodies.parse_sse`, or a list of parsed stream events."""
+    dialect = DIALECTS.get(provider)
+    if dialect is None or data is None:
+        return None
+    if isinstance(data, dict) and data.get("content_type") == "text/event-stream":
+        data = data.get("events") or []
+    if isinstance(data, list):  # stream events, or Gemini's JSON array of chunks
+        return next((m for e in data if (m := dialect.response_model(e)) is not None), None)
+    return dialect.response_model(data)

@@ -51,6 +51,7 @@ from gateway.providers.base import (
     count,
     error_object,
     failure,
+    model_name,
     number,
     positive_cap,
     sse_event,
@@ -221,6 +222,31 @@ def stream_error(status: int, code: str, message: str) -> bytes:
     return sse_event("error", error_body(status, code, message))
 
 
+def operation(endpoint: str) -> str | None:
+    """``chat`` for the Messages API, ``text_completion`` for the legacy completions."""
+    path = endpoint.rstrip("/")
+    if path.endswith("/messages"):
+        return "chat"
+    return "text_completion" if path.endswith("/complete") else None
+
+
+def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
+    """The body's ``model``."""
+    del endpoint
+    return model_name(parameters.get("model"))
+
+
+def response_model(data: Any) -> str | None:
+    """``model`` of a Messages answer, or ``message.model`` of a stream's
+    ``message_start`` event."""
+    if not isinstance(data, dict):
+        return None
+    message = data.get("message")
+    if isinstance(message, dict):
+        return model_name(message.get("model"))
+    return model_name(data.get("model"))
+
+
 DIALECT: Final = Dialect(
     name="anthropic",
     usage=usage,
@@ -237,4 +263,9 @@ DIALECT: Final = Dialect(
     sdk_headers=("anthropic-version", "anthropic-beta"),
     credential_headers=("x-api-key", "authorization"),
     marker_headers=("anthropic-version",),
+    provider_name="anthropic",
+    operation=operation,
+    request_model=request_model,
+    response_model=response_model,
+    cached_outside_input=True,  # input_tokens excludes cache reads and writes
 )

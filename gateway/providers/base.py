@@ -7,6 +7,13 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
 * ``delta_text(event)``: the piece of generated text one stream event carries, or None;
 * ``output_cap(parameters)``: the output-token cap a request body sets (0 when none);
   ``prompt_keys``: the body keys that hold the prompt, for the token estimate;
+* ``provider_name``, ``operation(endpoint)``, ``request_model(endpoint, parameters)`` and
+  ``response_model(data)``: how the OpenTelemetry GenAI semantic conventions name the
+  provider, the operation an endpoint is (``chat``, ``embeddings``...; None for an
+  endpoint that is not a model call), the model a request asks for and the model an
+  answer (a JSON body, or one stream event) says it came from; ``cached_outside_input``:
+  the dialect's ``input`` count leaves the cached tokens out (the conventions count them
+  in), and its ``cached`` count is cache reads and writes together;
 * ``exhausted_holds(headers, now)``: seconds until each rate limit that the answer's
   headers report as spent resets (``now`` is wall-clock time, for absolute resets);
 * ``error_hint(status, headers, body)``: what a non-2xx answer's body says about
@@ -59,6 +66,19 @@ class TokenUsage:
     cached: int | None
     total: int
     reasoning: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenAICall:
+    """A model call as the OpenTelemetry GenAI semantic conventions name it:
+    ``gen_ai.provider.name``, ``gen_ai.operation.name``, ``gen_ai.request.model`` (None
+    when the request names none), and whether the dialect's input count leaves the cached
+    tokens out (:class:`Dialect`)."""
+
+    provider: str
+    operation: str
+    request_model: str | None
+    cached_outside_input: bool = False
 
 
 #: How a failed stream is answered: ``overloaded`` (DEPENDENCY_FAILED, retryable),
@@ -213,6 +233,14 @@ def sse_event(event: str | None, data: Any, *, newline: bytes = b"\n") -> bytes:
     return head + b"data: " + text + newline + newline
 
 
+def _no_operation(_: str) -> str | None:
+    return None
+
+
+def _no_request_model(_: str, __: Mapping[str, Any]) -> str | None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """One provider's knowledge, as the call path uses it (see the module docstring)."""
@@ -233,6 +261,11 @@ class Dialect:
     credential_headers: tuple[str, ...] = ()
     credential_query: tuple[str, ...] = ()
     marker_headers: tuple[str, ...] = ()
+    provider_name: str = ""
+    operation: Callable[[str], str | None] = _no_operation
+    request_model: Callable[[str, Mapping[str, Any]], str | None] = _no_request_model
+    response_model: Callable[[Any], str | None] = _no_text
+    cached_outside_input: bool = False
 
 
 def last_reported(
@@ -251,6 +284,11 @@ def last_reported(
 def positive_cap(value: Any) -> int:
     """A ``max_tokens``-like value as a cap: a positive int, else 0."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def model_name(value: Any) -> str | None:
+    """``value`` if it can be a model name (a string of 1 to 256 characters), else None."""
+    return value if isinstance(value, str) and 0 < len(value) <= 256 else None
 
 
 def failure(kind: FailureKind, reason: Any, message: Any) -> StreamFailure:

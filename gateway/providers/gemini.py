@@ -48,6 +48,7 @@ from gateway.providers.base import (
     error_object,
     failure,
     last_reported,
+    model_name,
     positive_cap,
     sse_event,
     text_of,
@@ -206,6 +207,34 @@ def stream_error(status: int, code: str, message: str) -> bytes:
     return sse_event(None, error_body(status, code, message), newline=b"\r\n")
 
 
+#: ``models/{model}:{method}`` (or ``tunedModels/``) in a Gemini API path.
+_MODEL_METHOD = re.compile(r"/(?:tuned)?[mM]odels/([^/:]+):([A-Za-z]+)$")
+_OPERATIONS: Final = {
+    "generateContent": "generate_content",
+    "streamGenerateContent": "generate_content",
+    "embedContent": "embeddings",
+    "batchEmbedContents": "embeddings",
+}
+
+
+def operation(endpoint: str) -> str | None:
+    """``generate_content`` or ``embeddings`` by the path's method, else None."""
+    match = _MODEL_METHOD.search(endpoint)
+    return _OPERATIONS.get(match[2]) if match else None
+
+
+def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
+    """The model named in the path (``/v1beta/models/gemini-2.0-flash:generateContent``)."""
+    del parameters
+    match = _MODEL_METHOD.search(endpoint)
+    return model_name(match[1]) if match else None
+
+
+def response_model(data: Any) -> str | None:
+    """``modelVersion`` of an answer or of one stream chunk."""
+    return model_name(data.get("modelVersion")) if isinstance(data, dict) else None
+
+
 DIALECT: Final = Dialect(
     name="gemini",
     usage=usage,
@@ -220,4 +249,8 @@ DIALECT: Final = Dialect(
     credential_headers=("x-goog-api-key",),
     credential_query=("key",),
     marker_headers=("x-goog-api-key", "x-goog-api-client"),
+    provider_name="gcp.gemini",
+    operation=operation,
+    request_model=request_model,
+    response_model=response_model,
 )

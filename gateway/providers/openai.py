@@ -44,6 +44,7 @@ from gateway.providers.base import (
     error_object,
     failure,
     last_reported,
+    model_name,
     number,
     positive_cap,
     sse_event,
@@ -238,6 +239,38 @@ def stream_error(status: int, code: str, message: str) -> bytes:
     return sse_event(None, error_body(status, code, message))
 
 
+#: Endpoint endings and the GenAI operation each is (OpenAI API reference).
+_OPERATIONS: Final = (
+    ("/chat/completions", "chat"),
+    ("/responses", "chat"),
+    ("/completions", "text_completion"),
+    ("/embeddings", "embeddings"),
+)
+
+
+def operation(endpoint: str) -> str | None:
+    """The ``gen_ai.operation.name`` of a call to ``endpoint``, None if not a model call."""
+    path = endpoint.rstrip("/")
+    return next((op for end, op in _OPERATIONS if path.endswith(end)), None)
+
+
+def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
+    """The body's ``model``."""
+    del endpoint
+    return model_name(parameters.get("model"))
+
+
+def response_model(data: Any) -> str | None:
+    """``model`` of an answer or a chat stream chunk; ``response.model`` of a Responses
+    stream's ``response.completed`` event."""
+    if not isinstance(data, dict):
+        return None
+    inner = data.get("response")
+    if isinstance(inner, dict):
+        return model_name(inner.get("model"))
+    return model_name(data.get("model"))
+
+
 DIALECT: Final = Dialect(
     name="openai",
     usage=usage,
@@ -253,4 +286,8 @@ DIALECT: Final = Dialect(
     stream_error=stream_error,
     sdk_headers=("openai-beta",),
     credential_headers=("authorization", "api-key"),
+    provider_name="openai",
+    operation=operation,
+    request_model=request_model,
+    response_model=response_model,
 )

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import os
 import time
 from typing import IO, TYPE_CHECKING, Any
 
-from gateway import audit
+from gateway import audit, telemetry
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.call.pipeline import Pipeline
 from gateway.call.proxy import ProxyRequest
@@ -42,6 +44,17 @@ def _server_hot_only(old: PolicySet, new: PolicySet) -> bool:
     hot = {"drain_s", "shutdown", "max_response_bytes", "debug"}
     a, b = old.policy.server.model_dump(), new.policy.server.model_dump()
     return all(a[k] == b[k] for k in a if k not in hot)
+
+
+def _labels(policy: PolicySet) -> dict[str, Any]:
+    """The metrics' model names and ``policy_info`` of ``policy`` (the digest is of its
+    content, not its file: comments and key order do not change it)."""
+    digest = hashlib.sha256(policy.policy.model_dump_json().encode()).hexdigest()[:16]
+    return {
+        "models": policy.policy.telemetry.models,
+        "agent_id": policy.policy.agent_id,
+        "digest": digest,
+    }
 
 
 def _refusal() -> ShuttingDown:
@@ -130,6 +143,8 @@ class Gateway:
                 RedisIdempotencyStore(self.redis) if self.redis is not None else None,
             )
             stack.push_async_callback(idempotency.aclose)
+            tracer = telemetry.start(policy.telemetry, os.environ)  # NO_TELEMETRY when off
+            stack.push_async_callback(tracer.aclose)
             self.pipeline = Pipeline(
                 self.policy,
                 resolvers=resolvers,
@@ -142,9 +157,17 @@ class Gateway:
                 ),
                 breakers=self._breakers(),
                 idempotency=idempotency,
+                tracer=tracer,
             )
             self._resources = stack.pop_all()
-        self.metrics.set_known(self.policy.targets, policy.rate_limit_groups)
+        self.metrics.set_known(
+            self.policy.targets, policy.rate_limit_groups, **_labels(self.policy)
+        )
+        audit_log, resolvers = self.audit, self.pipeline.resolvers
+        self.metrics.watch(
+            audit_failures=lambda: audit_log.write_failures,
+            secrets_ready=lambda: secrets_ready(resolvers),
+        )
         _log.info(
             "sidecar_started",
             policy=self.policy.source,
@@ -181,7 +204,7 @@ class Gateway:
         self.policy = new
         if self.pipeline is not None:
             self.pipeline.apply_policy(new)
-        self.metrics.set_known(new.targets, new.policy.rate_limit_groups)
+        self.metrics.set_known(new.targets, new.policy.rate_limit_groups, **_labels(new))
         self.metrics.observe_policy_reload(ok=True)
         if self.audit is not None:
             self.audit.event(
