@@ -17,12 +17,12 @@ from gateway.call.proxy import (
     ProxyRequest,
     _query,
     _timeout,
-    complete_events,
     header_map,
     passback_headers,
     proxy_intake,
 )
 from gateway.call.record import CallContext
+from gateway.call.sse import complete_events
 from gateway.errors import InvalidPayload
 from gateway.providers import DIALECTS, drop_in_dialect
 from tests.conftest import compile_policy, openai_target

@@ -341,21 +341,3 @@ def replayed_body(response: ExternalCallResponse) -> tuple[str | None, bytes] | 
     if isinstance(data, dict) and set(data) == {"content_type", "text"}:
         return data["content_type"] or "text/plain", str(data["text"]).encode()
     return "application/json", fastjson.compact(data)
-
-
-#: The ends of a server-sent event: a blank line after LF, CRLF or CR line endings.
-_EVENT_ENDS: Final = (b"\n\n", b"\r\n\r\n", b"\r\r")
-
-
-def complete_events(buffer: bytes | bytearray) -> int:
-    """How many leading bytes of ``buffer`` are whole server-sent events (0: none yet).
-
-    The drop-in relay writes only whole events, so that a stream cut mid-event still ends
-    with a parseable error event of the provider's (WHATWG HTML 9.2.6: an event ends at a
-    blank line)."""
-    end = 0
-    for mark in _EVENT_ENDS:
-        at = buffer.rfind(mark)
-        if at >= 0:
-            end = max(end, at + len(mark))
-    return end

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.call.sse import EventTooLarge, SseDecoder
+from gateway.call.sse import EventTooLarge, SseDecoder, complete_events
 from gateway.call.stream import StreamJudge
 from gateway.errors import DeadlineExceeded, GatewayError, ResponseTooLarge, StreamInterrupted
 from gateway.upstream import TransportError
@@ -120,7 +120,7 @@ async def relay_stream(
             except EventTooLarge:
                 raise _too_large(judge, max_bytes) from None
             held += chunk
-            cut = _last_boundary(held)
+            cut = complete_events(held)
             if not cut:
                 continue  # no whole event yet: nothing is relayed half-way
             whole, held = bytes(held[:cut]), held[cut:]
@@ -157,17 +157,6 @@ async def _send(relay: Relay, done: Relayed, whole: bytes, started: float) -> No
         await relay.start()
         done.first_byte_s = time.monotonic() - started
     await relay.send(whole)
-
-
-def _last_boundary(buf: bytearray) -> int:
-    """The offset just after the last blank line in ``buf`` (an event's end: CRLF, LF or
-    CR line ends, WHATWG "Server-sent events"), or 0 when it holds none yet."""
-    end = 0
-    for mark in (b"\n\n", b"\r\r", b"\r\n\r\n", b"\n\r\n", b"\r\n\n"):
-        at = buf.rfind(mark)
-        if at >= 0:
-            end = max(end, at + len(mark))
-    return end
 
 
 def _deadline(judge: StreamJudge) -> GatewayError:

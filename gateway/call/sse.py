@@ -125,6 +125,22 @@ class SseDecoder:
         # "retry" and unknown fields are ignored (the spec's rule).
 
 
+#: The ends of an event: a blank line, after LF, CRLF or CR line ends (mixed ones too).
+_EVENT_ENDS: Final = (b"\n\n", b"\r\r", b"\r\n\r\n", b"\n\r\n", b"\r\n\n")
+
+
+def complete_events(buffer: bytes | bytearray) -> int:
+    """How many leading bytes of ``buffer`` are whole events (0: none yet): the offset
+    just after its last blank line. The relays send only whole events, so that a stream
+    cut mid-event never leaves half an event for the next one to run into."""
+    end = 0
+    for mark in _EVENT_ENDS:
+        at = buffer.rfind(mark)
+        if at >= 0:
+            end = max(end, at + len(mark))
+    return end
+
+
 def decode_all(body: bytes, max_event_bytes: int) -> list[SseEvent]:
     """Every event of a complete stream ``body``."""
     decoder = SseDecoder(max_event_bytes)

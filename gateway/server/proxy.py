@@ -31,7 +31,6 @@ from gateway.audit import get_logger
 from gateway.audit.schema import Fields
 from gateway.call.proxy import (
     ProxyRequest,
-    complete_events,
     egress_headers,
     id_headers,
     passback_headers,
@@ -39,6 +38,7 @@ from gateway.call.proxy import (
 )
 from gateway.call.record import CallContext, refusal_record
 from gateway.call.relay import AgentGone
+from gateway.call.sse import complete_events
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import (
     GatewayError,
