@@ -1,0 +1,121 @@
+"""Instructions per call of the sidecar, counted by callgrind (not a test).
+
+    python bench/instructions.py [--calls 200] [--warmup 300] [--variant full] [CHECKOUT ...]
+
+Requests per second on a shared 2-core machine drift by 30 % between runs; instruction
+counts do not (the same code, inputs and PYTHONHASHSEED give the same count to ~0.3 %,
+whatever else the machine runs). So an A/B of two commits is: check each out (``git
+worktree add --detach DIR COMMIT`` and ``make .venv/.fast`` in it) and give the
+checkouts; the default is this one.
+
+For each checkout: the benchmark's upstream (bench/upstream.py) and the sidecar as
+``python -m gateway serve`` with the benchmark's policy (``policy_for`` of that
+checkout's bench/run.py) under ``valgrind --tool=callgrind --instr-atstart=no``; one
+keep-alive connection sends ``--warmup`` envelopes uninstrumented (imports, caches,
+connection pool), then instrumentation is switched on with ``callgrind_control`` for
+``--calls`` envelopes (each its own correlation_id, so each derives a new idempotency
+key), switched off and dumped. Printed: instructions (Ir) of the sidecar process per
+call, one JSON line per checkout. Needs valgrind (Debian package). ~1 minute per
+checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def count(checkout: Path, *, calls: int, warmup: int, variant: str) -> dict[str, object]:
+    """Run one checkout's sidecar under callgrind; return its instructions per call."""
+    bench = checkout / "bench"
+    for name in ("run", "harness", "report"):  # another checkout's, from an earlier one
+        sys.modules.pop(name, None)
+    sys.path.insert(0, str(bench))
+    try:
+        import run as bench_run  # that checkout's policy and envelope
+        from harness import start
+    finally:
+        sys.path.remove(str(bench))
+    py = str(checkout / ".venv" / "bin" / "python")
+    work = Path(tempfile.mkdtemp(prefix="bench-instr-"))
+    (work / "key").write_text(bench_run.SECRET + "\n")
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    upstream = start("upstream", [py, str(bench / "upstream.py")], work, ready="listening")
+    sidecar = None
+    try:
+        policy = bench_run.policy_for(upstream.address, work / "key", work / "audit.jsonl", variant)
+        (work / "policy.yaml").write_text(json.dumps(policy))  # JSON is YAML
+        out = work / "callgrind.out"
+        argv = [
+            "valgrind", "--tool=callgrind", "--instr-atstart=no",
+            f"--callgrind-out-file={out}", py, "-m", "gateway", "serve",
+            "--policy", str(work / "policy.yaml"), "--port", "0", "--ops-port", "0",
+        ]  # fmt: skip
+        sidecar = start("sidecar", argv, work, ready="calls", env=env, timeout_s=600)
+        host, port = sidecar.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        template = bench_run.envelope_template()
+
+        def send(n: int, tag: str) -> None:
+            for i in range(n):
+                body = template.replace("@ID@", f"{tag}-{i}").encode()
+                conn.request("POST", "/v1/calls", body, {"content-type": "application/json"})
+                answer = conn.getresponse()
+                doc = json.loads(answer.read())
+                if answer.status != 200 or not doc.get("success"):
+                    raise RuntimeError(f"unexpected answer {answer.status}: {doc}")
+
+        send(warmup, "warmup")
+        control = ["callgrind_control", "-i"]
+        subprocess.run([*control, "on", str(sidecar.pid)], check=True, capture_output=True)
+        send(calls, "measured")
+        subprocess.run([*control, "off", str(sidecar.pid)], check=True, capture_output=True)
+        subprocess.run(["callgrind_control", "-d", str(sidecar.pid)], check=True,
+                       capture_output=True)  # fmt: skip
+        conn.close()
+    finally:
+        if sidecar is not None:
+            sidecar.proc.kill()
+            sidecar.proc.wait(30)
+        upstream.stop()
+    total = 0
+    for dump in work.glob("callgrind.out*"):
+        for line in dump.read_text(errors="replace").splitlines():
+            if line.startswith("totals:"):
+                total += int(line.split()[1])
+    commit = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    return {
+        "checkout": str(checkout),
+        "commit": commit,
+        "calls": calls,
+        "instructions_per_call": round(total / calls),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkouts", nargs="*", type=Path, default=[HERE.parent])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--variant", default="full", help="a policy variant of bench/run.py")
+    args = parser.parse_args()
+    for checkout in args.checkouts:
+        result = count(checkout.resolve(), calls=args.calls, warmup=args.warmup,
+                       variant=args.variant)  # fmt: skip
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
