@@ -37,7 +37,7 @@ from gateway.call.proxy import (
     replayed_body,
 )
 from gateway.call.record import CallContext, refusal_record
-from gateway.call.relay import AgentGone
+from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.call.sse import complete_events
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import (
@@ -117,6 +117,13 @@ class ProxyRoute:
             record[Fields.API] = "proxy"
             gateway.audit.call(record)
         return _refusal(exc.http_status, response, _dialect(ctx, names), ctx)
+
+
+def drop_connection(request: web.Request) -> None:
+    """Drop the agent's connection now, unsent bytes and all: an agent that stopped
+    reading would keep a closing connection (and its buffers) open as long as it likes."""
+    if request.transport is not None:
+        request.transport.abort()
 
 
 def _too_large(limit: int) -> InvalidPayload:
@@ -275,6 +282,9 @@ class _ProxyRelay:
         a partial event) the provider's error event saying what went wrong."""
         assert self._response is not None
         error = response.error
+        if error is not None and error.details.get("reason") == AGENT_STALLED:
+            drop_connection(self._request)  # it reads nothing: a last event would hang too
+            return self._response
         with contextlib.suppress(AgentGone, ConnectionError, RuntimeError):
             if error is None:
                 if self._held:

@@ -1,0 +1,101 @@
+"""The drop-in routes and the stream relay against failure classes seen in similar systems
+(../shared/cases.md; review of issue 15): credentials in any query spelling, encodings
+the sidecar cannot undo, a stalled agent, path tricks, refusal shapes. Real servers on
+loopback, raw sockets where an HTTP client would tidy the request up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.conftest import compile_policy, openai_target, wait_for
+
+KEY = "sk-fake-TEST-0001-NOTREAL"
+AGENT = "sk-agent-placeholder-NOT-A-KEY"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _stack(upstream_factory: Any, sidecar_factory: Any, handler: Any = None, **target: Any):
+    up = await (upstream_factory(handler) if handler else upstream_factory())
+    sc = await sidecar_factory(compile_policy({"openai": openai_target(up.url, **target)}))
+    return up, sc
+
+
+async def _raw(port: int, head: bytes, *, read: bool = True) -> bytes:
+    """Write ``head`` as it is on a new connection; what came back until the close."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 10) if read else b""
+    finally:
+        writer.close()
+
+
+# -- a slow agent: backpressure, and a deadline that holds -------------------------------
+
+
+def _endless_stream(closed: asyncio.Event) -> Any:
+    """An upstream that streams 64 KiB events until its connection is closed."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = b'data: {"choices":[{"delta":{"content":"' + b"A" * 65536 + b'"}}]}\n\n'
+        try:
+            while True:
+                await resp.write(chunk)
+        except (ConnectionError, RuntimeError):
+            pass
+        finally:
+            closed.set()
+        return resp
+
+    return handler
+
+
+@pytest.mark.parametrize("route", ["proxy", "envelope"])
+async def test_an_agent_that_stops_reading_is_cut_at_the_deadline(
+    upstream_factory, sidecar_factory, route: str
+):
+    closed = asyncio.Event()
+    _, sc = await _stack(upstream_factory, sidecar_factory, _endless_stream(closed))
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    if route == "proxy":
+        head = (
+            b"POST /proxy/openai/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nx-egress-timeout: 1\r\n"
+        )
+    else:
+        env = {"target_system": "openai", "endpoint": "/v1/chat/completions", "method": "POST"}
+        ids = {"trace_id": "t-1", "correlation_id": "c-1", "timeout": 1}
+        body = json.dumps({**env, **ids, "parameters": {**CHAT, "stream": True}}).encode()
+        head = (
+            b"POST /v1/calls HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Accept: text/event-stream\r\n"
+        )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", sc.server.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        status = await reader.readuntil(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 200"), status + await reader.read(2000)
+        # ...and the agent reads nothing more: the sidecar's writes block on its window.
+        await wait_for(lambda: bool(sc.audit_records()), timeout_s=8)
+        await asyncio.wait_for(closed.wait(), 5)  # the upstream request was closed
+    finally:
+        writer.close()
+    [record] = sc.audit_records()
+    assert record["success"] is False
+    assert record["error_code"] == "AGENT_TIMEOUT"
+    assert record["latency_ms"] < 5000
+    assert not [line for line in sc.lines() if line.get("level") == "error"]
