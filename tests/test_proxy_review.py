@@ -37,6 +37,25 @@ async def _raw(port: int, head: bytes, *, read: bool = True) -> bytes:
         writer.close()
 
 
+# -- the agent's credentials, whatever they are called ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["api_key", "apikey", "API-Key", "token", "access_token", "Key", "x-api-key"]
+)
+async def test_a_credential_in_the_query_is_never_forwarded(
+    upstream_factory, sidecar_factory, name: str
+):
+    up, sc = await _stack(upstream_factory, sidecar_factory)
+    url = f"{sc.url}/proxy/openai/v1/chat/completions"
+    async with sc.session.post(url, json=CHAT, params={name: AGENT, "v": "1"}) as resp:
+        assert resp.status == 200
+    [seen] = up.seen
+    assert AGENT not in json.dumps(seen.query) + json.dumps(seen.headers)
+    assert seen.query == {"v": "1"}
+    assert seen.headers["Authorization"] == f"Bearer {KEY}"
+
+
 # -- a slow agent: backpressure, and a deadline that holds -------------------------------
 
 

@@ -11,11 +11,13 @@ same stages as an envelope. :func:`proxy_intake` builds the request:
   (multipart uploads, audio, a JSON array, text) becomes ``body``, its bytes unchanged
   with their ``Content-Type``. GET, HEAD, DELETE and OPTIONS carry no body.
 * headers: the agent's own credentials (``Authorization``, ``x-api-key``, ``api-key``,
-  ``x-goog-api-key``; :data:`gateway.providers.CREDENTIAL_HEADERS`) and a ``key`` query
-  item are dropped, never forwarded, as are hop-by-hop headers (RFC 9110 section 7.6.1)
-  and everything else not listed here. What passes: ``traceparent``/``tracestate``, the
-  target's ``forward_headers`` (as an envelope's ``headers``), and, beneath the policy's
-  ``static_headers``, ``Accept`` and the headers the providers' SDKs need
+  ``x-goog-api-key``; :data:`gateway.providers.CREDENTIAL_HEADERS`) and query items
+  named as credentials (:data:`AGENT_QUERY_CREDENTIALS`: ``key``, ``api_key``,
+  ``token``, ``access_token``... in any case) are dropped, never forwarded, as are
+  hop-by-hop headers (RFC 9110 section 7.6.1) and everything else not listed here.
+  What passes: ``traceparent``/``tracestate``, the target's ``forward_headers`` (as an
+  envelope's ``headers``), and, beneath the policy's ``static_headers``, ``Accept``
+  and the headers the providers' SDKs need
   (:data:`gateway.providers.SDK_HEADERS`: ``anthropic-version``, ``anthropic-beta``,
   ``openai-beta``). SDK telemetry (``User-Agent``, ``x-stainless-*``,
   ``x-goog-api-client``) describes the agent's machine and stays here.
@@ -93,6 +95,25 @@ _SDK_TIMEOUT_HEADERS: Final = (
     "x-server-timeout",
 )
 _OCTETS: Final = "application/octet-stream"
+#: Query names under which an agent's own credential may ride (besides the providers'
+#: :data:`gateway.providers.CREDENTIAL_QUERY` and the target's own ``query_param``):
+#: never forwarded, compared as :func:`gateway.policy.egress.same_query_name` does (any
+#: case, ``.`` read as ``_``). The names APIs and OAuth 2.0 (RFC 6750 section 2.3) use.
+AGENT_QUERY_CREDENTIALS: Final = frozenset(
+    {
+        "key",
+        "api_key",
+        "apikey",
+        "api-key",
+        "api_token",
+        "x-api-key",
+        "x-goog-api-key",
+        "token",
+        "access_token",
+        "auth_token",
+        "client_secret",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +171,7 @@ def proxy_intake(
     forward = target.forward_headers if target is not None else frozenset()
     credential = target.spec.credential if target is not None else None
     own_query = credential.query_param if credential is not None else None
-    dropped = CREDENTIAL_QUERY | ({own_query} if own_query else set())
+    dropped = CREDENTIAL_QUERY | AGENT_QUERY_CREDENTIALS | ({own_query} if own_query else set())
     connection = {t.strip() for t in headers.get("connection", "").lower().split(",")}
     agent_headers: dict[str, str] = {}
     passthrough: dict[str, str] = {}
@@ -211,7 +232,8 @@ def _hex(text: str) -> bool:
 
 def _query(items: Iterable[tuple[str, str]], dropped: Iterable[str]) -> dict[str, Any]:
     """The query items as the envelope's ``query`` (a repeated name as a list), without
-    those an upstream could read as a credential (the SDKs' ``key``, the target's own)."""
+    those an upstream could read as a credential (:data:`AGENT_QUERY_CREDENTIALS`, the
+    SDKs' ``key``, the target's own)."""
     names = tuple(dropped)
     query: dict[str, Any] = {}
     for name, value in items:
