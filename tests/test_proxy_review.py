@@ -6,6 +6,7 @@ loopback, raw sockets where an HTTP client would tidy the request up."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 from typing import Any
@@ -118,3 +119,45 @@ async def test_an_agent_that_stops_reading_is_cut_at_the_deadline(
     assert record["error_code"] == "AGENT_TIMEOUT"
     assert record["latency_ms"] < 5000
     assert not [line for line in sc.lines() if line.get("level") == "error"]
+
+
+# -- encodings ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["x-gzip", "gzip, gzip", "compress"])
+async def test_an_encoding_the_sidecar_did_not_undo_is_passed_back_with_its_header(
+    upstream_factory, sidecar_factory, encoding: str
+):
+    plain = json.dumps({"ok": True}).encode()
+    encoded = gzip.compress(gzip.compress(plain)) if "," in encoding else gzip.compress(plain)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            body=encoded,
+            headers={"Content-Type": "application/json", "Content-Encoding": encoding},
+        )
+
+    _, sc = await _stack(upstream_factory, sidecar_factory, handler)
+    url = f"{sc.url}/proxy/openai/v1/chat/completions"
+    async with sc.session.post(url, json=CHAT, auto_decompress=False) as resp:
+        assert resp.status == 200
+        got = await resp.read()
+    # Either the body comes back decoded, or as it was sent with the header that says how.
+    assert (got, resp.headers.get("Content-Encoding")) in {(plain, None), (encoded, encoding)}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_an_encoding_the_sidecar_undid_comes_back_decoded(
+    upstream_factory, sidecar_factory, encoding: str
+):
+    plain = json.dumps({"ok": True}).encode()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.Response(body=plain, content_type="application/json")
+        resp.enable_compression(web.ContentCoding(encoding))
+        return resp
+
+    _, sc = await _stack(upstream_factory, sidecar_factory, handler)
+    url = f"{sc.url}/proxy/openai/v1/chat/completions"
+    async with sc.session.post(url, json=CHAT, auto_decompress=False) as resp:
+        assert (await resp.read(), resp.headers.get("Content-Encoding")) == (plain, None)

@@ -78,9 +78,11 @@ HOP_BY_HOP: Final = frozenset(
         "upgrade",
     }
 )
-#: Upstream headers not passed back besides those: the body written is decoded (aiohttp
-#: undid gzip and deflate) and framed anew by the server.
-_NOT_PASSED_BACK: Final = HOP_BY_HOP | {"content-length", "content-encoding"}
+#: Upstream headers not passed back besides those: the body is framed anew by the server.
+_NOT_PASSED_BACK: Final = HOP_BY_HOP | {"content-length"}
+#: The one Content-Encoding aiohttp's client undoes (its ``http_parser``: the first such
+#: header, one coding, ASCII, any case); any other coding is still on the body.
+_DECODED_CODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
 _PASSED: Final = SDK_HEADERS | {"accept"}
 TRACE_ID_HEADER: Final = "x-egress-trace-id"
 CORRELATION_ID_HEADER: Final = "x-egress-correlation-id"
@@ -296,14 +298,24 @@ def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
 def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """The upstream's answer headers that go back to the agent: all of them (repeats
     kept, e.g. ``Set-Cookie``) but hop-by-hop ones, those the upstream's ``Connection``
-    names, ``Content-Length`` and ``Content-Encoding``. ``headers`` is aiohttp's
-    multi-valued mapping (its ``items()`` gives every line)."""
+    names, ``Content-Length``, and the ``Content-Encoding`` aiohttp undid (the body is
+    written decoded). A coding it did not undo (``x-gzip``, ``gzip, gzip``, ``compress``,
+    a second header) stays on the body, so its header goes back with it (RFC 9110
+    section 8.4). ``headers`` is aiohttp's multi-valued mapping (``items()`` gives every
+    line)."""
     named = {t.strip().lower() for t in headers.get("Connection", "").split(",")}
-    return [
-        (name, value)
-        for name, value in headers.items()
-        if name.lower() not in _NOT_PASSED_BACK and name.lower() not in named
-    ]
+    out = []
+    decoded = False
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in _NOT_PASSED_BACK or lower in named:
+            continue
+        if lower == "content-encoding" and not decoded:
+            decoded = True  # aiohttp reads the first header only
+            if value.isascii() and value.strip().lower() in _DECODED_CODINGS | {"", "identity"}:
+                continue
+        out.append((name, value))
+    return out
 
 
 def egress_headers(
