@@ -161,3 +161,36 @@ async def test_an_encoding_the_sidecar_undid_comes_back_decoded(
     url = f"{sc.url}/proxy/openai/v1/chat/completions"
     async with sc.session.post(url, json=CHAT, auto_decompress=False) as resp:
         assert (await resp.read(), resp.headers.get("Content-Encoding")) == (plain, None)
+
+
+# -- refusals in the target's shape -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status"),
+    [
+        ({"x-egress-timeout": "soon"}, b"{}", 400),
+        ({"x-egress-timeout": "0"}, b"{}", 400),
+        ({"x-egress-secret-ref": "env://HOME"}, b"{}", 403),
+        ({}, b"x" * 8192, 413),
+    ],
+)
+async def test_a_refusal_before_the_decision_has_the_targets_error_shape(
+    upstream_factory, sidecar_factory, headers: dict[str, str], body: bytes, status: int
+):
+    up = await upstream_factory()
+    spec = {
+        "base_url": up.url,
+        "credential": {"header": "x-api-key", "default_ref": "env://TEST_OPENAI_KEY"},
+        "endpoints": [{"path": "/v1/messages", "methods": ["POST"]}],
+        "usage": "anthropic",
+    }
+    sc = await sidecar_factory(compile_policy({"claude": spec}, server={"max_request_bytes": 4096}))
+    url = f"{sc.url}/proxy/claude/v1/messages"  # no anthropic-version: curl, not the SDK
+    headers = {"Content-Type": "application/json", **headers}
+    async with sc.session.post(url, data=body, headers=headers) as resp:
+        assert resp.status == status
+        answer = await resp.json()
+    assert answer["type"] == "error"  # Anthropic's shape, not OpenAI's
+    assert answer["error"]["details"]["error_code"] == resp.headers["x-egress-error-code"]
+    assert up.hits == 0

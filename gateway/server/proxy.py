@@ -81,7 +81,7 @@ class ProxyRoute:
             http = _proxy_request(request, body)
             relay = _ProxyRelay(request, ctx)
             status, response = await gateway.proxy(http, ctx=ctx, refuse=refuse, relay=relay)
-            dialect = _dialect(ctx, names)
+            dialect = self._dialect(ctx, request, names)
             if relay.started:
                 return await relay.finish(status, response, dialect)
             return _answer(status, response, ctx, dialect, request.method)
@@ -116,7 +116,16 @@ class ProxyRoute:
             )
             record[Fields.API] = "proxy"
             gateway.audit.call(record)
-        return _refusal(exc.http_status, response, _dialect(ctx, names), ctx)
+        return _refusal(exc.http_status, response, self._dialect(ctx, request, names), ctx)
+
+    def _dialect(self, ctx: CallContext, request: web.Request, names: frozenset[str]) -> Dialect:
+        """The error shape for this answer: the target's, also when the call was refused
+        before the policy decision named it (a bad header, a body too large), else the
+        SDK's headers'."""
+        target = ctx.target or self._gateway.policy.targets.get(
+            request.match_info.get("target", "")
+        )
+        return drop_in_dialect(target.spec.usage if target is not None else None, names)
 
 
 def drop_connection(request: web.Request) -> None:
@@ -146,10 +155,6 @@ def _proxy_request(request: web.Request, body: bytes) -> ProxyRequest:
         headers=tuple(request.headers.items()),
         body=body,
     )
-
-
-def _dialect(ctx: CallContext, names: frozenset[str]) -> Dialect:
-    return drop_in_dialect(ctx.target.spec.usage if ctx.target is not None else None, names)
 
 
 def _ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
