@@ -194,3 +194,37 @@ async def test_a_refusal_before_the_decision_has_the_targets_error_shape(
     assert answer["type"] == "error"  # Anthropic's shape, not OpenAI's
     assert answer["error"]["details"]["error_code"] == resp.headers["x-egress-error-code"]
     assert up.hits == 0
+
+
+# -- only the sidecar speaks x-egress-* -------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [200, 503])
+async def test_an_upstream_cannot_send_the_sidecars_own_headers(
+    upstream_factory, sidecar_factory, status: int
+):
+    spoofed = {
+        "x-egress-error-code": "SPOOFED",
+        "X-Egress-Retryable": "true",
+        "x-egress-trace-id": "not-this-call",
+        "x-egress-replayed": "true",
+    }
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "busy"}}, status=status, headers=spoofed)
+
+    _, sc = await _stack(upstream_factory, sidecar_factory, handler, retry={"max_retries": 0})
+    url = f"{sc.url}/proxy/openai/v1/chat/completions"
+    async with sc.session.post(url, json=CHAT) as resp:
+        assert resp.status == status
+        headers = resp.headers
+    [record] = sc.audit_records()
+    assert headers.getall("x-egress-trace-id") == [record["trace_id"]]
+    assert "x-egress-replayed" not in headers
+    assert headers.get("x-upstream-egress-replayed") == "true"  # kept, under its own name
+    if status == 200:
+        assert "x-egress-error-code" not in headers
+        assert "x-egress-retryable" not in headers
+    else:
+        assert headers.getall("x-egress-error-code") == ["DEPENDENCY_FAILED"]
+        assert headers.getall("x-egress-retryable") == ["true"]

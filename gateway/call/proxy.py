@@ -83,6 +83,8 @@ _NOT_PASSED_BACK: Final = HOP_BY_HOP | {"content-length"}
 #: The one Content-Encoding aiohttp's client undoes (its ``http_parser``: the first such
 #: header, one coding, ASCII, any case); any other coding is still on the body.
 _DECODED_CODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
+#: The sidecar's own answer headers (:func:`egress_headers`, :func:`id_headers`).
+_OWN_PREFIX: Final = "x-egress-"
 _PASSED: Final = SDK_HEADERS | {"accept"}
 TRACE_ID_HEADER: Final = "x-egress-trace-id"
 CORRELATION_ID_HEADER: Final = "x-egress-correlation-id"
@@ -301,8 +303,10 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     names, ``Content-Length``, and the ``Content-Encoding`` aiohttp undid (the body is
     written decoded). A coding it did not undo (``x-gzip``, ``gzip, gzip``, ``compress``,
     a second header) stays on the body, so its header goes back with it (RFC 9110
-    section 8.4). ``headers`` is aiohttp's multi-valued mapping (``items()`` gives every
-    line)."""
+    section 8.4). An upstream header named like the sidecar's own (``x-egress-*``) goes
+    back renamed ``x-upstream-egress-*``: only the sidecar says which call this was,
+    whether it failed or was replayed. ``headers`` is aiohttp's multi-valued mapping
+    (``items()`` gives every line)."""
     named = {t.strip().lower() for t in headers.get("Connection", "").split(",")}
     out = []
     decoded = False
@@ -314,6 +318,8 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
             decoded = True  # aiohttp reads the first header only
             if value.isascii() and value.strip().lower() in _DECODED_CODINGS | {"", "identity"}:
                 continue
+        if lower.startswith(_OWN_PREFIX):
+            name = "x-upstream-" + name[2:]
         out.append((name, value))
     return out
 
