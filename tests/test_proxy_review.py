@@ -11,6 +11,7 @@ import json
 import socket
 from typing import Any
 
+import openai
 import pytest
 from aiohttp import web
 
@@ -228,3 +229,32 @@ async def test_an_upstream_cannot_send_the_sidecars_own_headers(
     else:
         assert headers.getall("x-egress-error-code") == ["DEPENDENCY_FAILED"]
         assert headers.getall("x-egress-retryable") == ["true"]
+
+
+# -- the SDK's read timeout bounds each gap of a stream, not the whole stream ----------
+
+
+async def test_a_stream_longer_than_the_sdks_read_timeout_is_not_cut(
+    upstream_factory, sidecar_factory
+):
+    from tests.test_proxy_sdk import chat_chunk, sse
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for n in range(8):  # 8 x 0.25 s: longer than the SDK's 1.5 s read timeout in all
+            await resp.write(sse(chat_chunk(str(n))))
+            await asyncio.sleep(0.25)  # the upstream's pace, not a synchronisation
+        await resp.write(sse(chat_chunk(None, "stop"), "[DONE]"))
+        await resp.write_eof()
+        return resp
+
+    _, sc = await _stack(upstream_factory, sidecar_factory, slow)
+    async with openai.AsyncOpenAI(
+        base_url=f"{sc.url}/proxy/openai/v1", api_key=AGENT, timeout=1.5, max_retries=0
+    ) as client:
+        stream = await client.chat.completions.create(model="m", messages=[], stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert text == "01234567"
+    [record] = sc.audit_records()
+    assert record["success"] is True

@@ -25,7 +25,8 @@ same stages as an envelope. :func:`proxy_intake` builds the request:
   target's ``allowed_refs``), ``x-egress-trace-id`` and ``x-egress-correlation-id`` (else
   the trace-id of a valid ``traceparent``, else generated), ``x-egress-timeout``
   (seconds; else the SDK's own timeout: ``x-stainless-timeout``,
-  ``x-stainless-read-timeout``, ``X-Server-Timeout``, at most 600; else 30), and
+  ``x-stainless-read-timeout``, ``X-Server-Timeout``, at most 600; on a streamed
+  request the first two are read timeouts, so 600; else 30), and
   ``Idempotency-Key`` (the envelope's ``idempotency_key``).
 * retries: ``x-stainless-retry-count`` above 0 means the SDK is itself retrying this
   request (the OpenAI and Anthropic SDKs send it on every attempt): the sidecar then
@@ -98,6 +99,7 @@ _SDK_TIMEOUT_HEADERS: Final = (
     "x-stainless-read-timeout",
     "x-server-timeout",
 )
+_READ_TIMEOUT_HEADERS: Final = frozenset({"x-stainless-timeout", "x-stainless-read-timeout"})
 _OCTETS: Final = "application/octet-stream"
 #: Query names under which an agent's own credential may ride (besides the providers'
 #: :data:`gateway.providers.CREDENTIAL_QUERY` and the target's own ``query_param``):
@@ -194,9 +196,9 @@ def proxy_intake(
         "method": method,
         "headers": agent_headers,
         "query": _query(http.query, dropped),
-        "timeout": _timeout(headers),
     }
     raw.update(_body(method, http.body, headers.get("content-type")))
+    raw["timeout"] = _timeout(headers, streamed=_streamed(raw))
     idempotency = target.spec.idempotency if target is not None else None
     key_header = idempotency.header.lower() if idempotency is not None else _IDEMPOTENCY_HEADER
     for header, key in (
@@ -251,9 +253,25 @@ def _query(items: Iterable[tuple[str, str]], dropped: Iterable[str]) -> dict[str
     return query
 
 
-def _timeout(headers: Mapping[str, str]) -> Any:
+def _streamed(raw: Mapping[str, Any]) -> bool:
+    """True when the request asks for a stream: ``"stream": true`` in its JSON body
+    (OpenAI, Anthropic), or Gemini's ``:streamGenerateContent`` / ``alt=sse``."""
+    parameters = raw.get("parameters")
+    if isinstance(parameters, dict) and parameters.get("stream") is True:
+        return True
+    return str(raw.get("endpoint", "")).endswith(":streamGenerateContent") or (
+        raw.get("query", {}).get("alt") == "sse"
+    )
+
+
+def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     """The call's deadline in seconds (module docstring). An ``x-egress-timeout`` that is
-    not a number is refused; a bad SDK timeout is ignored."""
+    not a number is refused; a bad SDK timeout is ignored. The Stainless SDKs' timeouts
+    (``x-stainless-*``) are httpx *read* timeouts: on a ``streamed`` request they bound
+    each gap between chunks, not the stream (openai-python and anthropic-sdk-python,
+    ``_build_headers``), so there they are not the deadline: :data:`MAX_TIMEOUT_S` is,
+    and the SDK, which hangs up after such a gap, and ``stream_idle_timeout_s`` bound
+    the gaps."""
     given = headers.get(_TIMEOUT_HEADER)
     if given is not None:
         try:
@@ -264,6 +282,10 @@ def _timeout(headers: Mapping[str, str]) -> Any:
                 details={"reason": "invalid_header", "header": _TIMEOUT_HEADER},
             ) from None
     for name in _SDK_TIMEOUT_HEADERS:
+        if streamed and name in _READ_TIMEOUT_HEADERS:
+            if name in headers:
+                return MAX_TIMEOUT_S
+            continue
         try:
             seconds = float(headers.get(name, ""))
         except ValueError:
