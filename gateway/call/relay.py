@@ -127,8 +127,9 @@ async def relay_stream(
                     judge.observe(event)
             except EventTooLarge:
                 raise _too_large(judge, max_bytes) from None
+            searched = len(held)  # held has no event end: a new one ends in the chunk
             held += chunk
-            cut = complete_events(held)
+            cut = complete_events(held, searched)
             if not cut:
                 continue  # no whole event yet: nothing is relayed half-way
             whole, held = bytes(held[:cut]), held[cut:]
