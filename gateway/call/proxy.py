@@ -27,7 +27,8 @@ same stages as an envelope. :func:`proxy_intake` builds the request:
   (seconds; else the SDK's own timeout: ``x-stainless-timeout``,
   ``x-stainless-read-timeout``, ``X-Server-Timeout``, at most 600; on a streamed
   request the first two are read timeouts, so 600; else 30), and
-  ``Idempotency-Key`` (the envelope's ``idempotency_key``).
+  ``Idempotency-Key`` (the envelope's ``idempotency_key``; for a target without
+  ``idempotency`` in the policy it is forwarded as it came, for the upstream to dedupe).
 * retries: ``x-stainless-retry-count`` above 0 means the SDK is itself retrying this
   request (the OpenAI and Anthropic SDKs send it on every attempt): the sidecar then
   makes one attempt only, so the two retry loops do not multiply (SDK attempts x sidecar
@@ -187,6 +188,10 @@ def proxy_intake(
         if name in TRACE_HEADERS or name in forward:
             agent_headers[name] = value
         elif name in _PASSED:  # not the idempotency header: the key goes as the target says
+            passthrough[name] = value
+        elif name == _IDEMPOTENCY_HEADER and (target is None or target.spec.idempotency is None):
+            # No idempotency of the sidecar's for this target: the SDK's key (Stripe's
+            # SDK sends one on every POST and its retries) is the upstream's to dedupe on.
             passthrough[name] = value
     raw: dict[str, Any] = {
         "trace_id": trace_id,
