@@ -238,15 +238,18 @@ async def test_an_upstream_cannot_send_the_sidecars_own_headers(
 async def test_a_stream_longer_than_the_sdks_read_timeout_is_not_cut(
     upstream_factory, sidecar_factory
 ):
-    from tests.test_proxy_sdk import chat_chunk, sse
+    def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        data = {"id": "c-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        return b"data: " + json.dumps({**data, "choices": [choice]}).encode() + b"\n\n"
 
     async def slow(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for n in range(8):  # 8 x 0.25 s: longer than the SDK's 1.5 s read timeout in all
-            await resp.write(sse(chat_chunk(str(n))))
+            await resp.write(chunk({"content": str(n)}))
             await asyncio.sleep(0.25)  # the upstream's pace, not a synchronisation
-        await resp.write(sse(chat_chunk(None, "stop"), "[DONE]"))
+        await resp.write(chunk({}, "stop") + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
