@@ -352,3 +352,22 @@ async def test_a_targets_own_idempotency_keeps_the_key_in_its_header(
     [seen] = up.seen  # the second was a replay
     assert seen.headers["X-Request-Key"] == "k-7"
     assert "idempotency-key" not in {k.lower() for k in seen.headers}
+
+
+async def test_a_second_content_encoding_header_stays_with_the_layer_left(
+    upstream_factory, sidecar_factory
+):
+    plain = json.dumps({"ok": True}).encode()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.Response(body=gzip.compress(gzip.compress(plain)))
+        resp.headers["Content-Type"] = "application/json"
+        resp.headers.add("Content-Encoding", "gzip")
+        resp.headers.add("Content-Encoding", "gzip")  # aiohttp undoes the first only
+        return resp
+
+    _, sc = await _stack(upstream_factory, sidecar_factory, handler)
+    url = f"{sc.url}/proxy/openai/v1/chat/completions"
+    async with sc.session.post(url, json=CHAT, auto_decompress=False) as resp:
+        assert resp.headers.getall("Content-Encoding") == ["gzip"]
+        assert gzip.decompress(await resp.read()) == plain
