@@ -11,11 +11,13 @@ same stages as an envelope. :func:`proxy_intake` builds the request:
   (multipart uploads, audio, a JSON array, text) becomes ``body``, its bytes unchanged
   with their ``Content-Type``. GET, HEAD, DELETE and OPTIONS carry no body.
 * headers: the agent's own credentials (``Authorization``, ``x-api-key``, ``api-key``,
-  ``x-goog-api-key``; :data:`gateway.providers.CREDENTIAL_HEADERS`) and a ``key`` query
-  item are dropped, never forwarded, as are hop-by-hop headers (RFC 9110 section 7.6.1)
-  and everything else not listed here. What passes: ``traceparent``/``tracestate``, the
-  target's ``forward_headers`` (as an envelope's ``headers``), and, beneath the policy's
-  ``static_headers``, ``Accept`` and the headers the providers' SDKs need
+  ``x-goog-api-key``; :data:`gateway.providers.CREDENTIAL_HEADERS`) and query items
+  named as credentials (:data:`AGENT_QUERY_CREDENTIALS`: ``key``, ``api_key``,
+  ``token``, ``access_token``... in any case) are dropped, never forwarded, as are
+  hop-by-hop headers (RFC 9110 section 7.6.1) and everything else not listed here.
+  What passes: ``traceparent``/``tracestate``, the target's ``forward_headers`` (as an
+  envelope's ``headers``), and, beneath the policy's ``static_headers``, ``Accept``
+  and the headers the providers' SDKs need
   (:data:`gateway.providers.SDK_HEADERS`: ``anthropic-version``, ``anthropic-beta``,
   ``openai-beta``). SDK telemetry (``User-Agent``, ``x-stainless-*``,
   ``x-goog-api-client``) describes the agent's machine and stays here.
@@ -23,8 +25,10 @@ same stages as an envelope. :func:`proxy_intake` builds the request:
   target's ``allowed_refs``), ``x-egress-trace-id`` and ``x-egress-correlation-id`` (else
   the trace-id of a valid ``traceparent``, else generated), ``x-egress-timeout``
   (seconds; else the SDK's own timeout: ``x-stainless-timeout``,
-  ``x-stainless-read-timeout``, ``X-Server-Timeout``, at most 600; else 30), and
-  ``Idempotency-Key`` (the envelope's ``idempotency_key``).
+  ``x-stainless-read-timeout``, ``X-Server-Timeout``, at most 600; on a streamed
+  request the first two are read timeouts, so 600; else 30), and
+  ``Idempotency-Key`` (the envelope's ``idempotency_key``; for a target without
+  ``idempotency`` in the policy it is forwarded as it came, for the upstream to dedupe).
 * retries: ``x-stainless-retry-count`` above 0 means the SDK is itself retrying this
   request (the OpenAI and Anthropic SDKs send it on every attempt): the sidecar then
   makes one attempt only, so the two retry loops do not multiply (SDK attempts x sidecar
@@ -76,9 +80,13 @@ HOP_BY_HOP: Final = frozenset(
         "upgrade",
     }
 )
-#: Upstream headers not passed back besides those: the body written is decoded (aiohttp
-#: undid gzip and deflate) and framed anew by the server.
-_NOT_PASSED_BACK: Final = HOP_BY_HOP | {"content-length", "content-encoding"}
+#: Upstream headers not passed back besides those: the body is framed anew by the server.
+_NOT_PASSED_BACK: Final = HOP_BY_HOP | {"content-length"}
+#: The one Content-Encoding aiohttp's client undoes (its ``http_parser``: the first such
+#: header, one coding, ASCII, any case); any other coding is still on the body.
+_DECODED_CODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
+#: The sidecar's own answer headers (:func:`egress_headers`, :func:`id_headers`).
+_OWN_PREFIX: Final = "x-egress-"
 _PASSED: Final = SDK_HEADERS | {"accept"}
 TRACE_ID_HEADER: Final = "x-egress-trace-id"
 CORRELATION_ID_HEADER: Final = "x-egress-correlation-id"
@@ -92,7 +100,27 @@ _SDK_TIMEOUT_HEADERS: Final = (
     "x-stainless-read-timeout",
     "x-server-timeout",
 )
+_READ_TIMEOUT_HEADERS: Final = frozenset({"x-stainless-timeout", "x-stainless-read-timeout"})
 _OCTETS: Final = "application/octet-stream"
+#: Query names under which an agent's own credential may ride (besides the providers'
+#: :data:`gateway.providers.CREDENTIAL_QUERY` and the target's own ``query_param``):
+#: never forwarded, compared as :func:`gateway.policy.egress.same_query_name` does (any
+#: case, ``.`` read as ``_``). The names APIs and OAuth 2.0 (RFC 6750 section 2.3) use.
+AGENT_QUERY_CREDENTIALS: Final = frozenset(
+    {
+        "key",
+        "api_key",
+        "apikey",
+        "api-key",
+        "api_token",
+        "x-api-key",
+        "x-goog-api-key",
+        "token",
+        "access_token",
+        "auth_token",
+        "client_secret",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +178,7 @@ def proxy_intake(
     forward = target.forward_headers if target is not None else frozenset()
     credential = target.spec.credential if target is not None else None
     own_query = credential.query_param if credential is not None else None
-    dropped = CREDENTIAL_QUERY | ({own_query} if own_query else set())
+    dropped = CREDENTIAL_QUERY | AGENT_QUERY_CREDENTIALS | ({own_query} if own_query else set())
     connection = {t.strip() for t in headers.get("connection", "").lower().split(",")}
     agent_headers: dict[str, str] = {}
     passthrough: dict[str, str] = {}
@@ -161,6 +189,10 @@ def proxy_intake(
             agent_headers[name] = value
         elif name in _PASSED:  # not the idempotency header: the key goes as the target says
             passthrough[name] = value
+        elif name == _IDEMPOTENCY_HEADER and (target is None or target.spec.idempotency is None):
+            # No idempotency of the sidecar's for this target: the SDK's key (Stripe's
+            # SDK sends one on every POST and its retries) is the upstream's to dedupe on.
+            passthrough[name] = value
     raw: dict[str, Any] = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
@@ -169,9 +201,9 @@ def proxy_intake(
         "method": method,
         "headers": agent_headers,
         "query": _query(http.query, dropped),
-        "timeout": _timeout(headers),
     }
     raw.update(_body(method, http.body, headers.get("content-type")))
+    raw["timeout"] = _timeout(headers, streamed=_streamed(raw))
     idempotency = target.spec.idempotency if target is not None else None
     key_header = idempotency.header.lower() if idempotency is not None else _IDEMPOTENCY_HEADER
     for header, key in (
@@ -211,7 +243,8 @@ def _hex(text: str) -> bool:
 
 def _query(items: Iterable[tuple[str, str]], dropped: Iterable[str]) -> dict[str, Any]:
     """The query items as the envelope's ``query`` (a repeated name as a list), without
-    those an upstream could read as a credential (the SDKs' ``key``, the target's own)."""
+    those an upstream could read as a credential (:data:`AGENT_QUERY_CREDENTIALS`, the
+    SDKs' ``key``, the target's own)."""
     names = tuple(dropped)
     query: dict[str, Any] = {}
     for name, value in items:
@@ -225,9 +258,25 @@ def _query(items: Iterable[tuple[str, str]], dropped: Iterable[str]) -> dict[str
     return query
 
 
-def _timeout(headers: Mapping[str, str]) -> Any:
+def _streamed(raw: Mapping[str, Any]) -> bool:
+    """True when the request asks for a stream: ``"stream": true`` in its JSON body
+    (OpenAI, Anthropic), or Gemini's ``:streamGenerateContent`` / ``alt=sse``."""
+    parameters = raw.get("parameters")
+    if isinstance(parameters, dict) and parameters.get("stream") is True:
+        return True
+    return str(raw.get("endpoint", "")).endswith(":streamGenerateContent") or (
+        raw.get("query", {}).get("alt") == "sse"
+    )
+
+
+def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     """The call's deadline in seconds (module docstring). An ``x-egress-timeout`` that is
-    not a number is refused; a bad SDK timeout is ignored."""
+    not a number is refused; a bad SDK timeout is ignored. The Stainless SDKs' timeouts
+    (``x-stainless-*``) are httpx *read* timeouts: on a ``streamed`` request they bound
+    each gap between chunks, not the stream (openai-python and anthropic-sdk-python,
+    ``_build_headers``), so there they are not the deadline: :data:`MAX_TIMEOUT_S` is,
+    and the SDK, which hangs up after such a gap, and ``stream_idle_timeout_s`` bound
+    the gaps."""
     given = headers.get(_TIMEOUT_HEADER)
     if given is not None:
         try:
@@ -238,6 +287,10 @@ def _timeout(headers: Mapping[str, str]) -> Any:
                 details={"reason": "invalid_header", "header": _TIMEOUT_HEADER},
             ) from None
     for name in _SDK_TIMEOUT_HEADERS:
+        if streamed and name in _READ_TIMEOUT_HEADERS:
+            if name in headers:
+                return MAX_TIMEOUT_S
+            continue
         try:
             seconds = float(headers.get(name, ""))
         except ValueError:
@@ -274,14 +327,28 @@ def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
 def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """The upstream's answer headers that go back to the agent: all of them (repeats
     kept, e.g. ``Set-Cookie``) but hop-by-hop ones, those the upstream's ``Connection``
-    names, ``Content-Length`` and ``Content-Encoding``. ``headers`` is aiohttp's
-    multi-valued mapping (its ``items()`` gives every line)."""
+    names, ``Content-Length``, and the ``Content-Encoding`` aiohttp undid (the body is
+    written decoded). A coding it did not undo (``x-gzip``, ``gzip, gzip``, ``compress``,
+    a second header) stays on the body, so its header goes back with it (RFC 9110
+    section 8.4). An upstream header named like the sidecar's own (``x-egress-*``) goes
+    back renamed ``x-upstream-egress-*``: only the sidecar says which call this was,
+    whether it failed or was replayed. ``headers`` is aiohttp's multi-valued mapping
+    (``items()`` gives every line)."""
     named = {t.strip().lower() for t in headers.get("Connection", "").split(",")}
-    return [
-        (name, value)
-        for name, value in headers.items()
-        if name.lower() not in _NOT_PASSED_BACK and name.lower() not in named
-    ]
+    out = []
+    decoded = False
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in _NOT_PASSED_BACK or lower in named:
+            continue
+        if lower == "content-encoding" and not decoded:
+            decoded = True  # aiohttp reads the first header only
+            if value.isascii() and value.strip().lower() in _DECODED_CODINGS | {"", "identity"}:
+                continue
+        if lower.startswith(_OWN_PREFIX):
+            name = "x-upstream-" + name[2:]
+        out.append((name, value))
+    return out
 
 
 def egress_headers(

@@ -12,7 +12,10 @@ relay (the server's write waits for the agent's socket to drain), and
 
 Time: each gap between two chunks is bounded by the target's ``stream_idle_timeout_s``
 (STREAM_INTERRUPTED, reason ``idle_timeout``), the whole call by its deadline
-(AGENT_TIMEOUT). The agent hanging up closes the upstream request at once.
+(AGENT_TIMEOUT), writes to the agent included: an agent that stops reading (its TCP
+window shut, the write waiting for it to drain) is cut at the deadline with reason
+``agent_stalled``, and its connection is dropped rather than written to again. The agent
+hanging up closes the upstream request at once.
 
 The HTTP side is the server's: it hands in a :class:`Relay`.
 """
@@ -37,6 +40,11 @@ _OWN_EVENT = re.compile(rb"((?:^|[\r\n])event: ?)egress\.")
 
 class AgentGone(Exception):
     """The agent closed its connection while its stream was being relayed."""
+
+
+#: ``details.reason`` of the AGENT_TIMEOUT raised when the agent stopped reading: the
+#: server drops its connection instead of writing it a last event it would not read.
+AGENT_STALLED = "agent_stalled"
 
 
 class Relay(Protocol):
@@ -119,13 +127,14 @@ async def relay_stream(
                     judge.observe(event)
             except EventTooLarge:
                 raise _too_large(judge, max_bytes) from None
+            searched = len(held)  # held has no event end: a new one ends in the chunk
             held += chunk
-            cut = complete_events(held)
+            cut = complete_events(held, searched)
             if not cut:
                 continue  # no whole event yet: nothing is relayed half-way
             whole, held = bytes(held[:cut]), held[cut:]
             try:
-                await _send(relay, done, whole, started)
+                await _send(relay, done, whole, started, deadline)
             except AgentGone:
                 raise StreamInterrupted(
                     f"the agent hung up after {judge.events} events; the upstream request "
@@ -141,22 +150,37 @@ async def relay_stream(
         # A last event without its blank line that still completed the stream (``data:
         # [DONE]`` right before the close): closed here, so it cannot run into ours.
         with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
-            await _send(relay, done, bytes(held) + b"\n\n", started)
+            await _send(relay, done, bytes(held) + b"\n\n", started, deadline)
     return done
 
 
-async def _send(relay: Relay, done: Relayed, whole: bytes, started: float) -> None:
+async def _send(relay: Relay, done: Relayed, whole: bytes, started: float, deadline: float) -> None:
     """Relay whole events: open the agent's stream on the first, keep them for the
     idempotency store when asked. An upstream event named like the sidecar's own
-    (``egress.*``) is renamed ``upstream.egress.*``: only the sidecar ends a stream."""
+    (``egress.*``) is renamed ``upstream.egress.*``: only the sidecar ends a stream.
+    The write waits for the agent to take the bytes (backpressure), at most until the
+    call's deadline: past it, AGENT_TIMEOUT with reason :data:`AGENT_STALLED`."""
     if b"egress." in whole:
         whole = _OWN_EVENT.sub(rb"\1upstream.egress.", whole)
     if done.kept is not None:
         done.kept += whole
-    if not relay.started:
-        await relay.start()
-        done.first_byte_s = time.monotonic() - started
-    await relay.send(whole)
+    try:
+        async with asyncio.timeout_at(_loop_time(deadline)):
+            if not relay.started:
+                await relay.start()
+                done.first_byte_s = time.monotonic() - started
+            await relay.send(whole)
+    except TimeoutError:
+        raise DeadlineExceeded(
+            "the call's deadline passed while the agent was not reading its stream "
+            "(its connection took no more bytes); the upstream request was closed",
+            details={"reason": AGENT_STALLED, "target": done.judge.target},
+        ) from None
+
+
+def _loop_time(deadline: float) -> float:
+    """``deadline`` (on ``time.monotonic``) on the running loop's clock."""
+    return asyncio.get_running_loop().time() + (deadline - time.monotonic())
 
 
 def _deadline(judge: StreamJudge) -> GatewayError:

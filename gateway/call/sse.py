@@ -44,13 +44,14 @@ class SseDecoder:
     here (for judging the stream only; the relayed bytes are the upstream's).
     """
 
-    __slots__ = ("_cr", "_data", "_event", "_last_id", "_line", "_max", "_size", "_started",
-                 "_utf8", "events")  # fmt: skip
+    __slots__ = ("_cr", "_data", "_event", "_last_id", "_line_chars", "_max", "_parts",
+                 "_size", "_started", "_utf8", "events")  # fmt: skip
 
     def __init__(self, max_event_bytes: int) -> None:
         self._max = max_event_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._line = ""  # the current, unterminated line
+        self._parts: list[str] = []  # the current, unterminated line, in pieces
+        self._line_chars = 0
         self._cr = False  # the last chunk ended with CR: a following LF belongs to it
         self._data: list[str] = []
         self._event: str | None = None
@@ -72,12 +73,21 @@ class SseDecoder:
         out: list[SseEvent] = []
         if "\r" in text:
             text = text.replace("\r\n", "\n").replace("\r", "\n")
-        lines = text.split("\n")
-        lines[0] = self._line + lines[0]
-        self._line = lines.pop()
-        for line in lines:
-            self._field(line, out)
-        if self._size + len(self._line) > self._max:
+        if "\n" not in text:
+            # A line still growing: kept in pieces, joined once when it ends (a long
+            # line joined at every chunk would cost its length per chunk).
+            self._parts.append(text)
+            self._line_chars += len(text)
+        else:
+            lines = text.split("\n")
+            if self._parts:
+                lines[0] = "".join(self._parts) + lines[0]
+                self._parts.clear()
+            for line in lines[:-1]:
+                self._field(line, out)
+            self._parts.append(lines[-1])
+            self._line_chars = len(lines[-1])
+        if self._size + self._line_chars > self._max:
             raise EventTooLarge(f"one event passed {self._max} bytes")
         return out
 
@@ -88,9 +98,11 @@ class SseDecoder:
         this decoder, so that ``data: [DONE]`` right before the close is not lost.)"""
         out: list[SseEvent] = []
         tail = self._utf8.decode(b"", final=True)
-        if self._line or tail:
-            self._field(self._line + tail, out)
-            self._line = ""
+        line = "".join(self._parts) + tail
+        self._parts.clear()
+        self._line_chars = 0
+        if line:
+            self._field(line, out)
         self._field("", out)
         return out
 
@@ -129,13 +141,18 @@ class SseDecoder:
 _EVENT_ENDS: Final = (b"\n\n", b"\r\r", b"\r\n\r\n", b"\n\r\n", b"\r\n\n")
 
 
-def complete_events(buffer: bytes | bytearray) -> int:
+def complete_events(buffer: bytes | bytearray, searched: int = 0) -> int:
     """How many leading bytes of ``buffer`` are whole events (0: none yet): the offset
     just after its last blank line. The relays send only whole events, so that a stream
-    cut mid-event never leaves half an event for the next one to run into."""
+    cut mid-event never leaves half an event for the next one to run into.
+
+    ``searched``: how many leading bytes are known to hold no event end (the held bytes
+    before the chunk just added): only the rest is searched, so that one event growing
+    chunk by chunk costs its length once, not its length per chunk (quadratic: seconds
+    of a blocked event loop for an event of a few MiB)."""
     end = 0
     for mark in _EVENT_ENDS:
-        at = buffer.rfind(mark)
+        at = buffer.rfind(mark, max(0, searched - len(mark) + 1))
         if at >= 0:
             end = max(end, at + len(mark))
     return end

@@ -31,11 +31,11 @@ from aiohttp.http_exceptions import ContentEncodingError
 from gateway import openapi, redaction
 from gateway.audit import get_logger
 from gateway.call.record import refusal_record
-from gateway.call.relay import AgentGone
+from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
 from gateway.server.eventloop import loop_name
-from gateway.server.proxy import PROXY_ROUTE, ProxyRoute
+from gateway.server.proxy import PROXY_ROUTE, ProxyRoute, drop_connection
 from gateway.server.reload import PolicyWatcher
 from gateway.server.runtime import Gateway
 
@@ -167,6 +167,9 @@ class _SseRelay:
             raise AgentGone from exc
 
     async def finish(self, response: ExternalCallResponse) -> web.StreamResponse:
+        if response.error is not None and response.error.details.get("reason") == AGENT_STALLED:
+            drop_connection(self._request)  # it reads nothing: the final event would hang
+            return self._response
         final = response.model_copy(update={"data": None}).model_dump_json().encode()
         with contextlib.suppress(ConnectionError, RuntimeError):  # the agent may be gone
             await self._response.write(

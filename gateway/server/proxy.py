@@ -37,7 +37,7 @@ from gateway.call.proxy import (
     replayed_body,
 )
 from gateway.call.record import CallContext, refusal_record
-from gateway.call.relay import AgentGone
+from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.call.sse import complete_events
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import (
@@ -81,7 +81,7 @@ class ProxyRoute:
             http = _proxy_request(request, body)
             relay = _ProxyRelay(request, ctx)
             status, response = await gateway.proxy(http, ctx=ctx, refuse=refuse, relay=relay)
-            dialect = _dialect(ctx, names)
+            dialect = self._dialect(ctx, request, names)
             if relay.started:
                 return await relay.finish(status, response, dialect)
             return _answer(status, response, ctx, dialect, request.method)
@@ -116,7 +116,23 @@ class ProxyRoute:
             )
             record[Fields.API] = "proxy"
             gateway.audit.call(record)
-        return _refusal(exc.http_status, response, _dialect(ctx, names), ctx)
+        return _refusal(exc.http_status, response, self._dialect(ctx, request, names), ctx)
+
+    def _dialect(self, ctx: CallContext, request: web.Request, names: frozenset[str]) -> Dialect:
+        """The error shape for this answer: the target's, also when the call was refused
+        before the policy decision named it (a bad header, a body too large), else the
+        SDK's headers'."""
+        target = ctx.target or self._gateway.policy.targets.get(
+            request.match_info.get("target", "")
+        )
+        return drop_in_dialect(target.spec.usage if target is not None else None, names)
+
+
+def drop_connection(request: web.Request) -> None:
+    """Drop the agent's connection now, unsent bytes and all: an agent that stopped
+    reading would keep a closing connection (and its buffers) open as long as it likes."""
+    if request.transport is not None:
+        request.transport.abort()
 
 
 def _too_large(limit: int) -> InvalidPayload:
@@ -139,10 +155,6 @@ def _proxy_request(request: web.Request, body: bytes) -> ProxyRequest:
         headers=tuple(request.headers.items()),
         body=body,
     )
-
-
-def _dialect(ctx: CallContext, names: frozenset[str]) -> Dialect:
-    return drop_in_dialect(ctx.target.spec.usage if ctx.target is not None else None, names)
 
 
 def _ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
@@ -275,6 +287,9 @@ class _ProxyRelay:
         a partial event) the provider's error event saying what went wrong."""
         assert self._response is not None
         error = response.error
+        if error is not None and error.details.get("reason") == AGENT_STALLED:
+            drop_connection(self._request)  # it reads nothing: a last event would hang too
+            return self._response
         with contextlib.suppress(AgentGone, ConnectionError, RuntimeError):
             if error is None:
                 if self._held:

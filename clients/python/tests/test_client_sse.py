@@ -90,3 +90,20 @@ def test_one_event_is_bounded() -> None:
     # Many small events are not one big one.
     many = SSEDecoder(max_event_chars=100)
     assert len(many.feed(b"data: 0123456789\n\n" * 100)) == 100
+
+
+def test_one_long_line_fed_in_pieces_is_one_event_and_still_bounded() -> None:
+    # A growing line is kept in pieces and scanned once it ends (review: re-joining it at
+    # every chunk made one 16 MiB event cost over a second of the agent's CPU).
+    decoder = SSEDecoder(max_event_chars=1_000_000)
+    line = b"data: " + b"B" * 100_000
+    for at in range(0, len(line), 100):
+        assert decoder.feed(line[at : at + 100]) == []
+    assert decoder.feed(b"\r") == []  # maybe the first half of CRLF
+    assert decoder.feed(b"x") == []  # it was not: a line end, then a new line
+    [event] = decoder.feed(b"\n\n")
+    assert event.data == "B" * 100_000
+    bounded = SSEDecoder(max_event_chars=1000)
+    assert bounded.feed(b"data: " + b"C" * 600) == []
+    with pytest.raises(ValueError, match="over 1000 characters"):
+        bounded.feed(b"C" * 600)

@@ -51,6 +51,8 @@ class SSEDecoder:
         self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._max = max_event_chars
         self._pending = ""  # text not yet ended by a line break
+        self._growing: list[str] = []  # more of it, in pieces: no line break among them
+        self._growing_chars = 0
         self._started = False
         self._event = ""
         self._data: list[str] = []
@@ -58,6 +60,15 @@ class SSEDecoder:
         self._last_id = ""
         self._retry: int | None = None
         self._error: ValueError | None = None
+
+    def _take_pending(self) -> str:
+        """The unterminated text, its pieces joined (once per line end)."""
+        if self._growing:
+            self._pending += "".join(self._growing)
+            self._growing.clear()
+            self._growing_chars = 0
+        pending, self._pending = self._pending, ""
+        return pending
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -82,8 +93,9 @@ class SSEDecoder:
         between CR and LF."""
         self._raise_pending()
         events = list(self._lines(self._text.decode(b"", final=True)))
-        if self._pending:
-            line, self._pending = self._pending.removesuffix("\r"), ""
+        pending = self._take_pending()
+        if pending:
+            line = pending.removesuffix("\r")
             event = self._line(line)
             if event is not None:
                 events.append(event)
@@ -93,7 +105,15 @@ class SSEDecoder:
         if not self._started and text:
             self._started = True
             text = text.removeprefix("\ufeff")
-        buffer = self._pending + text
+        if "\n" not in text and "\r" not in text and not self._pending.endswith("\r"):
+            # A line still growing: kept in pieces and scanned once it ends (joined and
+            # scanned at every chunk, one long line would cost its length per chunk).
+            self._growing.append(text)
+            self._growing_chars += len(text)
+            if len(self._pending) + self._growing_chars + self._data_chars > self._max:
+                raise ValueError(f"a server-sent event is over {self._max} characters")
+            return
+        buffer = self._take_pending() + text
         start = 0
         size = len(buffer)
         while True:
