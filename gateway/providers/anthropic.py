@@ -264,6 +264,7 @@ DIALECT: Final = Dialect(
     credential_headers=("x-api-key", "authorization"),
     marker_headers=("anthropic-version",),
     provider_name="anthropic",
+    price_provider="anthropic",
     operation=operation,
     request_model=request_model,
     response_model=response_model,

@@ -14,6 +14,10 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
   answer (a JSON body, or one stream event) says it came from; ``cached_outside_input``:
   the dialect's ``input`` count leaves the cached tokens out (the conventions count them
   in), and its ``cached`` count is cache reads and writes together;
+  ``reasoning_outside_output``: its ``reasoning`` count is not part of ``output`` (and
+  is billed as output); ``price_provider``: the provider's id in genai-prices
+  (:mod:`gateway.cost`), "" when it has none; ``choices(parameters)``: how many answers
+  a request asks for (each up to the output cap);
 * ``exhausted_holds(headers, now)``: seconds until each rate limit that the answer's
   headers report as spent resets (``now`` is wall-clock time, for absolute resets);
 * ``error_hint(status, headers, body)``: what a non-2xx answer's body says about
@@ -241,6 +245,10 @@ def _no_request_model(_: str, __: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _one_choice(_: Mapping[str, Any]) -> int:
+    return 1
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """One provider's knowledge, as the call path uses it (see the module docstring)."""
@@ -266,6 +274,9 @@ class Dialect:
     request_model: Callable[[str, Mapping[str, Any]], str | None] = _no_request_model
     response_model: Callable[[Any], str | None] = _no_text
     cached_outside_input: bool = False
+    reasoning_outside_output: bool = False
+    price_provider: str = ""
+    choices: Callable[[Mapping[str, Any]], int] = _one_choice
 
 
 def last_reported(
