@@ -67,7 +67,7 @@ async def reserve(
                     f"{budget.spec.on_unknown_price}, mode: {budget.spec.mode})"
                 )
             else:
-                ctx.decision = "denied"
+                ctx.decision, ctx.cost_reason = "denied", "not_sent"
                 raise PermissionDenied(
                     f"budget {budget.name!r} applies to this call, and its cost cannot be "
                     f"bounded before sending ({reason.replace('_', ' ') if reason else ''}): "
@@ -84,7 +84,7 @@ async def reserve(
     try:
         booking = await budgets.reserve(applying, amount or 0.0)
     except BudgetExceeded:
-        ctx.decision = "denied"
+        ctx.decision, ctx.cost_reason = "denied", "not_sent"
         raise
     ctx.budgets = [b.name for b in applying]
     ctx.warnings.extend(booking.warnings)
