@@ -114,6 +114,25 @@ async def test_lua_buckets_and_resets_are_the_pure_modules(
     assert caught.value.details["reason"] == "too_large"
 
 
+async def test_large_amounts_are_exact_in_lua(make_budgets: MakeBudgets) -> None:
+    """Near the policy's bounds (1e6 USD = 1e15 nano-USD; 1-minute rolling windows):
+    integers reach Redis as integers, never in Lua's exponent form."""
+    budgets = await make_budgets(
+        {"big": _spec("monthly", 1_000_000), "fast": _spec("rolling", 1_000_000, per_hours=1 / 60)}
+    )
+    applied = budgets.applying("t", None, "a")
+    booking = await budgets.reserve(applied, 999_999.5)
+    raw = redis.Redis.from_url(SHARED_URL)
+    try:
+        for budget, bucket in booking.cluster:
+            stored = raw.hget(budgets.cluster.key(budget.name), str(bucket))  # type: ignore[union-attr]
+            assert int(stored or 0) == 999_999_500_000_000
+    finally:
+        raw.close()
+    with pytest.raises(BudgetExceeded):
+        await budgets.reserve(applied, 1.0)
+
+
 async def test_concurrent_admissions_from_several_clients_never_overbook(
     make_budgets: MakeBudgets,
 ) -> None:

@@ -93,7 +93,7 @@ for i = 1, #KEYS do
   local b = bucket_of(s.kind, s.width)
   buckets[i] = b
   local fields = {}
-  for k = b - s.nb + 1, b do fields[#fields + 1] = k end
+  for k = b - s.nb + 1, b do fields[#fields + 1] = string.format('%.0f', k) end
   local vals = redis.call('HMGET', KEYS[i], unpack(fields))
   local spent = 0
   for j = 1, #vals do spent = spent + (tonumber(vals[j]) or 0) end
@@ -120,9 +120,11 @@ if refused > 0 then
 end
 for i = 1, #KEYS do
   local s, b = spec[i], buckets[i]
-  redis.call('HINCRBY', KEYS[i], b, amount)
+  -- Integers go to Redis as the caller's strings or '%.0f': Lua's own number-to-string
+  -- conversion (%.14g) would write large ones in exponent form.
+  redis.call('HINCRBY', KEYS[i], string.format('%.0f', b), ARGV[1])
   local ttl = leaves_at(s.kind, s.width, s.nb, b) - now + 60
-  redis.call('PEXPIRE', KEYS[i], math.ceil(ttl * 1000))
+  redis.call('PEXPIRE', KEYS[i], string.format('%.0f', math.ceil(ttl * 1000)))
   if redis.call('HLEN', KEYS[i]) > s.nb then
     for _, f in ipairs(redis.call('HKEYS', KEYS[i])) do
       if tonumber(f) < b - s.nb + 1 then redis.call('HDEL', KEYS[i], f) end
@@ -134,11 +136,10 @@ return {1, 0, '0', 0, shadow, buckets}
 
 # KEYS: the budgets' hashes. ARGV: delta (nano-USD), then the booked bucket per key.
 _SETTLE: Final = """
-local d = tonumber(ARGV[1])
 for i = 1, #KEYS do
   local f = ARGV[i + 1]
   if redis.call('HEXISTS', KEYS[i], f) == 1 then
-    if redis.call('HINCRBY', KEYS[i], f, d) < 0 then redis.call('HSET', KEYS[i], f, 0) end
+    if redis.call('HINCRBY', KEYS[i], f, ARGV[1]) < 0 then redis.call('HSET', KEYS[i], f, 0) end
   end
 end
 return 1

@@ -74,7 +74,7 @@ class BudgetSpec(StrictModel):
 
     limit_usd: float = Field(gt=0, le=d.MAX_BUDGET_USD)
     window: Literal["daily", "monthly", "rolling"]
-    per_hours: float | None = Field(None, gt=0, le=d.MAX_BUDGET_PER_HOURS)
+    per_hours: float | None = Field(None, ge=d.MIN_BUDGET_PER_HOURS, le=d.MAX_BUDGET_PER_HOURS)
     applies_to: AppliesTo = Field(default_factory=AppliesTo)
     scope: Literal["local", "cluster"] = "local"
     mode: Mode = "enforce"
