@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Final
 
+from gateway.audit import get_logger
 from gateway.cost.rates import Rates
 
 __all__ = ["LIBRARY", "library_rates", "library_version"]
@@ -27,6 +28,7 @@ __all__ = ["LIBRARY", "library_rates", "library_version"]
 #: ``Rates.source`` of a price from the library.
 LIBRARY: Final = "genai-prices"
 _CACHE_SIZE: Final = 4096
+_log = get_logger("gateway.cost")
 
 
 def library_version() -> str:
@@ -47,8 +49,11 @@ def library_rates(provider: str, model: str, now: datetime | None = None) -> Rat
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _cached(provider: str, model: str, day: str) -> Rates | None:
-    from genai_prices import data_snapshot
-
+    try:
+        from genai_prices import data_snapshot
+    except ImportError:  # an image built without it: every price is unknown, said once
+        _missing()
+        return None
     snapshot = data_snapshot.get_snapshot()
     try:
         _, info = snapshot.find_provider_model(model, None, provider, None)
@@ -68,6 +73,15 @@ def _cached(provider: str, model: str, day: str) -> Rates | None:
         cache_write_usd_per_mtok=write,
         source=LIBRARY,
         model=str(info.id),
+    )
+
+
+@functools.cache
+def _missing() -> None:
+    _log.warning(
+        "prices_unavailable",
+        reason="genai-prices is not installed: costs are unknown (cost_reason no_price) "
+        "except for models in the policy's prices",
     )
 
 
