@@ -191,6 +191,13 @@ def test_policy_prices_win_and_unknown_prices_say_why() -> None:
     assert no_cap.upper_usd(7)[0] == pytest.approx(7 * 0.1)
     two = pricing.price("openai", "/v1/chat/completions", {**params, "n": 2}, measure=True)
     assert two.output_tokens == 10  # n choices, each up to max_tokens
+    embed = pricing.price(
+        "openai", "/v1/embeddings", {"model": "gpt-4o", "input": "abcd"}, measure=True
+    )
+    assert embed.upper_usd(None) == (pytest.approx(4 * 0.1), None)  # nothing generated
+    stored = {**params, "previous_response_id": "resp_1"}
+    hidden = pricing.price("openai", "/v1/responses", stored, measure=True)
+    assert hidden.upper_usd(100) == (None, "hidden_context")  # input kept by the provider
 
 
 def test_library_prices_offline_and_match_genai_prices() -> None:

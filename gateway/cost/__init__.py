@@ -14,6 +14,7 @@ not_a_model_call   the endpoint is not one the dialect knows as a model call
 no_model           the request names no model
 no_price           neither the policy nor genai-prices has a price for it
 no_output_cap      (estimate only) no ``max_tokens``-like cap and no budget default
+hidden_context     (estimate only) input kept by the provider (``previous_response_id``)
 usage_unknown      (cost only) the answer reported no usage
 usage_incomplete   (cost only) the usage lacks its input or output count
 =================  ==========================================================
@@ -23,7 +24,9 @@ the prompt keys (:func:`gateway.providers.prompt_bytes`): a text token covers at
 one byte, so for text this is never below the real count (images, audio, files and
 server-side state such as ``previous_response_id`` are not in the bytes: their tokens
 are not bounded by it). Output is the request's cap (times ``n`` / ``candidateCount``),
-else the budget's ``max_output_tokens``.
+else the budget's ``max_output_tokens`` (0 for embeddings). A request that brings in
+input kept on the provider's side (the Responses API's ``previous_response_id`` or
+``conversation``) cannot be bounded before sending.
 """
 
 from __future__ import annotations
@@ -54,13 +57,17 @@ class CallPrice:
     reason: str | None
     prompt_bytes: int = 0
     output_tokens: int = 0
+    no_output: bool = False  # embeddings: nothing is generated
+    hidden_context: bool = False  # input kept on the provider's side (previous_response_id)
 
     def upper_usd(self, default_output_tokens: int | None) -> tuple[float | None, str | None]:
         """The most the call can cost (USD), or (None, reason)."""
         if self.rates is None:
             return None, self.reason
-        output = self.output_tokens or default_output_tokens
-        if not output:
+        if self.hidden_context:
+            return None, "hidden_context"
+        output = 0 if self.no_output else self.output_tokens or default_output_tokens
+        if output is None or (not output and not self.no_output):
             return None, "no_output_cap"
         return upper_cost_usd(self.rates, self.prompt_bytes, output), None
 
@@ -130,5 +137,14 @@ class Pricing:
             return CallPrice(dialect, call.request_model, None, "no_price")
         if not measure:
             return CallPrice(dialect, call.request_model, rates, None)
-        cap = output_cap(parameters) * DIALECTS[dialect].choices(parameters)
-        return CallPrice(dialect, call.request_model, rates, None, prompt_bytes(parameters), cap)
+        spec = DIALECTS[dialect]
+        return CallPrice(
+            dialect,
+            call.request_model,
+            rates,
+            None,
+            prompt_bytes(parameters),
+            output_cap(parameters) * spec.choices(parameters),
+            no_output=call.operation == "embeddings",
+            hidden_context=any(k in parameters for k in spec.hidden_context_keys),
+        )

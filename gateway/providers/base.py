@@ -17,7 +17,8 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
   ``reasoning_outside_output``: its ``reasoning`` count is not part of ``output`` (and
   is billed as output); ``price_provider``: the provider's id in genai-prices
   (:mod:`gateway.cost`), "" when it has none; ``choices(parameters)``: how many answers
-  a request asks for (each up to the output cap);
+  a request asks for (each up to the output cap); ``hidden_context_keys``: request keys
+  that bring in input kept on the provider's side (not in the request's bytes);
 * ``exhausted_holds(headers, now)``: seconds until each rate limit that the answer's
   headers report as spent resets (``now`` is wall-clock time, for absolute resets);
 * ``error_hint(status, headers, body)``: what a non-2xx answer's body says about
@@ -277,6 +278,7 @@ class Dialect:
     reasoning_outside_output: bool = False
     price_provider: str = ""
     choices: Callable[[Mapping[str, Any]], int] = _one_choice
+    hidden_context_keys: tuple[str, ...] = ()
 
 
 def last_reported(

@@ -294,6 +294,8 @@ DIALECT: Final = Dialect(
     provider_name="openai",
     price_provider="openai",
     choices=choices,
+    # The Responses API's stored conversation: its input tokens are not in the request.
+    hidden_context_keys=("previous_response_id", "conversation"),
     operation=operation,
     request_model=request_model,
     response_model=response_model,
