@@ -77,12 +77,15 @@ async def test_lua_buckets_and_resets_are_the_pure_modules(
         "d": _spec("daily", 10),
         "m": _spec("monthly", 10),
         "r": _spec("rolling", 10, per_hours=24.0),  # 24-minute buckets
+        "s": _spec("daily", 1, mode="shadow"),
     }
     budgets = await make_budgets(specs)
     applied = budgets.applying("t", None, "a")
     before = {b.name: b.window.bucket(time.time()) for b in applied}
     booking = await budgets.reserve(applied, 6.0)
     after = {b.name: b.window.bucket(time.time()) for b in applied}
+    assert booking.shadow_denied == ["s"]  # over its limit: recorded, booked, not refused
+    assert len(booking.cluster) == 4
     for budget, bucket in booking.cluster:
         assert bucket in {before[budget.name], after[budget.name]}
     raw = redis.Redis.from_url(SHARED_URL)
@@ -106,7 +109,8 @@ async def test_lua_buckets_and_resets_are_the_pure_modules(
     with pytest.raises(BudgetExceeded) as caught:
         await budgets.reserve([rolling], 5.0)  # fits once the 6 USD bucket leaves
     assert caught.value.retry_after_s == pytest.approx(
-        rolling.window.leaves_at(booking.cluster[2][1]) - time.time(), abs=5
+        rolling.window.leaves_at({b.name: k for b, k in booking.cluster}["r"]) - time.time(),
+        abs=5,
     )
     with pytest.raises(BudgetExceeded) as caught:
         await budgets.reserve([rolling], 11.0)  # more than the whole limit: never
