@@ -331,21 +331,19 @@ async def test_unknown_price_fails_closed_unless_allowed(upstream_factory, sidec
     assert status == 403
     assert answer["error"]["details"]["price_unknown"] == "no_output_cap"
     assert up.hits == 0
-    allowed = await sidecar_factory(
-        policy(
-            up.url,
-            {"day": daily(100, on_unknown_price="allow"), "d2": daily(100, max_output_tokens=5)},
-        )
-    )
+    allowed = await sidecar_factory(policy(up.url, {"day": daily(100, on_unknown_price="allow")}))
     status, answer = await allowed.call(call(model="mystery-model-zz9"))
     assert status == 200, answer
     record = allowed.audit_records()[-1]
     assert record["cost_usd"] is None
     assert record["cost_reason"] == "no_price"
     assert any("cannot be bounded" in w for w in record["warnings"])
-    status, _ = await allowed.call(call(max_tokens=...))  # d2's default caps the output
+    capped = await sidecar_factory(policy(up.url, {"day": daily(100, max_output_tokens=5)}))
+    status, _ = await capped.call(call(max_tokens=...))  # the budget's default caps the output
     assert status == 200
     assert up.hits == 2
+    # 34 prompt bytes + the default's 5 output tokens were reserved; 0.4 USD remains.
+    assert spent_usd(capped, "day") == pytest.approx(ACTUAL_USD)
 
 
 async def test_reservation_released_without_contact_kept_when_answered(

@@ -107,6 +107,8 @@ class Window:
 
     def spent(self, buckets: Mapping[int, int], current: int) -> int:
         """The window's spend (nano-USD) given its buckets' spends."""
+        if self.kind != "rolling":
+            return buckets.get(current, 0)
         first = self.first(current)
         return sum(v for k, v in buckets.items() if first <= k <= current)
 

@@ -31,6 +31,7 @@ input kept on the provider's side (the Responses API's ``previous_response_id`` 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -38,11 +39,13 @@ from typing import Any, Final
 from gateway.cost.prices import library_rates
 from gateway.cost.rates import POLICY, Rates, cost_usd, upper_cost_usd
 from gateway.policy.budgets import PriceSpec
-from gateway.providers import DIALECTS, TokenUsage, genai_call, output_cap, prompt_bytes
+from gateway.providers import DIALECTS, TokenUsage, genai_call, prompt_bytes
 
 __all__ = ["CallPrice", "Pricing", "Rates", "cost_usd", "upper_cost_usd"]
 
-_PER_MTOK: Final = 1_000_000
+_MAX_KNOWN: Final = 1024
+_MAX_KNOWN_ENDPOINT: Final = 256
+_DAY_S: Final = 86_400
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,11 @@ class Pricing:
     library (genai-prices, by the dialect's provider). Replace it with the policy."""
 
     def __init__(self, prices: Mapping[str, PriceSpec]) -> None:
+        #: (dialect, endpoint, model) -> the unmeasured CallPrice: agents call a few
+        #: endpoints with a few models; bounded, and cleared at each UTC midnight (the
+        #: library's prices can change at a date).
+        self._known: dict[tuple[str, str, str | None], CallPrice] = {}
+        self._known_until = 0.0
         self._policy = {
             model: Rates(
                 input_usd_per_mtok=spec.input_usd_per_mtok,
@@ -125,6 +133,32 @@ class Pricing:
     ) -> CallPrice:
         """What is known of a call's price before sending (see :class:`CallPrice`); the
         prompt is measured (its bytes serialised) only with ``measure`` (for budgets)."""
+        model = parameters.get("model")
+        key = (dialect, endpoint, model if isinstance(model, str) else None)
+        known = self._known.get(key)
+        now = time.time()
+        if known is None or now >= self._known_until:
+            known = self._price(dialect, endpoint, parameters)
+            if now >= self._known_until or len(self._known) >= _MAX_KNOWN:
+                self._known.clear()
+                self._known_until = (now // _DAY_S + 1) * _DAY_S
+            if len(endpoint) <= _MAX_KNOWN_ENDPOINT and len(key[2] or "") <= _MAX_KNOWN_ENDPOINT:
+                self._known[key] = known
+        if not measure or known.rates is None:
+            return known
+        spec = DIALECTS[dialect]
+        return CallPrice(
+            dialect,
+            known.model,
+            known.rates,
+            None,
+            prompt_bytes(parameters),
+            spec.output_cap(parameters) * spec.choices(parameters),
+            known.no_output,
+            any(k in parameters for k in spec.hidden_context_keys),
+        )
+
+    def _price(self, dialect: str, endpoint: str, parameters: Mapping[str, Any]) -> CallPrice:
         if dialect not in DIALECTS:
             return CallPrice(dialect, None, None, "no_dialect")
         call = genai_call(dialect, endpoint, parameters)
@@ -135,16 +169,6 @@ class Pricing:
         rates = self.rates(dialect, call.request_model)
         if rates is None:
             return CallPrice(dialect, call.request_model, None, "no_price")
-        if not measure:
-            return CallPrice(dialect, call.request_model, rates, None)
-        spec = DIALECTS[dialect]
         return CallPrice(
-            dialect,
-            call.request_model,
-            rates,
-            None,
-            prompt_bytes(parameters),
-            output_cap(parameters) * spec.choices(parameters),
-            no_output=call.operation == "embeddings",
-            hidden_context=any(k in parameters for k in spec.hidden_context_keys),
+            dialect, call.request_model, rates, None, no_output=call.operation == "embeddings"
         )
