@@ -214,7 +214,8 @@ async def test_three_sidecars_share_one_budget(
         assert served, "no sidecar admitted a call"
     finally:
         for proc in procs:
-            await proc.stop()
+            proc.terminate()
+        await asyncio.gather(*(proc.stop() for proc in procs))
 
 
 async def test_shadow_cluster_group_books_without_waiting(
