@@ -13,6 +13,7 @@ import asyncio
 import datetime as dt
 import json
 import math
+import sys
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ from gateway.cost import Pricing
 from gateway.cost.rates import Rates, cost_usd
 from gateway.errors import BudgetExceeded
 from gateway.policy import PolicyError, parse_policy
-from gateway.policy.budgets import BudgetSpec
+from gateway.policy.budgets import BudgetSpec, PriceSpec
 from gateway.providers import TokenUsage
 from tests.conftest import compile_policy, envelope, openai_target, policy_yaml
 
@@ -478,3 +479,35 @@ async def test_shadow_budget_counts_and_proceeds(upstream_factory, sidecar_facto
     assert spent_usd(sc, "try") == pytest.approx(3 * ACTUAL_USD)
     body, _ = sc.gateway.metrics.render()
     assert b'shadow_denials_total{kind="budget",rule="try"} 1.0' in body
+
+
+def test_reload_keeps_a_budgets_spend_under_its_name() -> None:
+    budgets = Budgets({"b": BudgetSpec(limit_usd=10, window="daily")})
+    applied = budgets.applying("t", None, "a")
+    asyncio.run(budgets.reserve(applied, 4.0))
+    budgets.update({"b": BudgetSpec(limit_usd=5, window="daily")})  # lowered: 4 of 5 spent
+    with pytest.raises(BudgetExceeded):
+        asyncio.run(budgets.reserve(budgets.applying("t", None, "a"), 2.0))
+    budgets.update({})
+    budgets.update({"b": BudgetSpec(limit_usd=5, window="daily")})  # removed, then back: new
+    asyncio.run(budgets.reserve(budgets.applying("t", None, "a"), 2.0))
+
+
+def test_without_the_library_prices_are_unknown_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway.cost import prices
+
+    prices._cached.cache_clear()
+    monkeypatch.setitem(sys.modules, "genai_prices", None)  # an image built without it
+    try:
+        assert prices.library_rates("openai", "gpt-4o-mini") is None
+        pricing = Pricing({"gpt-4o": PriceSpec(**PRICE)})
+        params = {"model": "gpt-4o-mini", "max_tokens": 5}
+        assert pricing.price("openai", "/v1/chat/completions", params, measure=False).reason == (
+            "no_price"
+        )
+        params = {"model": "gpt-4o", "max_tokens": 5}  # the policy's own prices still work
+        assert pricing.price("openai", "/v1/chat/completions", params, measure=False).rates
+    finally:
+        prices._cached.cache_clear()
