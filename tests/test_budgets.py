@@ -160,6 +160,12 @@ RATES = Rates(2.0, 8.0, 0.5, 2.5, "policy", "m")
         (TokenUsage(1000, 500, 200, 1500, reasoning=100), {}, (800 * 2 + 200 * 0.5 + 500 * 8)),
         # Anthropic: cache reads and writes outside input, billed at the higher cache rate.
         (TokenUsage(1000, 500, 200, 1700), {"cached_outside_input": True}, 2000 + 500 + 4000),
+        # ... and with the split known: writes at the write rate, reads at the cached rate.
+        (
+            TokenUsage(1000, 500, 200, 1700, cache_write=50),
+            {"cached_outside_input": True},
+            2000 + 150 * 0.5 + 50 * 2.5 + 4000,
+        ),
         # Gemini: thoughts outside the candidates' count, billed as output.
         (
             TokenUsage(1000, 500, 0, 1600, reasoning=100),
@@ -219,6 +225,18 @@ def test_library_prices_offline_and_match_genai_prices() -> None:
     ).total_price
     assert reason is None
     assert got == pytest.approx(float(expected), rel=1e-9)
+    # A tiered price (every token at the higher rate past 200k input tokens), both sides.
+    rates = pricing.rates("anthropic", "claude-sonnet-4-5")
+    assert rates is not None
+    assert rates.tiers
+    for prompt in (150_000, 250_000):
+        got = cost_usd(rates, TokenUsage(prompt, 1000, 0, prompt + 1000), cached_outside_input=True)
+        expected = genai_prices.calc_price(
+            genai_prices.Usage(input_tokens=prompt, output_tokens=1000),
+            "claude-sonnet-4-5",
+            provider_id="anthropic",
+        ).total_price
+        assert got == pytest.approx(float(expected), rel=1e-9)
     # The bundled snapshot, never one fetched by UpdatePrices.
     assert data_snapshot.get_snapshot().from_auto_update is False
 
@@ -511,3 +529,60 @@ def test_without_the_library_prices_are_unknown_not_a_crash(
         assert pricing.price("openai", "/v1/chat/completions", params, measure=False).rates
     finally:
         prices._cached.cache_clear()
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "gemini"])
+async def test_cost_matches_genai_prices_by_provider(upstream_factory, sidecar_factory, provider):
+    """The answer's own usage shape, through a sidecar, priced from the library: the
+    record's cost_usd is what genai-prices computes for the same tokens."""
+    genai_prices = pytest.importorskip("genai_prices")
+    if provider == "anthropic":
+        model, endpoint = "claude-sonnet-4-5", "/v1/messages"
+        answer = {
+            "model": model,
+            "usage": {
+                "input_tokens": 1000,
+                "cache_creation_input_tokens": 100,
+                "cache_read_input_tokens": 200,
+                "output_tokens": 500,
+            },
+        }
+        oracle = genai_prices.Usage(
+            input_tokens=1300, cache_read_tokens=200, cache_write_tokens=100, output_tokens=500
+        )
+        target = {
+            "credential": {"header": "x-api-key", "default_ref": "env://TEST_OPENAI_KEY"},
+            "endpoints": [{"path": "/v1/messages", "methods": ["POST"]}],
+        }
+        params: dict[str, Any] = {"model": model, "max_tokens": 600, "messages": MESSAGES}
+    else:
+        model = "gemini-2.5-flash"
+        endpoint = f"/v1beta/models/{model}:generateContent"
+        answer = {
+            "usageMetadata": {
+                "promptTokenCount": 1000,
+                "cachedContentTokenCount": 200,
+                "candidatesTokenCount": 300,
+                "thoughtsTokenCount": 200,
+                "totalTokenCount": 1500,
+            }
+        }
+        oracle = genai_prices.Usage(input_tokens=1000, cache_read_tokens=200, output_tokens=500)
+        target = {
+            "credential": {"header": "x-goog-api-key", "default_ref": "env://TEST_OPENAI_KEY"},
+            "endpoints": [{"path": "/v1beta/models/*", "methods": ["POST"]}],
+        }
+        params = {"contents": [{"parts": [{"text": "hi"}]}]}
+    up = await upstream_factory(completion(answer))
+    spec = {**openai_target(up.url), **target, "usage": provider}
+    sc = await sidecar_factory(compile_policy({"t": spec}))
+    status, got = await sc.call(
+        envelope(target_system="t", endpoint=endpoint, parameters=params, api_key_ref=...)
+    )
+    assert status == 200, got
+    record = sc.audit_records()[-1]
+    provider_id = "anthropic" if provider == "anthropic" else "google"
+    expected = genai_prices.calc_price(oracle, model, provider_id=provider_id).total_price
+    assert record["cost_source"] == "genai-prices"
+    assert record["cost_model"] == model
+    assert record["cost_usd"] == pytest.approx(float(expected), rel=1e-6)

@@ -152,6 +152,9 @@ FLOAT_KEYS = {
     "prices.m.cached_usd_per_mtok": (
         "prices: {m: {input_usd_per_mtok: 1, output_usd_per_mtok: 1, cached_usd_per_mtok: @}}"
     ),
+    "prices.m.cache_write_usd_per_mtok": (
+        "prices: {m: {input_usd_per_mtok: 1, output_usd_per_mtok: 1, cache_write_usd_per_mtok: @}}"
+    ),
 }
 
 #: Every bounded key with its upper bound (the named constant the model uses).
@@ -178,6 +181,7 @@ UPPER_BOUNDS = {
     "prices.m.input_usd_per_mtok": d.MAX_USD_PER_MTOK,
     "prices.m.output_usd_per_mtok": d.MAX_USD_PER_MTOK,
     "prices.m.cached_usd_per_mtok": d.MAX_USD_PER_MTOK,
+    "prices.m.cache_write_usd_per_mtok": d.MAX_USD_PER_MTOK,
     "budgets.b.max_output_tokens": d.MAX_TOKENS_PER_MINUTE,
     "server.max_request_bytes": d.MAX_BODY_BYTES,
     "server.max_response_bytes": d.MAX_BODY_BYTES,

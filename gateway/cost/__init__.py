@@ -113,7 +113,7 @@ class Pricing:
                     if spec.cached_usd_per_mtok is not None
                     else spec.input_usd_per_mtok
                 ),
-                cache_write_usd_per_mtok=None,
+                cache_write_usd_per_mtok=spec.cache_write_usd_per_mtok,
                 source=POLICY,
                 model=model,
             )

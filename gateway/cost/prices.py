@@ -7,10 +7,10 @@ starts, so the sidecar prices offline and the same way on every start of one rel
 not at start-up (it is ~0.7 MB of Python), and each (provider, model, UTC day) is looked
 up once and kept (:func:`library_rates` is cached), so a call pays a dict lookup.
 
-A model's price in the library can be tiered (a higher rate past a prompt size, e.g.
-Gemini past 200k tokens) or change at a date: :func:`library_rates` takes the highest
-tier of each rate (the cost is then an upper bound for such models, never an
-under-estimate) and the prices in force on the UTC day of the call.
+A model's price in the library can be tiered (a higher rate for every token of a call
+whose input is past a size, e.g. 200k tokens) or change at a date: :func:`library_rates`
+keeps the tiers (:class:`gateway.cost.rates.Tier`: the cost of a call is at its tier,
+an estimate at the highest) and the prices in force on the UTC day of the call.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from decimal import Decimal
 from typing import Any, Final
 
 from gateway.audit import get_logger
-from gateway.cost.rates import Rates
+from gateway.cost.rates import Rates, Tier
 
 __all__ = ["LIBRARY", "library_rates", "library_version"]
 
@@ -60,19 +60,17 @@ def _cached(provider: str, model: str, day: str) -> Rates | None:
     except (LookupError, ValueError):
         return None
     price = info.get_prices(datetime.fromisoformat(day).replace(tzinfo=UTC))
-    input_rate = _highest(getattr(price, "input_mtok", None))
-    output_rate = _highest(getattr(price, "output_mtok", None))
-    if input_rate is None or output_rate is None:
+    keys = [getattr(price, k, None) for k in _KEYS]
+    starts = sorted({int(t.start) for v in keys for t in (getattr(v, "tiers", None) or [])})
+    base = _level(keys, None)
+    tiers = [(start, _level(keys, start)) for start in starts]
+    if base is None or any(level is None for _, level in tiers):
         return None  # priced per request, image or second: not from token usage alone
-    cached = _highest(getattr(price, "cache_read_mtok", None))
-    write = _highest(getattr(price, "cache_write_mtok", None))
     return Rates(
-        input_usd_per_mtok=input_rate,
-        output_usd_per_mtok=output_rate,
-        cached_usd_per_mtok=cached if cached is not None else input_rate,
-        cache_write_usd_per_mtok=write,
+        *base,
         source=LIBRARY,
         model=str(info.id),
+        tiers=tuple(Tier(start, *level) for start, level in tiers if level is not None),
     )
 
 
@@ -85,13 +83,27 @@ def _missing() -> None:
     )
 
 
-def _highest(value: Any) -> float | None:
-    """A rate (a Decimal, or tiered prices: their highest rate) as a float; None if none."""
+#: genai-prices' price keys, in the order of :class:`Rates`' rates.
+_KEYS: Final = ("input_mtok", "output_mtok", "cache_read_mtok", "cache_write_mtok")
+
+
+def _level(keys: list[Any], start: int | None) -> tuple[float, float, float, float | None] | None:
+    """The four rates of calls past ``start`` input tokens (None: the base rates), as
+    genai-prices applies its tiers (every token at the tier's rate)."""
+    inp, out, cached, write = (_rate(value, start) for value in keys)
+    if inp is None or out is None:
+        return None
+    return inp, out, cached if cached is not None else inp, write
+
+
+def _rate(value: Any, start: int | None) -> float | None:
+    """A price (a Decimal, or TieredPrices: the tier in force past ``start``) as a float."""
     if value is None:
         return None
     if isinstance(value, Decimal | int | float):
         return float(value)
-    base = getattr(value, "base", None)
-    tiers = getattr(value, "tiers", None) or []
-    rates = [float(r) for r in (base, *(getattr(t, "price", None) for t in tiers)) if r is not None]
-    return max(rates) if rates else None
+    rate = getattr(value, "base", None)
+    for tier in getattr(value, "tiers", None) or []:
+        if start is not None and start >= tier.start:
+            rate = tier.price
+    return float(rate) if rate is not None else None

@@ -40,11 +40,13 @@ _USD_PER_MTOK = Field(ge=0, le=d.MAX_USD_PER_MTOK)
 
 class PriceSpec(StrictModel):
     """A model's price, USD per million tokens. ``cached_usd_per_mtok``: cached input
-    (cache reads); defaults to the input price (never cheaper than stated)."""
+    (cache reads); ``cache_write_usd_per_mtok``: input written to the cache (Anthropic);
+    both default to the input price (never cheaper than stated)."""
 
     input_usd_per_mtok: float = _USD_PER_MTOK
     output_usd_per_mtok: float = _USD_PER_MTOK
     cached_usd_per_mtok: float | None = Field(None, ge=0, le=d.MAX_USD_PER_MTOK)
+    cache_write_usd_per_mtok: float | None = Field(None, ge=0, le=d.MAX_USD_PER_MTOK)
 
 
 class AppliesTo(StrictModel):

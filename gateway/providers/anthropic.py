@@ -84,7 +84,7 @@ _QUOTA_MESSAGES: Final = (
 
 def combined_usage(usages: list[Any]) -> TokenUsage | None:
     """One usage from several ``usage`` objects of one answer (a stream's events)."""
-    inp = out = cached = None
+    inp = out = cached = written = None
     seen = False
     for found in usages:
         if not isinstance(found, dict):
@@ -97,9 +97,11 @@ def combined_usage(usages: list[Any]) -> TokenUsage | None:
         cache = sum(v for k in _CACHE_KEYS if (v := count(found.get(k))) is not None)
         if cache:
             cached = max(cached or 0, cache)
+            written = max(written or 0, count(found.get(_CACHE_KEYS[0])) or 0)
     if not seen or (inp is None and out is None and cached is None):
         return None
-    return TokenUsage(inp, out, cached, (inp or 0) + (out or 0) + (cached or 0))
+    total = (inp or 0) + (out or 0) + (cached or 0)
+    return TokenUsage(inp, out, cached, total, cache_write=written)
 
 
 def usage(body: Any) -> TokenUsage | None:

@@ -64,13 +64,16 @@ Verdict = Literal["quota", "retry", "no_retry"]
 @dataclass(frozen=True, slots=True)
 class TokenUsage:
     """Token counts of one call. ``total`` is what ``tokens_used`` reports; ``reasoning``
-    (OpenAI's ``reasoning_tokens``, part of the output) is kept for the audit record."""
+    (OpenAI's ``reasoning_tokens``, part of the output) is kept for the audit record;
+    ``cache_write``: the part of ``cached`` that was written to the cache (Anthropic's
+    ``cache_creation_input_tokens``, billed at another rate than reads), None if unknown."""
 
     input: int | None
     output: int | None
     cached: int | None
     total: int
     reasoning: int | None = None
+    cache_write: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
