@@ -97,7 +97,8 @@ def combined_usage(usages: list[Any]) -> TokenUsage | None:
         cache = sum(v for k in _CACHE_KEYS if (v := count(found.get(k))) is not None)
         if cache:
             cached = max(cached or 0, cache)
-            written = max(written or 0, count(found.get(_CACHE_KEYS[0])) or 0)
+        if (v := count(found.get(_CACHE_KEYS[0]))) is not None:
+            written = max(written or 0, v)  # the writes among them (priced apart)
     if not seen or (inp is None and out is None and cached is None):
         return None
     total = (inp or 0) + (out or 0) + (cached or 0)
