@@ -414,6 +414,32 @@ async def test_streamed_answer_reconciles_its_real_cost(upstream_factory, sideca
     assert sc.audit_records()[-1]["cost_usd"] == pytest.approx(0.7)
 
 
+async def test_proxy_stream_reconciles_its_real_cost(upstream_factory, sidecar_factory):
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"model": "fake-model-1", "choices": [{"delta": {"content": "po"}}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 3}}
+        for event in (chunk, usage):
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    up = await upstream_factory(stream)
+    sc = await sidecar_factory(policy(up.url, {"day": daily(100)}))
+    body = {"model": "fake-model-1", "max_tokens": 10, "messages": MESSAGES, "stream": True}
+    async with sc.session.post(
+        sc.url + "/proxy/fake-openai/v1/chat/completions", json=body
+    ) as resp:
+        text = await resp.text()
+    assert resp.status == 200
+    assert "[DONE]" in text
+    assert spent_usd(sc, "day") == pytest.approx(0.9)  # 6 + 3 tokens, not the 4.4 reserved
+    record = sc.audit_records()[-1]
+    assert record["api"] == "proxy"
+    assert record["cost_usd"] == pytest.approx(0.9)
+
+
 async def test_proxy_route_is_refused_in_the_providers_shape(upstream_factory, sidecar_factory):
     up = await upstream_factory(completion())
     sc = await sidecar_factory(policy(up.url, {"day": daily(1.0)}))
