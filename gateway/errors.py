@@ -14,6 +14,7 @@ its error code, the HTTP status of the sidecar's answer and whether retrying can
     │   └── SecretBackendUnavailable DEPENDENCY_FAILED 502 yes
     ├── CapacityExceeded        CAPACITY_EXCEEDED    429  yes
     ├── QuotaExhausted          QUOTA_EXHAUSTED      429  no
+    ├── BudgetExceeded          BUDGET_EXCEEDED      429  no
     ├── CircuitOpen             CIRCUIT_OPEN         503  yes
     ├── DependencyFailed        DEPENDENCY_FAILED    502  yes
     ├── DeadlineExceeded        AGENT_TIMEOUT        504  yes
@@ -136,6 +137,15 @@ class QuotaExhausted(GatewayError):
     ``x-should-retry: false`` on a 429: retrying cannot help until someone acts."""
 
     code = ErrorCode.QUOTA_EXHAUSTED
+    http_status = 429
+
+
+class BudgetExceeded(GatewayError):
+    """A cost budget of the policy (``budgets:``) cannot cover the call: nothing was sent.
+    Not retryable until the budget's window resets; ``retry_after_s`` says when (None
+    when the call alone costs more than the budget's limit)."""
+
+    code = ErrorCode.BUDGET_EXCEEDED
     http_status = 429
 
 

@@ -232,6 +232,19 @@ class Metrics:
             "Time to receive the first chunk of a streamed answer, from the call's start.",
             list(_GENAI), registry=r, buckets=FIRST_CHUNK_BUCKETS_S,
         )  # fmt: skip
+        # Cost and budgets (README, "Cost and budgets"): rule names come from the policy.
+        self.cost = Counter(
+            "cost_usd", "Cost of answered calls in USD (usage x price), by target and model.",
+            ["target", "model"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.budget_rejections = Counter(
+            "budget_rejections", "Calls refused by a cost budget (BUDGET_EXCEEDED).",
+            ["budget"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.shadow_denials = Counter(
+            "shadow_denials", "Calls a mode: shadow rule would have refused, by kind and rule.",
+            ["kind", "rule"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
         self._watched = _Watched()
         r.register(self._watched)
         # Label values known in advance start at 0, so that rate() and alerts see a series
@@ -382,6 +395,19 @@ class Metrics:
                 self._child(self.token_usage, *base, response, kind).observe(count)
         if first_chunk_s is not None:
             self._child(self.first_chunk, *base).observe(max(first_chunk_s, 0.0))
+
+    def observe_cost(self, target: str, model: str | None, usd: float) -> None:
+        """Add one call's cost in USD (model labels as for the gen_ai metrics)."""
+        self._child(self.cost, self._target(target), self._model(model)).inc(max(usd, 0.0))
+
+    def observe_budget_rejection(self, budget: str) -> None:
+        """Count one call a budget refused (the budget's policy name)."""
+        self._child(self.budget_rejections, budget).inc()
+
+    def observe_shadow_denial(self, kind: str, rule: str) -> None:
+        """Count one "would deny" of a shadow rule: kind ``endpoint`` (its path pattern),
+        ``rate_limit_group`` or ``budget`` (their policy names)."""
+        self._child(self.shadow_denials, kind, rule).inc()
 
     def observe_retry(self, target: str) -> None:
         """Count one retry (an upstream attempt after the first)."""

@@ -83,6 +83,12 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "time_to_first_byte_ms": 3.5 if number % 5 == 0 else None,
         "tokens_reasoning": None,
         "api": "envelope",
+        "cost_usd": round(tokens[0] * 1.5e-7, 9) if target == "openai" and tokens else None,
+        "cost_reason": None if target == "openai" else "no_dialect",
+        "cost_model": "gpt-4o-mini" if target == "openai" else None,
+        "cost_source": "genai-prices" if target == "openai" else None,
+        "budgets": [],
+        "shadow_denied": [],
     }
     return record
 

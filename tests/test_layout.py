@@ -39,11 +39,14 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/audit/schema.py",
             "gateway/policy/models.py",
             "gateway/policy/stores.py",
+            "gateway/policy/budgets.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }
     ),
     "prometheus_client": frozenset({"gateway/metrics.py"}),
+    # Model prices (bundled data, never fetched at run time).
+    "genai_prices": frozenset({"gateway/cost/prices.py"}),
     # pydantic's own core (its error types), used where the models are defined.
     "pydantic_core": frozenset({"gateway/policy/models.py"}),
     "structlog": frozenset({"gateway/audit/log.py"}),

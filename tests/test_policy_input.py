@@ -145,6 +145,16 @@ FLOAT_KEYS = {
     "redis.socket_timeout_s": "redis: {socket_timeout_s: @}",
     "redis.connect_timeout_s": "redis: {connect_timeout_s: @}",
     "telemetry.tracing.sample_ratio": "telemetry: {tracing: {sample_ratio: @}}",
+    "budgets.b.limit_usd": "budgets: {b: {window: daily, limit_usd: @}}",
+    "budgets.b.per_hours": "budgets: {b: {limit_usd: 1, window: rolling, per_hours: @}}",
+    "prices.m.input_usd_per_mtok": "prices: {m: {output_usd_per_mtok: 1, input_usd_per_mtok: @}}",
+    "prices.m.output_usd_per_mtok": "prices: {m: {input_usd_per_mtok: 1, output_usd_per_mtok: @}}",
+    "prices.m.cached_usd_per_mtok": (
+        "prices: {m: {input_usd_per_mtok: 1, output_usd_per_mtok: 1, cached_usd_per_mtok: @}}"
+    ),
+    "prices.m.cache_write_usd_per_mtok": (
+        "prices: {m: {input_usd_per_mtok: 1, output_usd_per_mtok: 1, cache_write_usd_per_mtok: @}}"
+    ),
 }
 
 #: Every bounded key with its upper bound (the named constant the model uses).
@@ -166,6 +176,13 @@ UPPER_BOUNDS = {
     "redis.socket_timeout_s": d.MAX_REDIS_TIMEOUT_S,
     "redis.connect_timeout_s": d.MAX_REDIS_TIMEOUT_S,
     "telemetry.tracing.sample_ratio": d.MAX_TRACE_SAMPLE_RATIO,
+    "budgets.b.limit_usd": d.MAX_BUDGET_USD,
+    "budgets.b.per_hours": d.MAX_BUDGET_PER_HOURS,
+    "prices.m.input_usd_per_mtok": d.MAX_USD_PER_MTOK,
+    "prices.m.output_usd_per_mtok": d.MAX_USD_PER_MTOK,
+    "prices.m.cached_usd_per_mtok": d.MAX_USD_PER_MTOK,
+    "prices.m.cache_write_usd_per_mtok": d.MAX_USD_PER_MTOK,
+    "budgets.b.max_output_tokens": d.MAX_TOKENS_PER_MINUTE,
     "server.max_request_bytes": d.MAX_BODY_BYTES,
     "server.max_response_bytes": d.MAX_BODY_BYTES,
     "server.idempotency_max_entries": d.MAX_IDEMPOTENCY_ENTRIES,
@@ -192,6 +209,9 @@ INT_KEYS = {
     "redis.pool_size": "redis: {pool_size: @}",
     "audit.max_bytes": "audit: {max_bytes: @}",
     "audit.backup_count": "audit: {backup_count: @}",
+    "budgets.b.max_output_tokens": (
+        "budgets: {b: {limit_usd: 1, window: daily, max_output_tokens: @}}"
+    ),
 }
 
 

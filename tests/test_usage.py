@@ -86,7 +86,9 @@ GEMINI = {
         (
             "anthropic",
             ANTHROPIC_MESSAGE,
-            TokenUsage(input=2095, output=503, cached=2151, total=2095 + 503 + 2151),
+            TokenUsage(
+                input=2095, output=503, cached=2151, total=2095 + 503 + 2151, cache_write=2051
+            ),
         ),
         ("gemini", GEMINI, TokenUsage(input=4, output=120, cached=2, total=130, reasoning=6)),
     ],
@@ -274,7 +276,7 @@ def test_anthropic_stream_joins_message_start_and_message_delta() -> None:
 
 def test_anthropic_stream_counts_cache_tokens() -> None:
     data, _ = parse_body("text/event-stream", anthropic_stream(cache_read=100), 200)
-    assert extract_usage("anthropic", data) == TokenUsage(25, 15, 100, 140)
+    assert extract_usage("anthropic", data) == TokenUsage(25, 15, 100, 140, cache_write=0)
 
 
 def test_stream_without_any_usage_is_none() -> None:

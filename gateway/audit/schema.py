@@ -28,7 +28,9 @@ POLICY_RELOAD_EVENT: Final = "policy_reload"
 #: ``prev_hash`` of the first record of a chain (``seq`` 1): 64 zero hex digits.
 GENESIS_HASH: Final = "0" * 64
 
-Decision = Literal["allowed", "denied", "invalid", "replayed"]
+#: ``shadow_denied``: allowed, and a ``mode: shadow`` rule would have refused it
+#: (``shadow_denied`` names the rules).
+Decision = Literal["allowed", "denied", "invalid", "replayed", "shadow_denied"]
 
 
 class AuditRecord(BaseModel):
@@ -88,6 +90,18 @@ class AuditRecord(BaseModel):
     # Which API the call came in by (added in 1.x): the envelope (``POST /v1/calls``) or a
     # drop-in provider route (``/proxy/{target}/...``, an SDK pointed at the sidecar).
     api: Literal["envelope", "proxy"] = "envelope"
+    # Cost (added in 1.x): USD from the call's usage and its model's price, null when
+    # unknown with ``cost_reason`` saying why (gateway.cost: no_dialect, no_price,
+    # usage_unknown, not_sent...); the model priced and the price's source (``policy`` or
+    # ``genai-prices``); the budgets the call was booked in; and the shadow-mode rules
+    # that would have refused it (``endpoint:/v1/**``, ``rate_limit_group:llm``,
+    # ``budget:llm-daily``).
+    cost_usd: float | None = None
+    cost_reason: str | None = None
+    cost_model: str | None = None
+    cost_source: str | None = None
+    budgets: list[str] = []
+    shadow_denied: list[str] = []
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -141,6 +155,12 @@ class Fields:
     TIME_TO_FIRST_BYTE_MS: Final = "time_to_first_byte_ms"
     TOKENS_REASONING: Final = "tokens_reasoning"
     API: Final = "api"
+    COST_USD: Final = "cost_usd"
+    COST_REASON: Final = "cost_reason"
+    COST_MODEL: Final = "cost_model"
+    COST_SOURCE: Final = "cost_source"
+    BUDGETS: Final = "budgets"
+    SHADOW_DENIED: Final = "shadow_denied"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

@@ -38,6 +38,7 @@ from gateway.errors import (
     CapacityExceeded,
     DeadlineExceeded,
     DependencyFailed,
+    EgressDenied,
     GatewayError,
     OutcomeUnknown,
     PermissionDenied,
@@ -59,7 +60,12 @@ class AttemptLog:
     response_bytes: int | None = None
     rate_limit_wait_s: float = 0.0
     admitted: bool = False  # the first admission reserved the call's token estimate
+    #: An attempt's request may have reached the upstream (answered, or lost after being
+    #: sent, or interrupted while sending): what a budget's reservation is kept for.
+    sent: bool = False
     warnings: list[str] = field(default_factory=list)
+    #: Rate-limit groups in shadow mode that would have refused the call.
+    shadow_denied: list[str] = field(default_factory=list)
     #: Set when the answer was relayed as a stream (what was relayed, its verdict, usage).
     relayed: Relayed | None = None
     #: The last attempt's answer as the upstream gave it (status, headers, body), None
@@ -117,6 +123,7 @@ class Attempts:
                     stream=self.relay is not None,
                 )
             except TransportError as exc:
+                self.log.sent = self.log.sent or exc.sent
                 _settle(permit, None, exc.kind)
                 retryable, unknown = transport_retryable(
                     exc.kind,
@@ -134,10 +141,16 @@ class Attempts:
                 await wait_or_raise(wait, self.deadline, final)
                 retry_number += 1
                 continue
-            except BaseException:
+            except BaseException as exc:
+                # Interrupted while sending, it may have gone out; refused by the egress
+                # checks (PermissionDenied, EgressDenied) before connecting, it did not.
+                self.log.sent = self.log.sent or not isinstance(
+                    exc, PermissionDenied | EgressDenied
+                )
                 if permit is not None:
                     permit.release()  # interrupted or refused locally: counts as nothing
                 raise
+            self.log.sent = True
             _settle(permit, answer.status, None)
             self.log.answer = answer
             self.log.upstream_latency_s = answer.elapsed_s
@@ -249,6 +262,7 @@ class Attempts:
                 tokens=self.tokens_reserved if first else 0,
                 deadline=self.deadline,
                 warnings=self.log.warnings,  # e.g. a cluster group that fell back to local
+                shadow=self.log.shadow_denied,
             )
         self.log.admitted = True
         self.log.rate_limit_wait_s += waited

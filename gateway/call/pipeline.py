@@ -21,6 +21,8 @@ from dataclasses import replace
 from gateway import telemetry
 from gateway.audit import AuditLog, get_logger
 from gateway.breaker import CircuitBreakers, breaker_specs
+from gateway.budgets import Budgets
+from gateway.call import spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.idempotent import answer_status, once_per_key
@@ -37,6 +39,7 @@ from gateway.call.outbound import credential, with_credential
 from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, audit_record, observe
 from gateway.call.relay import Relay
+from gateway.cost import Pricing
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     CapacityExceeded,
@@ -79,8 +82,12 @@ class Pipeline:
         idempotency: IdempotencyStores | IdempotencyStore,
         rng: random.Random | None = None,
         tracer: telemetry.Telemetry = telemetry.NO_TELEMETRY,
+        budgets: Budgets | None = None,
     ) -> None:
         self.groups = groups
+        #: Cost budgets (local unless built with a cluster) and the policy's prices.
+        self.budgets = budgets if budgets is not None else Budgets(policy.policy.budgets)
+        self.pricing = Pricing(policy.policy.prices)
         self.breakers = breakers
         #: The idempotency stores by scope (a single store serves every scope).
         self.idempotency = (
@@ -106,6 +113,8 @@ class Pipeline:
         self.upstream.max_response_bytes = policy.policy.server.max_response_bytes
         self.groups.update(policy.policy.rate_limit_groups)
         self.breakers.update(breaker_specs(policy.policy.targets))
+        self.budgets.update(policy.policy.budgets)
+        self.pricing = Pricing(policy.policy.prices)
 
     async def handle(
         self, body: bytes, *, refuse: GatewayError | None = None, relay: Relay | None = None
@@ -165,6 +174,8 @@ class Pipeline:
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             ctx.decision = "allowed"
+            if decision.shadow_rule is not None:
+                ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             deadline = ctx.started + request.timeout
             status, response = await self._call(policy, request, decision, ctx, deadline, relay)
         except GatewayError as exc:
@@ -322,9 +333,12 @@ class Pipeline:
             ),
         )
         ctx.attempt_log = attempts.log
+        # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
+        cost = await spend.reserve(self.budgets, self.pricing, request, target, ctx)
         try:
             answer = await attempts.run()
         except BaseException as exc:
+            spend.settle_failed(self.budgets, cost, ctx, sent=attempts.log.sent)
             if group is not None:
                 if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
                     self.metrics.observe_ratelimit_rejection(group.name)
@@ -344,6 +358,7 @@ class Pipeline:
             ctx.usage = extract_usage(target.spec.usage, data)
             if ctx.idempotency_key is not None and is_stream_form(data):
                 ctx.stream_body = answer.body
+        spend.settle(self.budgets, cost, ctx)
         if group is not None and ctx.usage is not None:
             # Unknown usage keeps the reservation: the upstream answered, so tokens were
             # spent, and a refund would let the group overspend (design.md).

@@ -63,6 +63,15 @@ class CallContext:
     #: Drop-in routes: the request headers an SDK sent that go upstream beneath the
     #: policy's own (:mod:`gateway.call.proxy`); empty for envelopes.
     passthrough_headers: dict[str, str] = field(default_factory=dict)
+    #: Cost (:mod:`gateway.call.spend`): USD from the usage (None: unknown, and why), the
+    #: model priced, where its price came from, and the budgets the call was booked in.
+    cost_usd: float | None = None
+    cost_reason: str | None = None
+    cost_model: str | None = None
+    cost_source: str | None = None
+    budgets: list[str] = field(default_factory=list)
+    #: Shadow-mode rules that would have refused the call (``kind:name``).
+    shadow_denied: list[str] = field(default_factory=list)
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:
@@ -74,6 +83,10 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
     relayed = log.relayed
     if error is not None and error.code is ErrorCode.EGRESS_DENIED:
         warnings.append(f"egress denied: {error.message}")  # the destination, for auditors
+    shadow = [*ctx.shadow_denied, *(f"rate_limit_group:{g}" for g in log.shadow_denied)]
+    decision = "replayed" if ctx.replayed else ctx.decision
+    if shadow and decision == "allowed":
+        decision = "shadow_denied"
     return {
         F.AGENT_ID: ctx.agent_id if request else ids.get(F.AGENT_ID) or ctx.agent_id,
         F.TRACE_ID: ids.get(F.TRACE_ID),
@@ -82,7 +95,7 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         F.ENDPOINT: ids.get(F.ENDPOINT),
         F.METHOD: ids.get(F.METHOD),
         F.UPSTREAM: origin_label(target.base_url) if target else None,
-        F.DECISION: "replayed" if ctx.replayed else ctx.decision,
+        F.DECISION: decision,
         F.SUCCESS: response.success,
         F.STATUS_CODE: response.status_code,
         F.ERROR_CODE: error.code.value if error else None,
@@ -120,6 +133,12 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         ),
         F.TOKENS_REASONING: usage.reasoning if usage else None,
         F.API: ctx.api,
+        F.COST_USD: round(ctx.cost_usd, 9) if ctx.cost_usd is not None else None,
+        F.COST_REASON: "replayed" if ctx.replayed else ctx.cost_reason,
+        F.COST_MODEL: ctx.cost_model,
+        F.COST_SOURCE: ctx.cost_source,
+        F.BUDGETS: ctx.budgets,
+        F.SHADOW_DENIED: shadow,
     }
 
 
@@ -157,6 +176,16 @@ def observe(metrics: Metrics, ctx: CallContext, response: ExternalCallResponse) 
     )
     if ctx.usage is not None:
         metrics.observe_tokens(target, ctx.usage.input, ctx.usage.output, ctx.usage.cached)
+    if ctx.cost_usd is not None:
+        metrics.observe_cost(target, ctx.cost_model, ctx.cost_usd)
+    for rule in (
+        *ctx.shadow_denied,
+        *(f"rate_limit_group:{g}" for g in ctx.attempt_log.shadow_denied),
+    ):
+        kind, _, name = rule.partition(":")
+        metrics.observe_shadow_denial(kind, name)
+    if response.error is not None and response.error.code is ErrorCode.BUDGET_EXCEEDED:
+        metrics.observe_budget_rejection(str(response.error.details.get("budget", "")))
     for _ in range(max(ctx.attempt_log.attempts - 1, 0)):
         metrics.observe_retry(target)
     genai = outcome_of(ctx, response) if not ctx.replayed else None  # a replay: no operation

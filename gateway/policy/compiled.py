@@ -30,6 +30,8 @@ class CompiledTarget:
     permitted_refs: frozenset[str]
     forward_headers: frozenset[str]
     _rules: tuple[tuple[tuple[str, ...], bool, frozenset[str]], ...] = field(repr=False)
+    #: Per rule: its path pattern and whether it is ``mode: shadow``; empty when no rule is.
+    _shadow: tuple[tuple[str, bool], ...] = field(default=(), repr=False)
     #: Verdicts of :meth:`allows` already computed (the rules never change; bounded).
     _verdicts: dict[tuple[str, str], bool | None] = field(
         default_factory=dict, repr=False, compare=False
@@ -46,6 +48,22 @@ class CompiledTarget:
                 self._verdicts.clear()
             verdict = self._verdicts[key] = self._match(path, method)
         return verdict  # type: ignore[return-value]
+
+    def shadow_rule(self, path: str, method: str) -> str | None:
+        """The path pattern of the ``mode: shadow`` rule that alone allows ``method`` on
+        ``path`` (no enforced rule does), or None: the call's "would deny"."""
+        if not self._shadow:
+            return None
+        segments = tuple(path.strip("/").split("/")) if path.strip("/") else ()
+        found = None
+        for (pattern, tail, methods), (rule_path, shadow) in zip(
+            self._rules, self._shadow, strict=True
+        ):
+            if method in methods and _segments_match(pattern, tail, segments):
+                if not shadow:
+                    return None
+                found = found or rule_path
+        return found
 
     def _match(self, path: str, method: str) -> bool | None:
         segments = tuple(path.strip("/").split("/")) if path.strip("/") else ()
@@ -85,6 +103,11 @@ def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
         permitted_refs=spec.credential.permitted_refs() if spec.credential else frozenset(),
         forward_headers=frozenset(h.lower() for h in spec.forward_headers),
         _rules=tuple(rules),
+        _shadow=(
+            tuple((r.path, r.mode == "shadow") for r in spec.endpoints)
+            if any(r.mode == "shadow" for r in spec.endpoints)
+            else ()
+        ),
     )
 
 

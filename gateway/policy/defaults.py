@@ -105,3 +105,12 @@ DEFAULT_TRACE_SAMPLE_RATIO: Final = 1.0
 MAX_TRACE_SAMPLE_RATIO: Final = 1.0
 MAX_TELEMETRY_MODELS: Final = 200
 DEFAULT_SERVICE_NAME: Final = "egress-gateway"
+#: Budgets and prices. Spend is counted in integer nano-USD inside Redis's Lua (doubles,
+#: exact below 2**53 ~ 9.0e15 nano-USD = 9 M USD), so a budget stays below that.
+MAX_BUDGET_USD: Final = 1_000_000.0
+#: A rolling window longer than a year is a monthly budget's job; shorter than a minute
+#: (1-second buckets) is a rate limit's.
+MIN_BUDGET_PER_HOURS: Final = 1 / 60
+MAX_BUDGET_PER_HOURS: Final = 24.0 * 366
+#: No model is sold at 100k USD per million tokens.
+MAX_USD_PER_MTOK: Final = 100_000.0

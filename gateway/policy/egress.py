@@ -8,7 +8,9 @@ Rules (the README's "Egress rules"):
   characters (CR/LF included), no ``?`` or ``#``. Otherwise PERMISSION_DENIED with
   ``details.reason``; nothing is forwarded. So an endpoint can never change the scheme,
   host or port: the upstream URL is always the target's ``base_url`` plus the path.
-* The path and method must match the target's endpoint allowlist.
+* The path and method must match the target's endpoint allowlist. A call that only a
+  ``mode: shadow`` rule allows is allowed, and :attr:`Decision.shadow_rule` names that
+  rule (its "would deny" once the rule is removed: how a narrower allowlist is tried).
 * The ``api_key_ref`` (or the target's ``default_ref``) must be one the target permits.
 * For a target whose credential is a ``query_param``, a query-method envelope may not
   carry a parameter of that name, compared as the most lenient upstream would read it
@@ -85,6 +87,8 @@ class Decision:
     target: CompiledTarget
     api_key_ref: str | None
     ref: SecretRef | None = None
+    #: The ``mode: shadow`` endpoint rule that alone allowed the call (its "would deny").
+    shadow_rule: str | None = None
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -343,7 +347,12 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 "(the policy's forward_headers lists those that may)",
                 details={"reason": "header_not_allowed", "header": name},
             )
-    return Decision(target, ref, parse_ref(ref) if ref is not None else None)
+    return Decision(
+        target,
+        ref,
+        parse_ref(ref) if ref is not None else None,
+        target.shadow_rule(request.endpoint, request.method),
+    )
 
 
 def _check_query_names(target: CompiledTarget, request: ExternalCallRequest, param: str) -> None:

@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
+from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 
 # Re-exported: gateway.idempotency.memory imports them from here.
 from gateway.policy.defaults import (
@@ -245,6 +246,7 @@ class EndpointRule(_Strict):
 
     path: str
     methods: list[HttpMethod] = Field(min_length=1)
+    mode: Mode = "enforce"  # shadow: a call only this rule allows is recorded, not refused
 
     @field_validator("path")
     @classmethod
@@ -374,6 +376,7 @@ class RateLimitGroupSpec(_Strict):
     max_queue_s: float = Field(d.DEFAULT_MAX_QUEUE_S, ge=0, le=d.MAX_CALL_WAIT_S)
     scope: Scope = "local"
     on_redis_error: Literal["fail_open", "fail_closed"] = "fail_open"
+    mode: Mode = "enforce"  # shadow: never waits or refuses; a refusal it would give is recorded
 
 
 #: A model name as ``telemetry.models`` lists it: exact, or a prefix ending in ``*``.
@@ -427,6 +430,8 @@ class Policy(_Strict):
     redis: RedisSpec | None = None
     audit: AuditSpec = Field(default_factory=AuditSpec)
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+    budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
+    prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
@@ -466,6 +471,8 @@ class Policy(_Strict):
         for name, group_spec in self.rate_limit_groups.items():
             if group_spec.scope == "cluster" and self.redis is None:
                 problem("rate_limit_groups", name, "scope", message=no_redis)
+        groups, has_redis = set(self.rate_limit_groups), self.redis is not None
+        problems += budget_problems(self.budgets, set(self.targets), groups, has_redis)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",

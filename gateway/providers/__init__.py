@@ -53,6 +53,8 @@ __all__ = [
     "exhausted_holds",
     "extract_usage",
     "genai_call",
+    "output_cap",
+    "prompt_bytes",
     "response_model",
 ]
 
@@ -142,6 +144,25 @@ def drop_in_dialect(provider: str | None, header_names: frozenset[str]) -> Diale
     return _DEFAULT_DROP_IN
 
 
+def prompt_bytes(parameters: Mapping[str, Any]) -> int:
+    """UTF-8 bytes of a request body's prompt keys (see :func:`estimate_tokens`)."""
+    size = 0
+    for key in _PROMPT_KEYS:
+        if key not in parameters:
+            continue
+        value = parameters[key]
+        if isinstance(value, str):
+            size += len(value.encode("utf-8"))
+        else:
+            size += len(fastjson.compact(value, default=str))
+    return size
+
+
+def output_cap(parameters: Mapping[str, Any]) -> int:
+    """The output-token cap a request body sets, in any dialect (0 when none)."""
+    return max(d.output_cap(parameters) for d in DIALECTS.values())
+
+
 def estimate_tokens(parameters: Mapping[str, Any]) -> int:
     """Tokens to reserve for an LLM call whose JSON body is ``parameters``.
 
@@ -151,17 +172,7 @@ def estimate_tokens(parameters: Mapping[str, Any]) -> int:
     ``contents``, ``system``, ``systemInstruction``, ``instructions`` and ``tools``
     (strings as is, other values as compact JSON). 0 for a body with none of these.
     """
-    output = max(d.output_cap(parameters) for d in DIALECTS.values())
-    prompt_bytes = 0
-    for key in _PROMPT_KEYS:
-        if key not in parameters:
-            continue
-        value = parameters[key]
-        if isinstance(value, str):
-            prompt_bytes += len(value.encode("utf-8"))
-        else:
-            prompt_bytes += len(fastjson.compact(value, default=str))
-    return output + math.ceil(prompt_bytes / PROMPT_BYTES_PER_TOKEN)
+    return output_cap(parameters) + math.ceil(prompt_bytes(parameters) / PROMPT_BYTES_PER_TOKEN)
 
 
 def genai_call(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> GenAICall | None:

@@ -84,7 +84,7 @@ _QUOTA_MESSAGES: Final = (
 
 def combined_usage(usages: list[Any]) -> TokenUsage | None:
     """One usage from several ``usage`` objects of one answer (a stream's events)."""
-    inp = out = cached = None
+    inp = out = cached = written = None
     seen = False
     for found in usages:
         if not isinstance(found, dict):
@@ -97,9 +97,12 @@ def combined_usage(usages: list[Any]) -> TokenUsage | None:
         cache = sum(v for k in _CACHE_KEYS if (v := count(found.get(k))) is not None)
         if cache:
             cached = max(cached or 0, cache)
+        if (v := count(found.get(_CACHE_KEYS[0]))) is not None:
+            written = max(written or 0, v)  # the writes among them (priced apart)
     if not seen or (inp is None and out is None and cached is None):
         return None
-    return TokenUsage(inp, out, cached, (inp or 0) + (out or 0) + (cached or 0))
+    total = (inp or 0) + (out or 0) + (cached or 0)
+    return TokenUsage(inp, out, cached, total, cache_write=written)
 
 
 def usage(body: Any) -> TokenUsage | None:
@@ -264,6 +267,7 @@ DIALECT: Final = Dialect(
     credential_headers=("x-api-key", "authorization"),
     marker_headers=("anthropic-version",),
     provider_name="anthropic",
+    price_provider="anthropic",
     operation=operation,
     request_model=request_model,
     response_model=response_model,

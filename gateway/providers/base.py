@@ -14,6 +14,11 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
   answer (a JSON body, or one stream event) says it came from; ``cached_outside_input``:
   the dialect's ``input`` count leaves the cached tokens out (the conventions count them
   in), and its ``cached`` count is cache reads and writes together;
+  ``reasoning_outside_output``: its ``reasoning`` count is not part of ``output`` (and
+  is billed as output); ``price_provider``: the provider's id in genai-prices
+  (:mod:`gateway.cost`), "" when it has none; ``choices(parameters)``: how many answers
+  a request asks for (each up to the output cap); ``hidden_context_keys``: request keys
+  that bring in input kept on the provider's side (not in the request's bytes);
 * ``exhausted_holds(headers, now)``: seconds until each rate limit that the answer's
   headers report as spent resets (``now`` is wall-clock time, for absolute resets);
 * ``error_hint(status, headers, body)``: what a non-2xx answer's body says about
@@ -59,13 +64,16 @@ Verdict = Literal["quota", "retry", "no_retry"]
 @dataclass(frozen=True, slots=True)
 class TokenUsage:
     """Token counts of one call. ``total`` is what ``tokens_used`` reports; ``reasoning``
-    (OpenAI's ``reasoning_tokens``, part of the output) is kept for the audit record."""
+    (OpenAI's ``reasoning_tokens``, part of the output) is kept for the audit record;
+    ``cache_write``: the part of ``cached`` that was written to the cache (Anthropic's
+    ``cache_creation_input_tokens``, billed at another rate than reads), None if unknown."""
 
     input: int | None
     output: int | None
     cached: int | None
     total: int
     reasoning: int | None = None
+    cache_write: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +249,10 @@ def _no_request_model(_: str, __: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _one_choice(_: Mapping[str, Any]) -> int:
+    return 1
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """One provider's knowledge, as the call path uses it (see the module docstring)."""
@@ -266,6 +278,10 @@ class Dialect:
     request_model: Callable[[str, Mapping[str, Any]], str | None] = _no_request_model
     response_model: Callable[[Any], str | None] = _no_text
     cached_outside_input: bool = False
+    reasoning_outside_output: bool = False
+    price_provider: str = ""
+    choices: Callable[[Mapping[str, Any]], int] = _one_choice
+    hidden_context_keys: tuple[str, ...] = ()
 
 
 def last_reported(

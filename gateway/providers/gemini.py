@@ -127,6 +127,13 @@ def output_cap(parameters: Mapping[str, Any]) -> int:
     return positive_cap(config.get("maxOutputTokens")) if isinstance(config, Mapping) else 0
 
 
+def choices(parameters: Mapping[str, Any]) -> int:
+    """``generationConfig.candidateCount``: how many candidates a request asks for."""
+    config = parameters.get("generationConfig")
+    count = positive_cap(config.get("candidateCount")) if isinstance(config, Mapping) else 0
+    return max(count, 1)
+
+
 def error_hint(status: int, headers: Mapping[str, str], body: Any) -> ErrorHint | None:
     """``quota`` for spent credit or a spent daily quota; otherwise the ``RetryInfo``
     wait, if any (module docstring); None when the body says neither."""
@@ -250,6 +257,9 @@ DIALECT: Final = Dialect(
     credential_query=("key",),
     marker_headers=("x-goog-api-key", "x-goog-api-client"),
     provider_name="gcp.gemini",
+    price_provider="google",
+    reasoning_outside_output=True,  # thoughtsTokenCount is outside candidatesTokenCount
+    choices=choices,
     operation=operation,
     request_model=request_model,
     response_model=response_model,

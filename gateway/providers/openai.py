@@ -179,6 +179,11 @@ def output_cap(parameters: Mapping[str, Any]) -> int:
     return max(positive_cap(parameters.get(key)) for key in _OUTPUT_KEYS)
 
 
+def choices(parameters: Mapping[str, Any]) -> int:
+    """``n``: how many chat completions (each up to the output cap) a request asks for."""
+    return max(positive_cap(parameters.get("n")), 1)
+
+
 def exhausted_holds(headers: Mapping[str, str], now: float) -> list[float]:
     """Seconds until each OpenAI limit whose ``remaining`` is 0 resets."""
     holds = []
@@ -287,6 +292,10 @@ DIALECT: Final = Dialect(
     sdk_headers=("openai-beta",),
     credential_headers=("authorization", "api-key"),
     provider_name="openai",
+    price_provider="openai",
+    choices=choices,
+    # The Responses API's stored conversation: its input tokens are not in the request.
+    hidden_context_keys=("previous_response_id", "conversation"),
     operation=operation,
     request_model=request_model,
     response_model=response_model,

@@ -80,8 +80,10 @@ _US: Final = 1_000_000
 _TOKEN_DEPTH_US: Final = 60 * _US  # a token bucket holds one minute of its rate
 
 # KEYS: req, tok, hold. ARGV: req cost, req depth, tok cost (0: no token bucket), tok
-# depth, longest wait the caller accepts (all microseconds).
-# Reply: {booked 0|1, wait us, redis now us, hold until us, hold reason}.
+# depth, longest wait the caller accepts (all microseconds), force (1: book even past
+# that wait, for a shadow group).
+# Reply: {booked 0|1 (2: booked past the wait), wait us, redis now us, hold until us,
+# hold reason}.
 _RESERVE: Final = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -96,8 +98,10 @@ if tok_cost > 0 then
   tok_e = tonumber(redis.call('GET', KEYS[2])) or 0
   at = math.max(at, tok_e + tok_cost - tok_depth)
 end
+local verdict = 1
 if at - now > tonumber(ARGV[5]) then
-  return {0, at - now, now, hold_until, hold[2] or ''}
+  if ARGV[6] ~= '1' then return {0, at - now, now, hold_until, hold[2] or ''} end
+  verdict = 2
 end
 local function book(key, e, cost)
   local empty = math.max(e, at) + cost
@@ -106,7 +110,7 @@ local function book(key, e, cost)
 end
 book(KEYS[1], req_e, req_cost)
 if tok_cost > 0 then book(KEYS[2], tok_e, tok_cost) end
-return {1, at - now, now, hold_until, hold[2] or ''}
+return {verdict, at - now, now, hold_until, hold[2] or ''}
 """
 
 # KEYS: tok. ARGV: signed cost in microseconds (> 0 charges, < 0 refunds).
@@ -147,6 +151,7 @@ class Reservation:
     """One admission script's answer. Instants on Redis' clock, in microseconds."""
 
     booked: bool  # True: admitted at at_us; False: refused, it would have needed wait_s
+    forced: bool  # booked past the caller's longest wait (a shadow group's "would deny")
     now_us: int  # Redis' clock when the script ran (microseconds since the epoch)
     at_us: int  # the booked (or needed) admission instant
     hold_until_us: int  # the provider hold's end (0 if none was ever set)
@@ -166,7 +171,8 @@ class Reservation:
     def parse(cls, reply: Any) -> Reservation:
         booked, wait_us, now_us, hold_until_us, reason = reply
         return cls(
-            booked=bool(booked),
+            booked=int(booked) >= 1,
+            forced=int(booked) == 2,
             now_us=int(now_us),
             at_us=int(now_us) + int(wait_us),
             hold_until_us=int(hold_until_us),
@@ -249,9 +255,10 @@ class ClusterRateLimitGroup(RateLimitGroup):
         tpm = self.spec.tokens_per_minute
         return math.ceil(tokens * _TOKEN_DEPTH_US / tpm) if tpm and tokens else 0
 
-    async def reserve(self, tokens: int, max_wait_s: float) -> Reservation:
+    async def reserve(self, tokens: int, max_wait_s: float, *, force: bool = False) -> Reservation:
         """Run the admission script once: book one request and ``tokens`` at the earliest
-        instant within ``max_wait_s``, or report the wait. Raises RedisUnavailable."""
+        instant within ``max_wait_s`` (with ``force``, at the earliest instant whatever
+        the wait), or report the wait. Raises RedisUnavailable."""
         tok_cost = self.token_cost_us(tokens)
         reply = await self._limits.reserve_script(
             self.keys,
@@ -261,16 +268,26 @@ class ClusterRateLimitGroup(RateLimitGroup):
                 tok_cost,
                 _TOKEN_DEPTH_US if tok_cost else 0,
                 max(math.floor(max_wait_s * _US), 0),
+                1 if force else 0,
             ],
         )
         return Reservation.parse(reply)
 
     async def acquire(
-        self, *, tokens: int = 0, deadline: float, warnings: list[str] | None = None
+        self,
+        *,
+        tokens: int = 0,
+        deadline: float,
+        warnings: list[str] | None = None,
+        shadow: list[str] | None = None,
     ) -> float:
         """As :meth:`RateLimitGroup.acquire`, the group's buckets in Redis. Also raises
         :class:`CapacityExceeded` with ``details.reason`` "redis_unavailable" for a
-        fail-closed group while Redis is unavailable."""
+        fail-closed group while Redis is unavailable. A shadow group books in Redis
+        without waiting (one round trip; a booking past the call's wait is its "would
+        deny"), and falls back to its local bucket while Redis is unavailable."""
+        if self.spec.mode == "shadow":
+            return await self._shadow_cluster(tokens, deadline, warnings, shadow)
         tokens = self._checked_tokens(tokens)
         loop = asyncio.get_running_loop()
         arrived = loop.time()
@@ -329,6 +346,38 @@ class ClusterRateLimitGroup(RateLimitGroup):
         self._limits.spawn(self._write_hold(seconds, reason), f"ratelimit-hold-{self.name}")
 
     # --- internals ------------------------------------------------------------------
+
+    async def _shadow_cluster(
+        self,
+        tokens: int,
+        deadline: float,
+        warnings: list[str] | None,
+        shadow: list[str] | None,
+    ) -> float:
+        try:
+            tokens = self._checked_tokens(tokens)
+        except CapacityExceeded:
+            if shadow is not None and self.name not in shadow:
+                shadow.append(self.name)
+            return 0.0
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        budget, _ = self._budget(now, loop_deadline(deadline, loop), now)
+        try:
+            booking = await self.reserve(tokens, budget, force=True)
+        except RedisUnavailable:
+            if warnings is not None:
+                warnings.append(
+                    f"rate-limit group {self.name!r} (shadow): Redis unavailable, "
+                    "evaluated by this sidecar's own limiter"
+                )
+            self._local_tokens += tokens
+            return self._shadow(tokens, deadline, warnings, shadow)
+        if booking.forced and shadow is not None and self.name not in shadow:
+            shadow.append(self.name)
+        if self._on_admit is not None:
+            self._on_admit(self.name, loop.time())
+        return 0.0
 
     async def _sleep(self, seconds: float) -> None:
         self._sleeping += 1

@@ -177,7 +177,12 @@ class RateLimitGroup:
         return len(self._queue)
 
     async def acquire(
-        self, *, tokens: int = 0, deadline: float, warnings: list[str] | None = None
+        self,
+        *,
+        tokens: int = 0,
+        deadline: float,
+        warnings: list[str] | None = None,
+        shadow: list[str] | None = None,
     ) -> float:
         """Wait for capacity for one call reserving ``tokens``; return the seconds waited.
 
@@ -190,10 +195,54 @@ class RateLimitGroup:
         or a token charge pushes it past its budget; non-retryable with reason
         "too_large" if ``tokens`` exceeds ``tokens_per_minute``. ``warnings``, if given,
         receives the call's warnings for its audit record (a local group has none).
+
+        A group with ``mode: shadow`` never waits and never refuses: the call is booked
+        at once (past capacity if need be: the group counts every call that went out,
+        so after a first "would deny" it reports more than enforcement would refuse),
+        and if the enforced group would have refused it, the group's name is appended
+        to ``shadow`` (a wait it would have imposed goes to ``warnings``). Returns 0.
         """
+        if self.spec.mode == "shadow":
+            return self._shadow(tokens, deadline, warnings, shadow)
         tokens = self._checked_tokens(tokens)
         loop = asyncio.get_running_loop()
         return await self._acquire_local(tokens, loop_deadline(deadline, loop), loop.time())
+
+    def _shadow(
+        self,
+        tokens: int,
+        deadline: float,
+        warnings: list[str] | None,
+        shadow: list[str] | None,
+    ) -> float:
+        """:meth:`acquire` of a shadow group (see there), on this process's buckets."""
+        try:
+            tokens = self._checked_tokens(tokens)
+        except CapacityExceeded:
+            _note(shadow, self.name)  # too large for the group: enforcement refuses it
+            return 0.0
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now >= self._hold_until and self._try_admit(tokens) is not None:
+            return 0.0
+        budget, _ = self._budget(now, loop_deadline(deadline, loop), now)
+        admit_at = self._project(now, tokens)
+        if admit_at > now + budget + _SLACK_S:
+            _note(shadow, self.name)
+        elif warnings is not None:
+            warnings.append(
+                f"rate-limit group {self.name!r} (shadow) would have made the call wait "
+                f"{admit_at - now:.3f} s"
+            )
+        # Booked now, past capacity if need be: the same level a later admission leaves.
+        self._requests.level()
+        self._requests.add(1)
+        if tokens and self._tokens is not None:
+            self._tokens.level()
+            self._tokens.add(tokens)
+        if self._on_admit is not None:
+            self._on_admit(self.name, self._requests.checked_at)
+        return 0.0
 
     def _checked_tokens(self, tokens: int) -> int:
         """``tokens`` to reserve (0 without a token budget); refuses impossible requests."""
@@ -391,6 +440,11 @@ class RateLimitGroup:
             self._tokens.level()
             self._tokens.add(min(old._tokens.level(), self._tokens.max_rate))
         self._hold_until, self._hold_reason = old._hold_until, old._hold_reason
+
+
+def _note(shadow: list[str] | None, name: str) -> None:
+    if shadow is not None and name not in shadow:
+        shadow.append(name)
 
 
 class RateLimitGroups:

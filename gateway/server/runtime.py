@@ -17,6 +17,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from gateway import audit, telemetry
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
+from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
 from gateway.call.proxy import ProxyRequest
 from gateway.call.record import CallContext
@@ -33,6 +34,7 @@ from gateway.upstream import Resolver, Upstream
 
 if TYPE_CHECKING:
     # Imported in start() only with a ``redis:`` section: redis-py is 6.7 MiB of RSS.
+    from gateway.budgets.cluster import ClusterBudgets
     from gateway.ratelimit.cluster import ClusterLimits
     from gateway.stores.redis import RedisClient
 
@@ -158,6 +160,7 @@ class Gateway:
                 breakers=self._breakers(),
                 idempotency=idempotency,
                 tracer=tracer,
+                budgets=Budgets(policy.budgets, cluster=self._cluster_budgets()),
             )
             self._resources = stack.pop_all()
         self.metrics.set_known(
@@ -220,6 +223,14 @@ class Gateway:
                 restart_needed_for=restart_needed,
             )
         return True
+
+    def _cluster_budgets(self) -> ClusterBudgets | None:
+        """The Redis side of ``scope: cluster`` budgets (with a ``redis:`` section)."""
+        if self.cluster_limits is None:
+            return None
+        from gateway.budgets.cluster import ClusterBudgets
+
+        return ClusterBudgets(self.cluster_limits)
 
     def _breakers(self) -> CircuitBreakers:
         breakers = CircuitBreakers(breaker_specs(self.policy.policy.targets))

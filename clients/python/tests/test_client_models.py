@@ -75,14 +75,14 @@ def test_the_request_defaults_are_the_contracts() -> None:
 
 
 def test_the_answer_tolerates_what_a_newer_sidecar_may_add() -> None:
-    answer = failed("BUDGET_EXCEEDED", after=3600.0, cost_usd=1.5)  # unknown code and field
+    answer = failed("SOME_FUTURE_CODE", after=3600.0, cost_usd=1.5)  # unknown code and field
     assert answer.error is not None
-    assert answer.error.code == "BUDGET_EXCEEDED"
+    assert answer.error.code == "SOME_FUTURE_CODE"
     assert not isinstance(answer.error.code, ErrorCode)
     with pytest.raises(EgressError) as caught:
         answer.raise_for_error()
     assert type(caught.value) is EgressError
-    assert caught.value.code == "BUDGET_EXCEEDED"
+    assert caught.value.code == "SOME_FUTURE_CODE"
     assert caught.value.retry_after == 3600.0
 
 

@@ -151,6 +151,7 @@ def _summary_table(title: str, groups: dict[str, GroupStats], total: GroupStats)
         table.add_column(name, justify="right")
     table.add_column("rl waits (ms)", justify="right")
     table.add_column("breaker opens", justify="right")
+    table.add_column("spend USD", justify="right")
     rows = sorted(groups.items())
     for index, (name, stats) in enumerate([*rows, ("all", total)]):
         figures = stats.to_dict()
@@ -171,6 +172,7 @@ def _summary_table(title: str, groups: dict[str, GroupStats], total: GroupStats)
             str(stats.tokens_cached),
             f"{waits['count']} ({waits['total_ms']:.0f})",
             str(stats.breaker_opens),
+            f"{stats.cost_usd:.4f}" + (f" (+{stats.cost_unknown} ?)" if stats.cost_unknown else ""),
             end_section=index == len(rows) - 1,
         )
     return table

@@ -46,6 +46,8 @@ class GroupStats:
     __slots__ = (
         "breaker_opens",
         "calls",
+        "cost_unknown",
+        "cost_usd",
         "error_codes",
         "latencies_ms",
         "rate_limit_wait_ms",
@@ -64,6 +66,8 @@ class GroupStats:
         self.rate_limit_waits = 0
         self.rate_limit_wait_ms = 0.0
         self.breaker_opens = 0
+        self.cost_usd = 0.0  # spend: the sum of the records' known cost_usd
+        self.cost_unknown = 0  # answered calls whose cost_usd is null
         self.error_codes: dict[str, int] = {}
         self.latencies_ms = array("d")
 
@@ -79,6 +83,8 @@ class GroupStats:
         self.rate_limit_waits += other.rate_limit_waits
         self.rate_limit_wait_ms += other.rate_limit_wait_ms
         self.breaker_opens += other.breaker_opens
+        self.cost_usd += other.cost_usd
+        self.cost_unknown += other.cost_unknown
         for code, count in other.error_codes.items():
             self.error_codes[code] = self.error_codes.get(code, 0) + count
         self.latencies_ms.extend(other.latencies_ms)
@@ -104,6 +110,9 @@ class GroupStats:
                 "total_ms": self.rate_limit_wait_ms,
             },
             "breaker_opens": self.breaker_opens,
+            # Spend in USD (known costs only) and the answered calls of unknown cost.
+            "cost_usd": round(self.cost_usd, 9),
+            "cost_unknown_calls": self.cost_unknown,
         }
 
 
@@ -158,6 +167,11 @@ class Summary:
         value = get("tokens_cached")
         if type(value) is int:
             group.tokens_cached += value
+        value = get("cost_usd")
+        if type(value) in _NUMBERS:
+            group.cost_usd += value
+        elif get("status_code") is not None and get("cost_reason") != "no_dialect":
+            group.cost_unknown += 1  # the upstream answered, and nobody knows the cost
         value = get("rate_limit_wait_ms")
         if type(value) in _NUMBERS and value > 0:
             group.rate_limit_waits += 1

@@ -21,6 +21,7 @@ from egress_client.client import CallStream, EgressClient
 from egress_client.errors import (
     ERROR_CLASSES,
     AgentTimeout,
+    BudgetExceeded,
     CapacityExceeded,
     CircuitOpen,
     DependencyFailed,
@@ -61,6 +62,7 @@ __all__ = [
     "AgentTimeout",
     "AsyncCallStream",
     "AsyncEgressClient",
+    "BudgetExceeded",
     "CallStream",
     "CapacityExceeded",
     "CircuitOpen",

@@ -14,6 +14,7 @@ the code, so that ``except CapacityExceeded`` reads like the README's table::
     ├── SecretAccessDenied      SECRET_ACCESS_DENIED  403  no
     ├── CapacityExceeded        CAPACITY_EXCEEDED     429  yes
     ├── QuotaExhausted          QUOTA_EXHAUSTED       429  no
+    ├── BudgetExceeded          BUDGET_EXCEEDED       429  no
     ├── CircuitOpen             CIRCUIT_OPEN          503  yes
     ├── DependencyFailed        DEPENDENCY_FAILED     502  yes
     │   └── SidecarUnavailable  (client side) the sidecar could not be reached
@@ -133,6 +134,13 @@ class QuotaExhausted(EgressError):
     default_code = ErrorCode.QUOTA_EXHAUSTED
 
 
+class BudgetExceeded(EgressError):
+    """A cost budget of the sidecar's policy is spent; ``suggested_retry_after`` is the
+    seconds until its window resets."""
+
+    default_code = ErrorCode.BUDGET_EXCEEDED
+
+
 class CircuitOpen(EgressError):
     default_code = ErrorCode.CIRCUIT_OPEN
     default_retryable = True
@@ -203,6 +211,7 @@ ERROR_CLASSES: dict[str, type[EgressError]] = {
         SecretAccessDenied,
         CapacityExceeded,
         QuotaExhausted,
+        BudgetExceeded,
         CircuitOpen,
         DependencyFailed,
         AgentTimeout,

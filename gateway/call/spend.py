@@ -1,0 +1,108 @@
+"""A call's cost and budgets, between the pipeline's stages: reserve before the first
+attempt, settle after the answer (:mod:`gateway.budgets`, :mod:`gateway.cost`).
+
+Before sending (:func:`reserve`): the call's price is looked up (cheap: cached per model);
+when budgets apply, its upper cost is reserved against all of them at once, or the call
+is refused with BUDGET_EXCEEDED, before any upstream contact. A call whose cost cannot be
+bounded (unknown price, no output cap) is refused under an enforced budget with
+``on_unknown_price: refuse`` (the default: fail closed), PERMISSION_DENIED with
+``details.reason`` "budget_price_unknown"; with ``allow`` it goes out reserving only its
+prompt's cost (and its audit record says the cost is unknown if it stays so).
+
+After (:func:`settle`): the real cost from the usage replaces the reservation; a call
+that failed is released when nothing can have reached the upstream
+(:attr:`gateway.call.attempts.AttemptLog.sent` false), and otherwise keeps its
+reservation (the upstream may have acted; its cost is unknown). The audit record gets
+``cost_usd`` (null when unknown) and ``cost_reason``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.budgets import Booking, Budgets
+from gateway.call.record import CallContext
+from gateway.cost import CallPrice, Pricing
+from gateway.envelope import ExternalCallRequest
+from gateway.errors import BudgetExceeded, PermissionDenied
+from gateway.policy import CompiledTarget
+
+__all__ = ["Spend", "reserve", "settle", "settle_failed"]
+
+
+@dataclass(slots=True)
+class Spend:
+    """One call's price and its booking (None: no budget applies)."""
+
+    price: CallPrice
+    booking: Booking | None = None
+
+
+async def reserve(
+    budgets: Budgets,
+    pricing: Pricing,
+    request: ExternalCallRequest,
+    target: CompiledTarget,
+    ctx: CallContext,
+) -> Spend:
+    """Price the call and reserve it against the budgets that apply. Raises
+    BudgetExceeded, PermissionDenied (cost cannot be bounded) or CapacityExceeded (a
+    fail-closed cluster budget without Redis)."""
+    applying = budgets.applying(target.name, ctx.rate_limit_group, ctx.agent_id) if budgets else []
+    price = pricing.price(
+        target.spec.usage, request.endpoint, request.parameters, measure=bool(applying)
+    )
+    ctx.cost_model, ctx.cost_source = price.model, price.rates.source if price.rates else None
+    if not applying:
+        return Spend(price)
+    amount = None
+    for budget in applying:
+        upper, reason = price.upper_usd(budget.spec.max_output_tokens)
+        if upper is None:
+            if budget.spec.on_unknown_price == "allow" or not budget.enforce:
+                upper = price.known_usd()
+                ctx.warnings.append(
+                    f"budget {budget.name!r}: the call's cost cannot be bounded before "
+                    f"sending ({reason}); reserved {upper:.6f} USD (on_unknown_price: "
+                    f"{budget.spec.on_unknown_price}, mode: {budget.spec.mode})"
+                )
+            else:
+                ctx.decision, ctx.cost_reason = "denied", "not_sent"
+                raise PermissionDenied(
+                    f"budget {budget.name!r} applies to this call, and its cost cannot be "
+                    f"bounded before sending ({reason.replace('_', ' ') if reason else ''}): "
+                    "set max_tokens (or the budget's max_output_tokens), or give the model "
+                    "a price in the policy's prices",
+                    details={
+                        "reason": "budget_price_unknown",
+                        "budget": budget.name,
+                        "price_unknown": reason,
+                        "model": price.model,
+                    },
+                )
+        amount = upper if amount is None else max(amount, upper)
+    try:
+        booking = await budgets.reserve(applying, amount or 0.0)
+    except BudgetExceeded:
+        ctx.decision, ctx.cost_reason = "denied", "not_sent"
+        raise
+    ctx.budgets = [b.name for b in applying]
+    ctx.warnings.extend(booking.warnings)
+    ctx.shadow_denied.extend(f"budget:{name}" for name in booking.shadow_denied)
+    return Spend(price, booking)
+
+
+def settle(budgets: Budgets, spend: Spend, ctx: CallContext) -> None:
+    """After an answer: its real cost from ``ctx.usage`` into the record and budgets."""
+    usd, reason = spend.price.cost(ctx.usage)
+    ctx.cost_usd, ctx.cost_reason = usd, reason
+    if spend.booking is not None:
+        budgets.settle(spend.booking, usd)  # None (unknown): the reservation is kept
+
+
+def settle_failed(budgets: Budgets, spend: Spend, ctx: CallContext, *, sent: bool) -> None:
+    """After a failure: release the reservation if nothing can have reached the upstream
+    (its cost is then 0: ``cost_reason`` "not_sent"), else keep it (cost unknown)."""
+    ctx.cost_reason = spend.price.reason or ("usage_unknown" if sent else "not_sent")
+    if spend.booking is not None:
+        budgets.settle(spend.booking, None if sent else 0.0)

@@ -1,0 +1,109 @@
+"""Model prices from ``genai-prices`` (pydantic/genai-prices): the only module that imports it.
+
+The library bundles its price data (``genai_prices.data``, a snapshot taken at its
+release); it fetches newer data only through ``UpdatePrices``, which this module never
+starts, so the sidecar prices offline and the same way on every start of one release
+(an upgrade of the library brings new prices). The data is imported on the first lookup,
+not at start-up (it is ~0.7 MB of Python), and each (provider, model, UTC day) is looked
+up once and kept (:func:`library_rates` is cached), so a call pays a dict lookup.
+
+A model's price in the library can be tiered (a higher rate for every token of a call
+whose input is past a size, e.g. 200k tokens) or change at a date: :func:`library_rates`
+keeps the tiers (:class:`gateway.cost.rates.Tier`: the cost of a call is at its tier,
+an estimate at the highest) and the prices in force on the UTC day of the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any, Final
+
+from gateway.audit import get_logger
+from gateway.cost.rates import Rates, Tier
+
+__all__ = ["LIBRARY", "library_rates", "library_version"]
+
+#: ``Rates.source`` of a price from the library.
+LIBRARY: Final = "genai-prices"
+_CACHE_SIZE: Final = 4096
+_log = get_logger("gateway.cost")
+
+
+def library_version() -> str:
+    """The installed genai-prices version (its data is that release's snapshot)."""
+    from importlib.metadata import version
+
+    return version("genai-prices")
+
+
+def library_rates(provider: str, model: str, now: datetime | None = None) -> Rates | None:
+    """USD per million tokens of ``model`` at genai-prices provider ``provider``
+    (``openai``, ``anthropic``, ``google``), in force on ``now``'s UTC day (default:
+    today); None when the library does not know the model or prices it in units other
+    than tokens only. Never raises for an unknown model."""
+    day = (now or datetime.now(UTC)).date().isoformat()
+    return _cached(provider, model, day)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _cached(provider: str, model: str, day: str) -> Rates | None:
+    try:
+        from genai_prices import data_snapshot
+    except ImportError:  # an image built without it: every price is unknown, said once
+        _missing()
+        return None
+    snapshot = data_snapshot.get_snapshot()
+    try:
+        _, info = snapshot.find_provider_model(model, None, provider, None)
+    except (LookupError, ValueError):
+        return None
+    price = info.get_prices(datetime.fromisoformat(day).replace(tzinfo=UTC))
+    keys = [getattr(price, k, None) for k in _KEYS]
+    starts = sorted({int(t.start) for v in keys for t in (getattr(v, "tiers", None) or [])})
+    base = _level(keys, None)
+    tiers = [(start, _level(keys, start)) for start in starts]
+    if base is None or any(level is None for _, level in tiers):
+        return None  # priced per request, image or second: not from token usage alone
+    return Rates(
+        *base,
+        source=LIBRARY,
+        model=str(info.id),
+        tiers=tuple(Tier(start, *level) for start, level in tiers if level is not None),
+    )
+
+
+@functools.cache
+def _missing() -> None:
+    _log.warning(
+        "prices_unavailable",
+        reason="genai-prices is not installed: costs are unknown (cost_reason no_price) "
+        "except for models in the policy's prices",
+    )
+
+
+#: genai-prices' price keys, in the order of :class:`Rates`' rates.
+_KEYS: Final = ("input_mtok", "output_mtok", "cache_read_mtok", "cache_write_mtok")
+
+
+def _level(keys: list[Any], start: int | None) -> tuple[float, float, float, float | None] | None:
+    """The four rates of calls past ``start`` input tokens (None: the base rates), as
+    genai-prices applies its tiers (every token at the tier's rate)."""
+    inp, out, cached, write = (_rate(value, start) for value in keys)
+    if inp is None or out is None:
+        return None
+    return inp, out, cached if cached is not None else inp, write
+
+
+def _rate(value: Any, start: int | None) -> float | None:
+    """A price (a Decimal, or TieredPrices: the tier in force past ``start``) as a float."""
+    if value is None:
+        return None
+    if isinstance(value, Decimal | int | float):
+        return float(value)
+    rate = getattr(value, "base", None)
+    for tier in getattr(value, "tiers", None) or []:
+        if start is not None and start >= tier.start:
+            rate = tier.price
+    return float(rate) if rate is not None else None
