@@ -27,6 +27,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/upstream/resolver.py",
             "gateway/server/app.py",
             "gateway/server/proxy.py",
+            "gateway/server/mcp.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
@@ -39,6 +40,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/audit/schema.py",
             "gateway/policy/models.py",
             "gateway/policy/stores.py",
+            "gateway/policy/mcp.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from gateway.policy.mcp import MCP_METHODS
 from gateway.policy.models import Policy, TargetSpec
 from gateway.urls import URL
 
@@ -21,7 +22,9 @@ _MAX_REMEMBERED_PATH: Final = 256
 
 @dataclass(frozen=True, slots=True)
 class CompiledTarget:
-    """A target ready for the hot path: parsed URL, origin, matcher, header sets."""
+    """A target ready for the hot path: parsed URL, origin, matcher, header sets. An MCP
+    target's ``base_url`` is its origin and its endpoint the policy's path
+    (:func:`mcp_endpoint`)."""
 
     name: str
     spec: TargetSpec
@@ -77,6 +80,12 @@ def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
             parts = parts[:-1]
         rules.append((parts, tail, frozenset(rule.methods)))
     base = URL(spec.base_url)
+    if spec.mcp is not None:
+        # The MCP endpoint is base_url itself: its path becomes the one endpoint (so an
+        # envelope names it, and the URL is exactly base_url), on the bare origin.
+        segments = tuple(p for p in base.raw_path.split("/") if p)
+        rules.append((segments, False, MCP_METHODS))
+        base = base.origin()
     return CompiledTarget(
         name=name,
         spec=spec,
@@ -86,6 +95,12 @@ def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
         forward_headers=frozenset(h.lower() for h in spec.forward_headers),
         _rules=tuple(rules),
     )
+
+
+def mcp_endpoint(target: CompiledTarget) -> str:
+    """The endpoint of an MCP target: the path of its policy ``base_url`` (``/`` if none),
+    percent-encoded as written."""
+    return URL(target.spec.base_url).raw_path or "/"
 
 
 @dataclass(frozen=True, slots=True)
