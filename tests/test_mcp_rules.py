@@ -15,6 +15,8 @@ from gateway.policy.mcp import ArgumentRule, McpSpec
 from gateway.providers import mcp as rpc
 from tests.conftest import policy_yaml
 
+REPO = "mcp.arguments.create_issue.repo"
+NOT_ECHO = "Mcp-Name is not the body's params.name 'echo'"
 SPEC = McpSpec.model_validate(
     {
         "tools": {
@@ -50,25 +52,37 @@ def call(tool: Any, arguments: Any = None, ident: Any = 1) -> rpc.Message:
         ("GET_ISSUE", {}, "tool_not_allowed", "mcp.tools.allow"),  # names are case-sensitive
         (7, {}, "tool_not_allowed", "mcp.tools"),
         ("create_issue", {"repo": "acme/web"}, None, None),
-        ("create_issue", {}, "argument_not_allowed", "mcp.arguments.create_issue.repo"),
-        ("create_issue", {"repo": "evil/web"}, "argument_not_allowed", "mcp.arguments.create_issue.repo"),
+        ("create_issue", {}, "argument_not_allowed", REPO),
+        ("create_issue", {"repo": "evil/web"}, "argument_not_allowed", REPO),
         # fullmatch: a prefix that matches is not enough
-        ("create_issue", {"repo": "acme/web; rm"}, "argument_not_allowed", "mcp.arguments.create_issue.repo"),
-        ("create_issue", {"repo": ["acme/web"]}, "argument_not_allowed", "mcp.arguments.create_issue.repo"),
-        ("create_issue", {"repo": "acme/a", "title": "x" * 11}, "argument_not_allowed",
-         "mcp.arguments.create_issue.title"),
-        ("create_issue", {"repo": "acme/a", "priority": "mid"}, "argument_not_allowed",
-         "mcp.arguments.create_issue.priority"),
+        ("create_issue", {"repo": "acme/web; rm"}, "argument_not_allowed", REPO),
+        ("create_issue", {"repo": ["acme/web"]}, "argument_not_allowed", REPO),
+        (
+            "create_issue",
+            {"repo": "acme/a", "title": "x" * 11},
+            "argument_not_allowed",
+            "mcp.arguments.create_issue.title",
+        ),
+        (
+            "create_issue",
+            {"repo": "acme/a", "priority": "mid"},
+            "argument_not_allowed",
+            "mcp.arguments.create_issue.priority",
+        ),
         ("create_issue", {"repo": "acme/a", "priority": 3.0}, None, None),  # 3 == 3.0 in JSON
-        ("create_issue", {"repo": "acme/a", "priority": True}, "argument_not_allowed",
-         "mcp.arguments.create_issue.priority"),
+        (
+            "create_issue",
+            {"repo": "acme/a", "priority": True},
+            "argument_not_allowed",
+            "mcp.arguments.create_issue.priority",
+        ),
         ("search_code", {"limit": 51}, "argument_not_allowed", "mcp.arguments.search_*.limit"),
         ("search_code", {"limit": 0}, "argument_not_allowed", "mcp.arguments.search_*.limit"),
         ("search_code", {"limit": True}, "argument_not_allowed", "mcp.arguments.search_*.limit"),
         ("search_code", {"limit": "5"}, "argument_not_allowed", "mcp.arguments.search_*.limit"),
         ("search_code", [1, 2], "argument_not_allowed", "mcp.arguments"),
     ],
-)  # fmt: skip
+)
 def test_tool_and_argument_rules(
     tool: Any, arguments: Any, reason: str | None, rule: str | None
 ) -> None:
@@ -127,10 +141,13 @@ def test_argument_problem(rule: dict[str, Any], value: Any, problem: str | None)
 
 
 def test_glob_is_star_only() -> None:
-    assert rpc.glob_match("a*c", "abbc") and rpc.glob_match("a*c", "ac")
+    assert rpc.glob_match("a*c", "abbc")
+    assert rpc.glob_match("a*c", "ac")
     assert not rpc.glob_match("a?c", "abc")  # '?' is literal
-    assert rpc.glob_match("a.c", "a.c") and not rpc.glob_match("a.c", "abc")
-    assert rpc.glob_match("*", "") and rpc.glob_match("x*", "x\ny")
+    assert rpc.glob_match("a.c", "a.c")
+    assert not rpc.glob_match("a.c", "abc")
+    assert rpc.glob_match("*", "")
+    assert rpc.glob_match("x*", "x\ny")
 
 
 @pytest.mark.parametrize(
@@ -180,13 +197,16 @@ def b64(text: str) -> str:
         ({}, None),  # a 2025-11-25 client sends neither
         ({"mcp-method": "tools/call", "mcp-name": "echo"}, None),
         ({"mcp-method": "tools/call", "mcp-name": b64("echo")}, None),
-        ({"mcp-method": "tools/list"}, "Mcp-Method 'tools/list' is not the body's method 'tools/call'"),
-        ({"mcp-method": "tools/call", "mcp-name": "delete_repo"}, "Mcp-Name is not the body's params.name 'echo'"),
+        (
+            {"mcp-method": "tools/list"},
+            "Mcp-Method 'tools/list' is not the body's method 'tools/call'",
+        ),
+        ({"mcp-method": "tools/call", "mcp-name": "delete_repo"}, NOT_ECHO),
         ({"mcp-method": "tools/call"}, "Mcp-Name is missing for tools/call (params.name is given)"),
-        ({"mcp-name": "get_issue"}, "Mcp-Name is not the body's params.name 'echo'"),
-        ({"mcp-method": "tools/call", "mcp-name": "=?base64?ZWNobw?="}, "Mcp-Name is not the body's params.name 'echo'"),
+        ({"mcp-name": "get_issue"}, NOT_ECHO),
+        ({"mcp-method": "tools/call", "mcp-name": "=?base64?ZWNobw?="}, NOT_ECHO),
     ],
-)  # fmt: skip
+)
 def test_headers_must_match_the_body(headers: dict[str, str], problem: str | None) -> None:
     assert rpc.header_problem([call("echo")], headers) == problem
 
@@ -271,31 +291,45 @@ def test_an_mcp_target_is_its_base_url() -> None:
     target = policy.targets["tools"]
     assert mcp_endpoint(target) == "/v1/mcp"
     assert str(upstream_url(target, "/v1/mcp")) == "https://mcp.example.com/v1/mcp"
-    assert target.allows("/v1/mcp", "POST") and target.allows("/v1/mcp", "DELETE")
+    assert target.allows("/v1/mcp", "POST")
+    assert target.allows("/v1/mcp", "DELETE")
     assert target.allows("/v1/mcp", "PUT") is False
     assert target.allows("/other", "POST") is None
-    assert target.spec.mcp is not None and target.spec.mcp.tools.allow == ["*"]
+    assert target.spec.mcp is not None
+    assert target.spec.mcp.tools.allow == ["*"]
 
 
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
-        (mcp_policy({"arguments": {"t": {"a": {"pattern": "(x"}}}}),
-         "targets.tools.mcp.arguments.t.a.pattern: not a regular expression: missing ), "
-         "unterminated subpattern at position 0"),
-        (mcp_policy({"tools": {"allow": ["a"], "denny": []}}),
-         "targets.tools.mcp.tools.denny: unknown key"),
-        (mcp_policy({"arguments": {"t": {"a": {"max_length": -1}}}}),
-         "targets.tools.mcp.arguments.t.a.max_length: Input should be greater than or equal to 0"),
-        (mcp_policy({"tools_rate_limit_group": "nope"}),
-         "targets.tools.mcp.tools_rate_limit_group: no rate-limit group 'nope' (known: none)"),
-        (mcp_policy({}, endpoints=[{"path": "/x", "methods": ["GET"]}]),
-         "targets.tools: an MCP target has no 'endpoints': its base_url is the MCP endpoint itself"),
-        (mcp_policy({}, idempotency={}), "targets.tools: 'idempotency' does not apply to an MCP target"),
-        (policy_yaml({"plain": {"base_url": "https://x.example.com"}}),
-         "targets.plain: a target needs 'endpoints' (or 'mcp' for an MCP server)"),
+        (
+            mcp_policy({"arguments": {"t": {"a": {"pattern": "(x"}}}}),
+            "targets.tools.mcp.arguments.t.a.pattern: not a regular expression: missing ), "
+            "unterminated subpattern at position 0",
+        ),
+        (
+            mcp_policy({"tools": {"allow": ["a"], "denny": []}}),
+            "targets.tools.mcp.tools.denny: unknown key",
+        ),
+        (
+            mcp_policy({"arguments": {"t": {"a": {"max_length": -1}}}}),
+            "targets.tools.mcp.arguments.t.a.max_length: Input should be greater than or equal",
+        ),
+        (
+            mcp_policy({"tools_rate_limit_group": "nope"}),
+            "targets.tools.mcp.tools_rate_limit_group: no rate-limit group 'nope' (known: none)",
+        ),
+        (
+            mcp_policy({}, endpoints=[{"path": "/x", "methods": ["GET"]}]),
+            "targets.tools: an MCP target has no 'endpoints'",
+        ),
+        (mcp_policy({}, idempotency={}), "targets.tools: 'idempotency' does not apply"),
+        (
+            policy_yaml({"plain": {"base_url": "https://x.example.com"}}),
+            "targets.plain: a target needs 'endpoints' (or 'mcp' for an MCP server)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_policy_problems_name_the_key(text: str, problem: str) -> None:
     with pytest.raises(PolicyError) as caught:
         parse_policy(text, "p.yaml")
