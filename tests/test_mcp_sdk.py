@@ -27,6 +27,8 @@ from tests.mcp_server import McpTestServer, RunningServer
 
 SERVER_TOKEN = "mcp-fake-TEST-0005-NOTREAL"  # what the sidecar injects (env://)
 AGENT_TOKEN = "agent-own-TEST-0006-NOTREAL"  # what the agent's client sends: never forwarded
+JSON_URL = "{}/mcp/tools-json"
+SSE_URL = "{}/mcp/tools"
 ALLOWED = ["echo", "headers", "create_issue", "progress", "fail", "delete_*"]
 
 
@@ -228,13 +230,14 @@ async def test_a_batch_with_one_refused_request_is_refused_whole(
     sidecar: Sidecar, json_server: McpTestServer
 ) -> None:
     before = len(json_server.posts())
+    echo = {"name": "echo", "arguments": {"text": "a"}}
     batch = [
-        {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "a"}}},
-        {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 1}},
+        {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": echo},
+        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 0}},
         {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "internal_admin"}},
-    ]  # fmt: skip
+    ]
     headers = {"Accept": rpc.ACCEPT}
-    async with sidecar.session.post(sidecar.url + "/mcp/tools-json", json=batch, headers=headers) as resp:
+    async with sidecar.session.post(JSON_URL.format(sidecar.url), json=batch, headers=headers) as resp:
         assert resp.status == 200
         answer = await resp.json()
     assert [a["id"] for a in answer] == [1, 2]
@@ -253,7 +256,7 @@ async def test_json_answers_are_filtered_and_sessions_pass_back(
 ) -> None:
     headers = {"Accept": rpc.ACCEPT, "Authorization": f"Bearer {AGENT_TOKEN}"}
     listing = {"jsonrpc": "2.0", "id": "l1", "method": "tools/list", "params": {}}
-    async with sidecar.session.post(sidecar.url + "/mcp/tools-json", json=listing, headers=headers) as resp:
+    async with sidecar.session.post(JSON_URL.format(sidecar.url), json=listing, headers=headers) as resp:
         assert resp.status == 200
         assert resp.content_type == "application/json"
         answer = await resp.json()
@@ -263,7 +266,7 @@ async def test_json_answers_are_filtered_and_sessions_pass_back(
     # A session the server does not know: its 404 goes back as it is (the SDK then knows
     # the session ended), not as a sidecar error.
     stale = {**headers, "Mcp-Session-Id": "0" * 32, "Mcp-Protocol-Version": "2025-11-25"}
-    async with sidecar.session.post(sidecar.url + "/mcp/tools", json=listing, headers=stale) as resp:
+    async with sidecar.session.post(SSE_URL.format(sidecar.url), json=listing, headers=stale) as resp:
         assert resp.status == 404
         assert resp.headers["x-egress-error-code"] == "UPSTREAM_REJECTED"
     assert all(AGENT_TOKEN not in json.dumps(r.headers) for r in sse_server.requests)

@@ -19,6 +19,9 @@ server. :func:`mcp_intake` builds the call:
   routes (default deadline :data:`MCP_TIMEOUT_S`: tools may be slow, and a stream open).
 * rate-limit groups: a body holding a ``tools/call`` queues in ``mcp.tools_rate_limit_group``
   when the policy names one; everything else in the target's ``rate_limit_group``.
+* retries: a body holding a ``tools/call`` is sent once (a tool has side effects, and a
+  server's 5xx does not say whether it ran); the protocol's other messages are retried
+  as the target's ``retry`` says.
 
 An envelope to an MCP target (``endpoint``: the MCP path, ``parameters``: the JSON-RPC
 request) gets the same checks (:func:`check_envelope`) and filtered answers.
@@ -130,6 +133,8 @@ def mcp_intake(
         group = _group(exchange, target)
         if group is not None:
             raw["rate_limit_group"] = group
+        if _calls_tools(exchange):
+            raw["max_retries"] = 0
     if http.method == "POST":
         raw["body"] = {
             "content_type": "application/json",
@@ -183,12 +188,15 @@ def _exchange(value: Any, target: CompiledTarget, ctx: CallContext) -> rpc.McpEx
     return exchange
 
 
+def _calls_tools(exchange: rpc.McpExchange) -> bool:
+    return any(m.method == rpc.TOOLS_CALL for m in exchange.messages)
+
+
 def _group(exchange: rpc.McpExchange, target: CompiledTarget) -> str | None:
     spec = target.spec.mcp
     if spec is None or spec.tools_rate_limit_group is None:
         return None
-    calls = any(m.method == rpc.TOOLS_CALL for m in exchange.messages)
-    return spec.tools_rate_limit_group if calls else None
+    return spec.tools_rate_limit_group if _calls_tools(exchange) else None
 
 
 def _timeout(headers: dict[str, str]) -> Any:
@@ -217,10 +225,11 @@ def check_envelope(
     if request.method != "POST" or request.body is not None:
         return request
     exchange = _exchange(request.parameters, target, ctx)
+    update: dict[str, Any] = {"max_retries": 0} if _calls_tools(exchange) else {}
     group = _group(exchange, target)
     if group is not None and request.rate_limit_group is None:
-        return request.model_copy(update={"rate_limit_group": group})
-    return request
+        update["rate_limit_group"] = group
+    return request.model_copy(update=update) if update else request
 
 
 def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
