@@ -97,6 +97,19 @@ async def session(url: str) -> AsyncIterator[ClientSession]:
         yield client
 
 
+async def post(
+    sidecar: Sidecar, url: str, body: Any, headers: dict[str, str]
+) -> tuple[int, dict[str, str], Any]:
+    """POST a JSON-RPC body to the sidecar's MCP route: (status, headers, JSON or text)."""
+    async with sidecar.session.post(url.format(sidecar.url), json=body, headers=headers) as resp:
+        text = await resp.text()
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        return resp.status, dict(resp.headers), value
+
+
 def mcp_records(sidecar: Sidecar) -> list[dict[str, Any]]:
     return [r for r in sidecar.audit_records() if r["api"] == "mcp"]
 
@@ -237,9 +250,8 @@ async def test_a_batch_with_one_refused_request_is_refused_whole(
         {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "internal_admin"}},
     ]
     headers = {"Accept": rpc.ACCEPT}
-    async with sidecar.session.post(JSON_URL.format(sidecar.url), json=batch, headers=headers) as resp:
-        assert resp.status == 200
-        answer = await resp.json()
+    status, _, answer = await post(sidecar, JSON_URL, batch, headers)
+    assert status == 200
     assert [a["id"] for a in answer] == [1, 2]
     assert answer[0]["error"]["data"]["reason"] == "batch_refused"
     assert answer[1]["error"]["data"]["reason"] == "tool_not_allowed"
@@ -256,19 +268,18 @@ async def test_json_answers_are_filtered_and_sessions_pass_back(
 ) -> None:
     headers = {"Accept": rpc.ACCEPT, "Authorization": f"Bearer {AGENT_TOKEN}"}
     listing = {"jsonrpc": "2.0", "id": "l1", "method": "tools/list", "params": {}}
-    async with sidecar.session.post(JSON_URL.format(sidecar.url), json=listing, headers=headers) as resp:
-        assert resp.status == 200
-        assert resp.content_type == "application/json"
-        answer = await resp.json()
+    status, got, answer = await post(sidecar, JSON_URL, listing, headers)
+    assert status == 200
+    assert got["Content-Type"].startswith("application/json")
     names = {t["name"] for t in answer["result"]["tools"]}
     assert names == {"create_issue", "echo", "fail", "headers", "progress"}
 
     # A session the server does not know: its 404 goes back as it is (the SDK then knows
     # the session ended), not as a sidecar error.
     stale = {**headers, "Mcp-Session-Id": "0" * 32, "Mcp-Protocol-Version": "2025-11-25"}
-    async with sidecar.session.post(SSE_URL.format(sidecar.url), json=listing, headers=stale) as resp:
-        assert resp.status == 404
-        assert resp.headers["x-egress-error-code"] == "UPSTREAM_REJECTED"
+    status, got, _ = await post(sidecar, SSE_URL, listing, stale)
+    assert status == 404
+    assert got["x-egress-error-code"] == "UPSTREAM_REJECTED"
     assert all(AGENT_TOKEN not in json.dumps(r.headers) for r in sse_server.requests)
 
 
