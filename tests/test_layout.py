@@ -59,6 +59,8 @@ OWNERS: dict[str, frozenset[str]] = {
     "rich": frozenset({"gateway/audit/query/render.py"}),
     # The SDK, the OTLP/HTTP exporter and the API: imported only when tracing is on.
     "opentelemetry": frozenset({"gateway/telemetry/otel.py"}),
+    # MCP's SDK: the tests' server and client only; the sidecar speaks MCP itself.
+    "mcp": frozenset(),
 }
 #: A program of its own beside the sidecar (its stand-in upstreams and console output):
 #: it may import what it needs, and nothing imports it.
