@@ -44,7 +44,7 @@ from gateway.envelope import ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload, PermissionDenied
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.compiled import mcp_endpoint
-from gateway.policy.mcp import MCP_METHODS
+from gateway.policy.mcp import MCP_METHODS, McpSpec
 from gateway.providers import mcp as rpc
 from gateway.tracing import TRACE_HEADERS
 
@@ -114,22 +114,25 @@ def mcp_intake(
     }
     if _SECRET_REF_HEADER in headers:
         raw["api_key_ref"] = headers[_SECRET_REF_HEADER]
-    if target is not None and target.spec.mcp is None:
+    spec = target.spec.mcp if target is not None else None
+    exchange = None
+    if http.method == "POST":  # parsed for any target, so that a refusal answers each id
+        exchange = _parse(_decode(http.body), spec or McpSpec(), ctx)
+    if target is not None and spec is None:
         ctx.decision = "denied"
         raise PermissionDenied(
             f"target {target.name!r} is not an MCP server (it has no 'mcp' section): use "
             f"/proxy/{target.name}/... or an envelope",
             details={"reason": "not_an_mcp_target", "target_system": target.name},
         )
-    if http.method == "POST" and target is not None and target.spec.mcp is not None:
-        value = _decode(http.body)
-        exchange = _exchange(value, target, ctx)
+    if exchange is not None and target is not None:
         problem = rpc.header_problem(exchange.messages, headers)
         if problem is not None:
             raise InvalidPayload(
                 f"the MCP headers do not match the body: {problem}",
                 details={"reason": "mcp_header_mismatch", "jsonrpc_code": rpc.HEADER_MISMATCH},
             )
+        _check(exchange, target, ctx)
         group = _group(exchange, target)
         if group is not None:
             raw["rate_limit_group"] = group
@@ -157,10 +160,8 @@ def _decode(body: bytes) -> Any:
         raise
 
 
-def _exchange(value: Any, target: CompiledTarget, ctx: CallContext) -> rpc.McpExchange:
-    """Parse and check the messages (``ctx.mcp`` set first). Raises the refusal."""
-    spec = target.spec.mcp
-    assert spec is not None
+def _parse(value: Any, spec: McpSpec, ctx: CallContext) -> rpc.McpExchange:
+    """The exchange of a decoded body, set in ``ctx.mcp``. Raises InvalidPayload."""
     try:
         messages, batch = rpc.parse_messages(value)
     except rpc.McpProtocolError as exc:
@@ -169,6 +170,13 @@ def _exchange(value: Any, target: CompiledTarget, ctx: CallContext) -> rpc.McpEx
             details={"reason": exc.reason, "jsonrpc_code": exc.code},
         ) from None
     exchange = ctx.mcp = rpc.McpExchange(spec, messages, batch)
+    return exchange
+
+
+def _check(exchange: rpc.McpExchange, target: CompiledTarget, ctx: CallContext) -> None:
+    """The tool and argument rules on every request. Raises the refusal (PermissionDenied)."""
+    spec = exchange.spec
+    messages = exchange.messages
     for index, message in enumerate(messages):
         refusal = rpc.call_refusal(spec, message)
         if refusal is not None:
@@ -185,7 +193,6 @@ def _exchange(value: Any, target: CompiledTarget, ctx: CallContext) -> rpc.McpEx
             else ""
         )
         raise PermissionDenied(f"{first.message} on target {target.name!r}{more}", details=details)
-    return exchange
 
 
 def _calls_tools(exchange: rpc.McpExchange) -> bool:
@@ -224,7 +231,9 @@ def check_envelope(
     ctx.passthrough_headers = {"accept": rpc.ACCEPT}
     if request.method != "POST" or request.body is not None:
         return request
-    exchange = _exchange(request.parameters, target, ctx)
+    assert target.spec.mcp is not None
+    exchange = _parse(request.parameters, target.spec.mcp, ctx)
+    _check(exchange, target, ctx)
     update: dict[str, Any] = {"max_retries": 0} if _calls_tools(exchange) else {}
     group = _group(exchange, target)
     if group is not None and request.rate_limit_group is None:
