@@ -161,6 +161,10 @@ def test_glob_is_star_only() -> None:
         (b'{"jsonrpc": "2.0", "id": 1, "method": "x", "params": 3}', "invalid_jsonrpc"),
         (b'{"jsonrpc": "2.0", "id": 1}', "invalid_jsonrpc"),
         (b'[{"jsonrpc": "2.0", "id": 1, "method": "x"}, 5]', "invalid_jsonrpc"),
+        (
+            ("[" + ",".join(['{"jsonrpc":"2.0","method":"n"}'] * 101) + "]").encode(),
+            "invalid_jsonrpc",
+        ),
     ],
 )
 def test_not_jsonrpc(body: bytes, problem: str) -> None:

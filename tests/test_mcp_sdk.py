@@ -139,8 +139,10 @@ async def test_the_sdk_through_the_sidecar(sidecar: Sidecar, sse_server: McpTest
         assert echoed.isError is False
         assert echoed.content[0].text == "hello"  # type: ignore[union-attr]
 
+        # The server got the injected credential (it says so; the sidecar scrubs the
+        # secret's value from the answer, as from every answer) and never the agent's.
         seen = await client.call_tool("headers", {})
-        assert seen.structuredContent == {"result": {"authorization": f"Bearer {SERVER_TOKEN}"}}
+        assert seen.structuredContent == {"result": {"authorization": "Bearer [REDACTED]"}}
 
         with pytest.raises(MCPError) as denied:
             await client.call_tool("delete_repo", {"repo": "acme/web"})

@@ -61,6 +61,10 @@ HEADER_MISMATCH: Final = -32020
 #: the sidecar takes one code outside both. ``data.egress_code`` is the ErrorCode.
 EGRESS_ERROR: Final = -32050
 
+#: Messages in one batch at most: each request gets its audit record, so a body of
+#: thousands of tiny requests is refused rather than written out line by line.
+MAX_BATCH: Final = 100
+
 Kind = Literal["request", "notification", "response"]
 
 
@@ -110,6 +114,8 @@ def parse_messages(body: bytes | Any) -> tuple[list[Message], bool]:
     if isinstance(value, list):
         if not value:
             raise _invalid("an empty batch")
+        if len(value) > MAX_BATCH:
+            raise _invalid(f"a batch of more than {MAX_BATCH} messages")
         return [_message(item) for item in value], True
     return [_message(value)], False
 
