@@ -249,7 +249,7 @@ def call_refusal(spec: McpSpec, message: Message) -> Refusal | None:
     if not isinstance(arguments, dict):
         return Refusal(
             "argument_not_allowed",
-            f"the arguments of tool {tool!r} are not an object",
+            f"the arguments of tool {tool[:128]!r} are not an object",
             "mcp.arguments",
         )
     for key, rules in spec.arguments.items():
@@ -261,7 +261,7 @@ def call_refusal(spec: McpSpec, message: Message) -> Refusal | None:
                 path = f"mcp.arguments.{key}.{param}"
                 return Refusal(
                     "argument_not_allowed",
-                    f"argument {param!r} of tool {tool!r} {problem} ({path})",
+                    f"argument {param!r} of tool {tool[:128]!r} {problem} ({path})",
                     path,
                     param,
                 )
