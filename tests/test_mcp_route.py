@@ -288,3 +288,27 @@ async def test_tool_calls_queue_apart_and_are_counted(
         f'{series}{{method="tools/call",outcome="failed",target="mcp",tool="echo"}} 1.0' in metrics
     )
     assert 'method="tools/list",outcome="ok",target="mcp",tool="_none"} 3.0' in metrics
+
+
+async def test_no_way_around_the_rules(upstream_factory: Factory, sidecar_factory: Factory) -> None:
+    """The drop-in route and an envelope's ``body`` would carry JSON-RPC the rules never
+    read (a batch, a tools/list answer): both are refused for an MCP target."""
+    upstream: FakeUpstream = await upstream_factory()
+    sidecar: Sidecar = await sidecar_factory(compile_policy({"mcp": target(upstream.url)}))
+    denied = [{**CALL, "params": {"name": "rm_rf"}}]
+    async with sidecar.session.post(sidecar.url + "/proxy/mcp/mcp", json=denied) as resp:
+        assert resp.status == 403
+        assert resp.headers["x-egress-error-code"] == "PERMISSION_DENIED"
+    body = {"content_type": "application/json", "base64": "W10="}
+    envelope = {
+        "trace_id": "t",
+        "correlation_id": "c",
+        "target_system": "mcp",
+        "endpoint": "/mcp",
+        "method": "POST",
+        "body": body,
+    }
+    status, answer = await sidecar.call(envelope)
+    assert status == 403
+    assert answer["error"]["details"]["reason"] == "mcp_body"
+    assert upstream.hits == 0

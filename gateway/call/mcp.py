@@ -225,11 +225,24 @@ def check_envelope(
     """An envelope to an MCP target: a POST's ``parameters`` (the JSON-RPC request) are
     checked as on ``/mcp/{target}``, and ``Accept`` is what an MCP client sends. Returns
     the request, in ``mcp.tools_rate_limit_group`` for a ``tools/call`` when the envelope
-    names no group. Raises as :func:`mcp_intake`. A no-op on the MCP route (checked)."""
+    names no group. Raises as :func:`mcp_intake`, and PermissionDenied for an envelope
+    with a ``body`` or a drop-in route's call (``/proxy/...``: only ``/mcp/{target}`` and
+    envelopes are read). A no-op on the MCP route (checked at intake)."""
     if ctx.mcp is not None or ctx.api == "mcp":
         return request
+    if ctx.api != "envelope":  # a drop-in route would pass batches and lists unread
+        raise PermissionDenied(
+            f"target {target.name!r} is an MCP server: point the MCP client at /mcp/{target.name}",
+            details={"reason": "mcp_route_only"},
+        )
+    if request.body is not None:  # bytes the rules cannot read
+        raise PermissionDenied(
+            f"an envelope to MCP target {target.name!r} carries its JSON-RPC request in "
+            "'parameters', not 'body'",
+            details={"reason": "mcp_body"},
+        )
     ctx.passthrough_headers = {"accept": rpc.ACCEPT}
-    if request.method != "POST" or request.body is not None:
+    if request.method != "POST":
         return request
     assert target.spec.mcp is not None
     exchange = _parse(request.parameters, target.spec.mcp, ctx)
