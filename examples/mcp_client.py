@@ -93,7 +93,7 @@ async def use_the_sdk(url: str) -> None:
         tools = await session.list_tools()
         print(f"tools:    {sorted(t.name for t in tools.tools)}")
         found = await session.call_tool("search_issues", {"query": "login"})
-        print(f"search:   {found.structuredContent}")
+        print(f"search:   {found.structured_content}")
         for name, arguments in (
             ("create_issue", {"repo": "evil/site", "title": "hello"}),
             ("delete_repo", {"repo": "acme/web"}),
@@ -104,7 +104,7 @@ async def use_the_sdk(url: str) -> None:
                 data = exc.error.data or {}
                 print(f"refused:  {name}: {data.get('egress_code')} {exc.error.message}")
         made = await session.call_tool("create_issue", {"repo": "acme/web", "title": "hello"})
-        print(f"created:  {made.structuredContent}")
+        print(f"created:  {made.structured_content}")
 
 
 async def with_stand_in() -> int:

@@ -136,13 +136,13 @@ async def test_the_sdk_through_the_sidecar(sidecar: Sidecar, sse_server: McpTest
         assert names == ["create_issue", "echo", "fail", "headers", "progress"]
 
         echoed = await client.call_tool("echo", {"text": "hello"})
-        assert echoed.isError is False
+        assert echoed.is_error is False
         assert echoed.content[0].text == "hello"  # type: ignore[union-attr]
 
         # The server got the injected credential (it says so; the sidecar scrubs the
         # secret's value from the answer, as from every answer) and never the agent's.
         seen = await client.call_tool("headers", {})
-        assert seen.structuredContent == {"result": {"authorization": "Bearer [REDACTED]"}}
+        assert seen.structured_content == {"authorization": "Bearer [REDACTED]"}
 
         with pytest.raises(MCPError) as denied:
             await client.call_tool("delete_repo", {"repo": "acme/web"})
@@ -159,10 +159,10 @@ async def test_the_sdk_through_the_sidecar(sidecar: Sidecar, sse_server: McpTest
         assert data["argument"] == "repo"
 
         created = await client.call_tool("create_issue", {"repo": "acme/web", "title": "x"})
-        assert created.isError is False
+        assert created.is_error is False
 
         failed = await client.call_tool("fail", {})
-        assert failed.isError is True
+        assert failed.is_error is True
 
         seen_progress: list[tuple[float, str | None]] = []
 
