@@ -56,7 +56,7 @@ targets:
 
 
 def stand_in() -> MCPServer:
-    server = MCPServer("issues-stand-in")
+    server = MCPServer("issues-stand-in", log_level="WARNING")
 
     def check(ctx: Context) -> None:
         if (ctx.headers or {}).get("authorization") != f"Bearer {TOKEN}":

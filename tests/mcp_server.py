@@ -43,7 +43,7 @@ class McpTestServer:
 
 
 def _build(record: McpTestServer) -> MCPServer:
-    server = MCPServer("egress-test")
+    server = MCPServer("egress-test", log_level="WARNING")
 
     @server.tool()
     def echo(text: str) -> str:

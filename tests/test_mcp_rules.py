@@ -247,7 +247,7 @@ def test_tools_list_is_filtered_and_outcomes_kept() -> None:
     assert changed
     assert value[0]["result"] == {"tools": [{"name": "echo"}], "nextCursor": "c2"}
     assert value[1] is result
-    assert exchange.outcomes == {1: (False, None), 2: (True, None)}
+    assert exchange.outcomes == {1: (None, None), 2: (True, None)}  # isError: tools only
     assert exchange.removed_tools == 2
     error = {"jsonrpc": "2.0", "id": 9, "error": {"code": -32601, "message": "nope"}}
     assert rpc.outcome(error) == (None, -32601)

@@ -18,6 +18,7 @@ from typing import Any
 import httpx2
 import pytest
 from mcp import ClientSession
+from mcp.client import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
@@ -317,3 +318,32 @@ async def test_an_envelope_to_an_mcp_target_gets_the_same_checks(
     record = [r for r in sidecar.audit_records() if r["mcp_tool"] == "echo"][-1]
     assert record["api"] == "envelope"
     assert record["mcp_is_error"] is False
+
+
+async def test_the_2026_client_names_its_calls_in_headers(
+    sidecar: Sidecar, sse_server: McpTestServer
+) -> None:
+    """The SDK's high-level client in its default mode negotiates MCP 2026-07-28
+    (``server/discover``, per-request ``Mcp-Method`` / ``Mcp-Name``): the headers match
+    the body, so the sidecar passes them on, and the rules hold as in 2025-11-25."""
+    before = len(sse_server.requests)
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {AGENT_TOKEN}"}, timeout=10)
+    transport = streamable_http_client(sidecar.url + "/mcp/tools", http_client=http)
+    async with http, Client(transport, mode="auto") as client:
+        assert client.session.protocol_version == "2026-07-28"
+        listed = await client.list_tools()
+        assert "delete_repo" not in {t.name for t in listed.tools}
+        echoed = await client.call_tool("echo", {"text": "modern"})
+        assert echoed.content[0].text == "modern"  # type: ignore[union-attr]
+        with pytest.raises(MCPError) as denied:
+            await client.call_tool("delete_repo", {"repo": "acme/web"})
+        assert denied.value.error.data["egress_code"] == "PERMISSION_DENIED"
+    mine = sse_server.requests[before:]
+    calls = [r for r in mine if r.headers.get("mcp-method") == "tools/call"]
+    assert [r.headers.get("mcp-name") for r in calls] == ["echo"]  # the denied one never came
+    assert all(AGENT_TOKEN not in json.dumps(r.headers) for r in mine)
+    records = [r for r in mcp_records(sidecar) if r["mcp_method"] == "tools/call"]
+    assert [(r["mcp_tool"], r["decision"]) for r in records] == [
+        ("echo", "allowed"),
+        ("delete_repo", "denied"),
+    ]

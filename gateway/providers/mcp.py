@@ -445,7 +445,12 @@ class McpExchange:
                 request = pending.get(response.get("id"))
                 if request is None:
                     continue
-                self.outcomes[request.id] = outcome(response)
+                is_error, code = outcome(response)
+                # isError belongs to tool results (MCP "Tools"); other results have none.
+                self.outcomes[request.id] = (
+                    is_error if request.method == TOOLS_CALL else None,
+                    code,
+                )
                 if request.method == TOOLS_LIST:
                     item, removed = filter_tools(self.spec, item)
                     self.removed_tools += removed
