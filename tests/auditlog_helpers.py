@@ -83,6 +83,11 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "time_to_first_byte_ms": 3.5 if number % 5 == 0 else None,
         "tokens_reasoning": None,
         "api": "envelope",
+        "mcp_method": None,
+        "mcp_tool": None,
+        "mcp_request_id": None,
+        "mcp_is_error": None,
+        "mcp_error_code": None,
     }
     return record
 

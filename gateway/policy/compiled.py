@@ -73,7 +73,7 @@ def _segments_match(pattern: tuple[str, ...], tail: bool, segments: tuple[str, .
 
 def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
     rules = []
-    for rule in spec.endpoints:
+    for rule in spec.endpoints or ():
         parts = tuple(p for p in rule.path.strip("/").split("/") if p)
         tail = bool(parts) and parts[-1] == "**"
         if tail:

@@ -105,3 +105,8 @@ DEFAULT_TRACE_SAMPLE_RATIO: Final = 1.0
 MAX_TRACE_SAMPLE_RATIO: Final = 1.0
 MAX_TELEMETRY_MODELS: Final = 200
 DEFAULT_SERVICE_NAME: Final = "egress-gateway"
+#: MCP argument rules (gateway/policy/mcp.py). A string argument cannot be longer than
+#: the request that carries it; a number bound is kept where JSON numbers are exact in
+#: every implementation (doubles: below 2**53, RFC 8259 section 6), with room to spare.
+MAX_ARGUMENT_LENGTH: Final = MAX_BODY_BYTES
+MAX_ARGUMENT_NUMBER: Final = 10.0**15

@@ -29,6 +29,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import Field, StringConstraints, field_validator
 
 from gateway.envelope import HttpMethod
+from gateway.policy import defaults as d
 from gateway.policy.stores import StrictModel
 
 #: The methods of the one endpoint of an MCP target (streamable HTTP: POST, GET, DELETE).
@@ -50,10 +51,10 @@ class ArgumentRule(StrictModel):
 
     pattern: str | None = None
     enum: list[Scalar] | None = Field(None, min_length=1)
-    max_length: int | None = Field(None, ge=0)
-    min_length: int | None = Field(None, ge=0)
-    minimum: float | None = None
-    maximum: float | None = None
+    max_length: int | None = Field(None, ge=0, le=d.MAX_ARGUMENT_LENGTH)
+    min_length: int | None = Field(None, ge=0, le=d.MAX_ARGUMENT_LENGTH)
+    minimum: float | None = Field(None, ge=-d.MAX_ARGUMENT_NUMBER, le=d.MAX_ARGUMENT_NUMBER)
+    maximum: float | None = Field(None, ge=-d.MAX_ARGUMENT_NUMBER, le=d.MAX_ARGUMENT_NUMBER)
     type: ArgumentType | None = None
     required: bool = False
 
@@ -89,7 +90,7 @@ def check_target(spec: Any) -> Any:
     (JSON-RPC ids, not HTTP keys, pair its requests and answers)."""
     if spec.mcp is None and not spec.endpoints:
         raise ValueError("a target needs 'endpoints' (or 'mcp' for an MCP server)")
-    if spec.mcp is not None and spec.endpoints:
+    if spec.mcp is not None and spec.endpoints is not None:
         raise ValueError(
             "an MCP target has no 'endpoints': its base_url is the MCP endpoint itself"
         )

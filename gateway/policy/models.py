@@ -300,7 +300,7 @@ class IdempotencySpec(_Strict):
 class TargetSpec(_Strict):
     base_url: str
     credential: CredentialSpec | None = None
-    endpoints: list[EndpointRule] = Field(default_factory=list)  # required unless mcp
+    endpoints: list[EndpointRule] | None = Field(None, min_length=1)  # required unless mcp
     rate_limit_group: Name | None = None
     timeout_s: float = Field(d.DEFAULT_TARGET_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
     #: Longest gap between two chunks of a relayed stream (the call's deadline still
