@@ -199,6 +199,11 @@ def b64(text: str) -> str:
     ("headers", "problem"),
     [
         ({}, None),  # a 2025-11-25 client sends neither
+        ({"mcp-protocol-version": "2025-11-25"}, None),
+        (
+            {"mcp-protocol-version": "2026-07-28"},
+            "Mcp-Method is missing (MCP-Protocol-Version 2026-07-28 requires it)",
+        ),
         ({"mcp-method": "tools/call", "mcp-name": "echo"}, None),
         ({"mcp-method": "tools/call", "mcp-name": b64("echo")}, None),
         (

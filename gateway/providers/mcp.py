@@ -145,6 +145,9 @@ def _invalid(message: str) -> McpProtocolError:
 
 
 _B64: Final = re.compile(r"=\?base64\?(?P<payload>.*)\?=")
+#: The first revision whose requests carry Mcp-Method / Mcp-Name (revisions are dates).
+FIRST_HEADER_VERSION: Final = "2026-07-28"
+_DATE: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
 def decode_header_value(value: str | None) -> str | None:
@@ -166,12 +169,18 @@ def decode_header_value(value: str | None) -> str | None:
 
 def header_problem(messages: list[Message], headers: Mapping[str, str]) -> str | None:
     """Why ``Mcp-Method`` / ``Mcp-Name`` (lower-case names in ``headers``) do not describe
-    the body, or None. Absent headers are no problem (2025-11-25 clients send none);
-    present ones must equal every request and notification of the body, since an
-    intermediary or server authorising on headers would otherwise see another call."""
+    the body, or None. Absent headers are no problem for 2025-11-25 clients (they send
+    none), but a request of 2026-07-28 or later must carry ``Mcp-Method`` (streamable
+    HTTP, "Standard Headers"); present ones must equal every request and notification
+    of the body, since an intermediary or server authorising on headers would otherwise
+    see another call than the one executed ("Server Validation": 400, -32020)."""
     method_header = headers.get(MCP_METHOD)
     name_header = headers.get(MCP_NAME)
     if method_header is None and name_header is None:
+        version = headers.get(MCP_PROTOCOL_VERSION, "").strip()
+        modern = _DATE.fullmatch(version) is not None and version >= FIRST_HEADER_VERSION
+        if modern and any(m.kind == "request" for m in messages):  # "all requests"
+            return f"Mcp-Method is missing (MCP-Protocol-Version {version} requires it)"
         return None
     for message in (m for m in messages if m.method is not None):  # responses name nothing
         if method_header is not None and method_header.strip() != message.method:
