@@ -195,7 +195,21 @@ async def test_the_sdk_through_the_sidecar(sidecar: Sidecar, sse_server: McpTest
     assert refused["decision"] == "denied"
     assert refused["error_code"] == "PERMISSION_DENIED"
     assert refused["attempts"] == 0
-    assert by_tool[("tools/call", "create_issue")]["decision"] in ("allowed", "denied")
+    assert {r["method"] for r in records} >= {"POST", "GET", "DELETE"}  # each audited too
+    calls_audited = [
+        (r["mcp_tool"], r["decision"], r["error_code"], r["mcp_is_error"])
+        for r in records
+        if r["mcp_method"] == "tools/call"
+    ]
+    assert calls_audited == [
+        ("echo", "allowed", None, False),
+        ("headers", "allowed", None, False),
+        ("delete_repo", "denied", "PERMISSION_DENIED", None),
+        ("create_issue", "denied", "PERMISSION_DENIED", None),
+        ("create_issue", "allowed", None, False),
+        ("fail", "allowed", None, True),
+        ("progress", "allowed", None, False),
+    ]
     allowed = [r for r in records if r["decision"] == "allowed"]
     assert all(r["api_key_ref"] == "env://TEST_MCP_TOKEN" for r in allowed)
     assert ("tools/list", None) in by_tool
