@@ -31,6 +31,7 @@ audit_write_failures_total             counter    (none)
 secrets_ready                          gauge      (none): 1 usable, 0 Vault without a token
 build_info                             gauge      version, python (always 1)
 policy_info                            gauge      agent_id, digest (always 1)
+mcp_requests_total                     counter    target, method, tool, outcome
 =====================================  =========  ======================================
 
 The OpenTelemetry GenAI client metrics (semantic conventions 1.44.0, "Development"; see
@@ -203,6 +204,10 @@ class Metrics:
         self.policy_reloads = Counter(
             "policy_reloads", "Policy reload attempts, by result.",
             ["result"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.mcp_requests = Counter(
+            "mcp_requests", "JSON-RPC requests to MCP targets, by method, tool and outcome.",
+            ["target", "method", "tool", "outcome"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
         self.inflight = Gauge(
             "inflight_calls", "Calls currently inside the sidecar.",
@@ -408,6 +413,11 @@ class Metrics:
         """Count one "would deny" of a shadow rule: kind ``endpoint`` (its path pattern),
         ``rate_limit_group`` or ``budget`` (their policy names)."""
         self._child(self.shadow_denials, kind, rule).inc()
+
+    def observe_mcp(self, target: str | None, method: str, tool: str, outcome: str) -> None:
+        """Count one JSON-RPC request to an MCP target; ``method``, ``tool`` and ``outcome``
+        are bounded by the caller (:func:`gateway.call.mcp.metric_labels`)."""
+        self._child(self.mcp_requests, self._target(target or "_none"), method, tool, outcome).inc()
 
     def observe_retry(self, target: str) -> None:
         """Count one retry (an upstream attempt after the first)."""

@@ -89,6 +89,11 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "cost_source": "genai-prices" if target == "openai" else None,
         "budgets": [],
         "shadow_denied": [],
+        "mcp_method": None,
+        "mcp_tool": None,
+        "mcp_request_id": None,
+        "mcp_is_error": None,
+        "mcp_error_code": None,
     }
     return record
 

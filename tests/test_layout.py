@@ -27,6 +27,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/upstream/resolver.py",
             "gateway/server/app.py",
             "gateway/server/proxy.py",
+            "gateway/server/mcp.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
@@ -40,6 +41,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/models.py",
             "gateway/policy/stores.py",
             "gateway/policy/budgets.py",
+            "gateway/policy/mcp.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }
@@ -60,6 +62,8 @@ OWNERS: dict[str, frozenset[str]] = {
     "rich": frozenset({"gateway/audit/query/render.py"}),
     # The SDK, the OTLP/HTTP exporter and the API: imported only when tracing is on.
     "opentelemetry": frozenset({"gateway/telemetry/otel.py"}),
+    # MCP's SDK: the tests' server and client only; the sidecar speaks MCP itself.
+    "mcp": frozenset(),
 }
 #: A program of its own beside the sidecar (its stand-in upstreams and console output):
 #: it may import what it needs, and nothing imports it.

@@ -125,7 +125,10 @@ def test_the_yaml_value_key_is_read_as_a_plain_string() -> None:
 
 #: Every float key of the policy, as a YAML snippet with ``@`` for the value.
 T = "targets: {t: {" + TARGET
+MCP = "targets: {t: {base_url: https://api.example.com, mcp: {arguments: {x: {a: {"
 FLOAT_KEYS = {
+    "targets.t.mcp.arguments.x.a.minimum": MCP + "minimum: @}}}}}}",
+    "targets.t.mcp.arguments.x.a.maximum": MCP + "maximum: @}}}}}}",
     "server.drain_s": "server: {drain_s: @}",
     "server.reload_interval_s": "server: {reload_interval_s: @}",
     "targets.t.timeout_s": T + ", timeout_s: @}}",
@@ -159,6 +162,10 @@ FLOAT_KEYS = {
 
 #: Every bounded key with its upper bound (the named constant the model uses).
 UPPER_BOUNDS = {
+    "targets.t.mcp.arguments.x.a.minimum": d.MAX_ARGUMENT_NUMBER,
+    "targets.t.mcp.arguments.x.a.maximum": d.MAX_ARGUMENT_NUMBER,
+    "targets.t.mcp.arguments.x.a.min_length": d.MAX_ARGUMENT_LENGTH,
+    "targets.t.mcp.arguments.x.a.max_length": d.MAX_ARGUMENT_LENGTH,
     "server.drain_s": d.MAX_WAIT_S,
     "server.reload_interval_s": d.MAX_WAIT_S,
     "targets.t.timeout_s": d.MAX_WAIT_S,
@@ -196,6 +203,8 @@ UPPER_BOUNDS = {
     "audit.backup_count": d.MAX_AUDIT_BACKUPS,
 }
 INT_KEYS = {
+    "targets.t.mcp.arguments.x.a.min_length": MCP + "min_length: @}}}}}}",
+    "targets.t.mcp.arguments.x.a.max_length": MCP + "max_length: @}}}}}}",
     "server.max_request_bytes": "server: {max_request_bytes: @}",
     "server.max_response_bytes": "server: {max_response_bytes: @}",
     "server.idempotency_max_entries": "server: {idempotency_max_entries: @}",

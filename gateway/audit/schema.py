@@ -89,7 +89,7 @@ class AuditRecord(BaseModel):
     tokens_reasoning: int | None = None
     # Which API the call came in by (added in 1.x): the envelope (``POST /v1/calls``) or a
     # drop-in provider route (``/proxy/{target}/...``, an SDK pointed at the sidecar).
-    api: Literal["envelope", "proxy"] = "envelope"
+    api: Literal["envelope", "proxy", "mcp"] = "envelope"
     # Cost (added in 1.x): USD from the call's usage and its model's price, null when
     # unknown with ``cost_reason`` saying why (gateway.cost: no_dialect, no_price,
     # usage_unknown, not_sent...); the model priced and the price's source (``policy`` or
@@ -102,6 +102,14 @@ class AuditRecord(BaseModel):
     cost_source: str | None = None
     budgets: list[str] = []
     shadow_denied: list[str] = []
+    # MCP targets (added in 1.x; ``api: mcp`` or an envelope to an MCP target): one
+    # record per JSON-RPC request, its method, tool (``tools/call``), id, the result's
+    # ``isError`` and a JSON-RPC error's code; null for other calls.
+    mcp_method: str | None = None
+    mcp_tool: str | None = None
+    mcp_request_id: str | None = None
+    mcp_is_error: bool | None = None
+    mcp_error_code: int | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -161,6 +169,11 @@ class Fields:
     COST_SOURCE: Final = "cost_source"
     BUDGETS: Final = "budgets"
     SHADOW_DENIED: Final = "shadow_denied"
+    MCP_METHOD: Final = "mcp_method"
+    MCP_TOOL: Final = "mcp_tool"
+    MCP_REQUEST_ID: Final = "mcp_request_id"
+    MCP_IS_ERROR: Final = "mcp_is_error"
+    MCP_ERROR_CODE: Final = "mcp_error_code"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

@@ -20,9 +20,10 @@ from dataclasses import replace
 
 from gateway import telemetry
 from gateway.audit import AuditLog, get_logger
+from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
-from gateway.call import spend
+from gateway.call import mcp, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.idempotent import answer_status, once_per_key
@@ -146,6 +147,21 @@ class Pipeline:
         policy = self.policy
         return await self._run(policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay)
 
+    async def handle_mcp(
+        self,
+        http: mcp.McpRequest,
+        *,
+        ctx: CallContext,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+    ) -> tuple[int, ExternalCallResponse]:
+        """Run one request of ``/mcp/{target}`` (:func:`gateway.call.mcp.mcp_intake`): the
+        same stages; ``ctx`` is the caller's (the upstream's answer, ``ctx.mcp``)."""
+        policy = self.policy
+        return await self._run(
+            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay
+        )
+
     async def _run(
         self,
         policy: PolicySet,
@@ -173,11 +189,17 @@ class Pipeline:
             ctx.decision = "denied"
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
+            if decision.target.spec.mcp is not None:  # tool and argument rules (call/mcp.py)
+                request = ctx.request = mcp.check_envelope(request, decision.target, ctx)
+                relay = (
+                    relay if ctx.api == "mcp" else None
+                )  # an envelope's answer is filtered whole
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             deadline = ctx.started + request.timeout
             status, response = await self._call(policy, request, decision, ctx, deadline, relay)
+            response = mcp.read_answer(ctx, response)
         except GatewayError as exc:
             status = answer_status(exc)
             response = self._failure(exc, ctx)
@@ -423,7 +445,12 @@ class Pipeline:
         )
 
     def _write_audit(self, ctx: CallContext, response: ExternalCallResponse) -> None:
-        self.audit.call(audit_record(ctx, response))
+        for record in mcp.audit_records(ctx, audit_record(ctx, response)):
+            self.audit.call(record)
+            if ctx.mcp is not None:
+                self.metrics.observe_mcp(
+                    record[Fields.TARGET_SYSTEM], *mcp.metric_labels(ctx, record)
+                )
         observe(self.metrics, ctx, response)
 
 

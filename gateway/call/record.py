@@ -19,6 +19,7 @@ from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget
 from gateway.policy.egress import origin_label
 from gateway.providers import TokenUsage
+from gateway.providers.mcp import McpExchange
 from gateway.telemetry.genai import outcome_of, token_counts
 
 #: Envelope fields copied into the audit record (under the same names), even from an
@@ -58,8 +59,9 @@ class CallContext:
     #: The bytes of a streamed answer, kept for the idempotency store (keyed calls only):
     #: a replay re-sends them as a stream, or answers their assembled form.
     stream_body: bytes | None = None
-    #: The API the call came in by: ``proxy`` for the drop-in provider routes.
-    api: Literal["envelope", "proxy"] = "envelope"
+    #: The API the call came in by: ``proxy`` for the drop-in provider routes, ``mcp``
+    #: for ``/mcp/{target}``.
+    api: Literal["envelope", "proxy", "mcp"] = "envelope"
     #: Drop-in routes: the request headers an SDK sent that go upstream beneath the
     #: policy's own (:mod:`gateway.call.proxy`); empty for envelopes.
     passthrough_headers: dict[str, str] = field(default_factory=dict)
@@ -72,6 +74,8 @@ class CallContext:
     budgets: list[str] = field(default_factory=list)
     #: Shadow-mode rules that would have refused the call (``kind:name``).
     shadow_denied: list[str] = field(default_factory=list)
+    #: An exchange with an MCP target: its JSON-RPC messages and their outcomes.
+    mcp: McpExchange | None = None
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:
@@ -139,6 +143,12 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         F.COST_SOURCE: ctx.cost_source,
         F.BUDGETS: ctx.budgets,
         F.SHADOW_DENIED: shadow,
+        # Set per JSON-RPC request by gateway.call.mcp.audit_records.
+        F.MCP_METHOD: None,
+        F.MCP_TOOL: None,
+        F.MCP_REQUEST_ID: None,
+        F.MCP_IS_ERROR: None,
+        F.MCP_ERROR_CODE: None,
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from gateway.policy.mcp import MCP_METHODS
 from gateway.policy.models import Policy, TargetSpec
 from gateway.urls import URL
 
@@ -21,7 +22,9 @@ _MAX_REMEMBERED_PATH: Final = 256
 
 @dataclass(frozen=True, slots=True)
 class CompiledTarget:
-    """A target ready for the hot path: parsed URL, origin, matcher, header sets."""
+    """A target ready for the hot path: parsed URL, origin, matcher, header sets. An MCP
+    target's ``base_url`` is its origin and its endpoint the policy's path
+    (:func:`mcp_endpoint`)."""
 
     name: str
     spec: TargetSpec
@@ -88,13 +91,19 @@ def _segments_match(pattern: tuple[str, ...], tail: bool, segments: tuple[str, .
 
 def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
     rules = []
-    for rule in spec.endpoints:
+    for rule in spec.endpoints or ():
         parts = tuple(p for p in rule.path.strip("/").split("/") if p)
         tail = bool(parts) and parts[-1] == "**"
         if tail:
             parts = parts[:-1]
         rules.append((parts, tail, frozenset(rule.methods)))
     base = URL(spec.base_url)
+    if spec.mcp is not None:
+        # The MCP endpoint is base_url itself: its path becomes the one endpoint (so an
+        # envelope names it, and the URL is exactly base_url), on the bare origin.
+        segments = tuple(p for p in base.raw_path.split("/") if p)
+        rules.append((segments, False, MCP_METHODS))
+        base = base.origin()
     return CompiledTarget(
         name=name,
         spec=spec,
@@ -105,10 +114,16 @@ def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
         _rules=tuple(rules),
         _shadow=(
             tuple((r.path, r.mode == "shadow") for r in spec.endpoints)
-            if any(r.mode == "shadow" for r in spec.endpoints)
+            if spec.endpoints and any(r.mode == "shadow" for r in spec.endpoints)
             else ()
         ),
     )
+
+
+def mcp_endpoint(target: CompiledTarget) -> str:
+    """The endpoint of an MCP target: the path of its policy ``base_url`` (``/`` if none),
+    percent-encoded as written."""
+    return URL(target.spec.base_url).raw_path or "/"
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,3 +114,8 @@ MIN_BUDGET_PER_HOURS: Final = 1 / 60
 MAX_BUDGET_PER_HOURS: Final = 24.0 * 366
 #: No model is sold at 100k USD per million tokens.
 MAX_USD_PER_MTOK: Final = 100_000.0
+#: MCP argument rules (gateway/policy/mcp.py). A string argument cannot be longer than
+#: the request that carries it; a number bound is kept where JSON numbers are exact in
+#: every implementation (doubles: below 2**53, RFC 8259 section 6), with room to spare.
+MAX_ARGUMENT_LENGTH: Final = MAX_BODY_BYTES
+MAX_ARGUMENT_NUMBER: Final = 10.0**15

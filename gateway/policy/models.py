@@ -33,6 +33,7 @@ from gateway.policy.defaults import (
 from gateway.policy.defaults import (
     DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
 )
+from gateway.policy.mcp import McpSpec, check_target
 from gateway.policy.refs import InvalidSecretRef, parse_ref
 from gateway.policy.stores import (
     AuditSpec,
@@ -301,7 +302,7 @@ class IdempotencySpec(_Strict):
 class TargetSpec(_Strict):
     base_url: str
     credential: CredentialSpec | None = None
-    endpoints: list[EndpointRule] = Field(min_length=1)
+    endpoints: list[EndpointRule] | None = Field(None, min_length=1)  # required unless mcp
     rate_limit_group: Name | None = None
     timeout_s: float = Field(d.DEFAULT_TARGET_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
     #: Longest gap between two chunks of a relayed stream (the call's deadline still
@@ -313,6 +314,8 @@ class TargetSpec(_Strict):
     idempotency: IdempotencySpec | None = None
     forward_headers: list[str] = Field(default_factory=list)
     static_headers: dict[str, str] = Field(default_factory=dict)
+    mcp: McpSpec | None = None  # an MCP server (gateway.policy.mcp)
+    _mcp = model_validator(mode="after")(check_target)
 
     @field_validator("base_url")
     @classmethod
@@ -445,11 +448,13 @@ class Policy(_Strict):
 
         no_redis = "'cluster' needs a redis section"
         for name, target in self.targets.items():
-            group = target.rate_limit_group
-            if group is not None and group not in self.rate_limit_groups:
-                known = ", ".join(sorted(self.rate_limit_groups)) or "none"
-                message = f"no rate-limit group {group!r} (known: {known})"
-                problem("targets", name, "rate_limit_group", message=message)
+            tools_group = target.mcp.tools_rate_limit_group if target.mcp else None
+            for key, group in (("rate_limit_group", target.rate_limit_group),
+                               ("mcp.tools_rate_limit_group", tools_group)):  # fmt: skip
+                if group is not None and group not in self.rate_limit_groups:
+                    known = ", ".join(sorted(self.rate_limit_groups)) or "none"
+                    message = f"no rate-limit group {group!r} (known: {known})"
+                    problem("targets", name, *key.split("."), message=message)
             for ref in sorted(target.credential.permitted_refs() if target.credential else ()):
                 if ref.startswith("vault://") and self.secrets.vault is None:
                     message = f"{ref!r} needs a secrets.vault section"

@@ -7,6 +7,8 @@ Routes of the calls listener (loopback by default):
   outcome (README, "Error codes").
 * ``ANY /proxy/{target}/{path}``: a provider SDK's own request, the same call as an
   envelope, answered as the provider would (:mod:`gateway.server.proxy`).
+* ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
+  target's ``mcp`` rules (:mod:`gateway.server.mcp`).
 * ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
 * ``GET /openapi.json``: this API as an OpenAPI 3.1 document (both listeners).
 
@@ -35,6 +37,7 @@ from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
 from gateway.server.eventloop import loop_name
+from gateway.server.mcp import MCP_ROUTE, McpRoute
 from gateway.server.proxy import PROXY_ROUTE, ProxyRoute, drop_connection
 from gateway.server.reload import PolicyWatcher
 from gateway.server.runtime import Gateway
@@ -313,6 +316,7 @@ def create_app(
     app.on_response_prepare.append(_close_if_asked)
     app.router.add_post(CALLS_PATH, _calls)
     app.router.add_route("*", PROXY_ROUTE, ProxyRoute(gateway, _read_body).handle)
+    app.router.add_route("*", MCP_ROUTE, McpRoute(gateway, _read_body).handle)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

@@ -95,7 +95,7 @@ class ProxyRoute:
     async def _body(self, request: web.Request, limit: int) -> tuple[bytes, GatewayError | None]:
         """The request body, or the refusal of it (audited by the pipeline, as the call)."""
         if request.content_length is not None and request.content_length > limit:
-            return b"", _too_large(limit)
+            return b"", too_large(limit)
         try:
             return await self._read_body(request, limit), None
         except GatewayError as exc:
@@ -135,7 +135,7 @@ def drop_connection(request: web.Request) -> None:
         request.transport.abort()
 
 
-def _too_large(limit: int) -> InvalidPayload:
+def too_large(limit: int) -> InvalidPayload:
     return InvalidPayload(
         f"the request body is larger than this sidecar accepts ({limit} bytes, "
         "server.max_request_bytes in the policy)",

@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 from gateway import audit, telemetry
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
+from gateway.call.mcp import McpRequest
 from gateway.call.pipeline import Pipeline
 from gateway.call.proxy import ProxyRequest
 from gateway.call.record import CallContext
@@ -313,6 +314,27 @@ class Gateway:
         task = self._enter()
         try:
             return await pipeline.handle_proxy(http, ctx=ctx, refuse=refuse, relay=relay)
+        finally:
+            self._forget(task)
+
+    async def mcp(
+        self,
+        http: McpRequest,
+        *,
+        ctx: CallContext,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+    ) -> tuple[int, ExternalCallResponse]:
+        """Run one request of ``/mcp/{target}`` (:meth:`Pipeline.handle_mcp`), tracked and
+        refused while draining exactly as :meth:`call`."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            raise _refusal()
+        if not self._admit():
+            return await pipeline.handle_mcp(http, ctx=ctx, refuse=refuse or _refusal())
+        task = self._enter()
+        try:
+            return await pipeline.handle_mcp(http, ctx=ctx, refuse=refuse, relay=relay)
         finally:
             self._forget(task)
 

@@ -1,0 +1,341 @@
+"""MCP targets, call side (pure, no I/O): an MCP client's HTTP request as an
+:class:`ExternalCallRequest`, the tool and argument rules applied before anything is
+forwarded, the answers read (``tools/list`` filtered, each request's outcome kept), and
+one audit record per JSON-RPC request (design.md and README, "MCP targets").
+
+``ANY /mcp/{target}``: the agent's MCP client talks to the sidecar as if it were the
+server. :func:`mcp_intake` builds the call:
+
+* POST: the body is parsed as JSON-RPC (one message, or a batch: see
+  :mod:`gateway.providers.mcp`); ``Mcp-Method`` / ``Mcp-Name`` must describe it; every
+  ``tools/call`` is checked against ``mcp.tools`` and ``mcp.arguments``. A refusal is a
+  PERMISSION_DENIED (INVALID_PAYLOAD for a body that is not JSON-RPC or headers that do
+  not match) and nothing is forwarded. An allowed body goes upstream as its bytes.
+* GET (the server's event stream) and DELETE (the end of a session) pass as they are.
+* headers: only the transport's (``Accept``, ``Mcp-Session-Id``, ``MCP-Protocol-Version``,
+  ``Mcp-Method``, ``Mcp-Name``, ``Mcp-Param-*``, ``Last-Event-ID``) and the trace headers
+  go upstream; the agent's ``Authorization`` never does, the target's credential is
+  injected. Ids, ``x-egress-timeout`` and ``x-egress-secret-ref`` as on the drop-in
+  routes (default deadline :data:`MCP_TIMEOUT_S`: tools may be slow, and a stream open).
+* rate-limit groups: a body holding a ``tools/call`` queues in ``mcp.tools_rate_limit_group``
+  when the policy names one; everything else in the target's ``rate_limit_group``.
+* retries: a body holding a ``tools/call`` is sent once (a tool has side effects, and a
+  server's 5xx does not say whether it ran); the protocol's other messages are retried
+  as the target's ``retry`` says.
+
+An envelope to an MCP target (``endpoint``: the MCP path, ``parameters``: the JSON-RPC
+request) gets the same checks (:func:`check_envelope`) and filtered answers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from gateway import fastjson
+from gateway.audit.schema import Fields as F
+from gateway.call.bodies import is_stream_form
+from gateway.call.intake import Intake, decode_json, parse_request, printable
+from gateway.call.proxy import _ids, header_map
+from gateway.call.record import CLAIM_LIMIT, CallContext
+from gateway.envelope import ExternalCallRequest, ExternalCallResponse
+from gateway.errors import InvalidPayload, PermissionDenied
+from gateway.policy import CompiledTarget, PolicySet
+from gateway.policy.compiled import mcp_endpoint
+from gateway.policy.mcp import MCP_METHODS, McpSpec
+from gateway.providers import mcp as rpc
+from gateway.tracing import TRACE_HEADERS
+
+#: The deadline of an MCP exchange without ``x-egress-timeout``, seconds: the ``mcp``
+#: SDK's own read timeout for a stream (``sse_read_timeout``, 300 s).
+MCP_TIMEOUT_S: Final = 300.0
+_TIMEOUT_HEADER: Final = "x-egress-timeout"
+_SECRET_REF_HEADER: Final = "x-egress-secret-ref"  # noqa: S105 - a header name
+#: Method label values of the MCP metrics (anything else is ``_other``).
+METHOD_LABELS: Final = frozenset(
+    {
+        "initialize", "ping", "server/discover", "tools/list", "tools/call", "prompts/list",
+        "prompts/get", "resources/list", "resources/read", "resources/templates/list",
+        "resources/subscribe", "resources/unsubscribe", "completion/complete",
+        "logging/setLevel", "tasks/get", "tasks/list", "tasks/result", "tasks/cancel",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class McpRequest:
+    """A request on ``/mcp/{target}`` as the server read it (headers with repeats)."""
+
+    method: str
+    target: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+def mcp_intake(
+    http: McpRequest, policy: PolicySet, ctx: CallContext, refuse: Exception | None = None
+) -> Intake:
+    """The call of one MCP HTTP request (module docstring). Records the ids in ``ctx``
+    first and the parsed exchange in ``ctx.mcp``, so that a refusal is audited and
+    answered per request. Raises ``refuse`` when given, PermissionDenied (not an MCP
+    target, a tool or argument refused), InvalidPayload (a method other than POST, GET
+    and DELETE; a body that is not JSON-RPC; headers that do not match the body)."""
+    ctx.api = "mcp"
+    headers = header_map(http.headers)
+    trace_id, correlation_id = _ids(headers)
+    target = policy.targets.get(http.target)
+    endpoint = mcp_endpoint(target) if target is not None and target.spec.mcp else "/"
+    ctx.claimed = {
+        "trace_id": trace_id,
+        "correlation_id": correlation_id,
+        "target_system": printable(http.target[:CLAIM_LIMIT]),
+        "endpoint": endpoint,
+        "method": printable(http.method[:CLAIM_LIMIT]),
+    }
+    if refuse is not None:
+        raise refuse
+    if http.method not in MCP_METHODS:
+        raise InvalidPayload(
+            f"method {printable(http.method[:32])} is not part of MCP's streamable HTTP "
+            "transport (POST, GET, DELETE)",
+            details={"reason": "method", "http_status": 405},
+            http_status=405,
+        )
+    raw: dict[str, Any] = {
+        "trace_id": trace_id,
+        "correlation_id": correlation_id,
+        "target_system": http.target,
+        "endpoint": endpoint,
+        "method": http.method,
+        "headers": {k: v for k, v in headers.items() if k in TRACE_HEADERS},
+        "timeout": _timeout(headers),
+    }
+    if _SECRET_REF_HEADER in headers:
+        raw["api_key_ref"] = headers[_SECRET_REF_HEADER]
+    spec = target.spec.mcp if target is not None else None
+    exchange = None
+    if http.method == "POST":  # parsed for any target, so that a refusal answers each id
+        exchange = _parse(_decode(http.body), spec or McpSpec(), ctx)
+    if target is not None and spec is None:
+        ctx.decision = "denied"
+        raise PermissionDenied(
+            f"target {target.name!r} is not an MCP server (it has no 'mcp' section): use "
+            f"/proxy/{target.name}/... or an envelope",
+            details={"reason": "not_an_mcp_target", "target_system": target.name},
+        )
+    if exchange is not None and target is not None:
+        problem = rpc.header_problem(exchange.messages, headers)
+        if problem is not None:
+            raise InvalidPayload(
+                f"the MCP headers do not match the body: {problem}",
+                details={"reason": "mcp_header_mismatch", "jsonrpc_code": rpc.HEADER_MISMATCH},
+            )
+        _check(exchange, target, ctx)
+        group = _group(exchange, target)
+        if group is not None:
+            raw["rate_limit_group"] = group
+        if _calls_tools(exchange):
+            raw["max_retries"] = 0
+    if http.method == "POST":
+        raw["body"] = {
+            "content_type": "application/json",
+            "base64": base64.b64encode(http.body).decode(),
+        }
+    intake = parse_request(raw)
+    ctx.passthrough_headers = {
+        k: v
+        for k, v in headers.items()
+        if k in rpc.PASSED_HEADERS or k.startswith(rpc.MCP_PARAM_PREFIX)
+    }
+    return intake
+
+
+def _decode(body: bytes) -> Any:
+    try:
+        return decode_json(body)
+    except InvalidPayload as exc:
+        exc.details["jsonrpc_code"] = rpc.PARSE_ERROR
+        raise
+
+
+def _parse(value: Any, spec: McpSpec, ctx: CallContext) -> rpc.McpExchange:
+    """The exchange of a decoded body, set in ``ctx.mcp``. Raises InvalidPayload."""
+    try:
+        messages, batch = rpc.parse_messages(value)
+    except rpc.McpProtocolError as exc:
+        raise InvalidPayload(
+            f"not a JSON-RPC 2.0 message: {exc.message}",
+            details={"reason": exc.reason, "jsonrpc_code": exc.code},
+        ) from None
+    exchange = ctx.mcp = rpc.McpExchange(spec, messages, batch)
+    return exchange
+
+
+def _check(exchange: rpc.McpExchange, target: CompiledTarget, ctx: CallContext) -> None:
+    """The tool and argument rules on every request. Raises the refusal (PermissionDenied)."""
+    spec = exchange.spec
+    messages = exchange.messages
+    for index, message in enumerate(messages):
+        refusal = rpc.call_refusal(spec, message)
+        if refusal is not None:
+            exchange.refused[index] = refusal
+    if exchange.refused:
+        ctx.decision = "denied"
+        first = next(iter(exchange.refused.values()))
+        details: dict[str, Any] = {"reason": first.reason, "rule": first.rule}
+        if first.argument is not None:
+            details["argument"] = first.argument
+        more = (
+            f" (and {len(exchange.refused) - 1} more of the batch)"
+            if len(exchange.refused) > 1
+            else ""
+        )
+        raise PermissionDenied(f"{first.message} on target {target.name!r}{more}", details=details)
+
+
+def _calls_tools(exchange: rpc.McpExchange) -> bool:
+    return any(m.method == rpc.TOOLS_CALL for m in exchange.messages)
+
+
+def _group(exchange: rpc.McpExchange, target: CompiledTarget) -> str | None:
+    spec = target.spec.mcp
+    if spec is None or spec.tools_rate_limit_group is None:
+        return None
+    return spec.tools_rate_limit_group if _calls_tools(exchange) else None
+
+
+def _timeout(headers: dict[str, str]) -> Any:
+    given = headers.get(_TIMEOUT_HEADER)
+    if given is None:
+        return MCP_TIMEOUT_S
+    try:
+        return float(given)  # the envelope's bounds then apply (0 < t <= 600)
+    except ValueError:
+        raise InvalidPayload(
+            f"{_TIMEOUT_HEADER} must be a number of seconds",
+            details={"reason": "invalid_header", "header": _TIMEOUT_HEADER},
+        ) from None
+
+
+def check_envelope(
+    request: ExternalCallRequest, target: CompiledTarget, ctx: CallContext
+) -> ExternalCallRequest:
+    """An envelope to an MCP target: a POST's ``parameters`` (the JSON-RPC request) are
+    checked as on ``/mcp/{target}``, and ``Accept`` is what an MCP client sends. Returns
+    the request, in ``mcp.tools_rate_limit_group`` for a ``tools/call`` when the envelope
+    names no group. Raises as :func:`mcp_intake`, and PermissionDenied for an envelope
+    with a ``body`` or a drop-in route's call (``/proxy/...``: only ``/mcp/{target}`` and
+    envelopes are read). A no-op on the MCP route (checked at intake)."""
+    if ctx.mcp is not None or ctx.api == "mcp":
+        return request
+    if ctx.api != "envelope":  # a drop-in route would pass batches and lists unread
+        raise PermissionDenied(
+            f"target {target.name!r} is an MCP server: point the MCP client at /mcp/{target.name}",
+            details={"reason": "mcp_route_only"},
+        )
+    if request.body is not None:  # bytes the rules cannot read
+        raise PermissionDenied(
+            f"an envelope to MCP target {target.name!r} carries its JSON-RPC request in "
+            "'parameters', not 'body'",
+            details={"reason": "mcp_body"},
+        )
+    ctx.passthrough_headers = {"accept": rpc.ACCEPT}
+    if request.method != "POST":
+        return request
+    assert target.spec.mcp is not None
+    exchange = _parse(request.parameters, target.spec.mcp, ctx)
+    _check(exchange, target, ctx)
+    update: dict[str, Any] = {"max_retries": 0} if _calls_tools(exchange) else {}
+    group = _group(exchange, target)
+    if group is not None and request.rate_limit_group is None:
+        update["rate_limit_group"] = group
+    return request.model_copy(update=update) if update else request
+
+
+def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+    """Read a successful answer of an MCP exchange: each request's outcome into
+    ``ctx.mcp``, ``tools/list`` filtered. On the MCP route the upstream's JSON body is
+    read (a rewritten one kept in ``ctx.mcp.body``; a stream was read by the relay); an
+    envelope's ``data`` is filtered in place (its assembled events too)."""
+    exchange = ctx.mcp
+    if exchange is None or not response.success:
+        return response
+    if ctx.api == "mcp":
+        answer = ctx.attempt_log.answer
+        if answer is None or answer.stream is not None or not answer.body:
+            return response
+        try:
+            value = json.loads(answer.body)
+        except (ValueError, RecursionError):
+            return response
+        value, changed = exchange.read(value)
+        if changed:
+            exchange.body = fastjson.compact(value)
+        return response
+    data = response.data
+    if is_stream_form(data):
+        events = [exchange.read(event)[0] for event in data["events"]]
+        return response.model_copy(update={"data": {**data, "events": events}})
+    return response.model_copy(update={"data": exchange.read(data)[0]})
+
+
+def audit_records(ctx: CallContext, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One audit record per JSON-RPC request of the exchange (the call's record with the
+    request's ``mcp_*`` fields); one record for a body without requests, a GET or DELETE."""
+    exchange = ctx.mcp
+    if exchange is None:
+        return [record]
+    named = exchange.requests or [m for m in exchange.messages if m.method is not None]
+    if not named:
+        return [record]
+    out = []
+    for message in named:
+        is_error, code = exchange.outcomes.get(message.id, (None, None))
+        if message.kind != "request":
+            is_error = code = None
+        out.append(
+            {
+                **record,
+                F.MCP_METHOD: message.method[:CLAIM_LIMIT] if message.method else None,
+                F.MCP_TOOL: message.tool[:CLAIM_LIMIT] if message.tool else None,
+                F.MCP_REQUEST_ID: printable(str(message.id)[:CLAIM_LIMIT])
+                if message.kind == "request"
+                else None,
+                F.MCP_IS_ERROR: is_error,
+                F.MCP_ERROR_CODE: code,
+            }
+        )
+    return out
+
+
+def metric_labels(ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str]:
+    """``(method, tool, outcome)`` of one MCP audit record, for the MCP metrics: a method
+    outside :data:`METHOD_LABELS` is ``_other``; a tool not named literally by the policy
+    ``_other`` (agents choose names: the series count stays bounded); outcome ``ok``,
+    ``tool_error`` (``isError``), ``rpc_error`` (a JSON-RPC error), ``refused`` (by the
+    sidecar's rules) or ``failed`` (no answer: the sidecar's error)."""
+    method = record.get(F.MCP_METHOD) or "_none"
+    tool = record.get(F.MCP_TOOL)
+    spec = ctx.mcp.spec if ctx.mcp is not None else None
+    named = set(spec.tools.allow) | set(spec.tools.deny) | set(spec.arguments) if spec else set()
+    if record.get(F.DECISION) == "denied":
+        outcome = "refused"
+    elif record.get(F.MCP_IS_ERROR) is True:
+        outcome = "tool_error"
+    elif record.get(F.MCP_ERROR_CODE) is not None:
+        outcome = "rpc_error"
+    elif record.get(F.SUCCESS):
+        outcome = "ok"
+    else:
+        outcome = "failed"
+    return (
+        method if method in METHOD_LABELS or method == "_none" else "_other",
+        tool
+        if tool is not None and tool in named and "*" not in tool
+        else "_other"
+        if tool
+        else "_none",
+        outcome,
+    )
