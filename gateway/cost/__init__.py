@@ -36,12 +36,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gateway.cost.prices import library_rates
+from gateway.cost.prices import library_rates, preload
 from gateway.cost.rates import POLICY, Rates, cost_usd, upper_cost_usd
 from gateway.policy.budgets import PriceSpec
 from gateway.providers import DIALECTS, TokenUsage, genai_call, prompt_bytes
 
-__all__ = ["CallPrice", "Pricing", "Rates", "cost_usd", "upper_cost_usd"]
+__all__ = ["CallPrice", "Pricing", "Rates", "cost_usd", "preload", "upper_cost_usd"]
 
 _MAX_KNOWN: Final = 1024
 _MAX_KNOWN_ENDPOINT: Final = 256
