@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -88,7 +87,6 @@ def main() -> int:
         )
         url = f"http://{child.address}{path}"
         raw = args.route == "proxy"
-        slow = 40 if args.callgrind else 1
         warm = max(args.calls // 4, 200) if not args.callgrind else 300
         bench.load("warmup", url, args.concurrency, 600, [child], raw=raw, stop_after=warm)
         per_call, instr = [], []
@@ -103,16 +101,18 @@ def main() -> int:
                 raise BenchError(f"errors: {res.errors}")
             per_call.append(res.cpu_s[child.name] / res.requests * 1e6)
             if args.callgrind:
-                before = set(workdir.glob("cg.*"))
+                # Each dump is a new file, cg.PID.N, written once complete.
+                before = set(workdir.glob(f"cg.{child.pid}.*"))
                 subprocess.run(["callgrind_control", "-d", str(child.pid)], check=True,
                                capture_output=True)  # fmt: skip
-                give_up = time.monotonic() + 60
+                give_up = time.monotonic() + 120
                 new: set[Path] = set()
                 while not new and time.monotonic() < give_up:
                     time.sleep(0.2)
-                    new = {p for p in set(workdir.glob("cg.*")) - before if re.search(r"\.\d+$", p.name)}
+                    new = set(workdir.glob(f"cg.{child.pid}.*")) - before
+                if not new:
+                    raise BenchError("callgrind wrote no dump")
                 dump = max(new, key=lambda p: p.stat().st_mtime)
-                time.sleep(0.5 * slow / 40)
                 instr.append(_callgrind_total(dump) / res.requests)
         result = {
             "route": args.route,
