@@ -154,6 +154,10 @@ class Metrics:
         self._model_prefixes: tuple[str, ...] = ()
         self._prefixed_seen: set[str] = set()
         self._children: dict[tuple[Counter | Histogram, tuple[str, ...]], Any] = {}
+        #: Per-call series bound once per label values (a call's observations are then
+        #: one dict lookup each): by target name, and by the GenAI label values.
+        self._per_target: dict[str, tuple[str, Any, Any, dict[Any, Any]]] = {}
+        self._per_model: dict[tuple[str, ...], list[Any]] = {}
         r = self.registry
         self.calls = Counter(
             "calls", "Calls answered, by target, outcome and error code (OK on success).",
@@ -291,6 +295,7 @@ class Metrics:
         for new in targets - self._targets:
             self.breaker_state.labels(new).set(BREAKER_STATE_VALUES["closed"])
         self._targets = targets
+        self._per_target.clear()  # a name's label (itself or _unknown) may have changed
         self._groups = frozenset(groups)
         for target in targets:
             self._child(self.retries, target)
@@ -343,17 +348,31 @@ class Metrics:
         ``latency_s`` the wall time inside the sidecar; ``upstream_latency_s`` the time
         spent on upstream attempts, None when nothing was sent (refused, replayed).
         """
-        target = self._target(target)
-        code_label = OK_CODE if code is None else str(code)
-        self._child(
-            self.calls,
-            target,
-            outcome if outcome in _OUTCOMES else UNKNOWN_LABEL,
-            code_label if code_label in _CODES else UNKNOWN_LABEL,
-        ).inc()
-        self._child(self.call_duration, target).observe(max(latency_s, 0.0))
+        bound = self._per_target.get(target)
+        if bound is None:
+            label = self._target(target)
+            bound = (
+                label,
+                self._child(self.call_duration, label),
+                self._child(self.upstream_duration, label),
+                {},
+            )
+            if label == target:  # policy names only: an agent's claimed name is not kept
+                self._per_target[target] = bound
+        label, duration, upstream, calls = bound
+        counter = calls.get((outcome, code))
+        if counter is None:
+            code_label = OK_CODE if code is None else str(code)
+            counter = calls[outcome, code] = self._child(
+                self.calls,
+                label,
+                outcome if outcome in _OUTCOMES else UNKNOWN_LABEL,
+                code_label if code_label in _CODES else UNKNOWN_LABEL,
+            )
+        counter.inc()
+        duration.observe(max(latency_s, 0.0))
         if upstream_latency_s is not None:
-            self._child(self.upstream_duration, target).observe(max(upstream_latency_s, 0.0))
+            upstream.observe(max(upstream_latency_s, 0.0))
 
     def observe_tokens(
         self,
@@ -392,12 +411,17 @@ class Metrics:
         ``provider`` come from the dialect (fixed values); the models are bounded."""
         base = (operation, provider, self._model(request_model))
         response = self._model(response_model)
-        self._child(self.operation_duration, *base, response, error_type or "").observe(
-            max(duration_s, 0.0)
-        )
-        for kind, count in (("input", input_tokens), ("output", output_tokens)):
+        key = (*base, response, error_type or "")
+        bound = self._per_model.get(key)  # label values only: bounded like the registry
+        if bound is None:
+            bound = self._per_model[key] = [self._child(self.operation_duration, *key), None, None]
+        bound[0].observe(max(duration_s, 0.0))
+        for i, kind, count in ((1, "input", input_tokens), (2, "output", output_tokens)):
             if count is not None and count >= 0:
-                self._child(self.token_usage, *base, response, kind).observe(count)
+                child = bound[i]
+                if child is None:  # bound on first use: no series before its first count
+                    child = bound[i] = self._child(self.token_usage, *base, response, kind)
+                child.observe(count)
         if first_chunk_s is not None:
             self._child(self.first_chunk, *base).observe(max(first_chunk_s, 0.0))
 

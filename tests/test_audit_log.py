@@ -102,6 +102,45 @@ def test_chain_survives_scrubbed_secrets_and_non_string_keys(tmp_path: Path) -> 
     assert result.chained == 2
 
 
+def test_call_records_render_as_the_structlog_chain_does(tmp_path: Path) -> None:
+    # AuditLog.call runs the chain's processors itself (docs/performance.md, round two):
+    # its lines must hold what the structlog chain writes for the same fields (event()).
+    secret = "sk-canary-call-path-0123456789"
+    redaction.register(secret)
+    fields: dict[str, Any] = {k: None for k in AUDIT_FIELDS if k not in ("seq", "hash")}
+    fields.update(
+        agent_id="a", trace_id=f"t {secret}", success=True, attempts=1, warnings=["w"],
+        metadata={"task": "x", "api_key": "k", "deep": [{"password": "p", "n": 1}]},
+    )  # fmt: skip
+    for chain in (False, True):
+        via_call, via_event = io.StringIO(), io.StringIO()
+        for success in (True, False):
+            record = {**fields, "success": success}
+            for drop in ("event", "timestamp", "level", "prev_hash", "audit_schema"):
+                record.pop(drop, None)
+            spec = AuditSpec(chain=chain)
+            AuditLog(spec, via_call, agent_id="a", sidecar_id="h:1:0").call(dict(record))
+            AuditLog(spec, via_event, agent_id="a", sidecar_id="h:1:0").event(
+                "egress_call", audit_schema=1, **record
+            )
+        got = [json.loads(line) for line in via_call.getvalue().splitlines()]
+        want = [json.loads(line) for line in via_event.getvalue().splitlines()]
+        assert secret not in via_call.getvalue()
+        assert [g["level"] for g in got] == ["info", "warning"]
+        assert got[0]["metadata"] == {
+            "task": "x", "api_key": "[REDACTED]", "deep": [{"password": "[REDACTED]", "n": 1}]
+        }  # fmt: skip
+        for g, w in zip(got, want, strict=True):
+            skip = {"timestamp", "level", "hash"}
+            assert {k: v for k, v in g.items() if k not in skip} == {
+                k: v for k, v in w.items() if k not in skip
+            }
+        if chain:
+            (tmp_path / "c.log").write_text(via_call.getvalue())
+            result = verify([str(tmp_path / "c.log")])
+            assert result.ok, result.breaks
+
+
 def test_audit_records_ignore_the_operational_level_and_skip_the_chain_for_ops() -> None:
     buffer = io.StringIO()
     audit.configure_logging(buffer, level="error")

@@ -289,6 +289,7 @@ class AuditLog:
                 link = _file_link(spec.path)  # before the sink may add a newline to it
             self._sink.to_file(spec.path, spec.max_bytes or 0, spec.backup_count)
         last = _HashChain(link) if spec.chain else _render
+        self._last = last
         # Audit records have a fixed schema (gateway.audit.schema): no context variables
         # are merged into them, and only the fields that may nest are searched for
         # sensitive keys.
@@ -313,8 +314,18 @@ class AuditLog:
         record[Fields.AUDIT_SCHEMA] = AUDIT_SCHEMA_VERSION
         record[Fields.SIDECAR_ID] = self.sidecar_id
         level = "info" if record.get(Fields.SUCCESS) else "warning"
+        # The same processors as the structlog chain of event(), called directly: a call
+        # record is built once by the pipeline with the schema's fields, so it needs no
+        # copy into an event dict and no bound-logger dispatch (~20 us of the ~32 us a
+        # record cost through structlog; docs/performance.md). The line is the same.
+        record[Fields.EVENT] = CALL_EVENT
+        record[Fields.LEVEL] = level
         with self._lock:
-            getattr(self._log, level)(CALL_EVENT, **record)
+            _TIMESTAMPER(self._sink, level, record)
+            _redact_audit_keys(self._sink, level, record)
+            if "exc_info" in record:  # never from the pipeline; as structlog would render it
+                _EXCEPTIONS(self._sink, level, record)
+            self._sink.msg(self._last(self._sink, level, record))
 
     def event(self, name: str, **fields: Any) -> None:
         """Write an audit event that is not a call (breaker state, policy reload...).
