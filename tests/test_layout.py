@@ -46,7 +46,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/call/intake.py",
         }
     ),
-    "prometheus_client": frozenset({"gateway/metrics.py"}),
+    "prometheus_client": frozenset({"gateway/metrics/__init__.py", "gateway/metrics/series.py"}),
     # Model prices (bundled data, never fetched at run time).
     "genai_prices": frozenset({"gateway/cost/prices.py"}),
     # pydantic's own core (its error types), used where the models are defined.

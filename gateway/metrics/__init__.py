@@ -67,17 +67,14 @@ base units, ``_total`` for counters, ``_seconds`` for durations.
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Gauge,
     GCCollector,
     Histogram,
-    Info,
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
@@ -86,15 +83,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-import gateway
 from gateway.envelope import ErrorCode
+from gateway.metrics.series import NAMESPACE, Series
 
 if TYPE_CHECKING:
     from gateway.breaker import BreakerState
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide; this module owns it
 
-NAMESPACE: Final = "egress_gateway"
 #: Label value for a target or group the current policy does not define.
 UNKNOWN_LABEL: Final = "_unknown"
 #: ``code`` label of a successful call (every failure carries an ErrorCode).
@@ -123,21 +119,8 @@ _BREAKER_STATE_LABELS: Final[dict[str, str]] = {
     "open": "open",
 }
 
-# LLM calls run for tens of seconds; the top buckets keep them apart from the fast ones.
-CALL_BUCKETS_S: Final = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-)  # fmt: skip
-WAIT_BUCKETS_S: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-# The GenAI metrics' explicit bucket advice (semantic conventions, gen-ai-metrics).
-TOKEN_BUCKETS: Final = tuple(float(4**i) for i in range(14))  # 1 .. 67,108,864
-OPERATION_BUCKETS_S: Final = tuple(0.01 * 2**i for i in range(14))  # 0.01 .. 81.92
-FIRST_CHUNK_BUCKETS_S: Final = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-)  # fmt: skip
-_GENAI: Final = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model")
 
-
-class Metrics:
+class Metrics(Series):
     """The sidecar's metrics, held in a private registry.
 
     Create one per process (or per test), call :meth:`set_known` with the policy's target
@@ -158,102 +141,8 @@ class Metrics:
         #: one dict lookup each): by target name, and by the GenAI label values.
         self._per_target: dict[str, tuple[str, Any, Any, dict[Any, Any]]] = {}
         self._per_model: dict[tuple[str, ...], list[Any]] = {}
+        Series.__init__(self, self.registry)
         r = self.registry
-        self.calls = Counter(
-            "calls", "Calls answered, by target, outcome and error code (OK on success).",
-            ["target", "outcome", "code"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.call_duration = Histogram(
-            "call_duration_seconds", "Wall time of a call inside the sidecar, in seconds.",
-            ["target"], namespace=NAMESPACE, registry=r, buckets=CALL_BUCKETS_S,
-        )  # fmt: skip
-        self.upstream_duration = Histogram(
-            "upstream_duration_seconds",
-            "Time spent waiting on the upstream (all attempts of a call), in seconds.",
-            ["target"], namespace=NAMESPACE, registry=r, buckets=CALL_BUCKETS_S,
-        )  # fmt: skip
-        self.tokens = Counter(
-            "tokens", "LLM tokens reported by the upstream, by target and kind.",
-            ["target", "kind"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.retries = Counter(
-            "retries", "Upstream attempts beyond the first, by target.",
-            ["target"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.ratelimit_wait = Histogram(
-            "ratelimit_wait_seconds", "Time a call queued for rate-limit capacity, in seconds.",
-            ["group"], namespace=NAMESPACE, registry=r, buckets=WAIT_BUCKETS_S,
-        )  # fmt: skip
-        self.ratelimit_rejections = Counter(
-            "ratelimit_rejections", "Calls refused because the group could not admit in time.",
-            ["group"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.redis_fallbacks = Counter(
-            "redis_fallbacks",
-            "Calls a fail-open cluster group admitted locally because Redis was unavailable.",
-            ["group"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.breaker_state = Gauge(
-            "breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-            ["target"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.breaker_transitions = Counter(
-            "breaker_transitions", "Circuit breaker state changes, by target and new state.",
-            ["target", "to"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.secret_cache = Counter(
-            "secret_cache", "Secret cache lookups: hit, miss, or stale (Vault down, old value).",
-            ["result"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.policy_reloads = Counter(
-            "policy_reloads", "Policy reload attempts, by result.",
-            ["result"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.mcp_requests = Counter(
-            "mcp_requests", "JSON-RPC requests to MCP targets, by method, tool and outcome.",
-            ["target", "method", "tool", "outcome"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.inflight = Gauge(
-            "inflight_calls", "Calls currently inside the sidecar.",
-            namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.build_info = Info(
-            "build", "The sidecar's version and the Python that runs it.",
-            namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.build_info.info({"version": gateway.__version__, "python": platform.python_version()})
-        self.policy_info = Info(
-            "policy", "The policy in force: its agent_id and a digest of its content.",
-            namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.token_usage = Histogram(
-            "gen_ai_client_token_usage", "Number of input and output tokens used.",
-            [*_GENAI, "gen_ai_response_model", "gen_ai_token_type"],
-            registry=r, buckets=TOKEN_BUCKETS,
-        )  # fmt: skip
-        self.operation_duration = Histogram(
-            "gen_ai_client_operation_duration_seconds", "GenAI operation duration.",
-            [*_GENAI, "gen_ai_response_model", "error_type"],
-            registry=r, buckets=OPERATION_BUCKETS_S,
-        )  # fmt: skip
-        self.first_chunk = Histogram(
-            "gen_ai_client_operation_time_to_first_chunk_seconds",
-            "Time to receive the first chunk of a streamed answer, from the call's start.",
-            list(_GENAI), registry=r, buckets=FIRST_CHUNK_BUCKETS_S,
-        )  # fmt: skip
-        # Cost and budgets (README, "Cost and budgets"): rule names come from the policy.
-        self.cost = Counter(
-            "cost_usd", "Cost of answered calls in USD (usage x price), by target and model.",
-            ["target", "model"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.budget_rejections = Counter(
-            "budget_rejections", "Calls refused by a cost budget (BUDGET_EXCEEDED).",
-            ["budget"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
-        self.shadow_denials = Counter(
-            "shadow_denials", "Calls a mode: shadow rule would have refused, by kind and rule.",
-            ["kind", "rule"], namespace=NAMESPACE, registry=r,
-        )  # fmt: skip
         self._watched = _Watched()
         r.register(self._watched)
         # Label values known in advance start at 0, so that rate() and alerts see a series
