@@ -19,11 +19,12 @@ RUN python -m venv /opt/venv
 
 # Dependencies in their own layer, rebuilt only when the lock changes. requirements.lock
 # pins every package of [project.dependencies] plus the `fast` extra (uvloop, orjson: less
-# CPU per call) and their dependencies, each with the hashes of its files on PyPI, so two
+# CPU per call) and the `otel` extra (traces over OTLP/HTTP, imported only when tracing is
+# on) and their dependencies, each with the hashes of its files on PyPI, so two
 # builds install the same bytes and a tampered download fails. After a change of
 # pyproject.toml's dependencies, regenerate it (tests/test_dockerfile.py checks that it
 # matches) with the command in its header:
-#   uv pip compile pyproject.toml --extra fast --generate-hashes --python-version 3.11 \
+#   uv pip compile pyproject.toml --extra fast --extra otel --generate-hashes --python-version 3.11 \
 #       --python-platform linux --no-cache -o requirements.lock
 COPY requirements.lock ./
 RUN pip install --require-hashes --no-deps --requirement requirements.lock

@@ -30,7 +30,7 @@ LOCK = ROOT / "requirements.lock"
 ENFORCE_SCRIPT = ROOT / "deploy" / "egress-gateway-enforce"
 #: What the lock's header says about how it was made (the command that regenerates it).
 LOCK_COMMAND = (
-    "uv pip compile pyproject.toml --extra fast --generate-hashes --python-version 3.11 "
+    "uv pip compile pyproject.toml --extra fast --extra otel --generate-hashes --python-version 3.11 "
     "--python-platform linux --no-cache -o requirements.lock"
 )
 PYPROJECT_VIA = "egress-gateway (pyproject.toml)"
@@ -191,11 +191,10 @@ def locked() -> dict[str, tuple[str, list[str], list[str]]]:
 
 
 def image_requirements() -> list[Requirement]:
-    """What the image installs: [project.dependencies] plus the `fast` extra."""
+    """What the image installs: [project.dependencies] plus the `fast` and `otel` extras."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [
-        Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["fast"]
-    ]
+    extras = project["optional-dependencies"]
+    return [Requirement(r) for r in project["dependencies"] + extras["fast"] + extras["otel"]]
 
 
 def test_lock_pins_what_pyproject_asks_for_and_nothing_else() -> None:
