@@ -612,3 +612,39 @@ async def test_cost_matches_genai_prices_by_provider(upstream_factory, sidecar_f
     assert record["cost_source"] == "genai-prices"
     assert record["cost_model"] == model
     assert record["cost_usd"] == pytest.approx(float(expected), rel=1e-6)
+
+
+async def test_agent_budget_leaves_calls_without_token_prices_alone(
+    upstream_factory, sidecar_factory
+):
+    """A budget over all of an agent's calls books its model calls and lets its other
+    calls through: a target with ``usage: none`` (a weather API, an MCP server) has no
+    token price, and costs nothing in USD that the sidecar could count."""
+    up = await upstream_factory(completion())
+    plain = openai_target(up.url, retry={"max_retries": 0}, usage="none")
+    sc = await sidecar_factory(
+        compile_policy(
+            {"fake-openai": openai_target(up.url, retry={"max_retries": 0}), "plain": plain},
+            budgets={"agent-day": {"limit_usd": 100, "window": "daily",
+                                   "applies_to": {"agent": "test-agent"}}},
+            prices=PRICES,
+        )
+    )  # fmt: skip
+    status, answer = await sc.call(call(max_tokens=...) | {"target_system": "plain"})
+    assert status == 200, answer
+    record = sc.audit_records()[-1]
+    assert record["budgets"] == []
+    assert record["cost_reason"] == "no_dialect"
+    status, answer = await sc.call(call())
+    assert status == 200, answer
+    assert sc.audit_records()[-1]["budgets"] == ["agent-day"]
+    assert up.hits == 2
+
+
+def test_budget_naming_a_target_without_usage_is_a_policy_error() -> None:
+    plain = openai_target("http://127.0.0.1:9", usage="none")
+    budget = {"limit_usd": 5, "window": "daily", "applies_to": {"target": "plain"}}
+    with pytest.raises(PolicyError) as caught:
+        parse_policy(policy_yaml({"plain": plain}, budgets={"b1": budget}), "p.yaml")
+    assert "budgets.b1.applies_to.target" in str(caught.value)
+    assert "usage: none" in str(caught.value)

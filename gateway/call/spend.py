@@ -53,7 +53,10 @@ async def reserve(
         target.spec.usage, request.endpoint, request.parameters, measure=bool(applying)
     )
     ctx.cost_model, ctx.cost_source = price.model, price.rates.source if price.rates else None
-    if not applying:
+    if not applying or price.reason == "no_dialect":
+        # A target with ``usage: none`` (a plain API, an MCP server) reports no tokens:
+        # its calls cost nothing a USD budget counts, so an agent's or a group's budget
+        # lets them through unbooked (the policy refuses a budget naming such a target).
         return Spend(price)
     amount = None
     for budget in applying:

@@ -21,6 +21,7 @@ enforced budget cannot cover is refused with BUDGET_EXCEEDED.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, model_validator
@@ -93,11 +94,13 @@ class BudgetSpec(StrictModel):
 
 def budget_problems(
     budgets: dict[str, BudgetSpec],
-    targets: set[str],
+    targets: Mapping[str, str],
     groups: set[str],
     has_redis: bool,
 ) -> list[tuple[tuple[str, ...], str]]:
-    """Cross-references of ``budgets`` to other sections: (key path, message) pairs."""
+    """Cross-references of ``budgets`` to other sections: (key path, message) pairs.
+    ``targets`` maps each target's name to its ``usage`` dialect (``none``: no tokens,
+    so no price: a budget naming such a target could never count anything)."""
     problems: list[tuple[tuple[str, ...], str]] = []
     for name, spec in budgets.items():
         where = spec.applies_to
@@ -107,6 +110,14 @@ def budget_problems(
                 (
                     ("budgets", name, "applies_to", "target"),
                     f"no target {where.target!r} (known: {known})",
+                )
+            )
+        elif where.target is not None and targets[where.target] == "none":
+            problems.append(
+                (
+                    ("budgets", name, "applies_to", "target"),
+                    f"target {where.target!r} has usage: none: its calls report no tokens, "
+                    "so they have no price for a USD budget to count",
                 )
             )
         if where.rate_limit_group is not None and where.rate_limit_group not in groups:

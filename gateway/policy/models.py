@@ -477,7 +477,8 @@ class Policy(_Strict):
             if group_spec.scope == "cluster" and self.redis is None:
                 problem("rate_limit_groups", name, "scope", message=no_redis)
         groups, has_redis = set(self.rate_limit_groups), self.redis is not None
-        problems += budget_problems(self.budgets, set(self.targets), groups, has_redis)
+        usage = {name: spec.usage for name, spec in self.targets.items()}
+        problems += budget_problems(self.budgets, usage, groups, has_redis)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",
