@@ -30,8 +30,8 @@ LOCK = ROOT / "requirements.lock"
 ENFORCE_SCRIPT = ROOT / "deploy" / "egress-gateway-enforce"
 #: What the lock's header says about how it was made (the command that regenerates it).
 LOCK_COMMAND = (
-    "uv pip compile pyproject.toml --extra fast --extra otel --generate-hashes --python-version 3.11 "
-    "--python-platform linux --no-cache -o requirements.lock"
+    "uv pip compile pyproject.toml --extra fast --extra otel --generate-hashes "
+    "--python-version 3.11 --python-platform linux --no-cache -o requirements.lock"
 )
 PYPROJECT_VIA = "egress-gateway (pyproject.toml)"
 IMAGE_POLICY = "/etc/egress-gateway/policy.yaml"
