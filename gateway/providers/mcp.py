@@ -144,6 +144,7 @@ def _invalid(message: str) -> McpProtocolError:
     return McpProtocolError(INVALID_REQUEST, "invalid_jsonrpc", message)
 
 
+
 _B64: Final = re.compile(r"=\?base64\?(?P<payload>.*)\?=")
 #: The first revision whose requests carry Mcp-Method / Mcp-Name (revisions are dates).
 FIRST_HEADER_VERSION: Final = "2026-07-28"
