@@ -119,6 +119,8 @@ def mcp_intake(
     if http.method == "POST":  # parsed for any target, so that a refusal answers each id
         exchange = _parse(_decode(http.body), spec or McpSpec(), ctx)
         _refuse(repeated_key(http.body))  # forwarded as its bytes: one reading only
+    elif spec is not None:  # a GET's stream may replay answers (resumption): read them
+        ctx.mcp = rpc.McpExchange(spec, [])
     if target is not None and spec is None:
         ctx.decision = "denied"
         raise PermissionDenied(
