@@ -94,6 +94,10 @@ class Attempts:
     relay: Relay | None = None
     started: float = 0.0
     max_response_bytes: int = 0
+    #: Awaited before resending after an attempt the upstream may have acted on (sent,
+    #: its answer lost or cut): books that attempt's cost (a budget's reservation) and
+    #: raises to stop the resend (BudgetExceeded).
+    before_resend: Callable[[], Awaitable[None]] | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
 
     async def run(self) -> UpstreamResponse:
@@ -139,6 +143,8 @@ class Attempts:
                     raise final from None
                 wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
                 await wait_or_raise(wait, self.deadline, final)
+                if exc.sent:
+                    await self._before_resend()
                 retry_number += 1
                 continue
             except BaseException as exc:
@@ -171,6 +177,7 @@ class Attempts:
                         retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng
                     )
                     await wait_or_raise(wait, self.deadline, judged)
+                    await self._before_resend()
                     retry_number += 1
                     continue
                 judged, _ = judge_body(
@@ -191,6 +198,7 @@ class Attempts:
                     raise judged
                 wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
                 await wait_or_raise(wait, self.deadline, judged)
+                await self._before_resend()
                 retry_number += 1
                 continue
             parsed = parse_body(answer.content_type, answer.body, answer.status)
@@ -225,6 +233,10 @@ class Attempts:
             )
             await wait_or_raise(wait, self.deadline, final_error)
             retry_number += 1
+
+    async def _before_resend(self) -> None:
+        if self.before_resend is not None:
+            await self.before_resend()
 
     def _safe_to_resend(self) -> bool:
         """The upstream acted on a request that may be sent again: an idempotent method

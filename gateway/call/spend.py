@@ -9,6 +9,12 @@ bounded (unknown price, no output cap) is refused under an enforced budget with
 ``details.reason`` "budget_price_unknown"; with ``allow`` it goes out reserving only its
 prompt's cost (and its audit record says the cost is unknown if it stays so).
 
+Resending after an attempt the upstream may have acted on (its answer lost or cut
+mid-way: :func:`rebook`) reserves the call again, all or nothing as before: the provider
+may have charged for that attempt, so its reservation is kept whatever the last attempt
+costs. A resend the budgets cannot cover is not sent (BUDGET_EXCEEDED, saying the earlier
+attempt may have been processed).
+
 After (:func:`settle`): the real cost from the usage replaces the reservation; a call
 that failed is released when nothing can have reached the upstream
 (:attr:`gateway.call.attempts.AttemptLog.sent` false), and otherwise keeps its
@@ -18,16 +24,16 @@ reservation (the upstream may have acted; its cost is unknown). The audit record
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gateway.budgets import Booking, Budgets
+from gateway.budgets import Applied, Booking, Budgets
 from gateway.call.record import CallContext
 from gateway.cost import CallPrice, Pricing
 from gateway.envelope import ExternalCallRequest
 from gateway.errors import BudgetExceeded, PermissionDenied
 from gateway.policy import CompiledTarget
 
-__all__ = ["Spend", "reserve", "settle", "settle_failed"]
+__all__ = ["Spend", "rebook", "reserve", "settle", "settle_failed"]
 
 
 @dataclass(slots=True)
@@ -36,6 +42,11 @@ class Spend:
 
     price: CallPrice
     booking: Booking | None = None
+    #: The budgets booked and the amount (USD), for a resend's reservation.
+    applying: list[Applied] = field(default_factory=list)
+    amount_usd: float = 0.0
+    #: The reservations of attempts that may have been billed, kept (cost unknown).
+    resent: list[Booking] = field(default_factory=list)
 
 
 async def reserve(
@@ -89,7 +100,30 @@ async def reserve(
     ctx.budgets = [b.name for b in applying]
     ctx.warnings.extend(booking.warnings)
     ctx.shadow_denied.extend(f"budget:{name}" for name in booking.shadow_denied)
-    return Spend(price, booking)
+    return Spend(price, booking, applying, amount or 0.0)
+
+
+async def rebook(budgets: Budgets, spend: Spend, ctx: CallContext) -> None:
+    """Before resending a call whose earlier attempt the upstream may have acted on: book
+    the call's reservation again (that attempt's is kept: it may have been billed). Raises
+    BudgetExceeded (nothing more is sent) or CapacityExceeded, as :func:`reserve`."""
+    if spend.booking is None:
+        return
+    try:
+        booking = await budgets.reserve(spend.applying, spend.amount_usd)
+    except BudgetExceeded as exc:
+        raise BudgetExceeded(
+            "the call was not resent: its earlier attempt may have been processed by the "
+            f"upstream (its answer was lost or cut), and resending it would overspend: "
+            f"{exc.message}",
+            details={**exc.details, "resend": True},
+            retry_after_s=exc.retry_after_s,
+        ) from None
+    spend.resent.append(booking)
+    ctx.warnings.extend(booking.warnings)
+    for name in booking.shadow_denied:
+        if f"budget:{name}" not in ctx.shadow_denied:
+            ctx.shadow_denied.append(f"budget:{name}")
 
 
 def settle(budgets: Budgets, spend: Spend, ctx: CallContext) -> None:

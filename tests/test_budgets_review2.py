@@ -1,0 +1,67 @@
+"""Review of budgets (issue 20): a call resent after an attempt that may have been billed
+(the request was sent and its answer lost, or its answer cut mid-way) books each such
+attempt, since the provider may have charged for it; the bound of README "Cost and
+budgets" holds across retries. Real sidecar, loopback upstream counting its hits."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from tests.conftest import FakeUpstream, Sidecar
+from tests.test_budgets import ACTUAL_USD, COMPLETION, RESERVED_USD, call, daily, policy, spent_usd
+
+RETRYING = {
+    "retry": {"max_retries": 1, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
+    "timeout_s": 0.3,
+    "idempotency": {"header": "Idempotency-Key", "methods": ["POST"]},
+}
+
+
+async def test_a_resent_call_books_the_attempt_whose_answer_was_lost(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    stop = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if upstream.hits == 1:  # read and worked on, then the answer never comes in time
+            await asyncio.wait_for(stop.wait(), 10)
+        return web.json_response(COMPLETION)
+
+    upstream: FakeUpstream = await upstream_factory(handler)
+    sc: Sidecar = await sidecar_factory(policy(upstream.url, {"d": daily(100)}, target=RETRYING))
+    status, answer = await sc.call(call())
+    stop.set()
+    assert (status, answer["success"], upstream.hits) == (200, True, 2)
+    # the lost attempt keeps its reservation (maybe billed), the answered one its cost
+    assert abs(spent_usd(sc, "d") - (RESERVED_USD + ACTUAL_USD)) < 1e-6
+    record = sc.audit_records()[-1]
+    assert record["attempts"] == 2
+    assert record["cost_usd"] == ACTUAL_USD
+
+
+async def test_a_resend_that_the_budget_cannot_cover_is_not_sent(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    stop = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await asyncio.wait_for(stop.wait(), 10)
+        return web.json_response(COMPLETION)
+
+    upstream: FakeUpstream = await upstream_factory(handler)
+    limit = RESERVED_USD * 1.5  # one reservation fits, two do not
+    sc: Sidecar = await sidecar_factory(policy(upstream.url, {"d": daily(limit)}, target=RETRYING))
+    status, answer = await sc.call(call())
+    stop.set()
+    assert upstream.hits == 1  # the resend would overspend: not sent
+    assert status == 429
+    assert answer["error"]["code"] == "BUDGET_EXCEEDED"
+    assert answer["error"]["retryable"] is False
+    assert answer["error"]["suggested_retry_after"] > 0
+    assert "may have" in answer["error"]["message"]  # the first attempt's outcome is unknown
+    assert abs(spent_usd(sc, "d") - RESERVED_USD) < 1e-6  # the sent attempt's reservation kept
