@@ -10,8 +10,17 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.conftest import FakeUpstream, Sidecar
-from tests.test_budgets import ACTUAL_USD, COMPLETION, RESERVED_USD, call, daily, policy, spent_usd
+from tests.conftest import FakeUpstream, Sidecar, compile_policy, envelope, openai_target
+from tests.test_budgets import (
+    ACTUAL_USD,
+    COMPLETION,
+    PRICES,
+    RESERVED_USD,
+    call,
+    daily,
+    policy,
+    spent_usd,
+)
 
 RETRYING = {
     "retry": {"max_retries": 1, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
@@ -65,3 +74,36 @@ async def test_a_resend_that_the_budget_cannot_cover_is_not_sent(
     assert answer["error"]["suggested_retry_after"] > 0
     assert "may have" in answer["error"]["message"]  # the first attempt's outcome is unknown
     assert abs(spent_usd(sc, "d") - RESERVED_USD) < 1e-6  # the sent attempt's reservation kept
+
+
+async def test_calls_that_are_not_model_calls_pass_an_enforced_budget(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    """A budget counts model spend: a call with no model to price (the target has no usage
+    dialect, or the endpoint is not a model call, e.g. ``GET /v1/models/...``) costs it
+    nothing and is not refused as of unknown price; a model call without a price is."""
+    upstream: FakeUpstream = await upstream_factory()
+    llm = openai_target(upstream.url, retry={"max_retries": 0})
+    llm["endpoints"] = [
+        {"path": "/v1/chat/completions", "methods": ["POST"]},
+        {"path": "/v1/models/*", "methods": ["GET"]},
+    ]
+    plain = {"base_url": upstream.url, "endpoints": [{"path": "/items", "methods": ["GET"]}]}
+    budgets = {"d": {**daily(100), "applies_to": {"agent": "test-agent"}}}
+    sc: Sidecar = await sidecar_factory(
+        compile_policy({"fake-openai": llm, "inventory": plain}, budgets=budgets, prices=PRICES)
+    )
+    listing = envelope(method="GET", endpoint="/v1/models/fake-model-1", parameters={})
+    status, answer = await sc.call(listing)
+    assert (status, answer["success"]) == (200, True), answer["error"]
+    inventory = envelope(target_system="inventory", method="GET", endpoint="/items")
+    inventory.pop("api_key_ref")
+    inventory["parameters"] = {}
+    status, answer = await sc.call(inventory)
+    assert (status, answer["success"]) == (200, True), answer["error"]
+    status, answer = await sc.call(call(model="no-such-model"))
+    assert status == 403
+    assert answer["error"]["details"]["reason"] == "budget_price_unknown"
+    assert upstream.hits == 2
+    records = sc.audit_records()
+    assert [r["cost_reason"] for r in records[:2]] == ["not_a_model_call", "no_dialect"]

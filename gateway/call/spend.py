@@ -4,10 +4,11 @@ attempt, settle after the answer (:mod:`gateway.budgets`, :mod:`gateway.cost`).
 Before sending (:func:`reserve`): the call's price is looked up (cheap: cached per model);
 when budgets apply, its upper cost is reserved against all of them at once, or the call
 is refused with BUDGET_EXCEEDED, before any upstream contact. A call whose cost cannot be
-bounded (unknown price, no output cap) is refused under an enforced budget with
+bounded (a model call of unknown price, no output cap) is refused under an enforced budget with
 ``on_unknown_price: refuse`` (the default: fail closed), PERMISSION_DENIED with
 ``details.reason`` "budget_price_unknown"; with ``allow`` it goes out reserving only its
-prompt's cost (and its audit record says the cost is unknown if it stays so).
+prompt's cost (and its audit record says the cost is unknown if it stays so). A call
+that calls no model (:data:`NOT_MODEL_CALLS`) is outside every budget.
 
 Resending after an attempt the upstream may have acted on (its answer lost or cut
 mid-way: :func:`rebook`) reserves the call again, all or nothing as before: the provider
@@ -25,6 +26,7 @@ reservation (the upstream may have acted; its cost is unknown). The audit record
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from gateway.budgets import Applied, Booking, Budgets
 from gateway.call.record import CallContext
@@ -33,7 +35,12 @@ from gateway.envelope import ExternalCallRequest
 from gateway.errors import BudgetExceeded, PermissionDenied
 from gateway.policy import CompiledTarget
 
-__all__ = ["Spend", "rebook", "reserve", "settle", "settle_failed"]
+__all__ = ["NOT_MODEL_CALLS", "Spend", "rebook", "reserve", "settle", "settle_failed"]
+
+#: Why a call has no price when it calls no model (:mod:`gateway.cost`): a target without
+#: a usage dialect (Slack, an MCP server), an endpoint that is not a model call (``GET
+#: /v1/models/...``). Budgets count model spend, so they neither book nor refuse these.
+NOT_MODEL_CALLS: Final = frozenset({"no_dialect", "not_a_model_call"})
 
 
 @dataclass(slots=True)
@@ -64,7 +71,7 @@ async def reserve(
         target.spec.usage, request.endpoint, request.parameters, measure=bool(applying)
     )
     ctx.cost_model, ctx.cost_source = price.model, price.rates.source if price.rates else None
-    if not applying:
+    if not applying or price.reason in NOT_MODEL_CALLS:
         return Spend(price)
     amount = None
     for budget in applying:
