@@ -10,6 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.budgets import Budgets
+from gateway.policy.budgets import BudgetSpec
 from tests.conftest import FakeUpstream, Sidecar, compile_policy, envelope, openai_target
 from tests.test_budgets import (
     ACTUAL_USD,
@@ -107,3 +109,17 @@ async def test_calls_that_are_not_model_calls_pass_an_enforced_budget(
     assert upstream.hits == 2
     records = sc.audit_records()
     assert [r["cost_reason"] for r in records[:2]] == ["not_a_model_call", "no_dialect"]
+
+
+def test_a_cluster_budget_without_redis_says_it_is_counted_here_alone() -> None:
+    """A reload can bring a ``scope: cluster`` budget and its ``redis:`` section to a
+    sidecar started without one (Redis needs a restart: the reload's record says so);
+    until then each sidecar counts the budget alone, and every call's record says it."""
+    budgets = Budgets({"b": BudgetSpec(limit_usd=10, window="daily", scope="cluster")})
+    booking = asyncio.run(budgets.reserve(budgets.applying("t", None, "a"), 1.0))
+    assert booking.warnings == [
+        "budget 'b' (scope: cluster) is counted by this sidecar alone: it runs without "
+        "Redis (the redis section needs a restart)"
+    ]
+    local = Budgets({"b": BudgetSpec(limit_usd=10, window="daily")})
+    assert asyncio.run(local.reserve(local.applying("t", None, "a"), 1.0)).warnings == []
