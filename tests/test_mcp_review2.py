@@ -169,3 +169,65 @@ async def test_a_listing_whose_event_data_starts_with_spaces_is_filtered(
         text = (await r.read()).decode()
     listed = json.loads(text.split("data:", 1)[1])
     assert [t["name"] for t in listed["result"]["tools"]] == ["echo"]
+
+
+SHAPES = {
+    "a notification": {"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "delete_repo"}},
+    "params as a list": {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": ["echo"]},
+    "no name": {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"arguments": {}}},
+    "a name not a string": {
+        "jsonrpc": "2.0",
+        "id": 3,
+        "method": "tools/call",
+        "params": {"name": ["delete_repo"]},
+    },
+    "arguments as a list": {
+        "jsonrpc": "2.0",
+        "id": 4,
+        "method": "tools/call",
+        "params": {"name": "create_issue", "arguments": ["evil/x", "t"]},
+    },
+}
+
+
+@pytest.mark.parametrize("message", SHAPES.values(), ids=SHAPES.keys())
+async def test_odd_shapes_of_a_tool_call_are_refused(
+    sidecar_factory: Factory, json_server: McpTestServer, message: dict[str, Any]
+) -> None:
+    """What held: a tools/call that names no tool plainly is refused, never forwarded."""
+    sidecar: Sidecar = await sidecar_factory(policy_for(json_server.url))
+    before = len(json_server.requests)
+    status, answer = await post_raw(sidecar, json.dumps(message).encode())
+    assert len(json_server.requests) == before
+    if "id" in message:
+        assert status == 200
+        assert answer["error"]["data"]["egress_code"] == "PERMISSION_DENIED"
+    else:  # a notification gets no answer of its own: the error has id null
+        assert answer["id"] is None
+        assert answer["error"]["data"]["egress_code"] == "PERMISSION_DENIED"
+    assert sidecar.audit_records()[-1]["decision"] == "denied"
+
+
+async def test_a_method_in_other_case_and_mismatched_headers_run_nothing(
+    sidecar_factory: Factory, json_server: McpTestServer
+) -> None:
+    """What held: ``TOOLS/CALL`` is not tools/call to the sidecar nor to the server (method
+    names are case-sensitive: JSON-RPC 2.0 section 4); ``Mcp-Name`` naming an allowed tool
+    over a body calling a denied one, verbatim or base64, is refused (-32020)."""
+    sidecar: Sidecar = await sidecar_factory(policy_for(json_server.url))
+    effects = len(json_server.side_effects)
+    upper = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "TOOLS/CALL",
+        "params": {"name": "delete_repo", "arguments": {"repo": "acme/web"}},
+    }
+    status, answer = await post_raw(sidecar, json.dumps(upper).encode())
+    assert (status, answer["error"]["code"]) == (200, -32601)  # the server: method not found
+    denied = {**upper, "method": "tools/call"}
+    for name in ("echo", "=?base64?ZWNobw==?=", "=?BASE64?ZGVsZXRlX3JlcG8=?="):
+        status, answer = await post_raw(
+            sidecar, json.dumps(denied).encode(), **{"Mcp-Method": "tools/call", "Mcp-Name": name}
+        )
+        assert (status, answer["error"]["code"]) == (400, rpc.HEADER_MISMATCH), name
+    assert len(json_server.side_effects) == effects
