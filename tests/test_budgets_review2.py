@@ -123,3 +123,25 @@ def test_a_cluster_budget_without_redis_says_it_is_counted_here_alone() -> None:
     ]
     local = Budgets({"b": BudgetSpec(limit_usd=10, window="daily")})
     assert asyncio.run(local.reserve(local.applying("t", None, "a"), 1.0)).warnings == []
+
+
+async def test_a_call_refused_at_a_redirect_was_sent_and_keeps_its_reservation(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    """A refused redirect (another origin) comes after the upstream had the request and
+    answered it: the call was sent (README: it keeps its reservation, cost unknown), not
+    'not_sent' with its reservation released."""
+    elsewhere: FakeUpstream = await upstream_factory()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(status=307, headers={"Location": elsewhere.url + "/collect"})
+
+    upstream: FakeUpstream = await upstream_factory(handler)
+    sc: Sidecar = await sidecar_factory(policy(upstream.url, {"d": daily(100)}))
+    status, answer = await sc.call(call())
+    assert (status, answer["error"]["details"]["reason"]) == (403, "cross_origin_redirect")
+    assert (upstream.hits, elsewhere.hits) == (1, 0)
+    record = sc.audit_records()[-1]
+    assert record["cost_reason"] == "usage_unknown"
+    assert abs(spent_usd(sc, "d") - RESERVED_USD) < 1e-6

@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 
 from gateway import telemetry
 from gateway.breaker import Permit, TargetBreaker
@@ -49,6 +49,17 @@ from gateway.policy import CompiledTarget
 from gateway.providers import ErrorHint, error_hint
 from gateway.ratelimit import RateLimitGroup, provider_hold_s
 from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
+
+#: Refusals of a redirect (``details.reason``, :func:`gateway.policy.egress.redirect_hop`
+#: and :mod:`gateway.upstream.client`): raised after the upstream answered the request.
+_REFUSED_REDIRECTS: Final = frozenset(
+    {
+        "cross_origin_redirect",
+        "redirect_outside_allowlist",
+        "invalid_redirect_location",
+        "too_many_redirects",
+    }
+)
 
 
 @dataclass(slots=True)
@@ -149,9 +160,11 @@ class Attempts:
                 continue
             except BaseException as exc:
                 # Interrupted while sending, it may have gone out; refused by the egress
-                # checks (PermissionDenied, EgressDenied) before connecting, it did not.
-                self.log.sent = self.log.sent or not isinstance(
-                    exc, PermissionDenied | EgressDenied
+                # checks (PermissionDenied, EgressDenied) before connecting, it did not,
+                # unless the refusal is of the upstream's redirect: it had the request.
+                self.log.sent = self.log.sent or (
+                    not isinstance(exc, PermissionDenied | EgressDenied)
+                    or exc.details.get("reason") in _REFUSED_REDIRECTS
                 )
                 if permit is not None:
                     permit.release()  # interrupted or refused locally: counts as nothing
