@@ -6,10 +6,13 @@ budgets" holds across retries. Real sidecar, loopback upstream counting its hits
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 from typing import Any
 
 from aiohttp import web
 
+from gateway.audit.query.cli import main
 from gateway.budgets import Budgets
 from gateway.policy.budgets import BudgetSpec
 from tests.conftest import FakeUpstream, Sidecar, compile_policy, envelope, openai_target
@@ -145,3 +148,20 @@ async def test_a_call_refused_at_a_redirect_was_sent_and_keeps_its_reservation(
     record = sc.audit_records()[-1]
     assert record["cost_reason"] == "usage_unknown"
     assert abs(spent_usd(sc, "d") - RESERVED_USD) < 1e-6
+
+
+async def test_the_summary_shows_small_spends(
+    upstream_factory: Any, sidecar_factory: Any, tmp_path: Any
+) -> None:
+    """An auditor's table: a day of gpt-4o-mini calls costs cents; four decimals showed
+    a real spend of 0.000028 USD as 0.0000."""
+    upstream: FakeUpstream = await upstream_factory()
+    sc: Sidecar = await sidecar_factory(policy(upstream.url, {}))
+    await sc.call(call())
+    record = {**sc.audit_records()[-1], "cost_usd": 0.000028}
+    path = tmp_path / "audit.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    out = io.StringIO()
+    assert main(["summary", str(path)], stdout=out, stderr=io.StringIO()) == 0
+    rows = [line.split() for line in out.getvalue().splitlines() if line.strip()[:4] == "all "]
+    assert rows[0][-1] == "0.000028"
