@@ -14,7 +14,8 @@ from aiohttp import web
 
 from gateway.audit.query.cli import main
 from gateway.budgets import Budgets
-from gateway.policy.budgets import BudgetSpec
+from gateway.cost import Pricing
+from gateway.policy.budgets import BudgetSpec, PriceSpec
 from tests.conftest import FakeUpstream, Sidecar, compile_policy, envelope, openai_target
 from tests.test_budgets import (
     ACTUAL_USD,
@@ -165,3 +166,29 @@ async def test_the_summary_shows_small_spends(
     assert main(["summary", str(path)], stdout=out, stderr=io.StringIO()) == 0
     rows = [line.split() for line in out.getvalue().splitlines() if line.strip()[:4] == "all "]
     assert rows[0][-1] == "0.000028"
+
+
+def test_estimates_count_every_billed_input_the_request_carries() -> None:
+    """The upper estimate must not be below the bill (README "Bound": 0 overshoot for text
+    with an output cap). OpenAI bills the legacy ``functions`` and a ``response_format``
+    schema as input like ``tools``; Gemini's ``cachedContent`` brings in a whole cached
+    context (up to the model's window) that is not in the request, like the Responses
+    API's ``previous_response_id``: it cannot be bounded."""
+    pricing = Pricing(
+        {"m": PriceSpec(input_usd_per_mtok=100_000, output_usd_per_mtok=100_000)}
+    )  # 0.1 USD a token
+    schema = {"name": "f", "parameters": {"type": "object", "properties": {"q": {}}}}
+    messages = [{"role": "user", "content": "hi"}]
+    base = {"model": "m", "max_tokens": 1, "messages": messages}
+    plain = pricing.price("openai", "/v1/chat/completions", base, measure=True)
+    for extra in ({"functions": [schema]}, {"response_format": {"json_schema": schema}}):
+        more = pricing.price("openai", "/v1/chat/completions", {**base, **extra}, measure=True)
+        billed = len(json.dumps(next(iter(extra.values())), separators=(",", ":")))
+        assert more.prompt_bytes >= plain.prompt_bytes + billed, extra
+    gemini = {
+        "contents": [{"parts": [{"text": "hi"}]}],
+        "cachedContent": "cachedContents/abc123",
+        "generationConfig": {"maxOutputTokens": 10},
+    }
+    price = pricing.price("gemini", "/v1beta/models/m:generateContent", gemini, measure=True)
+    assert price.upper_usd(None) == (None, "hidden_context")
