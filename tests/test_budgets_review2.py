@@ -192,3 +192,28 @@ def test_estimates_count_every_billed_input_the_request_carries() -> None:
     }
     price = pricing.price("gemini", "/v1beta/models/m:generateContent", gemini, measure=True)
     assert price.upper_usd(None) == (None, "hidden_context")
+
+
+async def test_a_stream_cut_mid_way_and_resent_books_both_attempts(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    """The other resend after the upstream acted: an assembled stream that ended without
+    its terminal marker (tokens were generated, and billed, before the cut)."""
+    chunk = {"choices": [{"delta": {"content": "po"}, "index": 0}], "model": "fake-model-1"}
+    usage = {"choices": [], "usage": COMPLETION["usage"], "model": "fake-model-1"}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if upstream.hits > 1:
+            await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    upstream: FakeUpstream = await upstream_factory(handler)
+    sc: Sidecar = await sidecar_factory(policy(upstream.url, {"d": daily(100)}, target=RETRYING))
+    status, answer = await sc.call(call(stream=True))
+    assert (status, answer["success"], upstream.hits) == (200, True, 2), answer["error"]
+    assert abs(spent_usd(sc, "d") - (RESERVED_USD + ACTUAL_USD)) < 1e-6
