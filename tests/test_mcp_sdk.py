@@ -10,6 +10,7 @@ in order), and the sidecar's audit records (one per JSON-RPC request).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -173,6 +174,11 @@ async def test_the_sdk_through_the_sidecar(sidecar: Sidecar, sse_server: McpTest
         done = await client.call_tool("progress", {"steps": 3}, progress_callback=on_progress)
         assert done.content[0].text == "done after 3"  # type: ignore[union-attr]
         assert seen_progress == [(1, "step 1"), (2, "step 2"), (3, "step 3")]
+        # The SDK opens its GET stream in a background task: wait (bounded) until it did.
+        for _ in range(500):
+            if any(r.method == "GET" for r in sse_server.requests[before:]):
+                break
+            await asyncio.sleep(0.01)
 
     # Nothing refused reached the server; what was allowed did, once.
     assert sse_server.side_effects.count("create_issue acme/web x") == 1
@@ -187,6 +193,10 @@ async def test_the_sdk_through_the_sidecar(sidecar: Sidecar, sse_server: McpTest
     assert {"POST", "GET", "DELETE"} <= methods  # the GET stream and the session's end
     assert all(r.headers.get("mcp-session-id") for r in mine[1:])  # after initialize
 
+    for _ in range(500):  # the GET's record is written when its stream ends: after the client
+        if any(r["method"] == "GET" for r in mcp_records(sidecar)):
+            break
+        await asyncio.sleep(0.01)
     records = mcp_records(sidecar)
     by_tool = {(r["mcp_method"], r["mcp_tool"]): r for r in records if r["mcp_method"]}
     assert by_tool[("tools/call", "echo")]["mcp_is_error"] is False

@@ -219,6 +219,12 @@ class Budgets:
         booking = Booking(to_nano(amount_usd))
         cluster = [b for b in budgets if b.spec.scope == "cluster" and self.cluster is not None]
         local = [b for b in budgets if b not in cluster]
+        booking.warnings += [
+            f"budget {b.name!r} (scope: cluster) is counted by this sidecar alone: it runs "
+            "without Redis (the redis section needs a restart)"
+            for b in local
+            if b.spec.scope == "cluster"
+        ]
         if cluster:
             assert self.cluster is not None
             fallback = await self.cluster.admit(cluster, booking)

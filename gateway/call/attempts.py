@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 
 from gateway import telemetry
 from gateway.breaker import Permit, TargetBreaker
@@ -49,6 +49,17 @@ from gateway.policy import CompiledTarget
 from gateway.providers import ErrorHint, error_hint
 from gateway.ratelimit import RateLimitGroup, provider_hold_s
 from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
+
+#: Refusals of a redirect (``details.reason``, :func:`gateway.policy.egress.redirect_hop`
+#: and :mod:`gateway.upstream.client`): raised after the upstream answered the request.
+_REFUSED_REDIRECTS: Final = frozenset(
+    {
+        "cross_origin_redirect",
+        "redirect_outside_allowlist",
+        "invalid_redirect_location",
+        "too_many_redirects",
+    }
+)
 
 
 @dataclass(slots=True)
@@ -94,6 +105,10 @@ class Attempts:
     relay: Relay | None = None
     started: float = 0.0
     max_response_bytes: int = 0
+    #: Awaited before resending after an attempt the upstream may have acted on (sent,
+    #: its answer lost or cut): books that attempt's cost (a budget's reservation) and
+    #: raises to stop the resend (BudgetExceeded).
+    before_resend: Callable[[], Awaitable[None]] | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
 
     async def run(self) -> UpstreamResponse:
@@ -139,13 +154,17 @@ class Attempts:
                     raise final from None
                 wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
                 await wait_or_raise(wait, self.deadline, final)
+                if exc.sent:
+                    await self._before_resend()
                 retry_number += 1
                 continue
             except BaseException as exc:
                 # Interrupted while sending, it may have gone out; refused by the egress
-                # checks (PermissionDenied, EgressDenied) before connecting, it did not.
-                self.log.sent = self.log.sent or not isinstance(
-                    exc, PermissionDenied | EgressDenied
+                # checks (PermissionDenied, EgressDenied) before connecting, it did not,
+                # unless the refusal is of the upstream's redirect: it had the request.
+                self.log.sent = self.log.sent or (
+                    not isinstance(exc, PermissionDenied | EgressDenied)
+                    or exc.details.get("reason") in _REFUSED_REDIRECTS
                 )
                 if permit is not None:
                     permit.release()  # interrupted or refused locally: counts as nothing
@@ -171,6 +190,7 @@ class Attempts:
                         retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng
                     )
                     await wait_or_raise(wait, self.deadline, judged)
+                    await self._before_resend()
                     retry_number += 1
                     continue
                 judged, _ = judge_body(
@@ -191,6 +211,7 @@ class Attempts:
                     raise judged
                 wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
                 await wait_or_raise(wait, self.deadline, judged)
+                await self._before_resend()
                 retry_number += 1
                 continue
             parsed = parse_body(answer.content_type, answer.body, answer.status)
@@ -225,6 +246,10 @@ class Attempts:
             )
             await wait_or_raise(wait, self.deadline, final_error)
             retry_number += 1
+
+    async def _before_resend(self) -> None:
+        if self.before_resend is not None:
+            await self.before_resend()
 
     def _safe_to_resend(self) -> bool:
         """The upstream acted on a request that may be sent again: an idempotent method

@@ -118,6 +118,9 @@ def mcp_intake(
     exchange = None
     if http.method == "POST":  # parsed for any target, so that a refusal answers each id
         exchange = _parse(_decode(http.body), spec or McpSpec(), ctx)
+        _refuse(repeated_key(http.body))  # forwarded as its bytes: one reading only
+    elif spec is not None:  # a GET's stream may replay answers (resumption): read them
+        ctx.mcp = rpc.McpExchange(spec, [])
     if target is not None and spec is None:
         ctx.decision = "denied"
         raise PermissionDenied(
@@ -170,7 +173,16 @@ def _parse(value: Any, spec: McpSpec, ctx: CallContext) -> rpc.McpExchange:
             details={"reason": exc.reason, "jsonrpc_code": exc.code},
         ) from None
     exchange = ctx.mcp = rpc.McpExchange(spec, messages, batch)
+    _refuse(case_variant_key(value))
     return exchange
+
+
+def _refuse(problem: rpc.McpProtocolError | None) -> None:
+    if problem is not None:
+        raise InvalidPayload(
+            f"not a JSON-RPC 2.0 message the sidecar can check: {problem.message}",
+            details={"reason": problem.reason, "jsonrpc_code": problem.code},
+        )
 
 
 def _check(exchange: rpc.McpExchange, target: CompiledTarget, ctx: CallContext) -> None:
@@ -279,6 +291,67 @@ def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCal
         events = [exchange.read(event)[0] for event in data["events"]]
         return response.model_copy(update={"data": {**data, "events": events}})
     return response.model_copy(update={"data": exchange.read(data)[0]})
+
+
+# -- keys that parsers read differently ----------------------------------------------
+
+#: The keys the rules read, per level of a message: a key that differs from one of them
+#: only in case (or Unicode folding) is read as that key by some parsers.
+_MESSAGE_KEYS: Final = frozenset({"jsonrpc", "id", "method", "params", "result", "error"})
+_PARAMS_KEYS: Final = frozenset({"name", "arguments", "uri"})
+
+
+def repeated_key(body: bytes) -> rpc.McpProtocolError | None:
+    """The refusal of a body with a key twice in one object, or None. JSON leaves repeated
+    names' meaning open (RFC 8259 section 4): the sidecar's parser keeps the last, others
+    the first, so a server could run another tool than the one the rules allowed. A body
+    that is not JSON is None here (its parse error is reported where it is parsed)."""
+    repeated: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in items:
+            if key in seen and not repeated:
+                repeated.append(key)
+            seen.add(key)
+        return dict(items)
+
+    try:  # decoded as decode_json does (a BOM ignored), so that it reads the same text
+        json.loads(body.decode("utf-8-sig"), object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None
+    if not repeated:
+        return None
+    return _ambiguous(f"the key {repeated[0][:64]!r} appears twice in one object")
+
+
+def case_variant_key(value: Any) -> rpc.McpProtocolError | None:
+    """The refusal of a decoded body with keys that differ only in case or Unicode folding
+    (``Name`` and ``name``; ``params`` spelt with a long s, U+017F) in a message, its
+    ``params`` or a tool call's ``arguments``, or None. Go's encoding/json matches keys
+    that way (and MCP servers in Go use it), so such a server would read the other key."""
+    for message in value if isinstance(value, list) else [value]:
+        if not isinstance(message, dict):
+            continue
+        params = message.get("params")
+        arguments = params.get("arguments") if isinstance(params, dict) else None
+        for obj, known in ((message, _MESSAGE_KEYS), (params, _PARAMS_KEYS), (arguments, None)):
+            if not isinstance(obj, dict):
+                continue
+            folded: dict[str, str] = {}
+            for key in obj:
+                fold = key.casefold()
+                other = folded.setdefault(fold, key)
+                if other != key:
+                    shown = f"{other[:64]!r} and {key[:64]!r}"
+                    return _ambiguous(f"the keys {shown} differ in case only")
+                if known is not None and fold in known and key not in known:
+                    return _ambiguous(f"the key {key[:64]!r} is {fold!r} in another case")
+    return None
+
+
+def _ambiguous(message: str) -> rpc.McpProtocolError:
+    return rpc.McpProtocolError(rpc.INVALID_REQUEST, "ambiguous_key", message)
 
 
 def audit_records(ctx: CallContext, record: dict[str, Any]) -> list[dict[str, Any]]:

@@ -357,6 +357,7 @@ class Pipeline:
         ctx.attempt_log = attempts.log
         # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
         cost = await spend.reserve(self.budgets, self.pricing, request, target, ctx)
+        attempts.before_resend = lambda: spend.rebook(self.budgets, cost, ctx)
         try:
             answer = await attempts.run()
         except BaseException as exc:

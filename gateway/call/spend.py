@@ -4,10 +4,19 @@ attempt, settle after the answer (:mod:`gateway.budgets`, :mod:`gateway.cost`).
 Before sending (:func:`reserve`): the call's price is looked up (cheap: cached per model);
 when budgets apply, its upper cost is reserved against all of them at once, or the call
 is refused with BUDGET_EXCEEDED, before any upstream contact. A call whose cost cannot be
-bounded (unknown price, no output cap) is refused under an enforced budget with
+bounded (a model call of unknown price, no output cap; a billed endpoint the sidecar
+cannot price, such as image generation) is refused under an enforced budget with
 ``on_unknown_price: refuse`` (the default: fail closed), PERMISSION_DENIED with
 ``details.reason`` "budget_price_unknown"; with ``allow`` it goes out reserving only its
-prompt's cost (and its audit record says the cost is unknown if it stays so).
+prompt's cost (and its audit record says the cost is unknown if it stays so). A call
+that costs nothing countable (a target with ``usage: none``; a GET of an LLM target's
+endpoint that is not a model call) is outside every budget (:func:`_outside_budgets`).
+
+Resending after an attempt the upstream may have acted on (its answer lost or cut
+mid-way: :func:`rebook`) reserves the call again, all or nothing as before: the provider
+may have charged for that attempt, so its reservation is kept whatever the last attempt
+costs. A resend the budgets cannot cover is not sent (BUDGET_EXCEEDED, saying the earlier
+attempt may have been processed).
 
 After (:func:`settle`): the real cost from the usage replaces the reservation; a call
 that failed is released when nothing can have reached the upstream
@@ -18,16 +27,22 @@ reservation (the upstream may have acted; its cost is unknown). The audit record
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Final
 
-from gateway.budgets import Booking, Budgets
+from gateway.budgets import Applied, Booking, Budgets
 from gateway.call.record import CallContext
 from gateway.cost import CallPrice, Pricing
 from gateway.envelope import ExternalCallRequest
 from gateway.errors import BudgetExceeded, PermissionDenied
 from gateway.policy import CompiledTarget
 
-__all__ = ["Spend", "reserve", "settle", "settle_failed"]
+__all__ = ["Spend", "rebook", "reserve", "settle", "settle_failed"]
+
+#: Why a call has no price when it calls no model (:mod:`gateway.cost`): a target without
+#: a usage dialect (Slack, an MCP server), an endpoint that is not a model call (``GET
+#: /v1/models/...``). Budgets count model spend, so they neither book nor refuse these.
+_SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 @dataclass(slots=True)
@@ -36,6 +51,11 @@ class Spend:
 
     price: CallPrice
     booking: Booking | None = None
+    #: The budgets booked and the amount (USD), for a resend's reservation.
+    applying: list[Applied] = field(default_factory=list)
+    amount_usd: float = 0.0
+    #: The reservations of attempts that may have been billed, kept (cost unknown).
+    resent: list[Booking] = field(default_factory=list)
 
 
 async def reserve(
@@ -53,10 +73,7 @@ async def reserve(
         target.spec.usage, request.endpoint, request.parameters, measure=bool(applying)
     )
     ctx.cost_model, ctx.cost_source = price.model, price.rates.source if price.rates else None
-    if not applying or price.reason == "no_dialect":
-        # A target with ``usage: none`` (a plain API, an MCP server) reports no tokens:
-        # its calls cost nothing a USD budget counts, so an agent's or a group's budget
-        # lets them through unbooked (the policy refuses a budget naming such a target).
+    if not applying or _outside_budgets(price, request):
         return Spend(price)
     amount = None
     for budget in applying:
@@ -92,7 +109,43 @@ async def reserve(
     ctx.budgets = [b.name for b in applying]
     ctx.warnings.extend(booking.warnings)
     ctx.shadow_denied.extend(f"budget:{name}" for name in booking.shadow_denied)
-    return Spend(price, booking)
+    return Spend(price, booking, applying, amount or 0.0)
+
+
+async def rebook(budgets: Budgets, spend: Spend, ctx: CallContext) -> None:
+    """Before resending a call whose earlier attempt the upstream may have acted on: book
+    the call's reservation again (that attempt's is kept: it may have been billed). Raises
+    BudgetExceeded (nothing more is sent) or CapacityExceeded, as :func:`reserve`."""
+    if spend.booking is None:
+        return
+    try:
+        booking = await budgets.reserve(spend.applying, spend.amount_usd)
+    except BudgetExceeded as exc:
+        raise BudgetExceeded(
+            "the call was not resent: its earlier attempt may have been processed by the "
+            f"upstream (its answer was lost or cut), and resending it would overspend: "
+            f"{exc.message}",
+            details={**exc.details, "resend": True},
+            retry_after_s=exc.retry_after_s,
+        ) from None
+    spend.resent.append(booking)
+    ctx.warnings.extend(booking.warnings)
+    for name in booking.shadow_denied:
+        if f"budget:{name}" not in ctx.shadow_denied:
+            ctx.shadow_denied.append(f"budget:{name}")
+
+
+def _outside_budgets(price: CallPrice, request: ExternalCallRequest) -> bool:
+    """Whether a call costs nothing a USD budget counts: a target with ``usage: none``
+    (a plain API, an MCP server: no tokens, no price; the policy refuses a budget whose
+    ``applies_to.target`` is such a target), or a safe method (GET, HEAD, OPTIONS: RFC
+    9110 section 9.2.1, nothing is done, so nothing billed) of an LLM target's endpoint
+    that is not a model call (``GET /v1/models/...``). Any other unpriced call of an LLM
+    target (``POST /v1/images/generations``, audio, batches) is billed by the provider
+    in ways the sidecar cannot bound, so it stays under the budgets (fail closed)."""
+    if price.reason == "no_dialect":
+        return True
+    return price.reason == "not_a_model_call" and request.method in _SAFE_METHODS
 
 
 def settle(budgets: Budgets, spend: Spend, ctx: CallContext) -> None:

@@ -169,8 +169,9 @@ def estimate_tokens(parameters: Mapping[str, Any]) -> int:
     = the output cap (``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``,
     or Gemini's ``generationConfig.maxOutputTokens``; 0 when absent) + ceil(prompt bytes /
     4), where prompt bytes are the UTF-8 bytes of ``messages``, ``prompt``, ``input``,
-    ``contents``, ``system``, ``systemInstruction``, ``instructions`` and ``tools``
-    (strings as is, other values as compact JSON). 0 for a body with none of these.
+    ``contents``, ``system``, ``systemInstruction``, ``instructions``, ``tools``,
+    ``functions`` and ``response_format`` (strings as is, other values as compact JSON).
+    0 for a body with none of these.
     """
     return output_cap(parameters) + math.ceil(prompt_bytes(parameters) / PROMPT_BYTES_PER_TOKEN)
 

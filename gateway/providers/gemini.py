@@ -248,6 +248,8 @@ DIALECT: Final = Dialect(
     stream_usage=stream_usage,
     output_cap=output_cap,
     prompt_keys=("contents", "systemInstruction", "tools"),
+    # Explicit context caching: the cached contents' tokens are input not in the request.
+    hidden_context_keys=("cachedContent",),
     stream_signal=stream_signal,
     usage_event=usage_event,
     error_hint=error_hint,

@@ -442,10 +442,12 @@ class McpExchange:
     def read(self, value: Any) -> tuple[Any, bool]:
         """Read one decoded answer (a response, a batch of them, or a server's request or
         notification on a stream): record the outcomes of the agent's requests, filter a
-        ``tools/list`` result. Returns the value to relay and whether it changed."""
+        ``tools/list`` result. Returns the value to relay and whether it changed.
+
+        A response that answers none of the pending requests (a stream resumed with
+        ``Last-Event-ID`` on a GET replays another POST's answers: MCP "Resumability") is
+        filtered as a ``tools/list`` result whenever it has the shape of one."""
         pending = {m.id: m for m in self.requests if m.id not in self.outcomes}
-        if not pending:
-            return value, False
         changed = False
         items = value if isinstance(value, list) else [value]
         out = []
@@ -453,6 +455,9 @@ class McpExchange:
             for response in responses([item]):
                 request = pending.get(response.get("id"))
                 if request is None:
+                    item, removed = filter_tools(self.spec, item)
+                    self.removed_tools += removed
+                    changed = changed or removed > 0
                     continue
                 is_error, code = outcome(response)
                 # isError belongs to tool results (MCP "Tools"); other results have none.

@@ -282,7 +282,17 @@ DIALECT: Final = Dialect(
     stream_usage=stream_usage,
     delta_text=delta_text,
     output_cap=output_cap,
-    prompt_keys=("messages", "prompt", "input", "instructions", "tools"),
+    # Billed as input besides the prompt: tool schemas (``functions`` is the legacy form
+    # of ``tools``) and a structured output's schema (``response_format``).
+    prompt_keys=(
+        "messages",
+        "prompt",
+        "input",
+        "instructions",
+        "tools",
+        "functions",
+        "response_format",
+    ),
     exhausted_holds=exhausted_holds,
     error_hint=error_hint,
     stream_signal=stream_signal,

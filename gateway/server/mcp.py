@@ -203,7 +203,7 @@ class _McpRelay:
 
     async def send(self, chunk: bytes) -> None:
         exchange = self._ctx.mcp
-        if exchange is not None and exchange.requests:
+        if exchange is not None:
             chunk = _read_events(exchange, chunk)
         await self._write(chunk)
 
@@ -243,7 +243,8 @@ def _read_events(exchange: rpc.McpExchange, chunk: bytes) -> bytes:
         block = match.group(0)
         decoder = SseDecoder(len(block) + 1)
         events = decoder.feed(block) + decoder.close()
-        if not events or events[-1].data[:1] not in ("{", "["):
+        # JSON may start after spaces (SSE strips only one): the client reads it as JSON.
+        if not events or events[-1].data.lstrip(" \t\r\n")[:1] not in ("{", "["):
             out += block
             continue
         try:

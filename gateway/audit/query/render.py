@@ -172,7 +172,7 @@ def _summary_table(title: str, groups: dict[str, GroupStats], total: GroupStats)
             str(stats.tokens_cached),
             f"{waits['count']} ({waits['total_ms']:.0f})",
             str(stats.breaker_opens),
-            f"{stats.cost_usd:.4f}" + (f" (+{stats.cost_unknown} ?)" if stats.cost_unknown else ""),
+            f"{stats.cost_usd:.6f}" + (f" (+{stats.cost_unknown} ?)" if stats.cost_unknown else ""),
             end_section=index == len(rows) - 1,
         )
     return table

@@ -1,0 +1,233 @@
+"""Review of MCP targets (issue 17): bodies that two JSON parsers read differently, and
+``tools/list`` answers that arrive where the sidecar did not expect them (a resumed GET
+stream, an event whose data starts with spaces). The real SDK's server
+(:mod:`tests.mcp_server`) is the upstream where its behaviour matters; a recording
+loopback upstream where a server's answer must be exact."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gateway.providers import mcp as rpc
+from tests.conftest import FakeUpstream, Sidecar, compile_policy
+from tests.mcp_server import McpTestServer, RunningServer
+
+Factory = Callable[..., Awaitable[Any]]
+HEADERS = {"Content-Type": "application/json", "Accept": rpc.ACCEPT}
+
+
+@pytest.fixture(scope="module")
+def json_server() -> Iterator[McpTestServer]:
+    running = RunningServer(stateless=True, json_response=True)
+    yield running.start()
+    running.stop()
+
+
+def policy_for(url: str) -> Any:
+    return compile_policy(
+        {
+            "tools": {
+                "base_url": url,
+                "mcp": {
+                    "tools": {"allow": ["echo", "create_issue", "delete_*"], "deny": ["delete_*"]},
+                    "arguments": {"create_issue": {"repo": {"pattern": "acme/[a-z-]+"}}},
+                },
+            }
+        }
+    )
+
+
+async def post_raw(sidecar: Sidecar, body: bytes, **headers: str) -> tuple[int, Any]:
+    async with sidecar.session.post(
+        sidecar.url + "/mcp/tools", data=body, headers={**HEADERS, **headers}
+    ) as resp:
+        return resp.status, json.loads(await resp.read())
+
+
+# Each body names one thing to the sidecar's parser (the last of a repeated key; keys are
+# case-sensitive) and another to parsers that keep the first of a repeated key or match
+# keys regardless of case (Go's encoding/json, which MCP servers in Go use, does both the
+# latter and Unicode folding: a long s, U+017F, is 's').
+DIFFERENTIALS = {
+    "a repeated name": b'{"jsonrpc":"2.0","id":1,"method":"tools/call",'
+    b'"params":{"name":"delete_repo","name":"echo","arguments":{"text":"x"}}}',
+    "a repeated name after a BOM": b'\xef\xbb\xbf{"jsonrpc":"2.0","id":1,"method":"tools/call",'
+    b'"params":{"name":"delete_repo","name":"echo","arguments":{"text":"x"}}}',
+    "a repeated method": b'{"jsonrpc":"2.0","id":2,"method":"tools/call","method":"ping",'
+    b'"params":{"name":"delete_repo","arguments":{"repo":"acme/web"}}}',
+    "a method in upper case": b'{"jsonrpc":"2.0","id":3,"method":"ping","METHOD":"tools/call",'
+    b'"params":{"name":"delete_repo","arguments":{"repo":"acme/web"}}}',
+    "a name in other case": b'{"jsonrpc":"2.0","id":4,"method":"tools/call",'
+    b'"params":{"name":"echo","Name":"delete_repo","arguments":{"repo":"acme/web"}}}',
+    "params spelt with a long s": b'{"jsonrpc":"2.0","id":5,"method":"tools/call",'
+    b'"params":{"name":"echo","arguments":{"text":"x"}},'
+    b'"param\xc5\xbf":{"name":"delete_repo","arguments":{"repo":"acme/web"}}}',
+    "an argument in other case": b'{"jsonrpc":"2.0","id":6,"method":"tools/call",'
+    b'"params":{"name":"create_issue","arguments":{"repo":"acme/web","REPO":"evil/x",'
+    b'"title":"t"}}}',
+}
+
+
+@pytest.mark.parametrize("body", DIFFERENTIALS.values(), ids=DIFFERENTIALS.keys())
+async def test_a_body_two_parsers_read_differently_is_refused(
+    sidecar_factory: Factory, json_server: McpTestServer, body: bytes
+) -> None:
+    sidecar: Sidecar = await sidecar_factory(policy_for(json_server.url))
+    before = len(json_server.requests)
+    status, answer = await post_raw(sidecar, body)
+    assert status == 400
+    assert answer["error"]["code"] == rpc.INVALID_REQUEST
+    assert answer["error"]["data"]["egress_code"] == "INVALID_PAYLOAD"
+    assert answer["error"]["data"]["reason"] == "ambiguous_key"
+    assert len(json_server.requests) == before  # nothing forwarded
+    record = sidecar.audit_records()[-1]
+    assert (record["api"], record["error_code"]) == ("mcp", "INVALID_PAYLOAD")
+
+
+async def test_tool_names_in_other_case_reach_no_tool(
+    sidecar_factory: Factory, json_server: McpTestServer
+) -> None:
+    """What held: the rules compare names exactly, and so does the SDK's server: a name
+    in other case or with a look-alike letter passes the deny rule but calls nothing."""
+    sidecar: Sidecar = await sidecar_factory(
+        compile_policy(
+            {"tools": {"base_url": json_server.url, "mcp": {"tools": {"deny": ["delete_*"]}}}}
+        )
+    )
+    effects = len(json_server.side_effects)
+    for n, name in enumerate(["Delete_repo", "DELETE_REPO", "d\u0435lete_repo"]):  # Cyrillic e
+        call = {
+            "jsonrpc": "2.0",
+            "id": n,
+            "method": "tools/call",
+            "params": {"name": name, "arguments": {"repo": "acme/web"}},
+        }
+        status, answer = await post_raw(sidecar, json.dumps(call).encode())
+        assert status == 200
+        assert answer["result"]["isError"] is True  # "Unknown tool"
+    assert len(json_server.side_effects) == effects
+
+
+LISTING = {
+    "jsonrpc": "2.0",
+    "id": "L",
+    "result": {"tools": [{"name": "echo"}, {"name": "delete_repo"}], "nextCursor": "c2"},
+}
+
+
+async def test_a_listing_on_a_resumed_get_stream_is_filtered(
+    upstream_factory: Factory, sidecar_factory: Factory
+) -> None:
+    """MCP 2025-11-25 "Resumability": a client whose POST stream broke GETs with
+    ``Last-Event-ID`` and the server replays the stream's events there, the tools/list
+    result included; it must be filtered like the POST's answer."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"id: e1\nevent: message\ndata: " + json.dumps(LISTING).encode() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    upstream: FakeUpstream = await upstream_factory(handler)
+    sidecar: Sidecar = await sidecar_factory(policy_for(upstream.url + "/mcp"))
+    async with sidecar.session.get(
+        sidecar.url + "/mcp/tools",
+        headers={"Accept": "text/event-stream", "Last-Event-ID": "e0", "Mcp-Session-Id": "s"},
+    ) as resp:
+        text = (await resp.read()).decode()
+    assert upstream.seen[-1].headers["Last-Event-ID"] == "e0"
+    assert text.startswith("id: e1\nevent: message\ndata: ")
+    listed = json.loads(text.split("data: ", 1)[1])
+    assert [t["name"] for t in listed["result"]["tools"]] == ["echo"]
+    assert listed["result"]["nextCursor"] == "c2"
+
+
+async def test_a_listing_whose_event_data_starts_with_spaces_is_filtered(
+    upstream_factory: Factory, sidecar_factory: Factory
+) -> None:
+    """SSE strips one space after ``data:``; JSON allows more before the value, and the
+    SDK's client reads them."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"event: message\ndata:   " + json.dumps(LISTING).encode() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    upstream: FakeUpstream = await upstream_factory(handler)
+    sidecar: Sidecar = await sidecar_factory(policy_for(upstream.url + "/mcp"))
+    body = json.dumps({"jsonrpc": "2.0", "id": "L", "method": "tools/list"}).encode()
+    async with sidecar.session.post(sidecar.url + "/mcp/tools", data=body, headers=HEADERS) as r:
+        text = (await r.read()).decode()
+    listed = json.loads(text.split("data:", 1)[1])
+    assert [t["name"] for t in listed["result"]["tools"]] == ["echo"]
+
+
+SHAPES = {
+    "a notification": {"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "delete_repo"}},
+    "params as a list": {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": ["echo"]},
+    "no name": {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"arguments": {}}},
+    "a name not a string": {
+        "jsonrpc": "2.0",
+        "id": 3,
+        "method": "tools/call",
+        "params": {"name": ["delete_repo"]},
+    },
+    "arguments as a list": {
+        "jsonrpc": "2.0",
+        "id": 4,
+        "method": "tools/call",
+        "params": {"name": "create_issue", "arguments": ["evil/x", "t"]},
+    },
+}
+
+
+@pytest.mark.parametrize("message", SHAPES.values(), ids=SHAPES.keys())
+async def test_odd_shapes_of_a_tool_call_are_refused(
+    sidecar_factory: Factory, json_server: McpTestServer, message: dict[str, Any]
+) -> None:
+    """What held: a tools/call that names no tool plainly is refused, never forwarded."""
+    sidecar: Sidecar = await sidecar_factory(policy_for(json_server.url))
+    before = len(json_server.requests)
+    status, answer = await post_raw(sidecar, json.dumps(message).encode())
+    assert len(json_server.requests) == before
+    if "id" in message:
+        assert status == 200
+        assert answer["error"]["data"]["egress_code"] == "PERMISSION_DENIED"
+    else:  # a notification gets no answer of its own: the error has id null
+        assert answer["id"] is None
+        assert answer["error"]["data"]["egress_code"] == "PERMISSION_DENIED"
+    assert sidecar.audit_records()[-1]["decision"] == "denied"
+
+
+async def test_a_method_in_other_case_and_mismatched_headers_run_nothing(
+    sidecar_factory: Factory, json_server: McpTestServer
+) -> None:
+    """What held: ``TOOLS/CALL`` is not tools/call to the sidecar nor to the server (method
+    names are case-sensitive: JSON-RPC 2.0 section 4); ``Mcp-Name`` naming an allowed tool
+    over a body calling a denied one, verbatim or base64, is refused (-32020)."""
+    sidecar: Sidecar = await sidecar_factory(policy_for(json_server.url))
+    effects = len(json_server.side_effects)
+    upper = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "TOOLS/CALL",
+        "params": {"name": "delete_repo", "arguments": {"repo": "acme/web"}},
+    }
+    status, answer = await post_raw(sidecar, json.dumps(upper).encode())
+    assert (status, answer["error"]["code"]) == (200, -32601)  # the server: method not found
+    denied = {**upper, "method": "tools/call"}
+    for name in ("echo", "=?base64?ZWNobw==?=", "=?BASE64?ZGVsZXRlX3JlcG8=?="):
+        status, answer = await post_raw(
+            sidecar, json.dumps(denied).encode(), **{"Mcp-Method": "tools/call", "Mcp-Name": name}
+        )
+        assert (status, answer["error"]["code"]) == (400, rpc.HEADER_MISMATCH), name
+    assert len(json_server.side_effects) == effects
