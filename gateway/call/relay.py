@@ -122,25 +122,30 @@ async def relay_stream(
             done.bytes += len(chunk)
             if done.bytes > max_bytes:
                 raise _too_large(judge, max_bytes)
+            searched = len(held)  # held has no event end: a new one ends in the chunk
+            held += chunk
+            cut = complete_events(held, searched)
+            gone = False
+            if cut:  # else no whole event yet: nothing is relayed half-way
+                whole, held = bytes(held[:cut]), held[cut:]
+                # Relayed before it is judged: the judge's verdict is only read at the
+                # end, and judging first made the agent's first byte wait for the parse
+                # of every event in the chunk (all of a fast upstream's, often).
+                try:
+                    await _send(relay, done, whole, started, deadline)
+                except AgentGone:
+                    gone = True
             try:
                 for event in decoder.feed(chunk):
                     judge.observe(event)
             except EventTooLarge:
                 raise _too_large(judge, max_bytes) from None
-            searched = len(held)  # held has no event end: a new one ends in the chunk
-            held += chunk
-            cut = complete_events(held, searched)
-            if not cut:
-                continue  # no whole event yet: nothing is relayed half-way
-            whole, held = bytes(held[:cut]), held[cut:]
-            try:
-                await _send(relay, done, whole, started, deadline)
-            except AgentGone:
+            if gone:
                 raise StreamInterrupted(
                     f"the agent hung up after {judge.events} events; the upstream request "
                     "was closed",
                     details={"reason": "agent_disconnected", "target": judge.target},
-                ) from None
+                )
     finally:
         await stream.aclose()
     error = judge.verdict(status=200)
