@@ -17,7 +17,7 @@ from aiohttp import web
 
 from gateway.call.relay import AgentGone, Relayed, relay_stream
 from gateway.call.stream import StreamJudge
-from gateway.errors import StreamInterrupted
+from gateway.errors import DeadlineExceeded, StreamInterrupted
 from tests.conftest import compile_policy, envelope, openai_target
 from tests.test_streams import A_START, CHAT_USAGE, chat, sse
 
@@ -469,3 +469,52 @@ async def test_an_agent_gone_mid_chunk_is_reported_with_the_chunks_events_judged
     assert caught.value.details["reason"] == "agent_disconnected"
     assert "after 2 events" in str(caught.value)
     assert stream.closed
+
+
+class _Then:
+    """A stream that gives ``chunks``, then never anything more (a silent upstream)."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = list(chunks)
+        self.closed = False
+
+    async def read(self) -> bytes:
+        if self.chunks:
+            return self.chunks.pop(0)
+        await asyncio.Event().wait()  # cancelled by the relay's timer
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class _Stuck(_Recorder):
+    """A relay whose agent takes no bytes: every send waits until cancelled."""
+
+    async def send(self, chunk: bytes) -> None:
+        self.judged_at_send.append(self.judge.events)
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize(
+    ("deadline_s", "idle_s", "stuck", "error", "reason"),
+    [
+        (30, 0.1, False, StreamInterrupted, "idle_timeout"),  # the idle bound, re-armed
+        (0.1, 30, False, DeadlineExceeded, "deadline"),  # the deadline nearer than idle
+        (0.1, 30, True, DeadlineExceeded, "agent_stalled"),  # a write past the deadline
+    ],
+)
+async def test_one_timer_bounds_the_gaps_and_the_writes(deadline_s, idle_s, stuck, error, reason):
+    judge = StreamJudge("openai", "t")
+    relay = _Stuck(judge) if stuck else _Recorder(judge)
+    stream = _Then(sse(chat("a")), sse(chat("b")))
+    now = time.monotonic()
+    with pytest.raises(error) as caught:
+        await relay_stream(
+            stream, relay, Relayed(judge), started=now, deadline=now + deadline_s,
+            idle_timeout_s=idle_s, max_bytes=1 << 20,
+        )  # fmt: skip
+    assert caught.value.details["reason"] == reason
+    assert stream.closed
+    assert len(relay.judged_at_send) == (1 if stuck else 2)
+    assert time.monotonic() - now < 5  # bounded by the timer, not by the test's timeout
