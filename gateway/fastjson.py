@@ -36,7 +36,7 @@ _LOG_OPTIONS: Final = (
 #: refuses NaN, lone surrogates and numbers past a double's range: :func:`loads` then asks
 #: the stdlib). With orjson an integer past 64 bits comes back as a float: for sums, not
 #: for values that must read back exactly (:func:`loads`).
-loads_fast: Callable[[bytes], Any] = orjson.loads if orjson is not None else json.loads
+loads_fast: Callable[[bytes | str], Any] = orjson.loads if orjson is not None else json.loads
 
 # An integer literal of 19 digits or more may be past 64 bits (-9223372036854775809),
 # which orjson would read as a float: a text with such a run of digits (anywhere, strings

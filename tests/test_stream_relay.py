@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
+from gateway.call.relay import AgentGone, Relayed, relay_stream
+from gateway.call.stream import StreamJudge
+from gateway.errors import DeadlineExceeded, StreamInterrupted
 from tests.conftest import compile_policy, envelope, openai_target
 from tests.test_streams import A_START, CHAT_USAGE, chat, sse
 
@@ -398,3 +403,118 @@ async def test_an_event_past_the_limit_is_not_relayed(upstream_factory, sidecar_
     # Streamed when the first event arrived on its own, else refused before any relaying.
     final = json.loads(_events(raw)[-1][1]) if streamed else json.loads(raw)
     assert final["error"]["code"] == "RESPONSE_TOO_LARGE"
+
+
+class _Chunks:
+    """An upstream stream (the shape :func:`relay_stream` reads) giving these chunks."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = list(chunks)
+        self.closed = False
+
+    async def read(self) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class _Recorder:
+    """A relay that notes how many events the judge had read at each send."""
+
+    def __init__(self, judge: StreamJudge, *, gone: bool = False) -> None:
+        self.judge, self.gone, self.started = judge, gone, False
+        self.judged_at_send: list[int] = []
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def send(self, chunk: bytes) -> None:
+        self.judged_at_send.append(self.judge.events)
+        if self.gone:
+            raise AgentGone
+
+
+async def test_whole_events_are_relayed_before_the_judge_reads_them():
+    # A fast upstream's first read often holds the whole stream: the agent's first byte
+    # must not wait for every event of it to be parsed (issue 21, time to first byte).
+    body = sse(*[chat("tok")] * 50, chat(finish="stop"), CHAT_USAGE, "[DONE]")
+    judge = StreamJudge("openai", "t")
+    relay, stream = _Recorder(judge), _Chunks(body)
+    done = Relayed(judge)
+    now = time.monotonic()
+    await relay_stream(
+        stream, relay, done, started=now, deadline=now + 30, idle_timeout_s=30, max_bytes=1 << 20
+    )
+    assert relay.judged_at_send == [0]  # sent first, judged after
+    assert judge.events == 53
+    assert judge.verdict(status=200) is None
+    usage = judge.usage()
+    assert usage is not None
+    assert usage.total == 17
+    assert done.bytes == len(body)
+    assert stream.closed
+
+
+async def test_an_agent_gone_mid_chunk_is_reported_with_the_chunks_events_judged():
+    judge = StreamJudge("openai", "t")
+    relay = _Recorder(judge, gone=True)
+    stream = _Chunks(sse(chat("a"), chat("b")), sse(chat(finish="stop"), "[DONE]"))
+    now = time.monotonic()
+    with pytest.raises(StreamInterrupted) as caught:
+        await relay_stream(
+            stream, relay, Relayed(judge), started=now, deadline=now + 30, idle_timeout_s=30,
+            max_bytes=1 << 20,
+        )  # fmt: skip
+    assert caught.value.details["reason"] == "agent_disconnected"
+    assert "after 2 events" in str(caught.value)
+    assert stream.closed
+
+
+class _Then:
+    """A stream that gives ``chunks``, then never anything more (a silent upstream)."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = list(chunks)
+        self.closed = False
+
+    async def read(self) -> bytes:
+        if self.chunks:
+            return self.chunks.pop(0)
+        await asyncio.Event().wait()  # cancelled by the relay's timer
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class _Stuck(_Recorder):
+    """A relay whose agent takes no bytes: every send waits until cancelled."""
+
+    async def send(self, chunk: bytes) -> None:
+        self.judged_at_send.append(self.judge.events)
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize(
+    ("deadline_s", "idle_s", "stuck", "error", "reason"),
+    [
+        (30, 0.1, False, StreamInterrupted, "idle_timeout"),  # the idle bound, re-armed
+        (0.1, 30, False, DeadlineExceeded, "deadline"),  # the deadline nearer than idle
+        (0.1, 30, True, DeadlineExceeded, "agent_stalled"),  # a write past the deadline
+    ],
+)
+async def test_one_timer_bounds_the_gaps_and_the_writes(deadline_s, idle_s, stuck, error, reason):
+    judge = StreamJudge("openai", "t")
+    relay = _Stuck(judge) if stuck else _Recorder(judge)
+    stream = _Then(sse(chat("a")), sse(chat("b")))
+    now = time.monotonic()
+    with pytest.raises(error) as caught:
+        await relay_stream(
+            stream, relay, Relayed(judge), started=now, deadline=now + deadline_s,
+            idle_timeout_s=idle_s, max_bytes=1 << 20,
+        )  # fmt: skip
+    assert caught.value.details["reason"] == reason
+    assert stream.closed
+    assert len(relay.judged_at_send) == (1 if stuck else 2)
+    assert time.monotonic() - now < 5  # bounded by the timer, not by the test's timeout

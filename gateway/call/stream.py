@@ -25,6 +25,7 @@ from gateway.errors import (
     StreamInterrupted,
     UpstreamRejected,
 )
+from gateway.fastjson import loads_fast
 from gateway.providers import DIALECTS, Dialect, TokenUsage
 from gateway.providers.base import END, StreamFailure
 
@@ -40,6 +41,10 @@ def _judged_data(data: str) -> Any:
     cost three times as much per event."""
     if not data or data[0] not in "{[":
         return data
+    try:
+        return loads_fast(data)  # several times the stdlib's speed, once per event
+    except ValueError:
+        pass  # NaN, numbers past a double, deep nesting: the stdlib decides
     try:
         return json.loads(data)
     except (ValueError, RecursionError):
