@@ -32,10 +32,9 @@ from aiohttp.http_exceptions import ContentEncodingError
 
 from gateway import openapi, redaction
 from gateway.audit import get_logger
-from gateway.call.record import refusal_record
 from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError, InternalError, InvalidPayload, error_response
+from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.server.eventloop import loop_name
 from gateway.server.mcp import MCP_ROUTE, McpRoute
 from gateway.server.proxy import PROXY_ROUTE, ProxyRoute, drop_connection
@@ -81,18 +80,13 @@ def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
 def _error_answer(exc: GatewayError, started: float, request: web.Request) -> web.Response:
     """The answer to a request refused here, before the pipeline (which audits its own
     answers): on the calls listener it gets its one audit record."""
-    response = error_response(exc, latency_ms=(time.monotonic() - started) * 1000)
-    gateway = request.app[GATEWAY_KEY]
-    if request.app.get(AUDITED_KEY) and gateway.audit is not None:
-        gateway.audit.call(
-            refusal_record(
-                gateway.policy.policy.agent_id,
-                response,
-                http_method=request.method,
-                http_path=request.rel_url.raw_path,
-                http_status=exc.http_status,
-            )
-        )
+    response = request.app[GATEWAY_KEY].refused_early(
+        exc,
+        started=started,
+        http_method=request.method,
+        http_path=request.rel_url.raw_path,
+        audited=request.app.get(AUDITED_KEY, False),
+    )
     return _json_answer(exc.http_status, response)
 
 

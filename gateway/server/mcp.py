@@ -34,14 +34,13 @@ from aiohttp import web
 
 from gateway import fastjson, redaction
 from gateway.audit import get_logger
-from gateway.audit.schema import Fields
 from gateway.call.mcp import McpRequest
 from gateway.call.proxy import egress_headers, id_headers, passback_headers
-from gateway.call.record import CallContext, refusal_record
+from gateway.call.record import CallContext
 from gateway.call.relay import AgentGone
 from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError, InternalError, error_response
+from gateway.errors import GatewayError, InternalError
 from gateway.providers import mcp as rpc
 from gateway.server.proxy import BodyReader, too_large
 from gateway.server.runtime import Gateway
@@ -93,18 +92,13 @@ class McpRoute:
             return self._refused(InternalError("the sidecar failed unexpectedly"), ctx, request)
 
     def _refused(self, exc: GatewayError, ctx: CallContext, request: web.Request) -> web.Response:
-        response = error_response(exc, latency_ms=(time.monotonic() - ctx.started) * 1000)
-        gateway = self._gateway
-        if gateway.audit is not None:
-            record = refusal_record(
-                gateway.policy.policy.agent_id,
-                response,
-                http_method=request.method,
-                http_path=request.rel_url.raw_path,
-                http_status=exc.http_status,
-            )
-            record[Fields.API] = "mcp"
-            gateway.audit.call(record)
+        response = self._gateway.refused_early(
+            exc,
+            started=ctx.started,
+            http_method=request.method,
+            http_path=request.rel_url.raw_path,
+            api="mcp",
+        )
         return _rpc_error(exc.http_status, response, ctx)
 
 

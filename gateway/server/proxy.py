@@ -28,7 +28,6 @@ from aiohttp import web
 
 from gateway import redaction
 from gateway.audit import get_logger
-from gateway.audit.schema import Fields
 from gateway.call.proxy import (
     ProxyRequest,
     egress_headers,
@@ -36,7 +35,7 @@ from gateway.call.proxy import (
     passback_headers,
     replayed_body,
 )
-from gateway.call.record import CallContext, refusal_record
+from gateway.call.record import CallContext
 from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.call.sse import complete_events
 from gateway.envelope import ExternalCallResponse
@@ -104,18 +103,13 @@ class ProxyRoute:
     def _refused(
         self, exc: GatewayError, ctx: CallContext, request: web.Request, names: frozenset[str]
     ) -> web.Response:
-        response = error_response(exc, latency_ms=(time.monotonic() - ctx.started) * 1000)
-        gateway = self._gateway
-        if gateway.audit is not None:
-            record = refusal_record(
-                gateway.policy.policy.agent_id,
-                response,
-                http_method=request.method,
-                http_path=request.rel_url.raw_path,
-                http_status=exc.http_status,
-            )
-            record[Fields.API] = "proxy"
-            gateway.audit.call(record)
+        response = self._gateway.refused_early(
+            exc,
+            started=ctx.started,
+            http_method=request.method,
+            http_path=request.rel_url.raw_path,
+            api="proxy",
+        )
         return _refusal(exc.http_status, response, self._dialect(ctx, request, names), ctx)
 
     def _dialect(self, ctx: CallContext, request: web.Request, names: frozenset[str]) -> Dialect:

@@ -13,18 +13,20 @@ import contextlib
 import hashlib
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import IO, TYPE_CHECKING, Any
 
 from gateway import audit, cost, telemetry
+from gateway.audit.schema import Fields
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.mcp import McpRequest
 from gateway.call.pipeline import Pipeline
 from gateway.call.proxy import ProxyRequest
-from gateway.call.record import CallContext
+from gateway.call.record import CallContext, refusal_record
 from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError, ShuttingDown
+from gateway.errors import GatewayError, ShuttingDown, error_response
 from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
@@ -288,16 +290,11 @@ class Gateway:
         Raises :class:`ShuttingDown` before :meth:`start` or after :meth:`aclose`.
         With ``relay``, a 2xx event stream is relayed to it as it arrives.
         """
-        pipeline = self.pipeline
-        if pipeline is None:
-            raise _refusal()
-        if not self._admit():
-            return await pipeline.handle(body, refuse=_refusal())
-        task = self._enter()
-        try:
-            return await pipeline.handle(body, relay=relay)
-        finally:
-            self._forget(task)
+        return await self._tracked(
+            lambda pipeline, refuse, relay: pipeline.handle(body, refuse=refuse, relay=relay),
+            None,
+            relay,
+        )
 
     async def proxy(
         self,
@@ -309,16 +306,13 @@ class Gateway:
     ) -> tuple[int, ExternalCallResponse]:
         """Run one drop-in provider call (:meth:`Pipeline.handle_proxy`), tracked and
         refused while draining exactly as :meth:`call`."""
-        pipeline = self.pipeline
-        if pipeline is None:
-            raise _refusal()
-        if not self._admit():
-            return await pipeline.handle_proxy(http, ctx=ctx, refuse=refuse or _refusal())
-        task = self._enter()
-        try:
-            return await pipeline.handle_proxy(http, ctx=ctx, refuse=refuse, relay=relay)
-        finally:
-            self._forget(task)
+        return await self._tracked(
+            lambda pipeline, refuse, relay: pipeline.handle_proxy(
+                http, ctx=ctx, refuse=refuse, relay=relay
+            ),
+            refuse,
+            relay,
+        )
 
     async def mcp(
         self,
@@ -330,16 +324,61 @@ class Gateway:
     ) -> tuple[int, ExternalCallResponse]:
         """Run one request of ``/mcp/{target}`` (:meth:`Pipeline.handle_mcp`), tracked and
         refused while draining exactly as :meth:`call`."""
+        return await self._tracked(
+            lambda pipeline, refuse, relay: pipeline.handle_mcp(
+                http, ctx=ctx, refuse=refuse, relay=relay
+            ),
+            refuse,
+            relay,
+        )
+
+    async def _tracked(
+        self,
+        run: Callable[
+            [Pipeline, GatewayError | None, Relay | None],
+            Awaitable[tuple[int, ExternalCallResponse]],
+        ],
+        refuse: GatewayError | None,
+        relay: Relay | None,
+    ) -> tuple[int, ExternalCallResponse]:
+        """Run one call of any route through the pipeline: refused (and audited by it)
+        while draining, else tracked until it ends, so that a drain waits for it."""
         pipeline = self.pipeline
         if pipeline is None:
             raise _refusal()
         if not self._admit():
-            return await pipeline.handle_mcp(http, ctx=ctx, refuse=refuse or _refusal())
+            return await run(pipeline, refuse or _refusal(), None)
         task = self._enter()
         try:
-            return await pipeline.handle_mcp(http, ctx=ctx, refuse=refuse, relay=relay)
+            return await run(pipeline, refuse, relay)
         finally:
             self._forget(task)
+
+    def refused_early(
+        self,
+        exc: GatewayError,
+        *,
+        started: float,
+        http_method: str,
+        http_path: str,
+        api: str = "envelope",
+        audited: bool = True,
+    ) -> ExternalCallResponse:
+        """The answer to a request refused before the pipeline (which audits its own
+        answers): ``exc`` as an ExternalCallResponse, and with ``audited`` its one audit
+        record (:func:`gateway.call.record.refusal_record`, ``api`` the route's)."""
+        response = error_response(exc, latency_ms=(time.monotonic() - started) * 1000)
+        if audited and self.audit is not None:
+            record = refusal_record(
+                self.policy.policy.agent_id,
+                response,
+                http_method=http_method,
+                http_path=http_path,
+                http_status=exc.http_status,
+            )
+            record[Fields.API] = api
+            self.audit.call(record)
+        return response
 
     def _admit(self) -> bool:
         """False when a new call is to be refused because the sidecar is draining."""
