@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -67,7 +68,12 @@ class Intake:
     unknown_field_count: int = 0
 
 
-def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
+def decode_json(
+    body: bytes,
+    *,
+    check_surrogates: bool = True,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+) -> Any:
     """Parse a UTF-8 JSON document (RFC 8259; a leading BOM is ignored).
 
     Raises :class:`InvalidPayload` whose ``details.reason`` is ``not_utf8``; ``not_json``
@@ -81,9 +87,15 @@ def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
     nothing the two parsers read differently (:func:`_needs_exact_path`: NaN, infinities,
     overflowing numbers; it refuses what the stdlib's refuses) and no ``\\uD8xx``-style
     escape (it refuses a lone surrogate, which must be refused naming its field): the
-    same value, once.
+    same value, once. ``object_pairs_hook`` is :func:`json.loads`' (each object's pairs in
+    order, repeated names included); with it the stdlib parser reads every body.
     """
-    if len(body) > LARGE_BODY_BYTES and not _needs_exact_path(body) and not _escapes_utf16(body):
+    if (
+        object_pairs_hook is None
+        and len(body) > LARGE_BODY_BYTES
+        and not _needs_exact_path(body)
+        and not _escapes_utf16(body)
+    ):
         try:
             return _ANY_JSON.validate_json(body)
         except ValidationError:
@@ -91,7 +103,10 @@ def decode_json(body: bytes, *, check_surrogates: bool = True) -> Any:
     try:
         # Decode first: json.loads(bytes) would also accept UTF-16 and UTF-32 (RFC 8259 8.1).
         value = json.loads(
-            body.decode("utf-8-sig"), parse_constant=_refuse_constant, parse_float=_finite
+            body.decode("utf-8-sig"),
+            parse_constant=_refuse_constant,
+            parse_float=_finite,
+            object_pairs_hook=object_pairs_hook,
         )
         if check_surrogates:
             refuse_lone_surrogates(body, value)

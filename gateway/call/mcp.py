@@ -117,8 +117,9 @@ def mcp_intake(
     spec = target.spec.mcp if target is not None else None
     exchange = None
     if http.method == "POST":  # parsed for any target, so that a refusal answers each id
-        exchange = _parse(_decode(http.body), spec or McpSpec(), ctx)
-        _refuse(repeated_key(http.body))  # forwarded as its bytes: one reading only
+        repeated: list[str] = []
+        exchange = _parse(_decode(http.body, repeated), spec or McpSpec(), ctx)
+        _refuse(repeated_key(repeated))  # forwarded as its bytes: one reading only
     elif spec is not None:  # a GET's stream may replay answers (resumption): read them
         ctx.mcp = rpc.McpExchange(spec, [])
     if target is not None and spec is None:
@@ -155,9 +156,21 @@ def mcp_intake(
     return intake
 
 
-def _decode(body: bytes) -> Any:
+def _decode(body: bytes, repeated: list[str]) -> Any:
+    """The decoded body; the first key found twice in one object goes into ``repeated``."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        if not repeated:
+            seen: set[str] = set()
+            for key, _ in items:
+                if key in seen:
+                    repeated.append(key)
+                    break
+                seen.add(key)
+        return dict(items)
+
     try:
-        return decode_json(body)
+        return decode_json(body, object_pairs_hook=pairs)
     except InvalidPayload as exc:
         exc.details["jsonrpc_code"] = rpc.PARSE_ERROR
         raise
@@ -301,25 +314,11 @@ _MESSAGE_KEYS: Final = frozenset({"jsonrpc", "id", "method", "params", "result",
 _PARAMS_KEYS: Final = frozenset({"name", "arguments", "uri"})
 
 
-def repeated_key(body: bytes) -> rpc.McpProtocolError | None:
-    """The refusal of a body with a key twice in one object, or None. JSON leaves repeated
-    names' meaning open (RFC 8259 section 4): the sidecar's parser keeps the last, others
-    the first, so a server could run another tool than the one the rules allowed. A body
-    that is not JSON is None here (its parse error is reported where it is parsed)."""
-    repeated: list[str] = []
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: set[str] = set()
-        for key, _ in items:
-            if key in seen and not repeated:
-                repeated.append(key)
-            seen.add(key)
-        return dict(items)
-
-    try:  # decoded as decode_json does (a BOM ignored), so that it reads the same text
-        json.loads(body.decode("utf-8-sig"), object_pairs_hook=pairs)
-    except (ValueError, RecursionError):
-        return None
+def repeated_key(repeated: list[str]) -> rpc.McpProtocolError | None:
+    """The refusal of a body with a key twice in one object (``repeated``: the first such
+    key, as :func:`_decode` found it), or None. JSON leaves repeated names' meaning open
+    (RFC 8259 section 4): the sidecar's parser keeps the last, others the first, so a
+    server could run another tool than the one the rules allowed."""
     if not repeated:
         return None
     return _ambiguous(f"the key {repeated[0][:64]!r} appears twice in one object")
