@@ -265,7 +265,19 @@ async def test_every_dashboard_query_returns_data_from_a_real_scrape(
         return bool(result) and float(result[0]["value"][1]) == made
 
     await _poll(all_scraped, 15)
-    await asyncio.sleep(1.5)  # one more scrape: every rate() window has two points
+
+    async def scrapes() -> int:
+        result = await prometheus.query(session, f'count_over_time(up{{job="{JOB}"}}[10m])')
+        return int(float(result[0]["value"][1])) if result else 0
+
+    # One more scrape after the one that saw every call, so every rate() window has two
+    # points with the calls in them.
+    seen = await scrapes()
+
+    async def scraped_again() -> bool:
+        return await scrapes() > seen
+
+    await _poll(scraped_again, 15)
 
     dashboard = json.loads(DASHBOARD.read_text())
     empty: list[str] = []
