@@ -28,7 +28,7 @@ import contextlib
 import json
 import re
 import time
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from aiohttp import web
 
@@ -42,7 +42,7 @@ from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError
 from gateway.providers import mcp as rpc
-from gateway.server.proxy import BodyReader, too_large
+from gateway.server.proxy import BodyReader, answer_ids, read_limited
 from gateway.server.runtime import Gateway
 
 MCP_ROUTE: Final = "/mcp/{target}"
@@ -65,15 +65,9 @@ class McpRoute:
         policy = gateway.policy.policy
         ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
         try:
-            body, refuse = b"", cast(GatewayError | None, None)
-            limit = policy.server.max_request_bytes
-            if request.content_length is not None and request.content_length > limit:
-                refuse = too_large(limit)
-            else:
-                try:
-                    body = await self._read_body(request, limit)
-                except GatewayError as exc:
-                    refuse = exc
+            body, refuse = await read_limited(
+                self._read_body, request, policy.server.max_request_bytes
+            )
             http = McpRequest(
                 method=request.method,
                 target=request.match_info["target"],
@@ -102,13 +96,6 @@ class McpRoute:
         return _rpc_error(exc.http_status, response, ctx)
 
 
-def _ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
-    return id_headers(
-        response.trace_id or ctx.claimed.get("trace_id"),
-        response.correlation_id or ctx.claimed.get("correlation_id"),
-    )
-
-
 def _answer(status: int, response: ExternalCallResponse, ctx: CallContext) -> web.Response:
     """The MCP server's own answer when there is one to give, else the sidecar's error."""
     answer = ctx.attempt_log.answer
@@ -118,7 +105,7 @@ def _answer(status: int, response: ExternalCallResponse, ctx: CallContext) -> we
     ):
         headers = passback_headers(answer.headers)
         upstream = {k.lower(): v for k, v in headers}
-        headers += [*_ids(response, ctx).items()]
+        headers += [*answer_ids(response, ctx).items()]
         headers += egress_headers(error, upstream=upstream, status=answer.status).items()
         rewritten = ctx.mcp.body if ctx.mcp is not None else None
         return web.Response(
@@ -161,7 +148,7 @@ def _rpc_error(status: int, response: ExternalCallResponse, ctx: CallContext) ->
     if body is None:
         body = rpc.error_object(None, code, message, data)
     assert response.error is not None
-    headers = {**_ids(response, ctx), **egress_headers(response.error)}
+    headers = {**answer_ids(response, ctx), **egress_headers(response.error)}
     return web.Response(
         status=http_status,
         body=redaction.scrub_bytes(json.dumps(body).encode()),

@@ -76,7 +76,9 @@ class ProxyRoute:
         ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
         names = frozenset(k.lower() for k in request.headers)
         try:
-            body, refuse = await self._body(request, policy.server.max_request_bytes)
+            body, refuse = await read_limited(
+                self._read_body, request, policy.server.max_request_bytes
+            )
             http = _proxy_request(request, body)
             relay = _ProxyRelay(request, ctx)
             status, response = await gateway.proxy(http, ctx=ctx, refuse=refuse, relay=relay)
@@ -90,15 +92,6 @@ class ProxyRoute:
             _log.exception("proxy_handler_error")
             error = InternalError("the sidecar failed unexpectedly")
             return self._refused(error, ctx, request, names)
-
-    async def _body(self, request: web.Request, limit: int) -> tuple[bytes, GatewayError | None]:
-        """The request body, or the refusal of it (audited by the pipeline, as the call)."""
-        if request.content_length is not None and request.content_length > limit:
-            return b"", too_large(limit)
-        try:
-            return await self._read_body(request, limit), None
-        except GatewayError as exc:
-            return b"", exc
 
     def _refused(
         self, exc: GatewayError, ctx: CallContext, request: web.Request, names: frozenset[str]
@@ -151,7 +144,21 @@ def _proxy_request(request: web.Request, body: bytes) -> ProxyRequest:
     )
 
 
-def _ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
+async def read_limited(
+    read_body: BodyReader, request: web.Request, limit: int
+) -> tuple[bytes, GatewayError | None]:
+    """The request body (at most ``limit`` bytes), or ``b""`` and the refusal of it, which
+    the route passes to the pipeline so that it is audited as the call."""
+    if request.content_length is not None and request.content_length > limit:
+        return b"", too_large(limit)
+    try:
+        return await read_body(request, limit), None
+    except GatewayError as exc:
+        return b"", exc
+
+
+def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
+    """The id headers of an answer: the call's ids, else those the request claimed."""
     return id_headers(
         response.trace_id or ctx.claimed.get("trace_id"),
         response.correlation_id or ctx.claimed.get("correlation_id"),
@@ -178,7 +185,7 @@ def _answer(
         headers = passback_headers(answer.headers)
         upstream = {k.lower(): v for k, v in headers}
         egress = egress_headers(error, upstream=upstream, status=answer.status)
-        headers += [*_ids(response, ctx).items(), *egress.items()]
+        headers += [*answer_ids(response, ctx).items(), *egress.items()]
         return web.Response(
             status=answer.status,
             reason=answer.reason or None,
@@ -202,7 +209,11 @@ def _replayed(
         replay = error_response(refused, latency_ms=response.latency_ms)
         return _refusal(refused.http_status, replay, dialect, ctx)
     content_type, body = rebuilt
-    headers = {**_ids(response, ctx), **egress_headers(response.error), "x-egress-replayed": "true"}
+    headers = {
+        **answer_ids(response, ctx),
+        **egress_headers(response.error),
+        "x-egress-replayed": "true",
+    }
     if content_type is not None:
         headers["Content-Type"] = content_type
     return web.Response(
@@ -217,7 +228,7 @@ def _refusal(
     error = response.error
     assert error is not None
     body = json.dumps(dialect.error_body(status, error.code.value, error.message)).encode()
-    headers = {**_ids(response, ctx), **egress_headers(error)}
+    headers = {**answer_ids(response, ctx), **egress_headers(error)}
     return web.Response(
         status=status,
         body=redaction.scrub_bytes(body),
