@@ -189,11 +189,10 @@ async def _run(
         f"\n{records} audit records (one per call) are in [bold]{audit_path}[/bold] as JSON lines."
     )
     cmd = _program()
-    console.print(
-        f"Summarise them with [bold]{cmd} audit summary {audit_path}[/bold], list "
-        f"the failures with [bold]{cmd} audit show --failed {audit_path}[/bold], or "
-        f"check their hash chain with [bold]{cmd} audit verify {audit_path}[/bold]."
-    )
+    # One command per line: a wrapped line must never cut a command a reader copies.
+    console.print("Summarise them, list the failures, or check their hash chain:")
+    for args in ("audit summary", "audit show --failed", "audit verify"):
+        console.print(f"  [bold]{cmd} {args} {audit_path}[/bold]", soft_wrap=True)
     if unexpected:
         console.print(f"[red]unexpected answers: {', '.join(unexpected)}[/red]")
         return 1
