@@ -151,13 +151,22 @@ class BaoServer:
             try:
                 url = f"{self.address}/v1/sys/health"  # loopback http, built here
                 with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310
-                    if r.status == 200:
+                    if r.status == 200 and self._dev_mounts_ready():
                         return self
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.05)
         self.stop()
         raise RuntimeError("bao did not become healthy within 20 s")
+
+    def _dev_mounts_ready(self) -> bool:
+        """Whether dev mode has finished its set-up: ``sys/health`` answers 200 once
+        unsealed, before the dev ``secret/`` mount exists, and a request in that gap was
+        seen answered by a closed connection."""
+        url = f"{self.address}/v1/sys/mounts"  # loopback http, built here
+        request = urllib.request.Request(url, headers={"X-Vault-Token": ROOT_TOKEN})  # noqa: S310
+        with urllib.request.urlopen(request, timeout=1) as r:  # noqa: S310
+            return r.status == 200 and "secret/" in json.loads(r.read()).get("data", {})
 
     def stop(self) -> None:
         if self._root is not None:
