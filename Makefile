@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit fuzz bench bench-quick bench-stream clean
+.PHONY: demo test lint typecheck unit fuzz bench bench-quick bench-stream bench-peers clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ bench-quick: $(VENV)/.fast
 # The streaming relay: added time to first byte and CPU per relayed event (~1 minute).
 bench-stream: $(VENV)/.fast
 	$(BIN)/python bench/stream.py $(BENCH_ARGS)
+
+# Optional, not in CI: LiteLLM, the Portkey gateway and nginx beside the sidecar and the
+# pass-through in one run (installed on first use into bench/.peers/; ~10 minutes).
+bench-peers: $(VENV)/.fast
+	$(BIN)/python bench/peers.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage demo-audit.jsonl

@@ -6,6 +6,7 @@
 --
 -- With WRK_STOP_AFTER=N in the environment the run ends after N answers (use -t1; defining
 -- response() costs wrk a little per answer, so it is only defined then).
+-- WRK_HEADERS adds request headers (see below).
 -- done() prints one line "BENCH_JSON {...}" with counts and latency percentiles (us).
 
 local thread_counter = 0
@@ -18,6 +19,13 @@ end
 local head, tail, fixed
 local n = 0
 local headers = { ["Content-Type"] = "application/json" }
+-- WRK_HEADERS: more request headers, one "Name: value" per line (bench/peers.py).
+for line in string.gmatch(os.getenv("WRK_HEADERS") or "", "[^\n]+") do
+  local name, value = string.match(line, "^([^:]+):%s*(.*)$")
+  if name then
+    headers[name] = value
+  end
+end
 
 function init(args)
   local prefix = args[1] or "run"

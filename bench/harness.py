@@ -34,6 +34,7 @@ class Child:
     log: Path
     address: str = ""
     info: dict[str, Any] | None = None
+    idle_memory: dict[str, int] | None = None
 
     @property
     def pid(self) -> int:

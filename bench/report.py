@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Issue 8's targets, as measured by this benchmark.
-TARGET_THROUGHPUT_RATIO = 0.6  # sidecar req/s / pass-through req/s, at c16 and c64
-TARGET_ADDED_P50_MS = 0.5  # at concurrency 1
-TARGET_ADDED_P99_MS = 1.5  # at concurrency 1
-TARGET_CPU_US = 250.0  # sidecar CPU per call at c16
-TARGET_RSS_MIB = 64.0  # steady RSS (after the soak)
+#: Issue 21's targets ("Performance, round two"), as measured by this benchmark.
+TARGET_THROUGHPUT_RATIO = 0.5  # envelope route req/s / pass-through req/s, at c16
+TARGET_PROXY_RATIO = 0.75  # drop-in route req/s / pass-through req/s, at c16
+TARGET_ADDED_P50_MS = 0.4  # at concurrency 1
+#: Sidecar CPU per call at c16: 280 us where the pass-through took 144 us (the issue's
+#: machine); on another machine scaled by this run's pass-through CPU per call.
+TARGET_CPU_US = 280.0
+ISSUE_PASSTHROUGH_CPU_US = 144.0
+TARGET_IDLE_RSS_MIB = 50.0  # after the first call
+TARGET_LOAD_RSS_MIB = 80.0  # peak (VmHWM) after the runs at up to 64 connections
 #: "Flat": RSS after the soak exceeds RSS after 10k calls by at most this much...
 FLAT_SLACK_MIB = 2.0
 #: ...or by at most this fraction, whichever is larger.
@@ -91,19 +95,25 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
             "added_p50_ms_c1": round((f["c1"]["latency_us"]["p50"] - direct_c1["p50"]) / 1000, 3),
             "added_p99_ms_c1": round((f["c1"]["latency_us"]["p99"] - direct_c1["p99"]) / 1000, 3),
         })  # fmt: skip
-    steady = soak_summary.get("rss_last_mib")
-    if steady is None:
-        steady = round(results["sidecar_memory_kib"]["VmRSS"] / 1024, 1)
-    ratio = min(ratios["sidecar_vs_passthrough"].values())
-    c1 = added["sidecar"]["c1"]
     cpu16 = cpu["sidecar"]["c16"]
+    pt_cpu = cpu["passthrough"]["c16"]
+    scale = (pt_cpu or ISSUE_PASSTHROUGH_CPU_US) / ISSUE_PASSTHROUGH_CPU_US
+    cpu_bound = round(TARGET_CPU_US * scale)
     targets = {
-        "throughput_ratio": _target(ratio, ">=", TARGET_THROUGHPUT_RATIO),
-        "added_p50_ms_c1": _target(c1["p50"], "<=", TARGET_ADDED_P50_MS),
-        "added_p99_ms_c1": _target(c1["p99"], "<=", TARGET_ADDED_P99_MS),
-        "cpu_us_per_call_c16": _target(cpu16, "<=", TARGET_CPU_US),
-        "rss_steady_mib": _target(steady, "<=", TARGET_RSS_MIB),
+        "envelope_ratio_c16": _target(
+            ratios["sidecar_vs_passthrough"]["c16"], ">=", TARGET_THROUGHPUT_RATIO
+        ),
+        "cpu_us_per_call_c16": _target(cpu16, "<=", cpu_bound),
+        "added_p50_ms_c1": _target(added["sidecar"]["c1"]["p50"], "<=", TARGET_ADDED_P50_MS),
     }
+    if "proxy_vs_passthrough" in ratios:
+        targets["proxy_ratio_c16"] = _target(
+            ratios["proxy_vs_passthrough"]["c16"], ">=", TARGET_PROXY_RATIO
+        )
+    idle = results.get("sidecar_idle_memory_kib")
+    if idle:
+        targets["rss_idle_mib"] = _target(round(idle["VmRSS"] / 1024, 1), "<=", TARGET_IDLE_RSS_MIB)
+    targets["rss_load_mib"] = _target(peak_mib, "<=", TARGET_LOAD_RSS_MIB)
     if soak_summary:
         slack = max(FLAT_SLACK_MIB, FLAT_SLACK_FRACTION * soak_summary["rss_first_mib"])
         targets["rss_flat"] = {
@@ -161,7 +171,7 @@ def table(results: dict[str, Any]) -> str:
             -1,
             f"proxy route / pass-through req/s: c16 {r['proxy_vs_passthrough']['c16']:.2f}x; "
             f"added latency c1 p50 {a['proxy']['c1']['p50']:.3f} ms "
-            f"(targets >= 0.7x, <= 0.3 ms)",
+            f"(target >= {TARGET_PROXY_RATIO}x)",
         )
     if s["soak"]:
         k = s["soak"]
@@ -179,7 +189,7 @@ def table(results: dict[str, Any]) -> str:
                 f"{f['variant']:17s}{f['rps_c16']:10.0f}{f['cpu_us_per_call'] or 0:8.0f}us{saved}"
                 f"{f['added_p50_ms_c1']:8.3f}m{f['added_p99_ms_c1']:8.3f}m  {f['off']}"
             )
-    lines += ["", "targets (issue 8):"]
+    lines += ["", "targets (issue 21; stream targets: bench/stream.py):"]
     for name, t in s["targets"].items():
         lines.append(
             f"  {'MET ' if t['met'] else 'MISS'} {name:22s} {t['value']!s:>8s}  ({t['target']})"

@@ -190,6 +190,7 @@ class Bench:
         argv += ["--ops-port", "0"]
         child = self.spawn(name, argv, ready="calls")
         check_call(child, tokens=32 if policy["targets"]["openai"]["usage"] != "none" else None)
+        child.idle_memory = child.memory_kib()  # after its first call, before any load
         return child
 
     def load(
@@ -298,6 +299,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         return {
             "main": main,
             "sidecar_memory_kib": sidecar_memory,
+            "sidecar_idle_memory_kib": sidecar.idle_memory,
             "loop": loop,
             "features": features,
             "soak": soak,
