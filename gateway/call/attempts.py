@@ -174,7 +174,7 @@ class Attempts:
             self.log.answer = answer
             self.log.upstream_latency_s = answer.elapsed_s
             self.log.response_bytes = len(answer.body)
-            if answer.status < 300:
+            if 200 <= answer.status < 300:
                 self._feed_back(answer, None)
                 if answer.stream is not None:
                     judged = await self._relay(answer)
@@ -400,6 +400,13 @@ def status_error(
         details["reason"] = "upstream_denied"
         return PermissionDenied(
             f"the upstream refused the credential or the operation: it answered {described}",
+            **common,
+        )
+    if status < 200:
+        return UpstreamRejected(
+            f"the upstream answered {described}, a protocol switch the sidecar did not ask "
+            "for (RFC 9110 section 15.2.2); the connection was dropped and nothing relayed",
+            http_status=502,
             **common,
         )
     if status < 400:

@@ -232,6 +232,20 @@ class Upstream:
                     allow_redirects=False,
                     timeout=timeout,
                 )
+                if resp.status < 200:
+                    # Only a 101 gets here (aiohttp's parser skips the other 1xx, RFC 9110
+                    # 15.2): a protocol switch the sidecar never asks for. The connection
+                    # no longer speaks HTTP, so it is dropped unread (a body read would
+                    # wait for the peer to close it); the attempt judges the status.
+                    resp.close()
+                    return UpstreamResponse(
+                        status=resp.status,
+                        reason=resp.reason or "",
+                        headers=resp.headers,
+                        content_type=None,
+                        body=b"",
+                        elapsed_s=time.monotonic() - started,
+                    )
                 if stream and resp.status < 300 and _is_event_stream(resp):
                     return UpstreamResponse(
                         status=resp.status,
