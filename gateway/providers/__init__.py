@@ -66,6 +66,8 @@ DIALECTS: Final[Mapping[str, Dialect]] = {
 PROMPT_BYTES_PER_TOKEN: Final = 4
 _PROMPT_KEYS: Final = tuple(dict.fromkeys(k for d in DIALECTS.values() for k in d.prompt_keys))
 _DELTA_READERS: Final = tuple(d.delta_text for d in DIALECTS.values())
+_CAP_READERS: Final = tuple(d.output_cap for d in DIALECTS.values())
+_HOLD_READERS: Final = tuple(d.exhausted_holds for d in DIALECTS.values())
 #: Request headers (lower case) that the providers' SDKs send and the providers need.
 SDK_HEADERS: Final = frozenset(h for d in DIALECTS.values() for h in d.sdk_headers)
 #: Where the providers' SDKs put the agent's own key: headers (lower case), query names.
@@ -100,7 +102,10 @@ def delta_text(event: Any) -> str | None:
 def exhausted_holds(headers: Mapping[str, str], now: float) -> list[float]:
     """Seconds until each rate limit that ``headers`` (case-insensitive names) report as
     spent resets, in every dialect; ``now`` is wall-clock time (``time.time()``)."""
-    return [hold for d in DIALECTS.values() for hold in d.exhausted_holds(headers, now)]
+    holds: list[float] = []
+    for read in _HOLD_READERS:
+        holds += read(headers, now)
+    return holds
 
 
 def error_hint(
@@ -159,8 +164,15 @@ def prompt_bytes(parameters: Mapping[str, Any]) -> int:
 
 
 def output_cap(parameters: Mapping[str, Any]) -> int:
-    """The output-token cap a request body sets, in any dialect (0 when none)."""
-    return max(d.output_cap(parameters) for d in DIALECTS.values())
+    """The output-token cap a request body sets, in any dialect (0 when none): the
+    largest of every dialect's (a body may carry another dialect's keys, and the
+    estimate is defined over all of them)."""
+    cap = 0
+    for read in _CAP_READERS:
+        found = read(parameters)
+        if found > cap:
+            cap = found
+    return cap
 
 
 def estimate_tokens(parameters: Mapping[str, Any]) -> int:
