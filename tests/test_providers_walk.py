@@ -19,8 +19,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway import providers
 from gateway.providers import (
     DIALECTS,
+    GenAICall,
     estimate_tokens,
     exhausted_holds,
+    genai_call,
     output_cap,
     prompt_bytes,
 )
@@ -140,3 +142,54 @@ def test_holds_are_read_as_defined(headers: dict[str, str], status: int) -> None
     # aiohttp's response headers are read as they are, case-insensitively.
     proxy = CIMultiDictProxy(CIMultiDict(headers))
     assert provider_hold_s(proxy, status, NOW) == expected
+
+
+CALLS: list[tuple[str, str, dict[str, Any], GenAICall | None]] = [
+    ("openai", "/v1/chat/completions", {"model": "mini"}, GenAICall("openai", "chat", "mini")),
+    ("openai", "/v1/chat/completions/", {}, GenAICall("openai", "chat", None)),
+    ("openai", "/v1/responses", {"model": "o3"}, GenAICall("openai", "chat", "o3")),
+    ("openai", "/v1/completions", {"model": 5}, GenAICall("openai", "text_completion", None)),
+    ("openai", "/v1/embeddings", {"model": "e"}, GenAICall("openai", "embeddings", "e")),
+    ("openai", "/v1/models/gpt-4o", {"model": "gpt-4o"}, None),
+    (
+        "anthropic",
+        "/v1/messages",
+        {"model": "claude-sonnet-4"},
+        GenAICall("anthropic", "chat", "claude-sonnet-4", cached_outside_input=True),
+    ),
+    (
+        "gemini",
+        "/v1beta/models/gemini-2.0-flash:generateContent",
+        {"model": "ignored"},
+        GenAICall("gcp.gemini", "generate_content", "gemini-2.0-flash"),
+    ),
+    ("gemini", "/v1beta/models/gemini-2.0-flash:countTokens", {}, None),
+    ("none", "/v1/chat/completions", {"model": "gpt-4o-mini"}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("provider", "endpoint", "parameters", "expected"), CALLS)
+def test_a_calls_description_is_the_same_when_it_is_remembered(
+    provider: str, endpoint: str, parameters: dict[str, Any], expected: GenAICall | None
+) -> None:
+    providers._KNOWN_CALLS.clear()
+    first = genai_call(provider, endpoint, parameters)
+    again = genai_call(provider, endpoint, parameters)
+    assert first == again == expected
+    # Another model on the same endpoint is another description, never the first one's.
+    other = genai_call(provider, endpoint, {**parameters, "model": "another-model"})
+    if expected is not None and provider != "gemini":  # Gemini names its model in the path
+        assert other is not None
+        assert other.request_model == "another-model"
+
+
+def test_remembered_descriptions_are_bounded() -> None:
+    providers._KNOWN_CALLS.clear()
+    for i in range(providers._MAX_KNOWN_CALLS + 10):
+        assert genai_call("openai", "/v1/chat/completions", {"model": f"m-{i}"}) == GenAICall(
+            "openai", "chat", f"m-{i}"
+        )
+    assert len(providers._KNOWN_CALLS) <= providers._MAX_KNOWN_CALLS
+    long_path = "/v1/files/" + "x" * 300 + "/chat/completions"
+    assert genai_call("openai", long_path, {"model": "m"}) == GenAICall("openai", "chat", "m")
+    assert all(endpoint != long_path for _, endpoint, _ in providers._KNOWN_CALLS)

@@ -188,6 +188,15 @@ def estimate_tokens(parameters: Mapping[str, Any]) -> int:
     return output_cap(parameters) + math.ceil(prompt_bytes(parameters) / PROMPT_BYTES_PER_TOKEN)
 
 
+#: (dialect, endpoint, request model) -> its GenAICall (or None: not a model call): a call
+#: is described by these alone, and agents call a few endpoints with a few models, so
+#: each call reuses the frozen description instead of matching its endpoint again.
+#: Bounded: cleared when full; a long endpoint (a path with ids) is not kept.
+_KNOWN_CALLS: Final[dict[tuple[str, str, str | None], GenAICall | None]] = {}
+_MAX_KNOWN_CALLS: Final = 1024
+_MAX_KNOWN_ENDPOINT: Final = 256
+
+
 def genai_call(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> GenAICall | None:
     """The GenAI description of a call to ``endpoint`` on a target of dialect ``provider``
     (its policy key ``usage``); None when the target has no dialect or the endpoint is
@@ -195,15 +204,23 @@ def genai_call(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> G
     dialect = DIALECTS.get(provider)
     if dialect is None:
         return None
+    model = dialect.request_model(endpoint, parameters)
+    key = (provider, endpoint, model)
+    try:
+        return _KNOWN_CALLS[key]
+    except KeyError:
+        pass
     operation = dialect.operation(endpoint)
-    if operation is None:
-        return None
-    return GenAICall(
-        dialect.provider_name,
-        operation,
-        dialect.request_model(endpoint, parameters),
-        dialect.cached_outside_input,
+    call = (
+        None
+        if operation is None
+        else GenAICall(dialect.provider_name, operation, model, dialect.cached_outside_input)
     )
+    if len(endpoint) <= _MAX_KNOWN_ENDPOINT:  # model names are at most 256 characters
+        if len(_KNOWN_CALLS) >= _MAX_KNOWN_CALLS:
+            _KNOWN_CALLS.clear()
+        _KNOWN_CALLS[key] = call
+    return call
 
 
 def response_model(provider: str, data: Any) -> str | None:
