@@ -109,6 +109,9 @@ ReloadResult = Literal["ok", "error"]
 _OUTCOMES: Final = frozenset({"success", "error", "replay"})
 _CACHE_RESULTS: Final = frozenset({"hit", "miss", "stale"})
 _CODES: Final = frozenset(c.value for c in ErrorCode) | {OK_CODE}
+#: Named label values a call's series are looked up by before mapping (models, targets).
+_MAX_NAMED: Final = 1024
+_TOKEN_KINDS: Final = ("", "input", "output", "cached")  # by index in a bound list
 #: Gauge encoding of the circuit breaker states.
 #: The gauge's value and the ``to`` label for each state of :mod:`gateway.breaker`
 #: (``half_open`` is spelt ``half-open`` in the exposition, as it always was).
@@ -141,6 +144,14 @@ class Metrics(Series):
         #: one dict lookup each): by target name, and by the GenAI label values.
         self._per_target: dict[str, tuple[str, Any, Any, dict[Any, Any]]] = {}
         self._per_model: dict[tuple[str, ...], list[Any]] = {}
+        #: The same by the values a call names (models before bounding), so a call's
+        #: GenAI observations skip the label mapping; bounded (:data:`_MAX_NAMED`), and
+        #: cleared when the policy's models change. Token counters by policy target,
+        #: the wait histogram by policy group, the cost counter by target and model.
+        self._per_named: dict[tuple[str, str, str | None, str | None, str], list[Any]] = {}
+        self._tokens_by_target: dict[str, list[Any]] = {}
+        self._wait_by_group: dict[str, Any] = {}
+        self._cost_by_named: dict[tuple[str, str | None], Any] = {}
         Series.__init__(self, self.registry)
         r = self.registry
         self._watched = _Watched()
@@ -184,7 +195,12 @@ class Metrics(Series):
         for new in targets - self._targets:
             self.breaker_state.labels(new).set(BREAKER_STATE_VALUES["closed"])
         self._targets = targets
-        self._per_target.clear()  # a name's label (itself or _unknown) may have changed
+        # A name's label (itself, _unknown or _other) may have changed.
+        self._per_target.clear()
+        self._per_named.clear()
+        self._tokens_by_target.clear()
+        self._wait_by_group.clear()
+        self._cost_by_named.clear()
         self._groups = frozenset(groups)
         for target in targets:
             self._child(self.retries, target)
@@ -271,14 +287,17 @@ class Metrics(Series):
         cached_tokens: int | None = None,
     ) -> None:
         """Add the token counts of one upstream response (None or <= 0: that kind untouched)."""
-        target = self._target(target)
-        for kind, count in (
-            ("input", input_tokens),
-            ("output", output_tokens),
-            ("cached", cached_tokens),
-        ):
+        bound = self._tokens_by_target.get(target)
+        if bound is None:
+            bound = [self._target(target), None, None, None]  # the label, then a child a kind
+            if bound[0] == target:  # policy names only, as in observe_call
+                self._tokens_by_target[target] = bound
+        for i, count in ((1, input_tokens), (2, output_tokens), (3, cached_tokens)):
             if count is not None and count > 0:
-                self._child(self.tokens, target, kind).inc(count)
+                child = bound[i]
+                if child is None:  # bound on first use: no series before its first count
+                    child = bound[i] = self._child(self.tokens, bound[0], _TOKEN_KINDS[i])
+                child.inc(count)
 
     def observe_genai(
         self,
@@ -298,25 +317,47 @@ class Metrics(Series):
         with cached tokens, as the conventions count them; None: unknown, not recorded)
         and, for a relayed stream, the seconds to its first chunk. ``operation`` and
         ``provider`` come from the dialect (fixed values); the models are bounded."""
-        base = (operation, provider, self._model(request_model))
-        response = self._model(response_model)
-        key = (*base, response, error_type or "")
-        bound = self._per_model.get(key)  # label values only: bounded like the registry
+        named = (operation, provider, request_model, response_model, error_type or "")
+        bound = self._per_named.get(named)
         if bound is None:
-            bound = self._per_model[key] = [self._child(self.operation_duration, *key), None, None]
+            bound = self._bind_genai(named)
         bound[0].observe(max(duration_s, 0.0))
-        for i, kind, count in ((1, "input", input_tokens), (2, "output", output_tokens)):
+        for i, count in ((1, input_tokens), (2, output_tokens)):
             if count is not None and count >= 0:
                 child = bound[i]
                 if child is None:  # bound on first use: no series before its first count
-                    child = bound[i] = self._child(self.token_usage, *base, response, kind)
+                    child = bound[i] = self._child(self.token_usage, *bound[3], _TOKEN_KINDS[i])
                 child.observe(count)
         if first_chunk_s is not None:
-            self._child(self.first_chunk, *base).observe(max(first_chunk_s, 0.0))
+            self._child(self.first_chunk, *bound[3][:3]).observe(max(first_chunk_s, 0.0))
+
+    def _bind_genai(self, named: tuple[str, str, str | None, str | None, str]) -> list[Any]:
+        """The bound series of one call's GenAI label values: ``[operation duration,
+        input tokens, output tokens, the label values]`` (token histograms None until
+        their first count, so no series appears before it)."""
+        operation, provider, request_model, response_model, error_type = named
+        key = (operation, provider, self._model(request_model), self._model(response_model))
+        labels = (*key, error_type)
+        bound = self._per_model.get(labels)  # label values only: bounded like the registry
+        if bound is None:
+            bound = self._per_model[labels] = [
+                self._child(self.operation_duration, *labels), None, None, key,
+            ]  # fmt: skip
+        if len(self._per_named) >= _MAX_NAMED:
+            self._per_named.clear()
+        self._per_named[named] = bound
+        return bound
 
     def observe_cost(self, target: str, model: str | None, usd: float) -> None:
         """Add one call's cost in USD (model labels as for the gen_ai metrics)."""
-        self._child(self.cost, self._target(target), self._model(model)).inc(max(usd, 0.0))
+        named = (target, model)
+        child = self._cost_by_named.get(named)
+        if child is None:
+            child = self._child(self.cost, self._target(target), self._model(model))
+            if len(self._cost_by_named) >= _MAX_NAMED:
+                self._cost_by_named.clear()
+            self._cost_by_named[named] = child
+        child.inc(max(usd, 0.0))
 
     def observe_budget_rejection(self, budget: str) -> None:
         """Count one call a budget refused (the budget's policy name)."""
@@ -338,7 +379,12 @@ class Metrics(Series):
 
     def observe_ratelimit_wait(self, group: str, wait_s: float) -> None:
         """Record the time a call waited for its rate-limit group, in seconds."""
-        self._child(self.ratelimit_wait, self._group(group)).observe(max(wait_s, 0.0))
+        child = self._wait_by_group.get(group)
+        if child is None:
+            child = self._child(self.ratelimit_wait, self._group(group))
+            if group in self._groups:  # policy names only
+                self._wait_by_group[group] = child
+        child.observe(max(wait_s, 0.0))
 
     def observe_ratelimit_rejection(self, group: str) -> None:
         """Count one call the rate-limit group refused (CAPACITY_EXCEEDED)."""

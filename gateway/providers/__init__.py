@@ -66,6 +66,8 @@ DIALECTS: Final[Mapping[str, Dialect]] = {
 PROMPT_BYTES_PER_TOKEN: Final = 4
 _PROMPT_KEYS: Final = tuple(dict.fromkeys(k for d in DIALECTS.values() for k in d.prompt_keys))
 _DELTA_READERS: Final = tuple(d.delta_text for d in DIALECTS.values())
+_CAP_READERS: Final = tuple(d.output_cap for d in DIALECTS.values())
+_HOLD_READERS: Final = tuple(d.exhausted_holds for d in DIALECTS.values())
 #: Request headers (lower case) that the providers' SDKs send and the providers need.
 SDK_HEADERS: Final = frozenset(h for d in DIALECTS.values() for h in d.sdk_headers)
 #: Where the providers' SDKs put the agent's own key: headers (lower case), query names.
@@ -100,7 +102,10 @@ def delta_text(event: Any) -> str | None:
 def exhausted_holds(headers: Mapping[str, str], now: float) -> list[float]:
     """Seconds until each rate limit that ``headers`` (case-insensitive names) report as
     spent resets, in every dialect; ``now`` is wall-clock time (``time.time()``)."""
-    return [hold for d in DIALECTS.values() for hold in d.exhausted_holds(headers, now)]
+    holds: list[float] = []
+    for read in _HOLD_READERS:
+        holds += read(headers, now)
+    return holds
 
 
 def error_hint(
@@ -159,8 +164,15 @@ def prompt_bytes(parameters: Mapping[str, Any]) -> int:
 
 
 def output_cap(parameters: Mapping[str, Any]) -> int:
-    """The output-token cap a request body sets, in any dialect (0 when none)."""
-    return max(d.output_cap(parameters) for d in DIALECTS.values())
+    """The output-token cap a request body sets, in any dialect (0 when none): the
+    largest of every dialect's (a body may carry another dialect's keys, and the
+    estimate is defined over all of them)."""
+    cap = 0
+    for read in _CAP_READERS:
+        found = read(parameters)
+        if found > cap:
+            cap = found
+    return cap
 
 
 def estimate_tokens(parameters: Mapping[str, Any]) -> int:
@@ -176,6 +188,15 @@ def estimate_tokens(parameters: Mapping[str, Any]) -> int:
     return output_cap(parameters) + math.ceil(prompt_bytes(parameters) / PROMPT_BYTES_PER_TOKEN)
 
 
+#: (dialect, endpoint, request model) -> its GenAICall (or None: not a model call): a call
+#: is described by these alone, and agents call a few endpoints with a few models, so
+#: each call reuses the frozen description instead of matching its endpoint again.
+#: Bounded: cleared when full; a long endpoint (a path with ids) is not kept.
+_KNOWN_CALLS: Final[dict[tuple[str, str, str | None], GenAICall | None]] = {}
+_MAX_KNOWN_CALLS: Final = 1024
+_MAX_KNOWN_ENDPOINT: Final = 256
+
+
 def genai_call(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> GenAICall | None:
     """The GenAI description of a call to ``endpoint`` on a target of dialect ``provider``
     (its policy key ``usage``); None when the target has no dialect or the endpoint is
@@ -183,15 +204,23 @@ def genai_call(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> G
     dialect = DIALECTS.get(provider)
     if dialect is None:
         return None
+    model = dialect.request_model(endpoint, parameters)
+    key = (provider, endpoint, model)
+    try:
+        return _KNOWN_CALLS[key]
+    except KeyError:
+        pass
     operation = dialect.operation(endpoint)
-    if operation is None:
-        return None
-    return GenAICall(
-        dialect.provider_name,
-        operation,
-        dialect.request_model(endpoint, parameters),
-        dialect.cached_outside_input,
+    call = (
+        None
+        if operation is None
+        else GenAICall(dialect.provider_name, operation, model, dialect.cached_outside_input)
     )
+    if len(endpoint) <= _MAX_KNOWN_ENDPOINT:  # model names are at most 256 characters
+        if len(_KNOWN_CALLS) >= _MAX_KNOWN_CALLS:
+            _KNOWN_CALLS.clear()
+        _KNOWN_CALLS[key] = call
+    return call
 
 
 def response_model(provider: str, data: Any) -> str | None:

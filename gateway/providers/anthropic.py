@@ -59,6 +59,11 @@ from gateway.providers.base import (
 )
 
 _KINDS: Final = ("requests", "tokens", "input-tokens", "output-tokens")
+#: ``(remaining, reset)`` header names of each limit (read on every answer: built once).
+_LIMIT_HEADERS: Final = tuple(
+    (f"anthropic-ratelimit-{kind}-remaining", f"anthropic-ratelimit-{kind}-reset")
+    for kind in _KINDS
+)
 #: Anthropic's error types (API reference, "Errors") as a mid-stream error's kind.
 _ERROR_KINDS: Final[dict[str, FailureKind]] = {
     "overloaded_error": "overloaded",
@@ -154,9 +159,10 @@ def output_cap(parameters: Mapping[str, Any]) -> int:
 def exhausted_holds(headers: Mapping[str, str], now: float) -> list[float]:
     """Seconds until each Anthropic limit whose ``remaining`` is 0 resets."""
     holds = []
-    for kind in _KINDS:
-        if number(headers.get(f"anthropic-ratelimit-{kind}-remaining")) == 0:
-            wait = _rfc3339_until(headers.get(f"anthropic-ratelimit-{kind}-reset"), now)
+    for remaining, reset in _LIMIT_HEADERS:
+        value = headers.get(remaining)
+        if value is not None and number(value) == 0:
+            wait = _rfc3339_until(headers.get(reset), now)
             if wait is not None:
                 holds.append(wait)
     return holds

@@ -51,7 +51,15 @@ from gateway.providers.base import (
 )
 
 _KINDS: Final = ("requests", "tokens")
-_OUTPUT_KEYS: Final = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_MAX_TOKENS, _MAX_COMPLETION, _MAX_OUTPUT = (
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+)
+#: ``(remaining, reset)`` header names of each limit (read on every answer: built once).
+_LIMIT_HEADERS: Final = tuple(
+    (f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}") for kind in _KINDS
+)
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|us|µs|ns|m|s)")
 _UNIT_S: Final = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 #: ``error.code`` / ``error.type`` values that mean the account is out of quota or credit.
@@ -176,7 +184,9 @@ def delta_text(event: Any) -> str | None:
 
 
 def output_cap(parameters: Mapping[str, Any]) -> int:
-    return max(positive_cap(parameters.get(key)) for key in _OUTPUT_KEYS)
+    get = parameters.get
+    return max(positive_cap(get(_MAX_TOKENS)), positive_cap(get(_MAX_COMPLETION)),
+               positive_cap(get(_MAX_OUTPUT)))  # fmt: skip
 
 
 def choices(parameters: Mapping[str, Any]) -> int:
@@ -187,9 +197,10 @@ def choices(parameters: Mapping[str, Any]) -> int:
 def exhausted_holds(headers: Mapping[str, str], now: float) -> list[float]:
     """Seconds until each OpenAI limit whose ``remaining`` is 0 resets."""
     holds = []
-    for kind in _KINDS:
-        if number(headers.get(f"x-ratelimit-remaining-{kind}")) == 0:
-            wait = duration_s(headers.get(f"x-ratelimit-reset-{kind}"))
+    for remaining, reset in _LIMIT_HEADERS:
+        value = headers.get(remaining)
+        if value is not None and number(value) == 0:
+            wait = duration_s(headers.get(reset))
             if wait is not None:
                 holds.append(wait)
     return holds

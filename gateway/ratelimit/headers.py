@@ -53,14 +53,15 @@ def provider_hold_s(headers: Mapping[str, str], status: int, now: float) -> floa
     3339 times. Header names are matched case-insensitively.
     """
     lower = _lowered(headers)
-    holds: list[float] = []
+    longest = 0.0
     if status == 429:
         wait = retry_after_s(lower, now)
-        if wait is not None:
-            holds.append(wait)
-    holds += exhausted_holds(lower, now)
-    positive = [h for h in holds if h > 0]
-    return max(positive) if positive else None
+        if wait is not None and wait > longest:
+            longest = wait
+    for hold in exhausted_holds(lower, now):
+        if hold > longest:
+            longest = hold
+    return longest if longest > 0 else None
 
 
 def _lowered(headers: Mapping[str, str]) -> Mapping[str, str]:
