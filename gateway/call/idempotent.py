@@ -104,8 +104,9 @@ async def once_per_key(
         response = _unrenderable(response, exc, ctx)
         body = response.model_dump_json().encode()
     if ctx.api == "envelope" and ctx.mcp is None:
-        # The agent gets these same bytes (an MCP answer's data is still filtered in
-        # place after this, and the other routes write their own answers).
+        # The agent gets these same bytes. Not for an MCP exchange, whose data would be
+        # filtered in place after this (the policy refuses idempotency on MCP targets
+        # today), nor the other routes, which write answers of their own.
         global _rendered  # one slot, taken by the server at once
         _rendered = (weakref.ref(response), body)
     await settle(store, key, token, _stored(200, body, ctx.stream_body), ttl_s, ctx)
