@@ -37,6 +37,8 @@ _log = get_logger("gateway.pipeline")
 #: second time: (a weak reference to the answer, its ``model_dump_json()`` bytes). One
 #: slot: the server takes it in the same step of the event loop (no await between the
 #: pipeline's return and the answer's writing), so calls cannot overwrite each other's.
+#: An answer the server does not write after all (a failure replaced it) leaves its bytes
+#: here until the next one: at most one answer's.
 _rendered: tuple[weakref.ref[ExternalCallResponse], bytes] | None = None
 
 

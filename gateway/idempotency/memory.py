@@ -16,10 +16,11 @@ keys behave as new: the next call with that key goes upstream again. An expired 
 is never served: every lookup checks the time. Completed entries are kept in one queue
 per ``ttl_s`` in completion order, which is their expiry order, so the soonest to expire
 is always at the front of one of a few queues: expired entries are dropped a few per
-call and eviction takes the earliest front, each in O(1) per queue, never a walk of the
-table that would stall the event loop. Entries in flight whose lease ends are dropped
-from a heap of leases, which holds only the calls in flight and a bounded number of
-stale items.
+call (looked for only once the soonest expiry has passed) and eviction takes the
+earliest front, each in O(1) per queue, never a walk of the table that would stall the
+event loop. An entry completes in place (the table keeps it under its key). Entries in
+flight whose lease ends are dropped from a heap of leases, which holds only the calls in
+flight and a bounded number of stale items.
 
 Concurrency: the methods do not await between reading and writing the table, so on one
 event loop each is atomic; concurrent ``begin`` calls on a fresh key yield exactly one
