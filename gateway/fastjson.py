@@ -66,6 +66,27 @@ def compact(value: Any, *, default: Callable[[Any], Any] | None = None) -> bytes
     return text.encode("utf-8")
 
 
+def _sorts_as_stdlib() -> bool:
+    """Whether this orjson writes sorted compact JSON as the stdlib does for everything
+    :func:`sorted_compact` lets through (escapes, raw UTF-8, key order, integers): a
+    check at import, so another orjson version that writes differently is not used."""
+    if orjson is None:
+        return False
+    sample = {
+        "z": [0, -1, 2**63 - 1, -(2**63), True, False, {}, []],
+        "é": "".join(map(chr, range(0x20))) + '"\\/\x7f\u2028\u2029\ufeff😀 ☃ Zoë',
+        "😀": 1,
+        "\uffff": 2,
+        "": "",
+        "A": {"b": {"a": "x"}},
+    }
+    stdlib = json.dumps(sample, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return orjson.dumps(sample, option=orjson.OPT_SORT_KEYS) == stdlib.encode("utf-8")
+
+
+_SORTS_AS_STDLIB: Final = _sorts_as_stdlib()
+
+
 def sorted_compact(value: Any) -> bytes | None:
     """``value`` as the UTF-8 bytes of ``json.dumps(value, sort_keys=True, ensure_ascii=
     False, separators=(",", ":"), allow_nan=False)``, written by orjson; or None where
@@ -76,13 +97,13 @@ def sorted_compact(value: Any) -> bytes | None:
     text such as ``"v1.2"`` or ``"null"`` sends a value to the stdlib too: never a wrong
     answer, only a slower one. Keys sort alike in both: by code point, which is UTF-8
     byte order."""
-    if orjson is None:
+    if orjson is None or not _SORTS_AS_STDLIB:
         return None
     try:
         out = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except TypeError:  # past 64 bits, non-str keys, lone surrogates, too deep, unknown
         return None
-    if b"null" in out or b"0." in out.translate(_FLOAT_MARKS):
+    if b"0." in out.translate(_FLOAT_MARKS) or b"null" in out:
         return None
     return out
 
