@@ -5,6 +5,7 @@ a secret in the answer are each still answered as before."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -142,3 +143,47 @@ async def test_the_stream_case_stores_its_events_beside_the_same_envelope(
         assert resp.content_type == "text/event-stream"
         assert (await resp.read()).startswith(events)
     assert up.hits == 1
+
+
+async def test_an_answer_json_cannot_hold_is_stored_and_sent_with_its_note() -> None:
+    """The fallback of the one serialisation: data the JSON writer refuses (a lone
+    surrogate) is replaced by a note, stored, and the server's bytes are the note's."""
+    from gateway.call.record import CallContext
+    from gateway.envelope import ExternalCallRequest
+    from gateway.idempotency import MemoryIdempotencyStore
+
+    store = MemoryIdempotencyStore()
+    request = ExternalCallRequest.model_validate(envelope(parameters={"p": 1}))
+    ctx = CallContext(started=time.monotonic(), agent_id="a", request=request)
+    ctx.idempotency_key = "k-note"
+    sent = 0
+
+    async def forward() -> ExternalCallResponse:
+        nonlocal sent
+        sent += 1
+        return _answer(data={"text": "\ud800"})
+
+    def failure(exc: Exception) -> ExternalCallResponse:
+        raise AssertionError(exc)
+
+    async def once() -> tuple[int, ExternalCallResponse]:
+        return await idempotent.once_per_key(
+            store,
+            request,
+            "fake-openai",
+            ctx,
+            deadline=time.monotonic() + 5,
+            ttl_s=60,
+            forward=forward,
+            failure=failure,
+        )
+
+    status, response = await once()
+    assert status == 200
+    assert response.data == {"content_type": None, "text": ctx.warnings[0]}
+    assert "could not be written as JSON" in ctx.warnings[0]
+    wire = idempotent.rendered(response)
+    assert wire == response.model_dump_json().encode()
+    status, replayed = await once()  # the resend: the note, from the store
+    assert (status, replayed.replayed, replayed.data, sent) == (200, True, response.data, 1)
+    assert idempotent.rendered(replayed) is None  # a replay is written by the server
