@@ -7,7 +7,8 @@ spelling of some floats (``1e16`` where the stdlib writes ``1e+16``: the same nu
 RFC 8259 section 6). What orjson refuses (integers past 64 bits, non-string keys, lone
 surrogates, types it does not know) is written by the stdlib, so the two paths accept
 the same values. Not for hashes that must not change across installs (idempotency
-keys and fingerprints, the audit chain): those use the stdlib only.
+keys and fingerprints, the audit chain): those use the stdlib's bytes, which
+:func:`sorted_compact` gives with orjson's speed where orjson writes exactly the same.
 
 :func:`log_line` writes one log or audit line (text, any value via ``str``);
 :func:`loads` reads JSON back exactly as the stdlib does, :data:`loads_fast` as fast as
@@ -26,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover - exercised by installs without the extra
     orjson = None  # type: ignore[assignment]
 
-__all__ = ["compact", "dumps_line", "loads", "loads_fast", "log_line"]
+__all__ = ["compact", "dumps_line", "loads", "loads_fast", "log_line", "sorted_compact"]
 
 # Dates and dataclasses as str(), as the stdlib path's default=str writes them.
 _LOG_OPTIONS: Final = (
@@ -43,6 +44,11 @@ loads_fast: Callable[[bytes | str], Any] = orjson.loads if orjson is not None el
 # included: a cheap, safe test) is read by the stdlib.
 _DIGITS_ONLY: Final = bytes(0x39 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 _LONG_DIGITS: Final = b"9" * 19
+# Digits to "0", the characters of a float's fraction and exponent to ".": a float orjson
+# wrote (always a digit followed by "." or "e") becomes "0.".
+_FLOAT_MARKS: Final = bytes(
+    0x30 if 0x30 <= b <= 0x39 else 0x2E if b in b".eE" else b for b in range(256)
+)
 
 
 def compact(value: Any, *, default: Callable[[Any], Any] | None = None) -> bytes:
@@ -58,6 +64,48 @@ def compact(value: Any, *, default: Callable[[Any], Any] | None = None) -> bytes
             pass  # the stdlib decides, and raises its own errors
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=default)
     return text.encode("utf-8")
+
+
+def _sorts_as_stdlib() -> bool:
+    """Whether this orjson writes sorted compact JSON as the stdlib does for everything
+    :func:`sorted_compact` lets through (escapes, raw UTF-8, key order, integers): a
+    check at import, so another orjson version that writes differently is not used."""
+    if orjson is None:
+        return False
+    sample = {
+        "z": [0, -1, 2**63 - 1, -(2**63), True, False, {}, []],
+        "é": "".join(map(chr, range(0x20))) + '"\\/\x7f\u2028\u2029\ufeff😀 ☃ Zoë',
+        "😀": 1,
+        "\uffff": 2,
+        "": "",
+        "A": {"b": {"a": "x"}},
+    }
+    stdlib = json.dumps(sample, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return orjson.dumps(sample, option=orjson.OPT_SORT_KEYS) == stdlib.encode("utf-8")
+
+
+_SORTS_AS_STDLIB: Final = _sorts_as_stdlib()
+
+
+def sorted_compact(value: Any) -> bytes | None:
+    """``value`` as the UTF-8 bytes of ``json.dumps(value, sort_keys=True, ensure_ascii=
+    False, separators=(",", ":"), allow_nan=False)``, written by orjson; or None where
+    orjson's bytes might differ (the caller then asks the stdlib): orjson absent, a value
+    it refuses, any float (orjson spells some differently: ``1e-7`` for ``1e-07``,
+    ``0.00001`` for ``1e-05``), a ``null`` (orjson writes NaN and infinities as ``null``
+    where the stdlib raises). The test is on the bytes written, strings included, so a
+    text such as ``"v1.2"`` or ``"null"`` sends a value to the stdlib too: never a wrong
+    answer, only a slower one. Keys sort alike in both: by code point, which is UTF-8
+    byte order."""
+    if orjson is None or not _SORTS_AS_STDLIB:
+        return None
+    try:
+        out = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # past 64 bits, non-str keys, lone surrogates, too deep, unknown
+        return None
+    if b"0." in out.translate(_FLOAT_MARKS) or b"null" in out:
+        return None
+    return out
 
 
 def log_line(value: Any) -> str:

@@ -16,6 +16,7 @@ import base64
 import contextlib
 import json
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,6 +31,15 @@ from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Repla
 from gateway.idempotency.keys import fingerprint, store_key
 
 _log = get_logger("gateway.pipeline")
+
+#: The envelope JSON of the answer :func:`once_per_key` last stored on the envelope route,
+#: for the server to send as it is (:func:`rendered`) instead of writing the same answer a
+#: second time: (a weak reference to the answer, its ``model_dump_json()`` bytes). One
+#: slot: the server takes it in the same step of the event loop (no await between the
+#: pipeline's return and the answer's writing), so calls cannot overwrite each other's.
+#: An answer the server does not write after all (a failure replaced it) leaves its bytes
+#: here until the next one: at most one answer's.
+_rendered: tuple[weakref.ref[ExternalCallResponse], bytes] | None = None
 
 
 async def once_per_key(
@@ -91,12 +101,30 @@ async def once_per_key(
     # From here on the upstream has acted: whatever fails, the key is completed with
     # the answer the agent gets, so that a resend replays it and never acts twice.
     try:
-        stored = stored_answer(200, response, ctx.stream_body)
+        body = response.model_dump_json().encode()
     except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
         response = _unrenderable(response, exc, ctx)
-        stored = stored_answer(200, response, ctx.stream_body)
-    await settle(store, key, token, stored, ttl_s, ctx)
+        body = response.model_dump_json().encode()
+    if ctx.api == "envelope" and ctx.mcp is None:
+        # The agent gets these same bytes. Not for an MCP exchange, whose data would be
+        # filtered in place after this (the policy refuses idempotency on MCP targets
+        # today), nor the other routes, which write answers of their own.
+        global _rendered  # one slot, taken by the server at once
+        _rendered = (weakref.ref(response), body)
+    await settle(store, key, token, _stored(200, body, ctx.stream_body), ttl_s, ctx)
     return 200, response
+
+
+def rendered(response: ExternalCallResponse) -> bytes | None:
+    """The bytes of ``response.model_dump_json()`` if :func:`once_per_key` wrote them when
+    it stored ``response`` (the same answer, the same serialisation), else None. Taken
+    once: a second call for the same answer gives None."""
+    global _rendered  # one slot
+    last = _rendered
+    if last is None or last[0]() is not response:
+        return None
+    _rendered = None
+    return last[1]
 
 
 async def replay(
@@ -172,7 +200,11 @@ def stored_answer(
     """An answer as the idempotency store keeps it: its HTTP status, the envelope, and
     for a streamed answer its events (the stream's bytes, base64), to replay them."""
     # pydantic's JSON writer (Rust): one pass instead of model_dump + json.dumps.
-    body = response.model_dump_json().encode()
+    return _stored(status, response.model_dump_json().encode(), stream)
+
+
+def _stored(status: int, body: bytes, stream: bytes | None) -> bytes:
+    """:func:`stored_answer` from the envelope's JSON ``body``."""
     if stream is None:
         return b'{"status":%d,"response":%s}' % (status, body)
     return b'{"status":%d,"response":%s,"stream":"%s"}' % (

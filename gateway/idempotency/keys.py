@@ -7,14 +7,24 @@ agent that resends the same envelope (same trace_id, correlation_id, target, met
 endpoint and parameters) gets the same key and the same fingerprint; changing the
 parameters keeps the key and changes the fingerprint, which the store reports as a
 conflict.
+
+The bytes are the stdlib's (``json.dumps``), whoever writes them: orjson where it writes
+exactly the same (:func:`gateway.fastjson.sorted_compact`), else the stdlib's C encoder
+called directly (``json.dumps`` builds a new encoder for every call), else ``json.dumps``
+itself, which also gives every error. So a key or fingerprint is the same with or
+without orjson installed, and the same as every earlier version computed: keys stored
+in a shared Redis by an older sidecar still match.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from json.encoder import encode_basestring as _encode_str  # what json.dumps uses for str
 from typing import Any, Final
+
+from gateway.fastjson import sorted_compact
 
 __all__ = ["DERIVED_KEY_PREFIX", "canonical_json", "derive_key", "fingerprint", "store_key"]
 
@@ -23,12 +33,54 @@ __all__ = ["DERIVED_KEY_PREFIX", "canonical_json", "derive_key", "fingerprint", 
 DERIVED_KEY_PREFIX: Final = "egw1-"
 
 
-def canonical_json(value: Any) -> bytes:
-    """``value`` as canonical JSON bytes. Raises ValueError for NaN/inf, TypeError for
-    values JSON cannot hold."""
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _c_encoder() -> Callable[[Any, int], list[str]] | None:
+    """The stdlib's C encoder with :func:`canonical_json`'s settings, built once; None
+    where the interpreter has none or it does not write what ``json.dumps`` writes."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython always has it
+        return None
+    try:
+        # No circular-reference markers (they would be shared between calls): a cycle
+        # ends in RecursionError here, and json.dumps then gives its own error.
+        encode: Callable[[Any, int], list[str]] = make(
+            None, _refuse, _encode_str, None, ":", ",", True, False, False
+        )
+        sample = {"b": [1, 2.5, -0.0, 1e-07, None, True], "a": 'é"\\n\u2028'}
+        if "".join(encode(sample, 0)) != _stdlib(sample):
+            return None  # pragma: no cover - another interpreter's encoder
+    except Exception:  # noqa: BLE001 - pragma: no cover - a changed signature: not used
+        return None
+    return encode
+
+
+def _stdlib(value: Any) -> str:
     return json.dumps(
         value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    )
+
+
+_ENCODE: Final = _c_encoder()
+
+
+def canonical_json(value: Any) -> bytes:
+    """``value`` as canonical JSON bytes: ``json.dumps(value, sort_keys=True, separators=
+    (",", ":"), ensure_ascii=False, allow_nan=False)`` in UTF-8 (see the module
+    docstring for who writes them). Raises ValueError for NaN/inf (UnicodeEncodeError
+    for a lone surrogate), TypeError for values JSON cannot hold, RecursionError past
+    the interpreter's depth: json.dumps' own errors."""
+    fast = sorted_compact(value)
+    if fast is not None:
+        return fast
+    if _ENCODE is not None:
+        try:
+            return "".join(_ENCODE(value, 0)).encode("utf-8")
+        except (ValueError, TypeError, RecursionError):
+            pass  # json.dumps raises the same, with its own message
+    return _stdlib(value).encode("utf-8")
 
 
 def derive_key(

@@ -16,10 +16,11 @@ keys behave as new: the next call with that key goes upstream again. An expired 
 is never served: every lookup checks the time. Completed entries are kept in one queue
 per ``ttl_s`` in completion order, which is their expiry order, so the soonest to expire
 is always at the front of one of a few queues: expired entries are dropped a few per
-call and eviction takes the earliest front, each in O(1) per queue, never a walk of the
-table that would stall the event loop. Entries in flight whose lease ends are dropped
-from a heap of leases, which holds only the calls in flight and a bounded number of
-stale items.
+call (looked for only once the soonest expiry has passed) and eviction takes the
+earliest front, each in O(1) per queue, never a walk of the table that would stall the
+event loop. An entry completes in place (the table keeps it under its key). Entries in
+flight whose lease ends are dropped from a heap of leases, which holds only the calls in
+flight and a bounded number of stale items.
 
 Concurrency: the methods do not await between reading and writing the table, so on one
 event loop each is atomic; concurrent ``begin`` calls on a fresh key yield exactly one
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -55,6 +57,7 @@ class _Entry:
     fingerprint: str
     token: str | None  # the owner's while in flight; None once completed
     expires_at: float
+    size: int  # what it counts against max_bytes: key (UTF-8), fingerprint, answer
     answer: bytes = b""  # meaningful once token is None
     ttl_s: float = 0.0  # the completed entry's queue (meaningful once token is None)
     # Created by the first waiter only: most entries are never waited on, and thousands
@@ -67,12 +70,12 @@ class _Entry:
 _Lease: TypeAlias = tuple[float, str]
 #: Expired completed entries dropped per store operation (the queues' earliest fronts).
 _SWEEP_PER_CALL: Final = 2
+_NEVER: Final = math.inf
 
 
-def _size(key: str, entry: _Entry) -> int:
-    """What an entry counts against ``max_bytes``: key (UTF-8), fingerprint, answer."""
-    key_bytes = len(key) if key.isascii() else len(key.encode())
-    return key_bytes + len(entry.fingerprint) + len(entry.answer)
+def _key_size(key: str, fingerprint: str) -> int:
+    """What an entry in flight counts against ``max_bytes``: key (UTF-8), fingerprint."""
+    return (len(key) if key.isascii() else len(key.encode())) + len(fingerprint)
 
 
 class MemoryIdempotencyStore:
@@ -92,6 +95,9 @@ class MemoryIdempotencyStore:
         self._completed = 0
         self._bytes = 0
         self._leases: list[_Lease] = []  # a heap of the in-flight entries' leases
+        # At most the soonest expiry of a completed entry (inf if none): until then no
+        # completed entry can have expired, so a call need not look.
+        self._next_expiry = _NEVER
         self._tokens = itertools.count(1)
 
     @property
@@ -104,45 +110,73 @@ class MemoryIdempotencyStore:
 
     async def begin(self, key: str, fingerprint: str, *, lease_s: float) -> Outcome:
         now = time.monotonic()
-        self._expire(now)
-        entry = self._lookup(key, now)
+        leases = self._leases
+        if now >= self._next_expiry or (leases and leases[0][0] <= now):
+            self._expire(now)
+        entries = self._entries
+        entry = entries.get(key)
         if entry is not None:
-            if entry.fingerprint != fingerprint:
-                return Conflict()
-            if entry.token is None:
-                return Replay(entry.answer)
-            return InFlight()
-        entry = _Entry(fingerprint, None, now + lease_s)
-        self._evict(extra_entries=1, extra_bytes=_size(key, entry))
-        if len(self._entries) >= self.max_entries:
-            raise CapacityExceeded(
-                f"the idempotency store holds {len(self._entries)} calls in flight, its "
-                "limit; retry when some have finished",
-                details={"reason": "idempotency_store_full"},
-            )
+            if entry.expires_at > now:
+                if entry.fingerprint != fingerprint:
+                    return Conflict()
+                if entry.token is None:
+                    return Replay(entry.answer)
+                return InFlight()
+            self._drop(key, entry)
+        size = _key_size(key, fingerprint)
+        if len(entries) >= self.max_entries or self._bytes + size > self.max_bytes:
+            self._evict(extra_entries=1, extra_bytes=size)
+            if len(entries) >= self.max_entries:
+                raise CapacityExceeded(
+                    f"the idempotency store holds {len(entries)} calls in flight, its "
+                    "limit; retry when some have finished",
+                    details={"reason": "idempotency_store_full"},
+                )
         # The owner's token only has to differ from every other owner's in this process
         # (it never leaves it): a counter, not a random value from a system call.
-        entry.token = token = f"m{next(self._tokens)}"
-        self._insert(key, entry)
+        token = f"m{next(self._tokens)}"
+        expires_at = now + lease_s
+        entries[key] = _Entry(fingerprint, token, expires_at, size)
+        self._bytes += size
+        heapq.heappush(leases, (expires_at, key))
+        if len(leases) > 2 * (len(entries) - self._completed) + 64:
+            # A completed call leaves its lease behind until the lease's end; dropping
+            # the stale ones when they reach twice the calls in flight keeps this heap
+            # small (a few dozen items under load), so a rebuild costs microseconds.
+            self._leases = [lease for lease in leases if self._live(lease) is not None]
+            heapq.heapify(self._leases)
         return Proceed(token)
 
     async def complete(self, key: str, token: str, answer: bytes, *, ttl_s: float) -> bool:
         now = time.monotonic()
-        self._expire(now)
+        leases = self._leases
+        if now >= self._next_expiry or (leases and leases[0][0] <= now):
+            self._expire(now)  # an owner whose lease has ended loses its key here
         entry = self._entries.get(key)
         if entry is None or entry.token != token:
             return False
-        self._remove(key, entry)
+        # In flight -> completed, in place: the table keeps the entry under its key.
         entry.answer = answer
         entry.token = None
         _wake(entry)
-        size = _size(key, entry)
+        size = entry.size + len(answer)
         if size > self.max_bytes:
+            del self._entries[key]
+            self._bytes -= entry.size
             return False
-        entry.expires_at = now + ttl_s
+        self._bytes += len(answer)
+        entry.size = size
+        entry.expires_at = expires_at = now + ttl_s
         entry.ttl_s = ttl_s
-        self._evict(extra_entries=1, extra_bytes=size)
-        self._insert(key, entry)
+        if self._bytes > self.max_bytes:
+            self._evict(extra_entries=0, extra_bytes=0)  # not this one: not queued yet
+        queue = self._done.get(ttl_s)
+        if queue is None:
+            queue = self._done[ttl_s] = OrderedDict()
+        queue[key] = entry
+        self._completed += 1
+        if expires_at < self._next_expiry:
+            self._next_expiry = expires_at
         return True
 
     async def abandon(self, key: str, token: str) -> None:
@@ -177,28 +211,10 @@ class MemoryIdempotencyStore:
         self._done.clear()
         self._completed = 0
         self._leases.clear()
+        self._next_expiry = _NEVER
         self._bytes = 0
 
     # --- internals ------------------------------------------------------------------
-
-    def _insert(self, key: str, entry: _Entry) -> None:
-        self._entries[key] = entry
-        self._bytes += _size(key, entry)
-        if entry.token is None:
-            queue = self._done.get(entry.ttl_s)
-            if queue is None:
-                queue = self._done[entry.ttl_s] = OrderedDict()
-            queue[key] = entry
-            self._completed += 1
-            return
-        heapq.heappush(self._leases, (entry.expires_at, key))
-        in_flight = len(self._entries) - self._completed
-        if len(self._leases) > 2 * in_flight + 64:
-            # A completed call leaves its lease behind until the lease's end; dropping
-            # the stale ones when they reach twice the calls in flight keeps this heap
-            # small (a few dozen items under load), so a rebuild costs microseconds.
-            self._leases = [lease for lease in self._leases if self._live(lease) is not None]
-            heapq.heapify(self._leases)
 
     def _live(self, lease: _Lease) -> _Entry | None:
         """The entry in flight ``lease`` stands for, or None if the lease is stale (the
@@ -221,7 +237,7 @@ class MemoryIdempotencyStore:
     def _remove(self, key: str, entry: _Entry) -> None:
         if self._entries.get(key) is entry:
             del self._entries[key]
-            self._bytes -= _size(key, entry)
+            self._bytes -= entry.size
             if entry.token is None:
                 queue = self._done[entry.ttl_s]
                 del queue[key]
@@ -243,30 +259,47 @@ class MemoryIdempotencyStore:
             if entry is not None:
                 self._drop(lease[1], entry)
         for _ in range(_SWEEP_PER_CALL):
-            soonest = self._soonest()
-            if soonest is None or soonest[1].expires_at > now:
-                break
-            self._remove(*soonest)
+            queue = self._soonest()
+            if queue is None:
+                self._next_expiry = _NEVER
+                return
+            at = next(iter(queue.values())).expires_at
+            if at > now:
+                self._next_expiry = at
+                return
+            self._pop_front(queue)
 
-    def _soonest(self) -> tuple[str, _Entry] | None:
-        """The completed entry closest to its expiry: the earliest of the queues' fronts."""
-        best: tuple[str, _Entry] | None = None
-        for queue in self._done.values():
-            key = next(iter(queue))
-            entry = queue[key]
-            if best is None or entry.expires_at < best[1].expires_at:
-                best = (key, entry)
-        return best
+    def _soonest(self) -> OrderedDict[str, _Entry] | None:
+        """The queue whose front (its oldest entry) is the completed entry closest to its
+        expiry, or None if there is no completed entry."""
+        done = self._done
+        if len(done) <= 1:
+            return next(iter(done.values()), None)
+        return min(done.values(), key=_front_expiry)
+
+    def _pop_front(self, queue: OrderedDict[str, _Entry]) -> None:
+        """Remove ``queue``'s front: completed, so nobody waits on it."""
+        key, entry = queue.popitem(last=False)
+        del self._entries[key]
+        self._bytes -= entry.size
+        self._completed -= 1
+        if not queue:
+            del self._done[entry.ttl_s]
 
     def _evict(self, *, extra_entries: int, extra_bytes: int) -> None:
         """Drop completed entries, closest to expiry first (expired ones before any live
         one), until the extra fits (if it can)."""
         max_entries, max_bytes = self.max_entries - extra_entries, self.max_bytes - extra_bytes
-        while len(self._entries) > max_entries or self._bytes > max_bytes:
-            soonest = self._soonest()
-            if soonest is None:
+        entries = self._entries
+        while len(entries) > max_entries or self._bytes > max_bytes:
+            queue = self._soonest()
+            if queue is None:
                 return  # only entries in flight left: never evicted
-            self._remove(*soonest)
+            self._pop_front(queue)
+
+
+def _front_expiry(queue: OrderedDict[str, _Entry]) -> float:
+    return next(iter(queue.values())).expires_at
 
 
 def _wake(entry: _Entry) -> None:

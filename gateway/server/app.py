@@ -32,6 +32,7 @@ from aiohttp.http_exceptions import ContentEncodingError
 
 from gateway import openapi, redaction
 from gateway.audit import get_logger
+from gateway.call.idempotent import rendered
 from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
@@ -67,13 +68,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
-    try:
-        raw = response.model_dump_json()
-    except ValueError as exc:  # the pipeline rules this out; if not, still an envelope
-        _log.error("answer_not_writable", error=str(exc)[:200], trace_id=response.trace_id)
-        note = {"content_type": None, "text": "the answer's data could not be written as JSON"}
-        raw = response.model_copy(update={"data": note}).model_dump_json()
-    body = redaction.scrub_bytes(raw.encode())
+    # An answer just stored for its idempotency key was written as JSON for the store:
+    # the same bytes, not a second serialisation.
+    raw = rendered(response)
+    if raw is None:
+        try:
+            raw = response.model_dump_json().encode()
+        except ValueError as exc:  # the pipeline rules this out; if not, still an envelope
+            _log.error("answer_not_writable", error=str(exc)[:200], trace_id=response.trace_id)
+            note = {"content_type": None, "text": "the answer's data could not be written as JSON"}
+            raw = response.model_copy(update={"data": note}).model_dump_json().encode()
+    body = redaction.scrub_bytes(raw)
     return web.Response(status=status, body=body, content_type="application/json")
 
 
