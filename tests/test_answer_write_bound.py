@@ -1,0 +1,112 @@
+"""A large answer to an agent that stops reading is written within a bound.
+
+aiohttp waits for a socket to drain without a bound, so an agent that sends an envelope
+and never reads its (large) answer would hold the handler, the answer's bytes and the
+connection for as long as it likes. The sidecar writes an answer larger than the
+transport's buffer within ``body_timeout_s``, then drops the connection and logs
+``answer_undelivered``; an agent that reads gets every byte, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.server.app import create_app
+from gateway.server.runtime import Gateway
+from tests.conftest import SidecarServer, compile_policy, envelope, openai_target, wait_for
+
+BIG = {"object": "blob", "text": "x" * (4 * 1024 * 1024)}  # ~4 MiB of JSON
+
+
+async def _big(_: web.Request) -> web.StreamResponse:
+    return web.json_response(BIG)
+
+
+async def _sidecar(upstream_url: str, body_timeout_s: float) -> tuple[SidecarServer, io.StringIO]:
+    log = io.StringIO()
+    policy = compile_policy({"fake-openai": openai_target(upstream_url, usage="none")})
+    gateway = Gateway(policy, log_stream=log)
+    server = SidecarServer(create_app(gateway, body_timeout_s=body_timeout_s), host="127.0.0.1")
+    await server.start_server()
+    return server, log
+
+
+def _lines(log: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in log.getvalue().split("\n") if x.strip()]
+
+
+@pytest.mark.parametrize("route", ["envelope", "proxy"])
+async def test_a_stalled_agent_is_dropped_after_the_bound(upstream_factory, route):
+    up = await upstream_factory(_big)
+    server, log = await _sidecar(up.url, body_timeout_s=0.5)
+    agent = socket.socket()
+    agent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+    try:
+        agent.connect(("127.0.0.1", server.port))
+        if route == "envelope":
+            path, body = b"/v1/calls", json.dumps(envelope()).encode()
+        else:
+            path = b"/proxy/fake-openai/v1/chat/completions"
+            body = json.dumps(envelope()["parameters"]).encode()
+        agent.sendall(
+            b"POST %s HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path, len(body), body)
+        )
+        started = time.monotonic()
+        await wait_for(
+            lambda: any(x.get("event") == "answer_undelivered" for x in _lines(log)), 10.0
+        )
+        assert time.monotonic() - started < 8.0
+        line = next(x for x in _lines(log) if x.get("event") == "answer_undelivered")
+        assert line["reason"] == "agent_stalled"
+        assert line["timeout_s"] == 0.5
+        assert line["bytes"] > 4 * 1024 * 1024
+        # The call itself was answered and audited before the write began.
+        records = [x for x in _lines(log) if x.get("event") == "egress_call"]
+        assert len(records) == 1
+        assert records[0]["success"] is True
+        # The connection is gone: reading now ends (EOF or reset) before the whole answer.
+        agent.setblocking(False)
+        got, closed = 0, False
+        loop = asyncio.get_running_loop()
+        give_up = time.monotonic() + 10
+        while time.monotonic() < give_up:
+            try:
+                chunk = await asyncio.wait_for(loop.sock_recv(agent, 65536), 5)
+            except ConnectionResetError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            got += len(chunk)
+        assert closed
+        assert got < 4 * 1024 * 1024
+    finally:
+        agent.close()
+        await server.close()
+
+
+async def test_an_agent_that_reads_gets_the_whole_large_answer(upstream_factory):
+    up = await upstream_factory(_big)
+    server, log = await _sidecar(up.url, body_timeout_s=5.0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = envelope()
+            async with session.post(f"http://127.0.0.1:{server.port}/v1/calls", json=body) as r:
+                assert r.status == 200
+                answer = await r.json()
+        assert answer["success"] is True
+        assert answer["data"] == BIG
+        assert not any(x.get("event") == "answer_undelivered" for x in _lines(log))
+    finally:
+        await server.close()
