@@ -48,7 +48,7 @@ from typing import Any, Final
 
 from gateway import fastjson
 from gateway.call.bodies import is_json_type, media_type
-from gateway.call.intake import Intake, decode_json, parse_request, printable
+from gateway.call.intake import Intake, decode_json, parse_built, parse_object_fast, printable
 from gateway.call.record import CLAIM_LIMIT, CallContext
 from gateway.envelope import (
     BODY_METHODS,
@@ -220,7 +220,7 @@ def proxy_intake(
             f"the SDK is retrying this request ({_SDK_RETRY_HEADER}: {retry_count}): one "
             "attempt, no retries by the sidecar"
         )
-    intake = parse_request(raw)
+    intake = parse_built(raw)
     ctx.passthrough_headers = passthrough
     return intake
 
@@ -311,10 +311,12 @@ def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
         return {}
     mtype = media_type(content_type)
     if body and (is_json_type(mtype) or not mtype):
-        try:
-            value = decode_json(body)
-        except InvalidPayload:
-            value = None  # not JSON after all: sent as it came, the upstream judges it
+        value = parse_object_fast(body)  # one pass; None: the stdlib's parser decides
+        if value is None:
+            try:
+                value = decode_json(body)
+            except InvalidPayload:
+                value = None  # not JSON after all: sent as it came, the upstream judges it
         if isinstance(value, dict):
             return {"parameters": value}
     content_type = (content_type or "").strip() or (_OCTETS if body else "application/json")
