@@ -11,6 +11,7 @@ import base64
 import json
 import math
 import struct
+import uuid
 from typing import Any
 
 import pytest
@@ -23,9 +24,17 @@ from gateway.call.intake import (
     parse_built,
     parse_object_fast,
     parse_request,
+    printable,
 )
-from gateway.call.proxy import ProxyRequest, proxy_intake
-from gateway.call.record import CallContext
+from gateway.call.proxy import (
+    ProxyRequest,
+    _claim,
+    _ids,
+    _timeout,
+    _uuid4_hex_pair,
+    proxy_intake,
+)
+from gateway.call.record import CLAIM_LIMIT, CallContext
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.idempotency.keys import fingerprint
 from tests.conftest import compile_policy, openai_target
@@ -335,3 +344,94 @@ def test_a_refused_drop_in_call_keeps_its_reason_and_message(
             exact.value.details,
         )
         assert caught.value.http_status == exact.value.http_status == 400
+
+
+# -- the header pass -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        *(chr(c) for c in range(128)),  # every ASCII character, controls included
+        "/v1/chat/completions",
+        "POST",
+        "a b~",
+        "tab\there",
+        "é",
+        "\x85",  # a C1 control
+        "\u2028",
+        "\ud800",  # a lone surrogate (from a percent-decoded target name, say)
+        "ok\udcff",
+        "",
+    ],
+)
+def test_a_claim_is_escaped_as_printable_escapes_it(text: str) -> None:
+    assert _claim(text) == printable(text)
+
+
+def test_generated_ids_are_distinct_random_uuid4s() -> None:
+    seen: set[str] = set()
+    for _ in range(500):
+        pair = _uuid4_hex_pair()
+        for text in pair:
+            parsed = uuid.UUID(hex=text)
+            assert (parsed.version, parsed.variant, parsed.hex) == (4, uuid.RFC_4122, text)
+        seen.update(pair)
+    assert len(seen) == 1000
+    # Every bit but the six fixed ones varies (all 32 hex digits but the version's).
+    assert all(len({text[i] for text in seen}) > 1 for i in range(32) if i != 12)
+
+
+@pytest.mark.parametrize(
+    ("headers", "want"),
+    [
+        ({}, (None, None)),
+        (
+            {"x-egress-trace-id": " run-1 ", "x-egress-correlation-id": "step-2"},
+            ("run-1", "step-2"),
+        ),
+        ({"x-egress-trace-id": "run-1"}, ("run-1", None)),
+        ({"x-egress-correlation-id": "step-2"}, (None, "step-2")),
+        (
+            {"traceparent": "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"},
+            ("4bf92f3577b34da6a3ce929d0e0e4736", None),
+        ),
+        ({"traceparent": "00-" + "0" * 32 + "-00f067aa0ba902b7-01"}, (None, None)),
+        ({"traceparent": "00-xyz-00f067aa0ba902b7-01"}, (None, None)),
+        (
+            {"x-egress-trace-id": "a\nb\x1b", "x-egress-correlation-id": "é\ud800"},
+            ("a\\x0ab\\x1b", "é\\ud800"),
+        ),
+        ({"x-egress-trace-id": "t" * 300}, ("t" * CLAIM_LIMIT, None)),
+    ],
+)
+def test_ids_are_taken_from_the_headers_else_generated(
+    headers: dict[str, str], want: tuple[str | None, str | None]
+) -> None:
+    got = _ids(headers)
+    for value, wanted in zip(got, want, strict=True):
+        if wanted is None:
+            assert uuid.UUID(hex=value).version == 4
+        else:
+            assert value == wanted
+    assert got[0] != got[1]
+
+
+@pytest.mark.parametrize(
+    ("headers", "streamed", "want"),
+    [
+        ({}, False, 30.0),
+        ({}, True, 30.0),
+        ({"x-stainless-timeout": "20"}, False, 20.0),
+        ({"x-stainless-timeout": "20"}, True, 600.0),
+        ({"x-stainless-read-timeout": "nope"}, True, 600.0),
+        ({"x-stainless-timeout": "nope", "x-server-timeout": "7"}, False, 7.0),
+        ({"x-stainless-timeout": "inf", "x-server-timeout": "-1"}, False, 30.0),
+        ({"x-server-timeout": "900"}, True, 600.0),
+        ({"x-egress-timeout": "5", "x-stainless-timeout": "20"}, True, 5.0),
+    ],
+)
+def test_the_deadline_comes_from_the_first_usable_timeout_header(
+    headers: dict[str, str], streamed: bool, want: float
+) -> None:
+    assert _timeout(headers, streamed=streamed) == want
