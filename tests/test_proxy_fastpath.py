@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gateway import fastjson
+from gateway import fastjson, redaction
 from gateway.call.intake import (
     LARGE_BODY_BYTES,
     Intake,
@@ -37,6 +37,7 @@ from gateway.call.proxy import (
 from gateway.call.record import CLAIM_LIMIT, CallContext
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.idempotency.keys import fingerprint
+from gateway.server.proxy import scrubbed
 from tests.conftest import compile_policy, openai_target
 
 POLICY = compile_policy({"openai": openai_target("http://127.0.0.1:9")})
@@ -435,3 +436,33 @@ def test_the_deadline_comes_from_the_first_usable_timeout_header(
     headers: dict[str, str], streamed: bool, want: float
 ) -> None:
     assert _timeout(headers, streamed=streamed) == want
+
+
+# -- the answer pass -----------------------------------------------------------------------
+
+SECRET = "sk-fastpath-TEST-9f8e7d6c5b4a3210"  # a made-up test value
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        ["application/json", "1000000", "1ms"],
+        ["application/json", f"Bearer {SECRET}", "1ms"],  # one holds it
+        [SECRET, SECRET],
+        [base64.b64encode(SECRET.encode()).decode(), "x"],  # another of its forms
+        [f"k={SECRET.replace('-', '%2D')}"],
+        [SECRET[:12], SECRET[12:]],  # split across two values: neither holds it
+        [SECRET[:-1], "x"],
+    ],
+)
+def test_answer_headers_are_scrubbed_as_one_by_one(values: list[str]) -> None:
+    redaction.register(SECRET)
+    headers = [(f"x-h{i}", value) for i, value in enumerate(values)]
+    want = [(name, redaction.scrub(value)) for name, value in headers]
+    got = scrubbed(list(headers))
+    assert got == want
+    if want == headers:
+        assert all(a is b for (_, a), (_, b) in zip(got, headers, strict=True))
+    else:
+        assert SECRET not in json.dumps(got)

@@ -183,16 +183,30 @@ def _answer(
         error is None or (answer.status >= 400 and response.status_code == answer.status)
     ):
         headers = passback_headers(answer.headers)
-        upstream = {k.lower(): v for k, v in headers}
-        egress = egress_headers(error, upstream=upstream, status=answer.status)
+        egress = (  # none without an error, whatever the upstream said
+            egress_headers(error, upstream={k.lower(): v for k, v in headers}, status=answer.status)
+            if error is not None
+            else {}
+        )
         headers += [*answer_ids(response, ctx).items(), *egress.items()]
         return web.Response(
             status=answer.status,
             reason=answer.reason or None,
             body=redaction.scrub_bytes(answer.body),
-            headers=[(k, redaction.scrub(v)) for k, v in headers],
+            headers=scrubbed(headers),
         )
     return _refusal(status, response, dialect, ctx)
+
+
+def scrubbed(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``headers`` with each value scrubbed (:func:`gateway.redaction.scrub`). The values
+    are scrubbed one by one only when their text, joined, holds a secret's form: a form
+    inside one value is inside the whole, so a whole that scrubs to itself means that
+    every value would (one scrub per answer instead of one per header)."""
+    joined = "\n".join(value for _, value in headers)
+    if redaction.scrub(joined) == joined:
+        return headers
+    return [(name, redaction.scrub(value)) for name, value in headers]
 
 
 def _replayed(
