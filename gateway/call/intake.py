@@ -14,7 +14,6 @@ import binascii
 import difflib
 import json
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -22,6 +21,8 @@ from typing import Any, Final, Literal
 from pydantic import TypeAdapter, ValidationError
 
 from gateway import fastjson
+from gateway.call.fastpath import escapes_utf16, needs_exact_path
+from gateway.call.fastpath import has_lone_surrogates as has_lone_surrogates  # bodies.py's
 from gateway.envelope import (
     BODY_METHODS,
     CONTROL_CHARACTERS,
@@ -84,17 +85,18 @@ def decode_json(
     ``too_deep`` past the interpreter's recursion limit.
 
     A body over :data:`LARGE_BODY_BYTES` is parsed by pydantic's parser when it holds
-    nothing the two parsers read differently (:func:`_needs_exact_path`: NaN, infinities,
-    overflowing numbers; it refuses what the stdlib's refuses) and no ``\\uD8xx``-style
-    escape (it refuses a lone surrogate, which must be refused naming its field): the
-    same value, once. ``object_pairs_hook`` is :func:`json.loads`' (each object's pairs in
-    order, repeated names included); with it the stdlib parser reads every body.
+    nothing the two parsers read differently (:mod:`gateway.call.fastpath`: NaN,
+    infinities, overflowing numbers; it refuses what the stdlib's refuses) and no
+    ``\\uD8xx``-style escape (it refuses a lone surrogate, which must be refused naming
+    its field): the same value, once. ``object_pairs_hook`` is :func:`json.loads`' (each
+    object's pairs in order, repeated names included); with it the stdlib parser reads
+    every body.
     """
     if (
         object_pairs_hook is None
         and len(body) > LARGE_BODY_BYTES
-        and not _needs_exact_path(body)
-        and not _escapes_utf16(body)
+        and not needs_exact_path(body)
+        and not escapes_utf16(body)
     ):
         try:
             return _ANY_JSON.validate_json(body)
@@ -139,16 +141,11 @@ def decode_json(
         ) from None
 
 
-def _escapes_utf16(raw: bytes) -> bool:
-    """True if JSON text ``raw`` may hold a ``\\uD800``-``\\uDFFF`` escape."""
-    return b"\\ud" in raw or b"\\uD" in raw
-
-
 def refuse_lone_surrogates(raw: bytes, value: Any) -> None:
     """Raise :class:`InvalidPayload` (reason ``lone_surrogate``) if ``value``, parsed from
     the JSON text ``raw``, holds one. Cheap unless ``raw`` has a ``\\uD8xx``-``\\uDFxx``
     escape at all; then a few C-speed encodes of the envelope at most."""
-    if not _escapes_utf16(raw):
+    if not escapes_utf16(raw):
         return
     path = _surrogate_path(value)
     if path is not None:
@@ -219,18 +216,6 @@ def _encodes(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def has_lone_surrogates(raw: bytes, value: Any) -> bool:
-    """True if the parsed ``value`` of JSON text ``raw`` holds a lone surrogate. Cheap
-    unless ``raw`` contains a ``\\uD8xx``-``\\uDFxx`` escape at all."""
-    if b"\\ud" not in raw and b"\\uD" not in raw:
-        return False
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 class _NotFinite(ValueError):
@@ -447,28 +432,6 @@ def _control_key(value: Any) -> str | None:
     return None
 
 
-#: The fast path leaves to :func:`decode_json` and :func:`parse_request` what pydantic's
-#: JSON parser reads differently: ``NaN`` and ``Infinity`` (accepted there) and numbers
-#: that overflow a float (read as infinities). An overflow needs at least 309 digits
-#: before the point, or an exponent: of three digits, or of two after at least 210
-#: digits (10^(209 + 99)). In JSON an exponent always follows a digit (RFC 8259,
-#: section 6), so the regex runs only on a body with a digit before an ``e``. A match
-#: inside a string is harmless: that envelope just takes the exact path.
-_DIGITS_AS_ZERO: Final = bytes.maketrans(b"123456789E", b"000000000e")
-_LONG_MANTISSA: Final = b"0" * 309
-_LONG_WITH_EXPONENT: Final = b"0" * 200  # fewer than 210, to be safe
-_BIG_EXPONENT: Final = re.compile(rb"[0-9][eE][+-]?[0-9]{3}")
-
-
-def _needs_exact_path(body: bytes) -> bool:
-    if b"NaN" in body or b"Infinity" in body:
-        return True
-    digits = body.translate(_DIGITS_AS_ZERO)
-    if b"0e" not in digits:  # no exponent anywhere
-        return _LONG_MANTISSA in digits
-    return _LONG_WITH_EXPONENT in digits or _BIG_EXPONENT.search(body) is not None
-
-
 def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
     """The envelope in ``body`` validated in one pass by pydantic's JSON parser, or None
     when the exact path must decide (anything invalid, unknown fields, another
@@ -478,7 +441,7 @@ def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
     Not for bodies over :data:`LARGE_BODY_BYTES`: pydantic's errors for a million unknown
     keys or header values would cost seconds before the exact path even starts, and that
     path parses a large body with the same parser, once."""
-    if len(body) > LARGE_BODY_BYTES or _needs_exact_path(body):
+    if len(body) > LARGE_BODY_BYTES or needs_exact_path(body):
         return None
     try:
         # Strict, extra fields forbidden; a lone surrogate escape is a JSON error here.
@@ -490,3 +453,37 @@ def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
     if (request.metadata or request.body is not None) and request_problem(request):
         return None
     return request
+
+
+#: A drop-in call's JSON body as ``parameters``, by pydantic's parser (:func:`parse_built`
+#: leaves ``parameters`` of more keys than :data:`_MAX_COPIED_KEYS` uncopied).
+_PARAMETERS: Final = TypeAdapter(dict[str, Any])
+_MAX_COPIED_KEYS: Final = 1024
+
+
+def parse_object_fast(body: bytes) -> dict[str, Any] | None:
+    """The JSON object in ``body`` read in one pass: the value :func:`decode_json` gives
+    (:mod:`gateway.call.fastpath`), or None when that must decide (not an object, not
+    JSON, a BOM, NaN, a lone surrogate, deep nesting, over :data:`LARGE_BODY_BYTES`)."""
+    if len(body) > LARGE_BODY_BYTES or needs_exact_path(body):
+        return None
+    try:
+        return _PARAMETERS.validate_json(body)
+    except ValidationError:
+        return None
+
+
+def parse_built(raw: dict[str, Any]) -> Intake:
+    """:func:`parse_request` of an envelope the sidecar built (a drop-in call's) in one
+    validation: the same :class:`Intake`, or (anything invalid, ``parameters`` of many
+    keys) :func:`parse_request`'s own answer and error."""
+    parameters = raw.get("parameters")
+    if isinstance(parameters, dict) and len(parameters) > _MAX_COPIED_KEYS:
+        return parse_request(raw)
+    try:
+        request = ExternalCallRequest.model_validate(raw)
+    except ValidationError:
+        return parse_request(raw)
+    if request.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS or request_problem(request):
+        return parse_request(raw)
+    return Intake(request)

@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import base64
 import math
-import uuid
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from gateway import fastjson
 from gateway.call.bodies import is_json_type, media_type
-from gateway.call.intake import Intake, decode_json, parse_request, printable
+from gateway.call.intake import Intake, decode_json, parse_built, parse_object_fast, printable
 from gateway.call.record import CLAIM_LIMIT, CallContext
 from gateway.envelope import (
     BODY_METHODS,
@@ -160,9 +160,9 @@ def proxy_intake(
     ctx.claimed = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
-        "target_system": printable(http.target[:CLAIM_LIMIT]),
-        "endpoint": printable(http.path[:CLAIM_LIMIT]),
-        "method": printable(http.method[:CLAIM_LIMIT]),
+        "target_system": _claim(http.target[:CLAIM_LIMIT]),
+        "endpoint": _claim(http.path[:CLAIM_LIMIT]),
+        "method": _claim(http.method[:CLAIM_LIMIT]),
     }
     if refuse is not None:
         raise refuse
@@ -220,7 +220,7 @@ def proxy_intake(
             f"the SDK is retrying this request ({_SDK_RETRY_HEADER}: {retry_count}): one "
             "attempt, no retries by the sidecar"
         )
-    intake = parse_request(raw)
+    intake = parse_built(raw)
     ctx.passthrough_headers = passthrough
     return intake
 
@@ -232,9 +232,35 @@ def _ids(headers: Mapping[str, str]) -> tuple[str, str]:
     if not trace:
         parts = headers.get("traceparent", "").strip().split("-")
         valid = len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32
-        trace = parts[1].lower() if valid and _hex(parts[1]) else uuid.uuid4().hex
-    correlation = headers.get(CORRELATION_ID_HEADER, "").strip() or uuid.uuid4().hex
-    return printable(trace[:CLAIM_LIMIT]), printable(correlation[:CLAIM_LIMIT])
+        trace = parts[1].lower() if valid and _hex(parts[1]) else ""
+    correlation = headers.get(CORRELATION_ID_HEADER, "").strip()
+    if trace and correlation:
+        return _claim(trace[:CLAIM_LIMIT]), _claim(correlation[:CLAIM_LIMIT])
+    generated = _uuid4_hex_pair()  # hex digits: nothing to escape
+    return (
+        _claim(trace[:CLAIM_LIMIT]) if trace else generated[0],
+        _claim(correlation[:CLAIM_LIMIT]) if correlation else generated[1],
+    )
+
+
+def _uuid4_hex_pair() -> tuple[str, str]:
+    """Two random UUIDs (version 4, RFC 9562 section 5.4) as 32 hex digits each, as
+    :func:`uuid.uuid4` makes them (its version and variant bits set on ``os.urandom``),
+    from one read of ``os.urandom`` and without its per-UUID checks."""
+    text = f"{int.from_bytes(os.urandom(32), 'big') & _UUID4_KEPT | _UUID4_SET:064x}"
+    return text[:32], text[32:]
+
+
+#: :class:`uuid.UUID`'s ``version=4``: the variant (bits 62-63: ``10``) and the version
+#: (bits 76-79: ``0100``) of a 128-bit UUID, here for two of them side by side.
+_UUID4_KEPT: Final = ~((0xC000 << 48 | 0xF000 << 64) * (1 << 128 | 1))
+_UUID4_SET: Final = (0x8000 << 48 | 4 << 76) * (1 << 128 | 1)
+
+
+def _claim(text: str) -> str:
+    """:func:`gateway.call.intake.printable`, at once for printable ASCII (no control
+    character, no surrogate: the text as it came)."""
+    return text if text.isascii() and text.isprintable() else printable(text)
 
 
 def _hex(text: str) -> bool:
@@ -287,12 +313,13 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
                 details={"reason": "invalid_header", "header": _TIMEOUT_HEADER},
             ) from None
     for name in _SDK_TIMEOUT_HEADERS:
-        if streamed and name in _READ_TIMEOUT_HEADERS:
-            if name in headers:
-                return MAX_TIMEOUT_S
+        sdk = headers.get(name)
+        if sdk is None:  # not float(""): a raised ValueError costs more than the rest
             continue
+        if streamed and name in _READ_TIMEOUT_HEADERS:
+            return MAX_TIMEOUT_S
         try:
-            seconds = float(headers.get(name, ""))
+            seconds = float(sdk)
         except ValueError:
             continue
         if math.isfinite(seconds) and seconds > 0:
@@ -311,10 +338,12 @@ def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
         return {}
     mtype = media_type(content_type)
     if body and (is_json_type(mtype) or not mtype):
-        try:
-            value = decode_json(body)
-        except InvalidPayload:
-            value = None  # not JSON after all: sent as it came, the upstream judges it
+        value = parse_object_fast(body)  # one pass; None: the stdlib's parser decides
+        if value is None:
+            try:
+                value = decode_json(body)
+            except InvalidPayload:
+                value = None  # not JSON after all: sent as it came, the upstream judges it
         if isinstance(value, dict):
             return {"parameters": value}
     content_type = (content_type or "").strip() or (_OCTETS if body else "application/json")

@@ -46,7 +46,7 @@ from gateway.errors import (
     InvalidPayload,
     error_response,
 )
-from gateway.providers import Dialect, drop_in_dialect
+from gateway.providers import DIALECTS, Dialect, drop_in_dialect
 from gateway.server.runtime import Gateway
 
 #: The route, for every method (``{path}`` may hold slashes and is read raw).
@@ -74,7 +74,6 @@ class ProxyRoute:
         gateway = self._gateway
         policy = gateway.policy.policy
         ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
-        names = frozenset(k.lower() for k in request.headers)
         try:
             body, refuse = await read_limited(
                 self._read_body, request, policy.server.max_request_bytes
@@ -82,20 +81,18 @@ class ProxyRoute:
             http = _proxy_request(request, body)
             relay = _ProxyRelay(request, ctx)
             status, response = await gateway.proxy(http, ctx=ctx, refuse=refuse, relay=relay)
-            dialect = self._dialect(ctx, request, names)
+            dialect = self._dialect(ctx, request)
             if relay.started:
                 return await relay.finish(status, response, dialect)
             return _answer(status, response, ctx, dialect, request.method)
         except GatewayError as exc:  # refused before the pipeline (not started, shut down)
-            return self._refused(exc, ctx, request, names)
+            return self._refused(exc, ctx, request)
         except Exception:  # noqa: BLE001 - the answer must be the provider's shape anyway
             _log.exception("proxy_handler_error")
             error = InternalError("the sidecar failed unexpectedly")
-            return self._refused(error, ctx, request, names)
+            return self._refused(error, ctx, request)
 
-    def _refused(
-        self, exc: GatewayError, ctx: CallContext, request: web.Request, names: frozenset[str]
-    ) -> web.Response:
+    def _refused(self, exc: GatewayError, ctx: CallContext, request: web.Request) -> web.Response:
         response = self._gateway.refused_early(
             exc,
             started=ctx.started,
@@ -103,16 +100,19 @@ class ProxyRoute:
             http_path=request.rel_url.raw_path,
             api="proxy",
         )
-        return _refusal(exc.http_status, response, self._dialect(ctx, request, names), ctx)
+        return _refusal(exc.http_status, response, self._dialect(ctx, request), ctx)
 
-    def _dialect(self, ctx: CallContext, request: web.Request, names: frozenset[str]) -> Dialect:
+    def _dialect(self, ctx: CallContext, request: web.Request) -> Dialect:
         """The error shape for this answer: the target's, also when the call was refused
         before the policy decision named it (a bad header, a body too large), else the
-        SDK's headers'."""
+        SDK's headers' (their names read only then)."""
         target = ctx.target or self._gateway.policy.targets.get(
             request.match_info.get("target", "")
         )
-        return drop_in_dialect(target.spec.usage if target is not None else None, names)
+        usage = target.spec.usage if target is not None else None
+        if usage is not None and usage in DIALECTS:
+            return DIALECTS[usage]  # what drop_in_dialect gives, whatever the headers
+        return drop_in_dialect(usage, frozenset(k.lower() for k in request.headers))
 
 
 def drop_connection(request: web.Request) -> None:
@@ -183,16 +183,30 @@ def _answer(
         error is None or (answer.status >= 400 and response.status_code == answer.status)
     ):
         headers = passback_headers(answer.headers)
-        upstream = {k.lower(): v for k, v in headers}
-        egress = egress_headers(error, upstream=upstream, status=answer.status)
+        egress = (  # none without an error, whatever the upstream said
+            egress_headers(error, upstream={k.lower(): v for k, v in headers}, status=answer.status)
+            if error is not None
+            else {}
+        )
         headers += [*answer_ids(response, ctx).items(), *egress.items()]
         return web.Response(
             status=answer.status,
             reason=answer.reason or None,
             body=redaction.scrub_bytes(answer.body),
-            headers=[(k, redaction.scrub(v)) for k, v in headers],
+            headers=scrubbed(headers),
         )
     return _refusal(status, response, dialect, ctx)
+
+
+def scrubbed(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``headers`` with each value scrubbed (:func:`gateway.redaction.scrub`). The values
+    are scrubbed one by one only when their text, joined, holds a secret's form: a form
+    inside one value is inside the whole, so a whole that scrubs to itself means that
+    every value would (one scrub per answer instead of one per header)."""
+    joined = "\n".join(value for _, value in headers)
+    if redaction.scrub(joined) == joined:
+        return headers
+    return [(name, redaction.scrub(value)) for name, value in headers]
 
 
 def _replayed(
