@@ -33,13 +33,18 @@ from aiohttp.http_exceptions import ContentEncodingError
 from gateway import openapi, redaction
 from gateway.audit import get_logger
 from gateway.call.idempotent import rendered
-from gateway.call.proxy import CORRELATION_ID_HEADER, TRACE_ID_HEADER
 from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.server.eventloop import loop_name
 from gateway.server.mcp import MCP_ROUTE, McpRoute
-from gateway.server.proxy import PROXY_ROUTE, ProxyRoute, drop_connection
+from gateway.server.proxy import (
+    PROXY_ROUTE,
+    WRITE_BUFFERED_BYTES,
+    ProxyRoute,
+    drop_connection,
+    send_bounded,
+)
 from gateway.server.reload import PolicyWatcher
 from gateway.server.runtime import Gateway
 
@@ -55,10 +60,6 @@ KEEPALIVE_TIMEOUT_S: Final = 75.0
 #: (INVALID_PAYLOAD, ``details.reason: body_timeout``) and the connection is closed.
 BODY_TIMEOUT_S: Final = 30.0
 BODY_TIMEOUT_KEY: Final = web.AppKey("body_timeout_s", float)
-#: An answer up to this size is handed to the transport whole without waiting (asyncio's
-#: and uvloop's default write high-water mark is 64 KiB); a larger one is written within
-#: ``body_timeout_s`` (:func:`_send_bounded`).
-WRITE_BUFFERED_BYTES: Final = 64 * 1024
 #: After an answer sent before its body was read whole (413, 404, 408...), aiohttp reads
 #: and drops what more of the body comes for at most this long, so that the agent gets
 #: the answer rather than a reset, then closes (aiohttp's default, made explicit).
@@ -103,7 +104,7 @@ def _error_answer(exc: GatewayError, started: float, request: web.Request) -> we
 @web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn aiohttp's own HTTP errors (404, 405, 413...) into JSON answers; write a large
-    answer within a bound (:func:`_send_bounded`)."""
+    answer within ``body_timeout_s`` (:func:`gateway.server.proxy.send_bounded`)."""
     started = time.monotonic()
     try:
         response = await handler(request)
@@ -125,36 +126,8 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         and not response.prepared
         and (response.content_length or 0) > WRITE_BUFFERED_BYTES
     ):
-        await _send_bounded(request, response)
+        await send_bounded(request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S))
     return response
-
-
-async def _send_bounded(request: web.Request, response: web.Response) -> None:
-    """Write ``response`` now, within the calls app's ``body_timeout_s`` (the time an
-    agent has to send its body is the time it has to take its answer). An agent that
-    stops reading would otherwise hold the handler, the answer's bytes and the
-    connection for as long as it likes: aiohttp waits for the socket to drain without a
-    bound. Past the bound the connection is dropped and ``answer_undelivered`` logged
-    with the answer's ids; the call's audit record was written before the answer, as
-    always. A reset by the agent is left to aiohttp, which expects it."""
-    timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
-    try:
-        async with asyncio.timeout(timeout_s):
-            await response.prepare(request)
-            await response.write_eof()
-    except TimeoutError:
-        _log.warning(
-            "answer_undelivered",
-            reason="agent_stalled",
-            timeout_s=timeout_s,
-            bytes=response.content_length,
-            path=request.rel_url.raw_path[:200],
-            trace_id=response.headers.get(TRACE_ID_HEADER),
-            correlation_id=response.headers.get(CORRELATION_ID_HEADER),
-        )
-        drop_connection(request)
-    except ConnectionError:
-        pass  # the agent hung up: aiohttp's own finish sees the closed transport
 
 
 async def _calls(request: web.Request) -> web.StreamResponse:

@@ -18,6 +18,7 @@ never a clean end. Every answer carries ``x-egress-trace-id`` and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -29,6 +30,8 @@ from aiohttp import web
 from gateway import redaction
 from gateway.audit import get_logger
 from gateway.call.proxy import (
+    CORRELATION_ID_HEADER,
+    TRACE_ID_HEADER,
     ProxyRequest,
     egress_headers,
     id_headers,
@@ -113,6 +116,39 @@ class ProxyRoute:
         if usage is not None and usage in DIALECTS:
             return DIALECTS[usage]  # what drop_in_dialect gives, whatever the headers
         return drop_in_dialect(usage, frozenset(k.lower() for k in request.headers))
+
+
+#: An answer up to this size is handed to the transport whole without waiting (asyncio's
+#: and uvloop's default write high-water mark is 64 KiB); a larger one is written within
+#: a bound (:func:`send_bounded`).
+WRITE_BUFFERED_BYTES: Final = 64 * 1024
+
+
+async def send_bounded(request: web.Request, response: web.Response, timeout_s: float) -> None:
+    """Write ``response`` now, within ``timeout_s`` (the calls app's ``body_timeout_s``:
+    the time an agent has to send its body is the time it has to take its answer). An agent that
+    stops reading would otherwise hold the handler, the answer's bytes and the
+    connection for as long as it likes: aiohttp waits for the socket to drain without a
+    bound. Past the bound the connection is dropped and ``answer_undelivered`` logged
+    with the answer's ids; the call's audit record was written before the answer, as
+    always. A reset by the agent is left to aiohttp, which expects it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.prepare(request)
+            await response.write_eof()
+    except TimeoutError:
+        _log.warning(
+            "answer_undelivered",
+            reason="agent_stalled",
+            timeout_s=timeout_s,
+            bytes=response.content_length,
+            path=request.rel_url.raw_path[:200],
+            trace_id=response.headers.get(TRACE_ID_HEADER),
+            correlation_id=response.headers.get(CORRELATION_ID_HEADER),
+        )
+        drop_connection(request)
+    except ConnectionError:
+        pass  # the agent hung up: aiohttp's own finish sees the closed transport
 
 
 def drop_connection(request: web.Request) -> None:
