@@ -361,8 +361,11 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     a second header) stays on the body, so its header goes back with it (RFC 9110
     section 8.4). An upstream header named like the sidecar's own (``x-egress-*``) goes
     back renamed ``x-upstream-egress-*``: only the sidecar says which call this was,
-    whether it failed or was replayed. ``headers`` is aiohttp's multi-valued mapping
-    (``items()`` gives every line)."""
+    whether it failed or was replayed. A value holding bytes that are not UTF-8 (RFC 9110
+    section 5.5's obs-text, e.g. Latin-1; aiohttp decodes them as surrogate escapes) is
+    not passed back: the sidecar's HTTP writer writes header values as UTF-8, so it could
+    only pass such a value altered, and a changed value is worse than an absent one.
+    ``headers`` is aiohttp's multi-valued mapping (``items()`` gives every line)."""
     named = {t.strip().lower() for t in headers.get("Connection", "").split(",")}
     out = []
     decoded = False
@@ -374,10 +377,20 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
             decoded = True  # aiohttp reads the first header only
             if value.isascii() and value.strip().lower() in _DECODED_CODINGS | {"", "identity"}:
                 continue
+        if not value.isascii() and not _is_utf8(value):
+            continue
         if lower.startswith(_OWN_PREFIX):
             name = "x-upstream-" + name[2:]
         out.append((name, value))
     return out
+
+
+def _is_utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a surrogate escape: a byte that was not UTF-8
+        return False
+    return True
 
 
 def egress_headers(

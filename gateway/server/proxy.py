@@ -225,12 +225,18 @@ def _answer(
             else {}
         )
         headers += [*answer_ids(response, ctx).items(), *egress.items()]
-        return web.Response(
+        passed = web.Response(
             status=answer.status,
             reason=answer.reason or None,
             body=redaction.scrub_bytes(answer.body),
             headers=scrubbed(headers),
         )
+        length = answer.headers.get("Content-Length", "")
+        if method == "HEAD" and length.isdigit():
+            # The length of the body a GET would get (RFC 9110 sections 9.3.2 and 8.6),
+            # not of the empty one written here; set after the body, which resets it.
+            passed.headers["Content-Length"] = length
+        return passed
     return _refusal(status, response, dialect, ctx)
 
 

@@ -1,0 +1,33 @@
+"""HEAD through the drop-in route: the upstream's Content-Length describes the body a GET
+would get (RFC 9110 section 9.3.2 and 8.6); it goes back to the agent unchanged, not
+replaced by the length of the empty body the sidecar writes."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from tests.conftest import compile_policy, openai_target
+
+FILE = b"x" * 1234
+
+
+async def _file(request: web.Request) -> web.StreamResponse:
+    return web.Response(body=FILE, content_type="application/octet-stream")
+
+
+async def test_head_keeps_the_upstreams_content_length(upstream_factory, sidecar_factory):
+    up = await upstream_factory(_file)
+    target = openai_target(
+        up.url, endpoints=[{"path": "/v1/files/*", "methods": ["GET", "HEAD"]}], usage="none"
+    )
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    async with sc.session.head(sc.url + "/proxy/fake-openai/v1/files/f-1") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Length"] == str(len(FILE))
+        assert resp.headers["Content-Type"] == "application/octet-stream"
+        assert await resp.read() == b""
+    async with sc.session.get(sc.url + "/proxy/fake-openai/v1/files/f-1") as resp:
+        assert resp.status == 200
+        assert await resp.read() == FILE
+        assert resp.headers["Content-Length"] == str(len(FILE))
+    assert [r["method"] for r in sc.audit_records()] == ["HEAD", "GET"]
