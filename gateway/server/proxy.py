@@ -254,7 +254,13 @@ def scrubbed(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
 def _replayed(
     status: int, response: ExternalCallResponse, ctx: CallContext, dialect: Dialect, method: str
 ) -> web.Response:
-    """A stored answer (idempotency replay), rebuilt from its envelope."""
+    """A stored answer (idempotency replay), rebuilt from its envelope; a stored failure
+    whose upstream status was not an error (a 101, a redirect not followed) was the
+    sidecar's refusal the first time (:func:`_answer`), and is again."""
+    if response.error is not None and (response.status_code or 0) < 400:
+        refusal = _refusal(status, response, dialect, ctx)
+        refusal.headers["x-egress-replayed"] = "true"
+        return refusal
     rebuilt = (None, b"") if method == "HEAD" else replayed_body(response)
     if rebuilt is None:
         refused = IdempotencyConflict(

@@ -1,0 +1,76 @@
+"""Review of issue 21's changes (newcomer and adversary, h-review): each test is a break
+found on main, written to fail before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from tests.conftest import compile_policy, openai_target
+from tests.test_upstream_101 import Switcher
+
+CHAT = {"model": "fake-model-1", "messages": [{"role": "user", "content": "ping"}]}
+
+
+@pytest.fixture
+async def switcher() -> AsyncIterator[Switcher]:
+    fake = Switcher()
+    server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+    fake.port = server.sockets[0].getsockname()[1]
+    yield fake
+    for writer in fake._held:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+
+
+async def test_a_replayed_101_is_not_sent_to_the_agent_as_101(switcher, sidecar_factory):
+    """An upstream 101 on a target with idempotency: the first answer is the 502 refusal
+    and its key is completed; the resend with the same key must get that 502 again, not a
+    ``101 Switching Protocols`` of the sidecar's own (which would switch the agent's
+    connection)."""
+    target = openai_target(f"http://127.0.0.1:{switcher.port}", idempotency={"methods": ["POST"]})
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    headers = {"x-egress-timeout": "5", "Idempotency-Key": "key-101"}
+    url = sc.url + "/proxy/fake-openai/v1/chat/completions"
+    answers = []
+    for _ in range(2):
+        async with sc.session.post(url, json=CHAT, headers=headers) as resp:
+            answers.append((resp.status, resp.headers.get("x-egress-error-code"), await resp.read()))
+    assert switcher.requests == 1  # the key held: the upstream saw one request
+    first, second = answers
+    assert first[0] == 502
+    assert first[1] == "UPSTREAM_REJECTED"
+    assert second[0] == 502, second
+    assert second[1] == "UPSTREAM_REJECTED"
+    assert len(sc.audit_records()) == 2
+
+
+async def test_a_replayed_redirect_is_the_refusal_the_first_answer_was(
+    upstream_factory, sidecar_factory
+):
+    """An upstream redirect (not followed) is refused with the provider's 502 error body
+    on the drop-in route; its replay must be that same refusal, not a bare 300 of the
+    sidecar's own with an empty body (nor a redirect the SDK might follow)."""
+
+    async def redirect(_: object) -> web.StreamResponse:
+        return web.Response(status=300, text="choose")  # no Location: not followed
+
+    up = await upstream_factory(redirect)
+    target = openai_target(up.url, idempotency={"methods": ["POST"]})
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    headers = {"Idempotency-Key": "key-300"}
+    url = sc.url + "/proxy/fake-openai/v1/chat/completions"
+    answers = []
+    for _ in range(2):
+        async with sc.session.post(url, json=CHAT, headers=headers, allow_redirects=False) as resp:
+            body = await resp.json(content_type=None) if resp.status == 502 else None
+            answers.append((resp.status, resp.headers.get("x-egress-error-code"), body))
+    assert up.hits == 1
+    first, second = answers
+    assert first[0] == 502
+    assert first[1] == "UPSTREAM_REJECTED"
+    assert second == first  # the same status, code and provider-shaped error body
