@@ -4,6 +4,7 @@ found on main, written to fail before its fix."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -39,7 +40,9 @@ async def test_a_replayed_101_is_not_sent_to_the_agent_as_101(switcher, sidecar_
     answers = []
     for _ in range(2):
         async with sc.session.post(url, json=CHAT, headers=headers) as resp:
-            answers.append((resp.status, resp.headers.get("x-egress-error-code"), await resp.read()))
+            answers.append(
+                (resp.status, resp.headers.get("x-egress-error-code"), await resp.read())
+            )
     assert switcher.requests == 1  # the key held: the upstream saw one request
     first, second = answers
     assert first[0] == 502
@@ -74,3 +77,60 @@ async def test_a_replayed_redirect_is_the_refusal_the_first_answer_was(
     assert first[0] == 502
     assert first[1] == "UPSTREAM_REJECTED"
     assert second == first  # the same status, code and provider-shaped error body
+
+
+@pytest.mark.parametrize(
+    "name", [b"anthropic-beta", b"x-team", b"accept", b"idempotency-key", b"tracestate"]
+)
+async def test_an_agent_header_that_is_not_utf8_is_refused_not_forwarded_altered(
+    upstream_factory, sidecar_factory, name
+):
+    """A drop-in request header the sidecar forwards (an SDK header, one of the target's
+    ``forward_headers``, the idempotency key of a target without idempotency) whose value
+    holds bytes that are not UTF-8 (obs-text, here Latin-1 ``\\xe9``): the sidecar's HTTP
+    client writes header values as UTF-8, so it could only forward it altered (``caf``
+    reached the upstream for ``caf\\xe9``). It is refused instead, audited, and nothing
+    is sent."""
+    up = await upstream_factory()
+    target = openai_target(up.url, forward_headers=["x-team"])
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.server.port)
+    body = b'{"model":"m","messages":[]}'
+    writer.write(
+        b"POST /proxy/fake-openai/v1/chat/completions HTTP/1.1\r\nHost: sidecar\r\n"
+        b"Content-Type: application/json\r\n" + name + b": caf\xe9\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, answer = raw.partition(b"\r\n\r\n")
+    assert up.hits == 0, [s.headers for s in up.seen]
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 400 Bad Request"
+    error = json.loads(answer)["error"]
+    assert error["code"] == "INVALID_PAYLOAD"
+    assert name.decode() in error["message"]
+    records = sc.audit_records()
+    assert len(records) == 1
+    assert records[0]["error_code"] == "INVALID_PAYLOAD"
+
+
+async def test_a_traceparent_that_is_not_utf8_is_replaced_as_any_invalid_one(
+    upstream_factory, sidecar_factory
+):
+    """The fallback of the refusal above: a ``traceparent`` is never forwarded as it came
+    unless valid (hex digits), so one with non-UTF-8 bytes is replaced, as before."""
+    up = await upstream_factory()
+    sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url)}))
+    reader, writer = await asyncio.open_connection("127.0.0.1", sc.server.port)
+    body = b'{"model":"m","messages":[]}'
+    writer.write(
+        b"POST /proxy/fake-openai/v1/chat/completions HTTP/1.1\r\nHost: sidecar\r\n"
+        b"Content-Type: application/json\r\ntraceparent: caf\xe9\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert raw.split(b"\r\n")[0] == b"HTTP/1.1 200 OK"
+    assert up.hits == 1
+    sent = {k.lower(): v for k, v in up.seen[0].headers.items()}["traceparent"]
+    assert sent.startswith("00-") and len(sent) == 55
