@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
-from tests.conftest import compile_policy, openai_target
+from tests.conftest import compile_policy, envelope, openai_target, wait_for
 from tests.test_upstream_101 import Switcher
 
 CHAT = {"model": "fake-model-1", "messages": [{"role": "user", "content": "ping"}]}
@@ -133,4 +134,77 @@ async def test_a_traceparent_that_is_not_utf8_is_replaced_as_any_invalid_one(
     assert raw.split(b"\r\n")[0] == b"HTTP/1.1 200 OK"
     assert up.hits == 1
     sent = {k.lower(): v for k, v in up.seen[0].headers.items()}["traceparent"]
-    assert sent.startswith("00-") and len(sent) == 55
+    assert sent.startswith("00-")
+    assert len(sent) == 55
+
+
+#: An answer just under the bound of a large one (gateway.server.proxy.WRITE_BUFFERED_BYTES).
+MEDIUM = {"object": "blob", "text": "x" * (60 * 1024)}
+
+
+async def _medium(_: web.Request) -> web.StreamResponse:
+    return web.json_response(MEDIUM)
+
+
+async def test_small_answers_to_an_agent_that_stopped_reading_are_bounded_too(upstream_factory):
+    """An agent that sends requests on one connection (pipelined) and reads none of the
+    answers, each under 64 KiB: each is handed to the transport at once, but once the
+    earlier ones fill it the next one waits for the socket to drain, without a bound
+    (aiohttp's ``write_eof`` drains). That answer must be written within
+    ``body_timeout_s`` as a large one is, the connection dropped and ``answer_undelivered``
+    logged."""
+    from tests.test_answer_write_bound import _lines, _sidecar
+
+    up = await upstream_factory(_medium)
+    server, log = await _sidecar(up.url, body_timeout_s=0.5)
+    agent = socket.socket()
+    agent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        agent.connect(("127.0.0.1", server.port))
+        body = json.dumps(envelope()).encode()
+        one = (
+            b"POST /v1/calls HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        agent.sendall(one * 200)  # ~12 MiB of answers, more than any socket buffers
+        await wait_for(
+            lambda: any(x.get("event") == "answer_undelivered" for x in _lines(log)), 15.0
+        )
+        line = next(x for x in _lines(log) if x.get("event") == "answer_undelivered")
+        assert line["reason"] == "agent_stalled"
+    finally:
+        agent.close()
+        await server.close()
+
+
+async def test_pipelined_answers_to_an_agent_that_reads_all_arrive(upstream_factory):
+    """The other side of the bound above: an agent that pipelines its requests and reads
+    gets every answer whole, in order, and nothing is logged undelivered."""
+    from tests.test_answer_write_bound import _lines, _sidecar
+
+    up = await upstream_factory(_medium)
+    server, log = await _sidecar(up.url, body_timeout_s=5.0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        body = json.dumps(envelope()).encode()
+        one = (
+            b"POST /v1/calls HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        writer.write(one * 40)
+        await writer.drain()
+        for _ in range(40):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200 OK")
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            answer = json.loads(await asyncio.wait_for(reader.readexactly(length), 10))
+            assert answer["data"] == MEDIUM
+        writer.close()
+        assert up.hits == 40
+        assert not any(x.get("event") == "answer_undelivered" for x in _lines(log))
+    finally:
+        await server.close()
