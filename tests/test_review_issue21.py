@@ -208,3 +208,133 @@ async def test_pipelined_answers_to_an_agent_that_reads_all_arrive(upstream_fact
         assert not any(x.get("event") == "answer_undelivered" for x in _lines(log))
     finally:
         await server.close()
+
+
+class RawUpstream:
+    """Answers every request with the raw status line and headers it is given."""
+
+    def __init__(self, status_line: bytes, headers: bytes = b"", body: bytes = b"{}") -> None:
+        self.head = b"HTTP/1.1 " + status_line + b"\r\n" + headers
+        self.body = body
+        self.requests = 0
+        self.port = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+             if line.lower().startswith(b"content-length:")),
+            0,
+        )  # fmt: skip
+        await reader.readexactly(length)
+        self.requests += 1
+        writer.write(self.head + b"Content-Length: %d\r\n\r\n%s" % (len(self.body), self.body))
+        await writer.drain()
+        writer.close()
+
+
+async def _raw_upstream(fake: RawUpstream) -> asyncio.Server:
+    server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+    fake.port = server.sockets[0].getsockname()[1]
+    return server
+
+
+async def _raw_call(port: int, path: bytes, body: bytes) -> tuple[bytes, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (path, len(body), body)
+    )
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, answer = raw.partition(b"\r\n\r\n")
+    return head, answer
+
+
+@pytest.mark.parametrize(
+    ("status_line", "headers", "status", "code"),
+    [
+        (
+            b"400 Mauvaise requ\xeate",
+            b"Content-Type: application/json\r\n",
+            400,
+            "UPSTREAM_REJECTED",
+        ),
+        (b"503 Indisponible \xe0 pr\xe9sent", b"Content-Type: application/json\r\n", 503, None),
+        (b"502 Bad Gateway", b"Content-Type: t\xe9xt/html\r\n", 502, None),
+    ],
+)
+async def test_an_upstream_status_line_that_is_not_utf8_still_gets_an_envelope(
+    sidecar_factory, status_line, headers, status, code
+):
+    """An upstream error whose reason phrase (RFC 9112 section 4 allows obs-text) or
+    Content-Type holds bytes that are not UTF-8: the error message quotes them, and the
+    envelope route could not write that message as JSON (aiohttp's plain-text ``500
+    Server got itself in trouble`` went back instead of an ExternalCallResponse). The
+    message has them escaped (``\\udcea``), as the ids of an invalid envelope are."""
+    fake = RawUpstream(status_line, headers)
+    server = await _raw_upstream(fake)
+    try:
+        sc = await sidecar_factory(
+            compile_policy({"fake-openai": openai_target(f"http://127.0.0.1:{fake.port}")})
+        )
+        head, answer = await _raw_call(
+            sc.server.port, b"/v1/calls", json.dumps(envelope(max_retries=0)).encode()
+        )
+        assert head.split(b"\r\n")[0].split(b" ")[1] != b"500", (head, answer)
+        doc = json.loads(answer)
+        assert doc["success"] is False
+        assert doc["status_code"] == status
+        if code is not None:
+            assert doc["error"]["code"] == code
+        assert str(status) in doc["error"]["message"]
+        assert "\\udc" in doc["error"]["message"]  # the byte, escaped
+        assert b"could not be written" not in answer  # the data kept, not a note
+        assert len(sc.audit_records()) == 1
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_reason_phrase_that_is_not_utf8_is_not_passed_back_altered(sidecar_factory):
+    """The drop-in route passes the upstream's reason phrase back; one holding bytes that
+    are not UTF-8 could only go back altered (``D\\xe9j\\xe0`` went back as ``Dj``), so the
+    standard phrase of the status is written instead, as for a header value."""
+    fake = RawUpstream(b"200 D\xe9j\xe0", b"Content-Type: application/json\r\n", b'{"id":"x"}')
+    server = await _raw_upstream(fake)
+    try:
+        sc = await sidecar_factory(
+            compile_policy({"fake-openai": openai_target(f"http://127.0.0.1:{fake.port}")})
+        )
+        head, answer = await _raw_call(
+            sc.server.port, b"/proxy/fake-openai/v1/chat/completions", b'{"model":"m"}'
+        )
+        assert head.split(b"\r\n")[0] == b"HTTP/1.1 200 OK"
+        assert answer == b'{"id":"x"}'
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_success_whose_content_type_is_not_utf8_keeps_its_data(sidecar_factory):
+    """The same Content-Type on a 200 that is not JSON: the answer's ``data`` names it
+    (escaped) and keeps the body, instead of the note that the data could not be
+    written as JSON."""
+    fake = RawUpstream(b"200 OK", b"Content-Type: t\xe9xt/plain\r\n", b"hello")
+    server = await _raw_upstream(fake)
+    try:
+        sc = await sidecar_factory(
+            compile_policy({"fake-openai": openai_target(f"http://127.0.0.1:{fake.port}")})
+        )
+        head, answer = await _raw_call(
+            sc.server.port, b"/v1/calls", json.dumps(envelope(max_retries=0)).encode()
+        )
+        assert head.split(b"\r\n")[0] == b"HTTP/1.1 200 OK"
+        doc = json.loads(answer)
+        assert doc["success"] is True
+        assert doc["data"]["content_type"] == "t\\udce9xt/plain"
+        assert "could not be written" not in json.dumps(doc["data"])
+        assert len(sc.audit_records()) == 1
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -406,6 +406,13 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     return out
 
 
+def passback_reason(reason: str) -> str | None:
+    """The upstream's reason phrase to write back, or None (the status's standard phrase):
+    one holding bytes that are not UTF-8 (obs-text, RFC 9112 section 4) could only be
+    written altered, as a header value (:func:`passback_headers`)."""
+    return reason if reason and (reason.isascii() or _is_utf8(reason)) else None
+
+
 def _is_utf8(value: str) -> bool:
     try:
         value.encode("utf-8")

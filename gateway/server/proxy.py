@@ -36,6 +36,7 @@ from gateway.call.proxy import (
     egress_headers,
     id_headers,
     passback_headers,
+    passback_reason,
     replayed_body,
 )
 from gateway.call.record import CallContext
@@ -227,7 +228,7 @@ def _answer(
         headers += [*answer_ids(response, ctx).items(), *egress.items()]
         passed = web.Response(
             status=answer.status,
-            reason=answer.reason or None,
+            reason=passback_reason(answer.reason),
             body=redaction.scrub_bytes(answer.body),
             headers=scrubbed(headers),
         )
@@ -318,7 +319,7 @@ class _ProxyRelay:
         ids = id_headers(request.trace_id, request.correlation_id) if request else {}
         if answer is not None:
             headers = [*passback_headers(answer.headers), *ids.items()]
-            status, reason = answer.status, answer.reason or None
+            status, reason = answer.status, passback_reason(answer.reason)
         else:  # a stored stream replayed (idempotency): its events, not its headers
             headers = [("Content-Type", "text/event-stream"), *ids.items()]
             headers.append(("x-egress-replayed", "true"))
