@@ -12,7 +12,10 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import compile_policy, envelope, openai_target, wait_for
+from tests.redis_fixtures import SHARED_URL, redis_prefix
 from tests.test_upstream_101 import Switcher
+
+__all__ = ["redis_prefix"]  # a fixture, imported for pytest
 
 CHAT = {"model": "fake-model-1", "messages": [{"role": "user", "content": "ping"}]}
 
@@ -338,3 +341,35 @@ async def test_a_success_whose_content_type_is_not_utf8_keeps_its_data(sidecar_f
     finally:
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize("scope", ["local", "cluster"])
+async def test_concurrent_idempotent_answers_are_each_their_own(
+    upstream_factory, sidecar_factory, redis_prefix, scope
+):
+    """The answer serialised once for the store and the wire (call/idempotent.py
+    ``rendered``, one slot): under concurrency, and with the store's awaits between the
+    slot's writing and the answer (Redis, ``scope: cluster``), every call gets its own
+    answer's bytes, and every resend its own replay."""
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        sent = await request.json()
+        return web.json_response({"echo": sent["n"], "text": "x" * (sent["n"] * 97 % 5000)})
+
+    up = await upstream_factory(echo)
+    target = openai_target(up.url, idempotency={"methods": ["POST"], "scope": scope})
+    extra = {"redis": {"url": SHARED_URL, "key_prefix": redis_prefix}} if scope == "cluster" else {}
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}, **extra))
+
+    def env(n: int) -> dict[str, object]:
+        return envelope(correlation_id=f"corr-{n}", parameters={"model": "m", "n": n})
+
+    for _round in range(2):  # the first: all go upstream; the second: all replayed
+        answers = await asyncio.gather(*(sc.call(env(n)) for n in range(60)))
+        for n, (status, answer) in enumerate(answers):
+            assert status == 200
+            assert answer["correlation_id"] == f"corr-{n}"
+            assert answer["data"]["echo"] == n
+            assert len(answer["data"]["text"]) == n * 97 % 5000
+            assert answer["replayed"] is (_round == 1)
+    assert up.hits == 60
