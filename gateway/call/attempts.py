@@ -370,6 +370,10 @@ def status_error(
     described = f"{status} {answer.reason}".strip()
     if not is_json and answer.body:
         described += f" with a {media_type(answer.content_type) or 'untyped'} body (not JSON)"
+    if not described.isascii():
+        # A reason phrase or Content-Type of obs-text (bytes that are not UTF-8, which
+        # aiohttp reads as surrogate escapes): escaped, or the message could not be JSON.
+        described = described.encode("utf-8", "backslashreplace").decode("utf-8")
     details: dict[str, Any] = {"target": target, "upstream_status": status}
     common: dict[str, Any] = {"status_code": status, "data": data, "details": details}
     if hint is not None and hint.verdict is not None:

@@ -58,7 +58,7 @@ from gateway.envelope import (
     ExternalCallResponse,
 )
 from gateway.errors import GatewayError, InvalidPayload
-from gateway.policy import PolicySet
+from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.egress import same_query_name
 from gateway.providers import CREDENTIAL_HEADERS, CREDENTIAL_QUERY, SDK_HEADERS
 from gateway.tracing import TRACE_HEADERS
@@ -185,6 +185,8 @@ def proxy_intake(
     for name, value in headers.items():
         if name in HOP_BY_HOP or name in connection or name in CREDENTIAL_HEADERS:
             continue
+        if not value.isascii() and not _is_utf8(value) and _forwarded(name, forward, target):
+            raise _not_utf8(name)
         if name in TRACE_HEADERS or name in forward:
             agent_headers[name] = value
         elif name in _PASSED:  # not the idempotency header: the key goes as the target says
@@ -223,6 +225,25 @@ def proxy_intake(
     intake = parse_built(raw)
     ctx.passthrough_headers = passthrough
     return intake
+
+
+def _forwarded(name: str, forward: frozenset[str], target: CompiledTarget | None) -> bool:
+    """Whether :func:`proxy_intake` forwards the agent's header ``name`` (lower-case) as
+    it came (a ``traceparent`` is forwarded only when valid, hex digits: else replaced)."""
+    if name == "tracestate" or name in forward or name in _PASSED:
+        return True
+    return name == _IDEMPOTENCY_HEADER and (target is None or target.spec.idempotency is None)
+
+
+def _not_utf8(name: str) -> InvalidPayload:
+    """The refusal of a header to forward whose value holds bytes that are not UTF-8
+    (RFC 9110 section 5.5's obs-text; aiohttp reads them as surrogate escapes): the
+    sidecar's HTTP client writes values as UTF-8, so it could only send it altered."""
+    return InvalidPayload(
+        f"header {name!r}: its value holds bytes that are not UTF-8, which the sidecar "
+        "cannot forward unchanged",
+        details={"reason": "invalid_header", "header": name[:64]},
+    )
 
 
 def _ids(headers: Mapping[str, str]) -> tuple[str, str]:
@@ -383,6 +404,13 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
             name = "x-upstream-" + name[2:]
         out.append((name, value))
     return out
+
+
+def passback_reason(reason: str) -> str | None:
+    """The upstream's reason phrase to write back, or None (the status's standard phrase):
+    one holding bytes that are not UTF-8 (obs-text, RFC 9112 section 4) could only be
+    written altered, as a header value (:func:`passback_headers`)."""
+    return reason if reason and (reason.isascii() or _is_utf8(reason)) else None
 
 
 def _is_utf8(value: str) -> bool:

@@ -124,10 +124,18 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     if (
         isinstance(response, web.Response)
         and not response.prepared
-        and (response.content_length or 0) > WRITE_BUFFERED_BYTES
+        and ((response.content_length or 0) > WRITE_BUFFERED_BYTES or _unsent(request))
     ):
         await send_bounded(request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S))
     return response
+
+
+def _unsent(request: web.Request) -> bool:
+    """Whether the agent has not yet taken an earlier answer on this connection (bytes
+    still in the transport's buffer): even a small answer may then wait for the socket to
+    drain (aiohttp's ``write_eof``), so it is written within the bound too."""
+    transport = request.transport
+    return transport is not None and transport.get_write_buffer_size() > 0
 
 
 async def _calls(request: web.Request) -> web.StreamResponse:

@@ -35,7 +35,7 @@ from aiohttp import web
 from gateway import fastjson, redaction
 from gateway.audit import get_logger
 from gateway.call.mcp import McpRequest
-from gateway.call.proxy import egress_headers, id_headers, passback_headers
+from gateway.call.proxy import egress_headers, id_headers, passback_headers, passback_reason
 from gateway.call.record import CallContext
 from gateway.call.relay import AgentGone
 from gateway.call.sse import SseDecoder
@@ -110,7 +110,7 @@ def _answer(status: int, response: ExternalCallResponse, ctx: CallContext) -> we
         rewritten = ctx.mcp.body if ctx.mcp is not None else None
         return web.Response(
             status=answer.status,
-            reason=answer.reason or None,
+            reason=passback_reason(answer.reason),
             body=redaction.scrub_bytes(rewritten if rewritten is not None else answer.body),
             headers=[(k, redaction.scrub(v)) for k, v in headers],
         )

@@ -36,6 +36,7 @@ from gateway.call.proxy import (
     egress_headers,
     id_headers,
     passback_headers,
+    passback_reason,
     replayed_body,
 )
 from gateway.call.record import CallContext
@@ -227,7 +228,7 @@ def _answer(
         headers += [*answer_ids(response, ctx).items(), *egress.items()]
         passed = web.Response(
             status=answer.status,
-            reason=answer.reason or None,
+            reason=passback_reason(answer.reason),
             body=redaction.scrub_bytes(answer.body),
             headers=scrubbed(headers),
         )
@@ -254,7 +255,13 @@ def scrubbed(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
 def _replayed(
     status: int, response: ExternalCallResponse, ctx: CallContext, dialect: Dialect, method: str
 ) -> web.Response:
-    """A stored answer (idempotency replay), rebuilt from its envelope."""
+    """A stored answer (idempotency replay), rebuilt from its envelope; a stored failure
+    whose upstream status was not an error (a 101, a redirect not followed) was the
+    sidecar's refusal the first time (:func:`_answer`), and is again."""
+    if response.error is not None and (response.status_code or 0) < 400:
+        refusal = _refusal(status, response, dialect, ctx)
+        refusal.headers["x-egress-replayed"] = "true"
+        return refusal
     rebuilt = (None, b"") if method == "HEAD" else replayed_body(response)
     if rebuilt is None:
         refused = IdempotencyConflict(
@@ -312,7 +319,7 @@ class _ProxyRelay:
         ids = id_headers(request.trace_id, request.correlation_id) if request else {}
         if answer is not None:
             headers = [*passback_headers(answer.headers), *ids.items()]
-            status, reason = answer.status, answer.reason or None
+            status, reason = answer.status, passback_reason(answer.reason)
         else:  # a stored stream replayed (idempotency): its events, not its headers
             headers = [("Content-Type", "text/event-stream"), *ids.items()]
             headers.append(("x-egress-replayed", "true"))

@@ -251,7 +251,7 @@ class Upstream:
                         status=resp.status,
                         reason=resp.reason or "",
                         headers=resp.headers,
-                        content_type=resp.headers.get("Content-Type"),
+                        content_type=_escaped(resp.headers.get("Content-Type")),
                         body=b"",
                         elapsed_s=time.monotonic() - started,
                         stream=self._stream(session, resp, url),
@@ -277,7 +277,7 @@ class Upstream:
                         status=resp.status,
                         reason=resp.reason or "",
                         headers=resp.headers,
-                        content_type=resp.headers.get("Content-Type"),
+                        content_type=_escaped(resp.headers.get("Content-Type")),
                         body=content,
                         elapsed_s=time.monotonic() - started,
                         cut=cut,
@@ -387,6 +387,14 @@ class _CutStream(Exception):
     def __init__(self, body: bytes) -> None:
         super().__init__("stream cut")
         self.body = body
+
+
+def _escaped(value: str | None) -> str | None:
+    """A header value as text that can be written as UTF-8: bytes that are not UTF-8
+    (obs-text, read by aiohttp as surrogate escapes) as ``\\udcXX`` escapes."""
+    if value is None or value.isascii():
+        return value
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
