@@ -149,12 +149,14 @@ def table(results: dict[str, Any]) -> str:
         cpu = c16["cpu_us_per_call"].get("sidecar" if name == "proxy" else name)
         lines.append(
             f"{name:13s}{c16['rps']:10.0f}{c64['rps']:10.0f}"
-            f"{c1['latency_us']['p50'] / 1000:8.3f}m{c1['latency_us']['p99'] / 1000:8.3f}m"
-            f"{c16['latency_us']['p50'] / 1000:8.3f}m{c16['latency_us']['p99'] / 1000:8.3f}m"
+            f"{c1['latency_us']['p50'] / 1000:9.3f}{c1['latency_us']['p99'] / 1000:9.3f}"
+            f"{c16['latency_us']['p50'] / 1000:9.3f}{c16['latency_us']['p99'] / 1000:9.3f}"
             + (f"{cpu:8.0f}us" if cpu is not None else f"{'-':>10s}")
         )
     r, a = s["ratios"], s["added_latency_ms"]
     lines += [
+        "(latencies in ms; direct = wrk to the upstream itself; sidecar = the envelope route "
+        "POST /v1/calls; proxy = the drop-in route /proxy/openai/...)",
         "",
         f"sidecar / pass-through req/s: c16 {r['sidecar_vs_passthrough']['c16']:.2f}x  "
         f"c64 {r['sidecar_vs_passthrough']['c64']:.2f}x   (pass-through / direct: "
@@ -182,12 +184,15 @@ def table(results: dict[str, Any]) -> str:
         )
     if s["features"]:
         lines += ["", f"{'feature variant':17s}{'req/s c16':>10s}{'CPU/call':>10s}"
-                  f"{'saved':>8s}{'+p50 c1':>9s}{'+p99 c1':>9s}  what is off"]  # fmt: skip
+                  f"{'saved':>8s}{'+p50 ms':>9s}{'+p99 ms':>9s}  what is off",
+                  "(each row one run of a fresh sidecar: on a shared VM a difference under "
+                  "~15% of CPU/call is noise; bench/instructions.py counts what holds)",
+                  ]  # fmt: skip
         for f in s["features"]:
             saved = f"{f['cpu_saved_us']:+6.0f}us" if f["cpu_saved_us"] is not None else "      - "
             lines.append(
                 f"{f['variant']:17s}{f['rps_c16']:10.0f}{f['cpu_us_per_call'] or 0:8.0f}us{saved}"
-                f"{f['added_p50_ms_c1']:8.3f}m{f['added_p99_ms_c1']:8.3f}m  {f['off']}"
+                f"{f['added_p50_ms_c1']:9.3f}{f['added_p99_ms_c1']:9.3f}  {f['off']}"
             )
     lines += ["", "targets (issue 21; stream targets: bench/stream.py):"]
     for name, t in s["targets"].items():

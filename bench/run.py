@@ -359,6 +359,12 @@ def meta(args: argparse.Namespace) -> dict[str, Any]:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
         cwd=BENCH_DIR.parent,
     ).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+        text=True, check=False, cwd=BENCH_DIR.parent,
+    ).stdout.strip()  # fmt: skip
+    if commit and dirty:
+        commit += "+uncommitted"  # the tree measured is not that commit
     wrk_v = subprocess.run(["wrk", "-v"], capture_output=True, text=True, check=False)
     return {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
