@@ -371,7 +371,12 @@ def _check_query_names(target: CompiledTarget, request: ExternalCallRequest, par
 
 
 def upstream_url(target: CompiledTarget, endpoint: str) -> URL:
-    """``base_url`` + ``endpoint`` (already checked by :func:`decide`), never another origin."""
+    """``base_url`` + ``endpoint`` (already checked by :func:`decide`), never another origin.
+
+    Built once per target and endpoint (:meth:`CompiledTarget.remember_url`)."""
+    known = target.known_url(endpoint)
+    if known is not None:
+        return known
     base = target.base_url
     # The endpoint is a path as sent on the wire: keep its percent-escapes ("%20" stays
     # "%20", not "%2520") and encode what must be (spaces, non-ASCII).
@@ -380,6 +385,7 @@ def upstream_url(target: CompiledTarget, endpoint: str) -> URL:
         raise PermissionDenied(
             "endpoint would leave the target's origin", details={"reason": "origin_escape"}
         )
+    target.remember_url(endpoint, url)
     return url
 
 
