@@ -348,13 +348,13 @@ class Pipeline:
             group=group,
             tokens_reserved=reserved,
             breaker=self.breakers.get(target.name),
-            log=ctx.attempt_log,  # the call's own, not a second one: forwarded once per call
             refresh_credential=(
                 self._refresher(decision, ctx, deadline)
                 if resolved is not None and resolved.from_cache
                 else None
             ),
         )
+        ctx.attempt_log = attempts.log
         # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
         cost = await spend.reserve(self.budgets, self.pricing, request, target, ctx)
         attempts.before_resend = lambda: spend.rebook(self.budgets, cost, ctx)
