@@ -82,6 +82,11 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
     """The audit record of a call that ended with ``response`` (schema v1)."""
     log = ctx.attempt_log
     request, target, usage, error = ctx.request, ctx.target, ctx.usage, response.error
+    trace_id: str | None
+    correlation_id: str | None
+    target_system: str | None
+    endpoint: str | None
+    method: str | None
     if request is not None:
         agent_id, trace_id, correlation_id = ctx.agent_id, request.trace_id, request.correlation_id
         target_system, endpoint, method = request.target_system, request.endpoint, request.method
