@@ -7,7 +7,7 @@ reload, never mutated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from gateway.policy.mcp import MCP_METHODS
 from gateway.policy.models import Policy, TargetSpec
@@ -42,6 +42,11 @@ class CompiledTarget:
     #: Upstream URLs already built per endpoint (:func:`gateway.policy.egress.
     #: upstream_url`: base_url and path never change; bounded as the verdicts).
     _urls: dict[str, URL] = field(default_factory=dict, repr=False, compare=False)
+    #: Egress decisions already made, by (secret reference, shadow rule): both come from
+    #: this target's policy, so the entries are bounded by it (:mod:`gateway.policy.egress`).
+    decisions: dict[tuple[str | None, str | None], Any] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def allows(self, path: str, method: str) -> bool | None:
         """True if allowed, False if the path matches but not the method, None if no rule."""

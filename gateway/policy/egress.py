@@ -347,12 +347,16 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 "(the policy's forward_headers lists those that may)",
                 details={"reason": "header_not_allowed", "header": name},
             )
-    return Decision(
-        target,
-        ref,
-        parse_ref(ref) if ref is not None else None,
-        target.shadow_rule(request.endpoint, request.method),
-    )
+    shadow_rule = target.shadow_rule(request.endpoint, request.method)
+    # The same few (ref, rule) pairs call after call: each decided once per target; the
+    # Decision is frozen, so calls share it. Both halves come from the policy (the ref is
+    # one of the target's permitted refs), so the entries are bounded by it.
+    decision: Decision | None = target.decisions.get((ref, shadow_rule))
+    if decision is None:
+        parsed = parse_ref(ref) if ref is not None else None
+        decision = Decision(target, ref, parsed, shadow_rule)
+        target.decisions[(ref, shadow_rule)] = decision
+    return decision
 
 
 def _check_query_names(target: CompiledTarget, request: ExternalCallRequest, param: str) -> None:
