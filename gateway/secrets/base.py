@@ -18,8 +18,6 @@ from gateway.errors import SecretNotFound
 from gateway.policy.refs import SecretRef
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-#: References whose last value's check is remembered (bounded by the policy's refs).
-_MAX_CHECKED = 1024
 
 
 class Secret:
@@ -85,9 +83,6 @@ class SecretResolvers:
 
     def __init__(self, resolvers: dict[str, SecretResolver]) -> None:
         self._resolvers = dict(resolvers)
-        #: The last value checked per reference (kept referenced, so its identity cannot
-        #: be reused): a resolver's cached value is the same object call after call.
-        self._checked: dict[str, Secret] = {}
 
     def register(self, scheme: str, resolver: SecretResolver) -> None:
         self._resolvers[scheme] = resolver
@@ -110,27 +105,19 @@ class SecretResolvers:
                 details={"api_key_ref": ref.raw, "reason": "no_resolver"},
             )
         resolved = await resolver.resolve(ref)
-        secret = resolved.secret
-        if self._checked.get(ref.raw) is secret:  # a cached value, already checked
-            return resolved
-        if _CONTROL.search(secret.reveal()):
+        if _CONTROL.search(resolved.secret.reveal()):
             raise SecretNotFound(
                 f"secret reference {ref.raw!r}: the value contains control characters (a "
                 "newline inside it?) and cannot be sent in a header or URL; fix the secret",
                 details={"api_key_ref": ref.raw, "reason": "invalid_value"},
             )
-        if len(self._checked) >= _MAX_CHECKED:
-            self._checked.clear()
-        self._checked[ref.raw] = secret
         return resolved
 
     def invalidate(self, ref: SecretRef) -> None:
-        self._checked.pop(ref.raw, None)
         resolver = self._resolvers.get(ref.scheme)
         if resolver is not None:
             resolver.invalidate(ref)
 
     async def aclose(self) -> None:
-        self._checked.clear()
         for resolver in reversed(list(self._resolvers.values())):
             await resolver.aclose()
