@@ -196,16 +196,8 @@ def _redact_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
 _SCALAR_AUDIT_FIELDS: Final = frozenset(AUDIT_FIELDS) - {Fields.METADATA, Fields.WARNINGS}
 
 
-_ALL_AUDIT_FIELDS: Final = frozenset(AUDIT_FIELDS)
-_NESTING_AUDIT_FIELDS: Final = tuple(_ALL_AUDIT_FIELDS - _SCALAR_AUDIT_FIELDS)
-
-
 def _redact_audit_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
-    if event_dict.keys() == _ALL_AUDIT_FIELDS:
-        # A call record has exactly the schema's fields (a comparison, no set built).
-        _redact_fields(event_dict, _NESTING_AUDIT_FIELDS)
-    else:
-        _redact_fields(event_dict, event_dict.keys() - _SCALAR_AUDIT_FIELDS)
+    _redact_fields(event_dict, event_dict.keys() - _SCALAR_AUDIT_FIELDS)
     return event_dict
 
 
