@@ -154,15 +154,18 @@ def test_credential_reused_for_the_same_secret_and_rebuilt_for_a_new_one() -> No
     assert outbound.credential(TARGET, None) is None
 
 
-def test_with_credential_is_replace_on_both_paths() -> None:
-    built, _ = outbound.build(_envelope(), TARGET, idempotency_key=None, digest=True)
-    assert outbound.with_credential(built, TARGET, None) is built  # nothing to add
+def test_with_credential_builds_the_request_with_or_without_one() -> None:
+    draft, _ = outbound.build(_envelope(), TARGET, idempotency_key=None, digest=True)
+    bare = outbound.with_credential(draft, TARGET, None)
+    assert bare.credential is None
     resolved = ResolvedSecret(Secret("sk-third-value-0123456789"))
-    carried = outbound.with_credential(built, TARGET, resolved)
+    carried = outbound.with_credential(draft, TARGET, resolved)
     assert carried.credential is not None
     assert carried.credential.secret is resolved.secret
+    assert carried.headers["traceparent"] == draft.headers["traceparent"]
     for name in ("target", "method", "url", "query", "body", "headers", "content_type"):
-        assert getattr(carried, name) == getattr(built, name), name
+        assert getattr(carried, name) == getattr(draft, name), name
+        assert getattr(bare, name) == getattr(draft, name), name
 
 
 # -- the upstream URL and the egress decision -------------------------------------------

@@ -1,7 +1,7 @@
 """The request the upstream gets, built from the envelope (pure, no I/O).
 
-:func:`build` turns an allowed envelope and its compiled target into an
-:class:`~gateway.upstream.OutboundRequest`:
+:func:`build` turns an allowed envelope and its compiled target into a :class:`Draft`
+of the :class:`~gateway.upstream.OutboundRequest`:
 
 * URL: the target's ``base_url`` plus the checked endpoint (:func:`gateway.policy.egress.
   upstream_url`), never another origin;
@@ -13,9 +13,9 @@
   ``headers`` (less trace headers), W3C ``traceparent``/``tracestate``
   (:mod:`gateway.tracing`), and the idempotency key under the target's header name.
 
-:func:`with_credential` places the resolved secret as the target's ``credential`` says
-(a header with its ``format``, or a query parameter); the secret itself is only revealed
-by :mod:`gateway.upstream` when the request is written.
+:func:`with_credential` makes the request of the draft, placing the resolved secret as
+the target's ``credential`` says (a header with its ``format``, or a query parameter);
+the secret itself is only revealed by :mod:`gateway.upstream` when the request is written.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from gateway.policy.egress import query_items, upstream_url
 from gateway.secrets import ResolvedSecret, Secret
 from gateway.tracing import TRACE_HEADERS, outbound_headers
 from gateway.upstream import Credential, OutboundRequest
+from gateway.urls import URL
 
 JSON = "application/json"
 
@@ -46,13 +47,29 @@ class BodyDigest:
     sha256: str | None
 
 
+@dataclass(slots=True)
+class Draft:
+    """An outbound request before its credential: what :func:`build` makes of the
+    envelope, finished by :func:`with_credential` into the one frozen
+    :class:`~gateway.upstream.OutboundRequest` of the call (the secret is resolved in
+    between). The fields are the request's; ``headers`` may still be added to."""
+
+    target: CompiledTarget
+    method: str
+    url: URL
+    query: list[tuple[str, str]] | None
+    body: bytes | None
+    headers: dict[str, str]
+    content_type: str
+
+
 def build(
     request: ExternalCallRequest,
     target: CompiledTarget,
     *,
     idempotency_key: str | None,
     digest: bool,
-) -> tuple[OutboundRequest, BodyDigest]:
+) -> tuple[Draft, BodyDigest]:
     """The outbound request of ``request`` on ``target`` (no credential yet) and the
     digest of its body or query. ``digest`` False skips the hash (``payloads: none``).
     Raises :class:`~gateway.errors.PermissionDenied` if the URL would leave the target's
@@ -76,16 +93,8 @@ def build(
     }
     if idempotency_key is not None and spec.idempotency is not None:
         headers[spec.idempotency.header] = idempotency_key
-    outbound = OutboundRequest(
-        target=target,
-        method=request.method,
-        url=url,
-        query=query,
-        body=body,
-        headers=headers,
-        content_type=content_type,
-    )
-    return outbound, BodyDigest(len(sent), hashlib.sha256(sent).hexdigest() if digest else None)
+    draft = Draft(target, request.method, url, query, body, headers, content_type)
+    return draft, BodyDigest(len(sent), hashlib.sha256(sent).hexdigest() if digest else None)
 
 
 #: The last credential built per target name, with the target and the secret it was built
@@ -113,21 +122,17 @@ def credential(target: CompiledTarget, resolved: ResolvedSecret | None) -> Crede
 
 
 def with_credential(
-    outbound: OutboundRequest, target: CompiledTarget, resolved: ResolvedSecret | None
+    draft: Draft, target: CompiledTarget, resolved: ResolvedSecret | None
 ) -> OutboundRequest:
-    """``outbound`` carrying the target's credential built from ``resolved`` (the same
-    object when there is none to add)."""
-    cred = credential(target, resolved)
-    if cred is outbound.credential:
-        return outbound
-    # The constructor, not dataclasses.replace: half the cost for a frozen dataclass.
+    """The request of ``draft``, carrying the target's credential built from ``resolved``
+    (none without one): built once per call, after the secret is resolved."""
     return OutboundRequest(
-        outbound.target,
-        outbound.method,
-        outbound.url,
-        outbound.query,
-        outbound.body,
-        outbound.headers,
-        cred,
-        outbound.content_type,
+        draft.target,
+        draft.method,
+        draft.url,
+        draft.query,
+        draft.body,
+        draft.headers,
+        credential(target, resolved),
+        draft.content_type,
     )
