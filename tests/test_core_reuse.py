@@ -3,7 +3,9 @@ gives, on its fast path and on its fallback (a new value, a long key, a full mem
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
 import io
 import json
 from pathlib import Path
@@ -23,6 +25,7 @@ from gateway.policy.egress import decide, upstream_url
 from gateway.policy.refs import parse_ref
 from gateway.secrets import ResolvedSecret, Secret, SecretResolvers
 from gateway.secrets.file import FileResolver
+from gateway.upstream import OutboundRequest, UpstreamResponse
 from tests.conftest import compile_policy, openai_target
 
 # -- the answer's JSON decoder ---------------------------------------------------------
@@ -286,3 +289,32 @@ async def test_a_rewritten_secret_file_is_checked_again(tmp_path: Path) -> None:
     with pytest.raises(SecretNotFound) as info:
         await resolvers.resolve(ref)
     assert info.value.details["reason"] == "invalid_value"
+
+
+# -- the seam types' constructors --------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [OutboundRequest, UpstreamResponse])
+def test_seam_constructors_take_the_fields_in_order(cls: type) -> None:
+    params = list(inspect.signature(cls.__init__).parameters)[1:]
+    assert params == [f.name for f in dataclasses.fields(cls)]
+
+
+def test_seam_types_stay_frozen_and_replaceable() -> None:
+    request = OutboundRequest(TARGET, "GET", TARGET.base_url, None, None)
+    assert request.headers == {}
+    assert request.credential is None
+    assert request.content_type == "application/json"
+    assert OutboundRequest(TARGET, "GET", TARGET.base_url, None, None).headers is not (
+        request.headers
+    )
+    posted = dataclasses.replace(request, method="POST", body=b"{}")
+    assert (posted.method, posted.body, posted.url) == ("POST", b"{}", request.url)
+    answer = UpstreamResponse(200, "OK", {}, None, b"x", 0.5)
+    assert (answer.stream, answer.cut) == (None, False)
+    assert dataclasses.replace(answer, cut=True).cut is True
+    assert answer == UpstreamResponse(200, "OK", {}, None, b"x", 0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        answer.status = 500  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.method = "PUT"  # type: ignore[misc]
