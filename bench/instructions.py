@@ -119,25 +119,28 @@ def count(
     return result
 
 
-def annotate(out: Path, *, calls: int, top: int = 60) -> str:
-    """The inclusive callgrind profile of ``out``: the sidecar's own frames and the top ones.
+def annotate(out: Path, *, calls: int, top: int = 40) -> str:
+    """The inclusive callgrind profile of ``out``, per call: the program's total, the top
+    ``top`` entries of the libraries' own compiled code (``site-packages``: pydantic-core,
+    uvloop, aiohttp's parser, orjson, multidict, yarl...) and any ``gateway/`` entry.
 
-    Returns text: the top ``top`` entries by inclusive instructions, then every entry
-    whose file is under ``gateway/``, each with its instructions per call. Python frames
-    show as the interpreter's C functions unless the interpreter was built with perf
-    trampolines; use cProfile call counts to attribute those.
+    Python frames show as the interpreter's C functions (``_PyEval_EvalFrameDefault``),
+    so they are left out: attribute them with cProfile call counts over N calls in
+    process, or py-spy (bench/profile_sidecar.py). Returns the text to print.
     """
     text = subprocess.run(
         ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    rows = [line for line in text.splitlines() if line.strip()[:1].isdigit()]
-    picked = rows[:top] + [r for r in rows[top:] if "gateway/" in r]
+    rows = [line.strip() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    total = [r for r in rows if "PROGRAM TOTALS" in r]
+    libraries = [r for r in rows if "site-packages" in r][:top]
+    own = [r for r in rows if "gateway/" in r]
     lines = []
-    for row in picked:
-        ir, _, rest = row.strip().partition(" ")
+    for row in total + libraries + own:
+        ir, _, rest = row.partition(" ")
         try:
-            per_call = int(ir.replace(",", "").split("(")[0]) / calls
+            per_call = int(ir.replace(",", "")) / calls
         except ValueError:
             continue
         lines.append(f"{per_call:>12,.0f}  {rest.strip()}")
