@@ -1,6 +1,7 @@
 """Instructions per call of the sidecar, counted by callgrind (not a test).
 
-    python bench/instructions.py [--calls 200] [--warmup 300] [--variant full] [CHECKOUT ...]
+    python bench/instructions.py [--calls 200] [--warmup 300] [--variant full]
+                                 [--keep DIR] [--annotate] [CHECKOUT ...]
 
 Requests per second on a shared 2-core machine drift by 30 % between runs; instruction
 counts do not (the same code, inputs and PYTHONHASHSEED give the same count to ~0.3 %,
@@ -33,8 +34,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def count(checkout: Path, *, calls: int, warmup: int, variant: str) -> dict[str, object]:
-    """Run one checkout's sidecar under callgrind; return its instructions per call."""
+def count(
+    checkout: Path, *, calls: int, warmup: int, variant: str, keep: Path | None = None
+) -> dict[str, object]:
+    """Run one checkout's sidecar under callgrind; return its instructions per call.
+
+    With ``keep``, the callgrind output is copied there as ``callgrind.out.COMMIT``.
+    """
     bench = checkout / "bench"
     for name in ("run", "harness", "report"):  # another checkout's, from an earlier one
         sys.modules.pop(name, None)
@@ -95,12 +101,50 @@ def count(checkout: Path, *, calls: int, warmup: int, variant: str) -> dict[str,
         ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
         capture_output=True, text=True, check=False,
     ).stdout.strip()  # fmt: skip
-    return {
+    kept = None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        dumps = sorted(work.glob("callgrind.out*"), key=lambda p: p.stat().st_size)
+        if dumps:  # the largest dump holds the measured calls
+            kept = keep / f"callgrind.out.{commit or 'checkout'}"
+            kept.write_bytes(dumps[-1].read_bytes())
+    result: dict[str, object] = {
         "checkout": str(checkout),
         "commit": commit,
         "calls": calls,
         "instructions_per_call": round(total / calls),
     }
+    if kept is not None:
+        result["kept"] = str(kept)
+    return result
+
+
+def annotate(out: Path, *, calls: int, top: int = 40) -> str:
+    """The inclusive callgrind profile of ``out``, per call: the program's total, the top
+    ``top`` entries of the libraries' own compiled code (``site-packages``: pydantic-core,
+    uvloop, aiohttp's parser, orjson, multidict, yarl...) and any ``gateway/`` entry.
+
+    Python frames show as the interpreter's C functions (``_PyEval_EvalFrameDefault``),
+    so they are left out: attribute them with cProfile call counts over N calls in
+    process, or py-spy (bench/profile_sidecar.py). Returns the text to print.
+    """
+    text = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.strip() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    total = [r for r in rows if "PROGRAM TOTALS" in r]
+    libraries = [r for r in rows if "site-packages" in r][:top]
+    own = [r for r in rows if "gateway/" in r]
+    lines = []
+    for row in total + libraries + own:
+        ir, _, rest = row.partition(" ")
+        try:
+            per_call = int(ir.replace(",", "")) / calls
+        except ValueError:
+            continue
+        lines.append(f"{per_call:>12,.0f}  {rest.strip()}")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -109,11 +153,19 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--variant", default="full", help="a policy variant of bench/run.py")
+    parser.add_argument("--keep", type=Path, help="keep each callgrind.out in this folder")
+    parser.add_argument("--annotate", action="store_true",
+                        help="print the inclusive profile per call (implies --keep)")  # fmt: skip
     args = parser.parse_args()
+    keep = args.keep
+    if args.annotate and keep is None:
+        keep = Path(tempfile.mkdtemp(prefix="bench-instr-keep-"))
     for checkout in args.checkouts:
         result = count(checkout.resolve(), calls=args.calls, warmup=args.warmup,
-                       variant=args.variant)  # fmt: skip
+                       variant=args.variant, keep=keep)  # fmt: skip
         print(json.dumps(result), flush=True)
+        if args.annotate and "kept" in result:
+            print(annotate(Path(str(result["kept"])), calls=args.calls), flush=True)
     return 0
 
 

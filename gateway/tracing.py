@@ -20,24 +20,40 @@ _TRACEPARENT: Final = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-
 _HEX32: Final = re.compile(r"^[0-9a-f]{32}$")
 _ZERO_TRACE: Final = "0" * 32
 _ZERO_SPAN: Final = "0" * 16
+#: Envelope trace ids whose trace-id was derived (an agent's transaction spans several
+#: calls): at most this many kept, all dropped when full; longer ids are not kept.
+_MAX_KNOWN: Final = 1024
+_MAX_KNOWN_LENGTH: Final = 256
+_known: dict[str, str] = {}
 
 
 def trace_id_of(envelope_trace_id: str) -> str:
     """A W3C trace-id (32 hex digits, not all zero) for an envelope's ``trace_id``."""
+    known = _known.get(envelope_trace_id)
+    if known is not None:
+        return known
     if _HEX32.match(envelope_trace_id) and envelope_trace_id != _ZERO_TRACE:
-        return envelope_trace_id
-    return hashlib.sha256(envelope_trace_id.encode()).hexdigest()[:32]
+        derived = envelope_trace_id
+    else:
+        derived = hashlib.sha256(envelope_trace_id.encode()).hexdigest()[:32]
+    if len(envelope_trace_id) <= _MAX_KNOWN_LENGTH:
+        if len(_known) >= _MAX_KNOWN:
+            _known.clear()
+        _known[envelope_trace_id] = derived
+    return derived
 
 
 def outbound_headers(envelope_trace_id: str, agent_headers: Mapping[str, str]) -> dict[str, str]:
     """``traceparent`` (and the agent's ``tracestate`` when its traceparent was valid) for
     one outbound call, with a fresh parent-id."""
-    given = {k.lower(): v for k, v in agent_headers.items() if k.lower() in TRACE_HEADERS}
-    parent = given.get("traceparent", "").strip()
-    match = _TRACEPARENT.match(parent)
     # A parent-id needs to be unique, not secret (W3C Trace Context 3.2.2.4): the
     # Mersenne Twister is enough and skips a getrandom(2) call per request.
     span = f"{random.getrandbits(64) or 1:016x}"
+    if not agent_headers:  # most envelopes carry no headers: nothing to continue
+        return {"traceparent": f"00-{trace_id_of(envelope_trace_id)}-{span}-01"}
+    given = {k.lower(): v for k, v in agent_headers.items() if k.lower() in TRACE_HEADERS}
+    parent = given.get("traceparent", "").strip()
+    match = _TRACEPARENT.match(parent)
     if match and match[1] != "ff" and match[2] != _ZERO_TRACE and match[3] != _ZERO_SPAN:
         headers = {"traceparent": f"00-{match[2]}-{span}-{match[4]}"}
         if "tracestate" in given:

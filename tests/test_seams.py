@@ -76,13 +76,13 @@ async def test_attempts_retry_a_503_then_return_the_200(upstream_factory):
     policy = _policy(fu.url)
     target = policy.targets["fake-openai"]
     request = parse_request(envelope(max_retries=1)).request
-    outbound, _ = build(request, target, idempotency_key=None, digest=False)
+    draft, _ = build(request, target, idempotency_key=None, digest=False)
     upstream = await _upstream(policy)
     attempts = Attempts(
         upstream=upstream,
         target=target,
         request=request,
-        outbound=outbound,
+        outbound=with_credential(draft, target, None),
         deadline=time.monotonic() + 5,
         has_idempotency_key=False,
         rng=random.Random(0),

@@ -67,9 +67,26 @@ def _finite(text: str) -> float:
     return value
 
 
+#: One decoder for every answer: ``json.loads`` with these hooks would build a new
+#: ``JSONDecoder`` (and its scanner) on every call.
+_DECODER: Final = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite)
+
+
+def _decode(text: str | bytes) -> Any:
+    """``json.loads(text, parse_constant=..., parse_float=...)``, step for step (the
+    encoding of bytes detected as RFC 8259 and ``json.loads`` do; a BOM refused in a
+    str), with the module's one decoder."""
+    if isinstance(text, str):
+        if text.startswith("\ufeff"):
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+    else:
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    return _DECODER.decode(text)
+
+
 def _loads(text: str | bytes, max_depth: int) -> Any:
     """``text`` as a JSON value that can be written back exactly, or raises ValueError."""
-    value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+    value = _decode(text)
     raw = text.encode() if isinstance(text, str) else text
     # Cheap bound first: fewer opening brackets than the limit cannot nest deeper.
     if raw.count(b"[") + raw.count(b"{") > max_depth and (

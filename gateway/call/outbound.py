@@ -1,7 +1,7 @@
 """The request the upstream gets, built from the envelope (pure, no I/O).
 
-:func:`build` turns an allowed envelope and its compiled target into an
-:class:`~gateway.upstream.OutboundRequest`:
+:func:`build` turns an allowed envelope and its compiled target into a :class:`Draft`
+of the :class:`~gateway.upstream.OutboundRequest`:
 
 * URL: the target's ``base_url`` plus the checked endpoint (:func:`gateway.policy.egress.
   upstream_url`), never another origin;
@@ -13,25 +13,27 @@
   ``headers`` (less trace headers), W3C ``traceparent``/``tracestate``
   (:mod:`gateway.tracing`), and the idempotency key under the target's header name.
 
-:func:`with_credential` places the resolved secret as the target's ``credential`` says
-(a header with its ``format``, or a query parameter); the secret itself is only revealed
-by :mod:`gateway.upstream` when the request is written.
+:func:`with_credential` makes the request of the draft, placing the resolved secret as
+the target's ``credential`` says (a header with its ``format``, or a query parameter);
+the secret itself is only revealed by :mod:`gateway.upstream` when the request is written.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Final
 from urllib.parse import urlencode
 
 from gateway import fastjson
 from gateway.envelope import QUERY_METHODS, ExternalCallRequest
 from gateway.policy import CompiledTarget
 from gateway.policy.egress import query_items, upstream_url
-from gateway.secrets import ResolvedSecret
+from gateway.secrets import ResolvedSecret, Secret
 from gateway.tracing import TRACE_HEADERS, outbound_headers
 from gateway.upstream import Credential, OutboundRequest
+from gateway.urls import URL
 
 JSON = "application/json"
 
@@ -45,13 +47,29 @@ class BodyDigest:
     sha256: str | None
 
 
+@dataclass(slots=True)
+class Draft:
+    """An outbound request before its credential: what :func:`build` makes of the
+    envelope, finished by :func:`with_credential` into the one frozen
+    :class:`~gateway.upstream.OutboundRequest` of the call (the secret is resolved in
+    between). The fields are the request's; ``headers`` may still be added to."""
+
+    target: CompiledTarget
+    method: str
+    url: URL
+    query: list[tuple[str, str]] | None
+    body: bytes | None
+    headers: dict[str, str]
+    content_type: str
+
+
 def build(
     request: ExternalCallRequest,
     target: CompiledTarget,
     *,
     idempotency_key: str | None,
     digest: bool,
-) -> tuple[OutboundRequest, BodyDigest]:
+) -> tuple[Draft, BodyDigest]:
     """The outbound request of ``request`` on ``target`` (no credential yet) and the
     digest of its body or query. ``digest`` False skips the hash (``payloads: none``).
     Raises :class:`~gateway.errors.PermissionDenied` if the URL would leave the target's
@@ -67,24 +85,24 @@ def build(
     elif request.method not in QUERY_METHODS:
         body = fastjson.compact(request.parameters)
     sent = body if body is not None else urlencode(query or []).encode()
-    agent_headers = {k: v for k, v in request.headers.items() if k.lower() not in TRACE_HEADERS}
+    given = request.headers
     headers = {
         **spec.static_headers,
-        **agent_headers,
-        **outbound_headers(request.trace_id, request.headers),
+        **({k: v for k, v in given.items() if k.lower() not in TRACE_HEADERS} if given else {}),
+        **outbound_headers(request.trace_id, given),
     }
     if idempotency_key is not None and spec.idempotency is not None:
         headers[spec.idempotency.header] = idempotency_key
-    outbound = OutboundRequest(
-        target=target,
-        method=request.method,
-        url=url,
-        query=query,
-        body=body,
-        headers=headers,
-        content_type=content_type,
-    )
-    return outbound, BodyDigest(len(sent), hashlib.sha256(sent).hexdigest() if digest else None)
+    draft = Draft(target, request.method, url, query, body, headers, content_type)
+    return draft, BodyDigest(len(sent), hashlib.sha256(sent).hexdigest() if digest else None)
+
+
+#: The last credential built per target name, with the target and the secret it was built
+#: from (kept referenced, so neither identity can be reused by a new object): a cached
+#: secret (a ``file://`` whose stamp is unchanged, a live Vault entry) is the same object
+#: call after call. Bounded by the targets of the policies loaded; cleared past that.
+_built: dict[str, tuple[CompiledTarget, Secret, Credential]] = {}
+_MAX_BUILT: Final = 1024
 
 
 def credential(target: CompiledTarget, resolved: ResolvedSecret | None) -> Credential | None:
@@ -92,11 +110,29 @@ def credential(target: CompiledTarget, resolved: ResolvedSecret | None) -> Crede
     spec = target.spec.credential
     if spec is None or resolved is None:
         return None
-    return Credential(resolved.secret, spec.header, spec.query_param, spec.format)
+    last = _built.get(target.name)
+    secret = resolved.secret
+    if last is not None and last[0] is target and last[1] is secret:
+        return last[2]
+    built = Credential(secret, spec.header, spec.query_param, spec.format)
+    if len(_built) >= _MAX_BUILT:
+        _built.clear()
+    _built[target.name] = (target, secret, built)
+    return built
 
 
 def with_credential(
-    outbound: OutboundRequest, target: CompiledTarget, resolved: ResolvedSecret | None
+    draft: Draft, target: CompiledTarget, resolved: ResolvedSecret | None
 ) -> OutboundRequest:
-    """``outbound`` carrying the target's credential built from ``resolved``."""
-    return replace(outbound, credential=credential(target, resolved))
+    """The request of ``draft``, carrying the target's credential built from ``resolved``
+    (none without one): built once per call, after the secret is resolved."""
+    return OutboundRequest(
+        draft.target,
+        draft.method,
+        draft.url,
+        draft.query,
+        draft.body,
+        draft.headers,
+        credential(target, resolved),
+        draft.content_type,
+    )

@@ -16,7 +16,6 @@ import random
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 
 from gateway import telemetry
 from gateway.audit import AuditLog, get_logger
@@ -319,16 +318,16 @@ class Pipeline:
         relay: Relay | None = None,
     ) -> ExternalCallResponse:
         target = decision.target
-        outbound, digest = build_outbound(
+        draft, digest = build_outbound(
             request,
             target,
             idempotency_key=ctx.idempotency_key,
             digest=policy.policy.audit.payloads == "summary",  # "none": no hash either
         )
         if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
-            outbound = replace(outbound, headers={**ctx.passthrough_headers, **outbound.headers})
+            draft.headers = {**ctx.passthrough_headers, **draft.headers}
         ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
-        ctx.traceparent = outbound.headers["traceparent"]
+        ctx.traceparent = draft.headers["traceparent"]
         group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
         reserved = 0
         if group is not None and group.spec.tokens_per_minute:
@@ -338,7 +337,7 @@ class Pipeline:
             upstream=self.upstream,
             target=target,
             request=request,
-            outbound=with_credential(outbound, target, resolved),
+            outbound=with_credential(draft, target, resolved),
             deadline=deadline,
             has_idempotency_key=ctx.idempotency_key is not None,
             rng=self._rng,

@@ -82,22 +82,35 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
     """The audit record of a call that ended with ``response`` (schema v1)."""
     log = ctx.attempt_log
     request, target, usage, error = ctx.request, ctx.target, ctx.usage, response.error
-    ids: dict[str, Any] = {k: getattr(request, k) for k in CLAIMED} if request else ctx.claimed
+    trace_id: str | None
+    correlation_id: str | None
+    target_system: str | None
+    endpoint: str | None
+    method: str | None
+    if request is not None:
+        agent_id, trace_id, correlation_id = ctx.agent_id, request.trace_id, request.correlation_id
+        target_system, endpoint, method = request.target_system, request.endpoint, request.method
+    else:  # an envelope that failed validation: the ids it claimed, if any
+        claimed = ctx.claimed
+        agent_id = claimed.get(F.AGENT_ID) or ctx.agent_id
+        trace_id, correlation_id = claimed.get(F.TRACE_ID), claimed.get(F.CORRELATION_ID)
+        target_system, endpoint = claimed.get(F.TARGET_SYSTEM), claimed.get(F.ENDPOINT)
+        method = claimed.get(F.METHOD)
     warnings = [*ctx.warnings, *log.warnings]
     relayed = log.relayed
     if error is not None and error.code is ErrorCode.EGRESS_DENIED:
         warnings.append(f"egress denied: {error.message}")  # the destination, for auditors
-    shadow = [*ctx.shadow_denied, *(f"rate_limit_group:{g}" for g in log.shadow_denied)]
+    shadow = _shadow_denied(ctx)
     decision = "replayed" if ctx.replayed else ctx.decision
     if shadow and decision == "allowed":
         decision = "shadow_denied"
     return {
-        F.AGENT_ID: ctx.agent_id if request else ids.get(F.AGENT_ID) or ctx.agent_id,
-        F.TRACE_ID: ids.get(F.TRACE_ID),
-        F.CORRELATION_ID: ids.get(F.CORRELATION_ID),
-        F.TARGET_SYSTEM: ids.get(F.TARGET_SYSTEM),
-        F.ENDPOINT: ids.get(F.ENDPOINT),
-        F.METHOD: ids.get(F.METHOD),
+        F.AGENT_ID: agent_id,
+        F.TRACE_ID: trace_id,
+        F.CORRELATION_ID: correlation_id,
+        F.TARGET_SYSTEM: target_system,
+        F.ENDPOINT: endpoint,
+        F.METHOD: method,
         F.UPSTREAM: origin_label(target.base_url) if target else None,
         F.DECISION: decision,
         F.SUCCESS: response.success,
@@ -152,6 +165,14 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
     }
 
 
+def _shadow_denied(ctx: CallContext) -> list[str]:
+    """The shadow-mode rules that would have refused the call (``kind:name``)."""
+    groups = ctx.attempt_log.shadow_denied
+    if not groups:
+        return [*ctx.shadow_denied]
+    return [*ctx.shadow_denied, *(f"rate_limit_group:{g}" for g in groups)]
+
+
 def refusal_record(
     agent_id: str,
     response: ExternalCallResponse,
@@ -188,15 +209,12 @@ def observe(metrics: Metrics, ctx: CallContext, response: ExternalCallResponse) 
         metrics.observe_tokens(target, ctx.usage.input, ctx.usage.output, ctx.usage.cached)
     if ctx.cost_usd is not None:
         metrics.observe_cost(target, ctx.cost_model, ctx.cost_usd)
-    for rule in (
-        *ctx.shadow_denied,
-        *(f"rate_limit_group:{g}" for g in ctx.attempt_log.shadow_denied),
-    ):
+    for rule in _shadow_denied(ctx):
         kind, _, name = rule.partition(":")
         metrics.observe_shadow_denial(kind, name)
     if response.error is not None and response.error.code is ErrorCode.BUDGET_EXCEEDED:
         metrics.observe_budget_rejection(str(response.error.details.get("budget", "")))
-    for _ in range(max(ctx.attempt_log.attempts - 1, 0)):
+    for _ in range(ctx.attempt_log.attempts - 1):  # none for 0 or 1 attempt
         metrics.observe_retry(target)
     genai = outcome_of(ctx, response) if not ctx.replayed else None  # a replay: no operation
     if genai is not None:

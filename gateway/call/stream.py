@@ -134,11 +134,11 @@ def judge_body(
     if not body and not cut:
         return None, None
     mtype = media_type(content_type)
-    judge = StreamJudge(provider, target)
     data: Any
     if cut and mtype != "text/event-stream":  # pragma: no cover - only streams are cut
         return None, None
     if mtype == "text/event-stream":
+        judge = StreamJudge(provider, target)
         for event in decode_all(body, len(body) + 1):
             judge.observe(event)
         error = judge.verdict(status=status)
@@ -161,6 +161,7 @@ def judge_body(
             return None, None
         if "candidates" not in items[0] and "error" not in items[0]:
             return None, None
+        judge = StreamJudge(provider, target)
         for item in items:
             judge.observe_data(None, item)
         error = judge.verdict(status=status)

@@ -7,7 +7,7 @@ reload, never mutated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from gateway.policy.mcp import MCP_METHODS
 from gateway.policy.models import Policy, TargetSpec
@@ -39,6 +39,14 @@ class CompiledTarget:
     _verdicts: dict[tuple[str, str], bool | None] = field(
         default_factory=dict, repr=False, compare=False
     )
+    #: Upstream URLs already built per endpoint (:func:`gateway.policy.egress.
+    #: upstream_url`: base_url and path never change; bounded as the verdicts).
+    _urls: dict[str, URL] = field(default_factory=dict, repr=False, compare=False)
+    #: Egress decisions already made, by (secret reference, shadow rule): both come from
+    #: this target's policy, so the entries are bounded by it (:mod:`gateway.policy.egress`).
+    decisions: dict[tuple[str | None, str | None], Any] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def allows(self, path: str, method: str) -> bool | None:
         """True if allowed, False if the path matches but not the method, None if no rule."""
@@ -51,6 +59,19 @@ class CompiledTarget:
                 self._verdicts.clear()
             verdict = self._verdicts[key] = self._match(path, method)
         return verdict  # type: ignore[return-value]
+
+    def known_url(self, endpoint: str) -> URL | None:
+        """The upstream URL remembered for ``endpoint`` (:meth:`remember_url`), or None."""
+        return self._urls.get(endpoint)
+
+    def remember_url(self, endpoint: str, url: URL) -> None:
+        """Keep ``url`` as ``endpoint``'s upstream URL (endpoints of at most 256
+        characters, 1,024 per target, all dropped when full)."""
+        if len(endpoint) > _MAX_REMEMBERED_PATH:
+            return
+        if len(self._urls) >= _MAX_VERDICTS:
+            self._urls.clear()
+        self._urls[endpoint] = url
 
     def shadow_rule(self, path: str, method: str) -> str | None:
         """The path pattern of the ``mode: shadow`` rule that alone allows ``method`` on

@@ -347,12 +347,16 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 "(the policy's forward_headers lists those that may)",
                 details={"reason": "header_not_allowed", "header": name},
             )
-    return Decision(
-        target,
-        ref,
-        parse_ref(ref) if ref is not None else None,
-        target.shadow_rule(request.endpoint, request.method),
-    )
+    shadow_rule = target.shadow_rule(request.endpoint, request.method)
+    # The same few (ref, rule) pairs call after call: each decided once per target; the
+    # Decision is frozen, so calls share it. Both halves come from the policy (the ref is
+    # one of the target's permitted refs), so the entries are bounded by it.
+    decision: Decision | None = target.decisions.get((ref, shadow_rule))
+    if decision is None:
+        parsed = parse_ref(ref) if ref is not None else None
+        decision = Decision(target, ref, parsed, shadow_rule)
+        target.decisions[(ref, shadow_rule)] = decision
+    return decision
 
 
 def _check_query_names(target: CompiledTarget, request: ExternalCallRequest, param: str) -> None:
@@ -371,7 +375,12 @@ def _check_query_names(target: CompiledTarget, request: ExternalCallRequest, par
 
 
 def upstream_url(target: CompiledTarget, endpoint: str) -> URL:
-    """``base_url`` + ``endpoint`` (already checked by :func:`decide`), never another origin."""
+    """``base_url`` + ``endpoint`` (already checked by :func:`decide`), never another origin.
+
+    Built once per target and endpoint (:meth:`CompiledTarget.remember_url`)."""
+    known = target.known_url(endpoint)
+    if known is not None:
+        return known
     base = target.base_url
     # The endpoint is a path as sent on the wire: keep its percent-escapes ("%20" stays
     # "%20", not "%2520") and encode what must be (spaces, non-ASCII).
@@ -380,6 +389,7 @@ def upstream_url(target: CompiledTarget, endpoint: str) -> URL:
         raise PermissionDenied(
             "endpoint would leave the target's origin", details={"reason": "origin_escape"}
         )
+    target.remember_url(endpoint, url)
     return url
 
 

@@ -3,9 +3,9 @@ what it gets back (plain data; no aiohttp here)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from gateway.policy import CompiledTarget
 from gateway.secrets import Secret
@@ -38,7 +38,12 @@ class Credential:
     format: str = "{secret}"
 
 
-@dataclass(frozen=True, slots=True)
+def _slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Callable[[Any, Any], None], ...]:
+    # Each slot's own descriptor: what object.__setattr__ ends at, without its lookups.
+    return tuple(vars(cls)[name].__set__ for name in names)
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class OutboundRequest:
     """One call as the upstream gets it (built by :mod:`gateway.call.outbound`), the seam
     between the call path and this module.
@@ -60,8 +65,38 @@ class OutboundRequest:
     #: The media type of ``body``: JSON, or an upload's own (envelope ``body``).
     content_type: str = "application/json"
 
+    # Built once or more per call: a frozen dataclass's generated __init__ spends about
+    # twice the instructions (an object.__setattr__ lookup and call per field); the
+    # parameters are the fields', in order, with their defaults (tests/test_core_reuse.py).
+    def __init__(
+        self,
+        target: CompiledTarget,
+        method: str,
+        url: URL,
+        query: list[tuple[str, str]] | None,
+        body: bytes | None,
+        headers: dict[str, str] | None = None,
+        credential: Credential | None = None,
+        content_type: str = "application/json",
+    ) -> None:
+        s = _OUTBOUND_SETTERS
+        s[0](self, target)
+        s[1](self, method)
+        s[2](self, url)
+        s[3](self, query)
+        s[4](self, body)
+        s[5](self, {} if headers is None else headers)
+        s[6](self, credential)
+        s[7](self, content_type)
 
-@dataclass(frozen=True, slots=True)
+
+_OUTBOUND_SETTERS: Final = _slot_setters(
+    OutboundRequest,
+    ("target", "method", "url", "query", "body", "headers", "credential", "content_type"),
+)
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class UpstreamResponse:
     """The upstream's final answer to one attempt (after same-origin redirects).
 
@@ -81,3 +116,30 @@ class UpstreamResponse:
     stream: Any = None
     #: True when ``body`` is a 2xx event stream whose connection broke mid-way.
     cut: bool = False
+
+    def __init__(  # as OutboundRequest's, for the same reason
+        self,
+        status: int,
+        reason: str,
+        headers: Mapping[str, str],
+        content_type: str | None,
+        body: bytes,
+        elapsed_s: float,
+        stream: Any = None,
+        cut: bool = False,
+    ) -> None:
+        s = _RESPONSE_SETTERS
+        s[0](self, status)
+        s[1](self, reason)
+        s[2](self, headers)
+        s[3](self, content_type)
+        s[4](self, body)
+        s[5](self, elapsed_s)
+        s[6](self, stream)
+        s[7](self, cut)
+
+
+_RESPONSE_SETTERS: Final = _slot_setters(
+    UpstreamResponse,
+    ("status", "reason", "headers", "content_type", "body", "elapsed_s", "stream", "cut"),
+)
