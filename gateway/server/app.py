@@ -42,6 +42,7 @@ from gateway.server.proxy import (
     PROXY_ROUTE,
     WRITE_BUFFERED_BYTES,
     ProxyRoute,
+    RelayResponse,
     drop_connection,
     send_bounded,
 )
@@ -170,7 +171,7 @@ class _SseRelay:
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
-        self._response = web.StreamResponse(
+        self._response = RelayResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
         )

@@ -42,7 +42,7 @@ from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError
 from gateway.providers import mcp as rpc
-from gateway.server.proxy import BodyReader, answer_ids, read_limited
+from gateway.server.proxy import BodyReader, RelayResponse, answer_ids, read_limited
 from gateway.server.runtime import Gateway
 
 MCP_ROUTE: Final = "/mcp/{target}"
@@ -175,7 +175,7 @@ class _McpRelay:
         ids = id_headers(request.trace_id, request.correlation_id) if request else {}
         headers = [*passback_headers(answer.headers), *ids.items()] if answer is not None else []
         status = answer.status if answer is not None else 200
-        self._response = web.StreamResponse(status=status, headers=headers)
+        self._response = RelayResponse(status=status, headers=headers)
         try:
             await self._response.prepare(self._request)
         except (ConnectionError, RuntimeError) as exc:
