@@ -243,9 +243,11 @@ def _answer(
             headers=scrubbed(headers),
         )
         length = answer.headers.get("Content-Length", "")
-        if method == "HEAD" and length.isdigit():
+        coding = answer.headers.get("Content-Encoding", "identity").strip().lower()
+        if method == "HEAD" and length.isdigit() and coding in ("", "identity"):
             # The length of the body a GET would get (RFC 9110 sections 9.3.2 and 8.6),
-            # not of the empty one written here; set after the body, which resets it.
+            # not of the empty one written here; set after the body, which resets it. Not
+            # for a coded body: a GET here gets it decoded, of a length no one has said.
             passed.headers["Content-Length"] = length
         return passed
     return _refusal(status, response, dialect, ctx)
