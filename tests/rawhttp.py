@@ -29,6 +29,24 @@ from gateway.server.app import (
 )
 from gateway.server.runtime import Gateway
 
+# -- reading one message, for raw upstreams -----------------------------------------------
+
+
+async def read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 message from ``reader``: its head (through the blank line) and its
+    body, framed by ``Content-Length`` (none: no body)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    return head, await reader.readexactly(length)
+
+
 # -- a raw HTTP/1.1 client --------------------------------------------------------------
 
 

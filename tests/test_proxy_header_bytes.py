@@ -15,6 +15,7 @@ import pytest
 
 from gateway.call.proxy import passback_headers
 from tests.conftest import compile_policy, openai_target
+from tests.rawhttp import read_message
 
 BODY = b'{"id":"chatcmpl-1","object":"chat.completion","choices":[]}'
 HEAD = (
@@ -26,13 +27,7 @@ HEAD = (
 @pytest.fixture
 async def upstream() -> AsyncIterator[int]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            int(line.split(b":", 1)[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )
-        await reader.readexactly(length)
+        await read_message(reader)
         writer.write(HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
         await writer.drain()
         writer.close()

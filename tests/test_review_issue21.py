@@ -6,30 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
 from tests.conftest import compile_policy, envelope, openai_target, wait_for
+from tests.rawhttp import read_message
 from tests.redis_fixtures import SHARED_URL, redis_prefix
-from tests.test_upstream_101 import Switcher
+from tests.test_upstream_101 import switcher
 
-__all__ = ["redis_prefix"]  # a fixture, imported for pytest
+__all__ = ["redis_prefix", "switcher"]  # fixtures, imported for pytest
 
 CHAT = {"model": "fake-model-1", "messages": [{"role": "user", "content": "ping"}]}
-
-
-@pytest.fixture
-async def switcher() -> AsyncIterator[Switcher]:
-    fake = Switcher()
-    server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
-    fake.port = server.sockets[0].getsockname()[1]
-    yield fake
-    for writer in fake._held:
-        writer.close()
-    server.close()
-    await server.wait_closed()
 
 
 async def test_a_replayed_101_is_not_sent_to_the_agent_as_101(switcher, sidecar_factory):
@@ -197,14 +185,9 @@ async def test_pipelined_answers_to_an_agent_that_reads_all_arrive(upstream_fact
         writer.write(one * 40)
         await writer.drain()
         for _ in range(40):
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            head, raw = await asyncio.wait_for(read_message(reader), 10)
             assert head.startswith(b"HTTP/1.1 200 OK")
-            length = next(
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            answer = json.loads(await asyncio.wait_for(reader.readexactly(length), 10))
+            answer = json.loads(raw)
             assert answer["data"] == MEDIUM
         writer.close()
         assert up.hits == 40
@@ -223,13 +206,7 @@ class RawUpstream:
         self.port = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-             if line.lower().startswith(b"content-length:")),
-            0,
-        )  # fmt: skip
-        await reader.readexactly(length)
+        await read_message(reader)
         self.requests += 1
         writer.write(self.head + b"Content-Length: %d\r\n\r\n%s" % (len(self.body), self.body))
         await writer.drain()

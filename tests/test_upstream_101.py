@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.conftest import compile_policy, envelope, openai_target
+from tests.rawhttp import read_message
 
 SWITCH = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
 
@@ -30,13 +31,7 @@ class Switcher:
         self._held: list[asyncio.StreamWriter] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-             if line.lower().startswith(b"content-length:")),
-            0,
-        )  # fmt: skip
-        await reader.readexactly(length)
+        await read_message(reader)
         self.requests += 1
         writer.write(SWITCH)
         await writer.drain()

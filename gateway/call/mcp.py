@@ -38,7 +38,7 @@ from gateway import fastjson
 from gateway.audit.schema import Fields as F
 from gateway.call.bodies import is_stream_form
 from gateway.call.intake import Intake, decode_json, parse_request, printable
-from gateway.call.proxy import _ids, header_map
+from gateway.call.proxy import _ids, egress_timeout, header_map
 from gateway.call.record import CLAIM_LIMIT, CallContext
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload, PermissionDenied
@@ -51,7 +51,6 @@ from gateway.tracing import TRACE_HEADERS
 #: The deadline of an MCP exchange without ``x-egress-timeout``, seconds: the ``mcp``
 #: SDK's own read timeout for a stream (``sse_read_timeout``, 300 s).
 MCP_TIMEOUT_S: Final = 300.0
-_TIMEOUT_HEADER: Final = "x-egress-timeout"
 _SECRET_REF_HEADER: Final = "x-egress-secret-ref"  # noqa: S105 - a header name
 #: Method label values of the MCP metrics (anything else is ``_other``).
 METHOD_LABELS: Final = frozenset(
@@ -232,16 +231,8 @@ def _group(exchange: rpc.McpExchange, target: CompiledTarget) -> str | None:
 
 
 def _timeout(headers: dict[str, str]) -> Any:
-    given = headers.get(_TIMEOUT_HEADER)
-    if given is None:
-        return MCP_TIMEOUT_S
-    try:
-        return float(given)  # the envelope's bounds then apply (0 < t <= 600)
-    except ValueError:
-        raise InvalidPayload(
-            f"{_TIMEOUT_HEADER} must be a number of seconds",
-            details={"reason": "invalid_header", "header": _TIMEOUT_HEADER},
-        ) from None
+    given = egress_timeout(headers)
+    return MCP_TIMEOUT_S if given is None else given
 
 
 def check_envelope(

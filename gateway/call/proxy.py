@@ -316,6 +316,22 @@ def _streamed(raw: Mapping[str, Any]) -> bool:
     )
 
 
+def egress_timeout(headers: Mapping[str, str]) -> float | None:
+    """``x-egress-timeout`` in seconds (the envelope's bounds then apply: 0 < t <= 600),
+    None when absent. Raises :class:`InvalidPayload` (``invalid_header``) when it is not
+    a number."""
+    given = headers.get(_TIMEOUT_HEADER)
+    if given is None:
+        return None
+    try:
+        return float(given)
+    except ValueError:
+        raise InvalidPayload(
+            f"{_TIMEOUT_HEADER} must be a number of seconds",
+            details={"reason": "invalid_header", "header": _TIMEOUT_HEADER},
+        ) from None
+
+
 def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     """The call's deadline in seconds (module docstring). An ``x-egress-timeout`` that is
     not a number is refused; a bad SDK timeout is ignored. The Stainless SDKs' timeouts
@@ -324,15 +340,9 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     ``_build_headers``), so there they are not the deadline: :data:`MAX_TIMEOUT_S` is,
     and the SDK, which hangs up after such a gap, and ``stream_idle_timeout_s`` bound
     the gaps."""
-    given = headers.get(_TIMEOUT_HEADER)
+    given = egress_timeout(headers)
     if given is not None:
-        try:
-            return float(given)  # the envelope's bounds then apply (0 < t <= 600)
-        except ValueError:
-            raise InvalidPayload(
-                f"{_TIMEOUT_HEADER} must be a number of seconds",
-                details={"reason": "invalid_header", "header": _TIMEOUT_HEADER},
-            ) from None
+        return given
     for name in _SDK_TIMEOUT_HEADERS:
         sdk = headers.get(name)
         if sdk is None:  # not float(""): a raised ValueError costs more than the rest
