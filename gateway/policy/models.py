@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
+from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 
 # Re-exported: gateway.idempotency.memory imports them from here.
@@ -35,11 +36,7 @@ from gateway.policy.defaults import (
 )
 from gateway.policy.mcp import McpSpec, check_target
 from gateway.policy.refs import InvalidSecretRef, parse_ref
-from gateway.policy.stores import (
-    AuditSpec,
-    RedisSpec,
-    SecretsSpec,
-)
+from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec
 from gateway.policy.stores import StrictModel as _Strict
 from gateway.urls import URL
 
@@ -102,6 +99,7 @@ FORBIDDEN_FORWARD_HEADERS: Final = frozenset(
         "Expect",
         "X-Api-Key",
         "Api-Key",
+        "X-Egress-Agent-Token",  # gateway.agents.identity: the agent's, never an upstream's
     )
 )
 
@@ -435,6 +433,7 @@ class Policy(_Strict):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
     budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
+    agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
@@ -479,6 +478,8 @@ class Policy(_Strict):
         groups, has_redis = set(self.rate_limit_groups), self.redis is not None
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
+        has_vault = self.secrets.vault is not None
+        problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",
