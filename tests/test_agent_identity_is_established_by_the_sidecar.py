@@ -162,6 +162,16 @@ def test_ipv6_and_ipv4_mapped_entries_are_read() -> None:
     assert peers.socket_owner([line], _LOCAL, _PEER) == 1003
 
 
+class _Transport:
+    """The one thing identify asks of asyncio's transport: its socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._sock if name == "socket" else default
+
+
 def _pair(family: int) -> tuple[socket.socket, socket.socket]:
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
@@ -184,7 +194,7 @@ def test_a_peer_whose_socket_was_let_go_has_no_owner() -> None:
     with server:
         client.close()  # no process holds it now: an orphan in FIN_WAIT (inode 0)
         assert peers.peer_uid(server) is None
-        identity = identify(server, {}, AGENTS)
+        identity = identify(_Transport(server), {}, AGENTS)
         assert identity.refusal is not None
         assert identity.refusal.details == {
             "reason": "unknown_agent", "peer_uid": None, "listener": "tcp",
@@ -196,7 +206,7 @@ def test_a_unix_socket_peer_is_known_by_its_credentials() -> None:
     with a, b:
         assert peers.peer_uid(b) == os.getuid()
         agents = build_agents("d", [("me", os.getuid(), None, None)])
-        identity = identify(b, {"x-egress-agent": "me"}, agents)
+        identity = identify(_Transport(b), {"x-egress-agent": "me"}, agents)
         assert (identity.agent_id, identity.agent_auth, identity.refusal) == ("me", "uid", None)
 
 

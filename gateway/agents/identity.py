@@ -30,7 +30,7 @@ import hmac
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 from gateway.agents import peers
 from gateway.errors import PermissionDenied
@@ -209,11 +209,18 @@ def _mismatch(identity: Identity, claim: str) -> PermissionDenied:
     )
 
 
-def identify(sock: peers.PeerSocket | None, headers: Mapping[str, str], agents: Agents) -> Identity:
-    """The identity of a request that came in on ``sock`` with ``headers`` (a mapping
-    whose ``get`` ignores case, as aiohttp's): the one hook of every API and listener.
-    Reads the kernel (:func:`gateway.agents.peers.peer_uid`) only when the caller is on
-    the Unix socket or some agent is recognised by UID."""
+class Transport(Protocol):
+    """What :func:`identify` needs of a connection: asyncio's ``BaseTransport``."""
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any: ...
+
+
+def identify(transport: Transport | None, headers: Mapping[str, str], agents: Agents) -> Identity:
+    """The identity of a request that came in on ``transport`` (its ``socket``) with
+    ``headers`` (a mapping whose ``get`` ignores case, as aiohttp's): the one hook of
+    every API and listener. Asks the kernel (:func:`gateway.agents.peers.peer_uid`) only
+    when the caller is on the Unix socket or some agent is recognised by UID."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
     listener: Listener = "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
     uid = peers.peer_uid(sock) if listener == "unix" or agents.reads_uid else None
     seen = Seen(listener, uid, headers.get(TOKEN_HEADER), headers.get(CLAIM_HEADER))

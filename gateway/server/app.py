@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +32,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
 from gateway import openapi, redaction
+from gateway.agents.identity import identify
 from gateway.audit import get_logger
 from gateway.call.idempotent import rendered
 from gateway.call.relay import AGENT_STALLED, AgentGone
@@ -92,12 +94,14 @@ def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
 def _error_answer(exc: GatewayError, started: float, request: web.Request) -> web.Response:
     """The answer to a request refused here, before the pipeline (which audits its own
     answers): on the calls listener it gets its one audit record."""
-    response = request.app[GATEWAY_KEY].refused_early(
+    gateway = request.app[GATEWAY_KEY]
+    response = gateway.refused_early(
         exc,
         started=started,
         http_method=request.method,
         http_path=request.rel_url.raw_path,
         audited=request.app.get(AUDITED_KEY, False),
+        identity=identify(request.transport, request.headers, gateway.agents),
     )
     return _json_answer(exc.http_status, response)
 
@@ -148,7 +152,8 @@ async def _calls(request: web.Request) -> web.StreamResponse:
             raise _too_large(request.content_length, limit)
         body = await _read_body(request, limit)
         relay = _SseRelay(request) if _wants_stream(request) else None
-        status, response = await gateway.call(body, relay=relay)
+        identity = identify(request.transport, request.headers, gateway.agents)
+        status, response = await gateway.call(body, relay=relay, identity=identity)
     except GatewayError as exc:
         return _error_answer(exc, started, request)
     except Exception:  # noqa: BLE001 - the answer must be JSON whatever broke
@@ -401,8 +406,14 @@ async def serve(
     ops_port: int | None = None,
     started: asyncio.Event | None = None,
     accept_new_calls: bool | None = None,
+    unix_socket: str | None = None,
 ) -> None:
     """Run until SIGTERM or SIGINT, then drain and stop (README, "Graceful shutdown").
+
+    With ``unix_socket`` (a path) the calls API is served on that Unix socket as well,
+    made connectable by every UID (mode 0666): who calls is the peer's UID there
+    (``SO_PEERCRED``, :mod:`gateway.agents.identity`), not the file's permissions. A
+    stale socket file at the path is replaced.
 
     Readiness turns false in the signal's own callback. New calls are then served while
     draining when ``accept_new_calls`` (None: the policy's
@@ -443,7 +454,9 @@ async def serve(
     # must not cancel its call half-way (Gateway.call).
     runner = make_runner(create_app(gateway), handler_cancellation=False)
     await runner.setup()
-    sites = [web.TCPSite(runner, host, port, reuse_address=True)]
+    sites: list[web.BaseSite] = [web.TCPSite(runner, host, port, reuse_address=True)]
+    if unix_socket is not None:
+        sites.append(web.UnixSite(runner, unix_socket))
     ops_runner = None
     if ops_port is not None:
         ops_runner = make_runner(create_ops_app(gateway))
@@ -452,11 +465,14 @@ async def serve(
     try:
         for site in sites:
             await site.start()
-        bound = [_bound(site) for site in sites]
+        if unix_socket is not None:
+            os.chmod(unix_socket, 0o666)  # noqa: S103 - who calls is its UID, not the mode
+        bound = [_bound(site) for site in sites if isinstance(site, web.TCPSite)]
         _log.info(
             "listening",
             calls=bound[0],
             ops=bound[1] if len(bound) > 1 else None,
+            unix_socket=unix_socket,
             loop=loop_name(loop),
         )
         watcher.start()

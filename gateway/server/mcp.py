@@ -33,6 +33,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from gateway import fastjson, redaction
+from gateway.agents.identity import identify
 from gateway.audit import get_logger
 from gateway.call.mcp import McpRequest
 from gateway.call.proxy import egress_headers, id_headers, passback_headers, passback_reason
@@ -63,11 +64,13 @@ class McpRoute:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         gateway = self._gateway
         policy = gateway.policy.policy
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
+        identity = identify(request.transport, request.headers, gateway.agents)
+        ctx = CallContext(time.monotonic(), identity.agent_id, identity=identity)
         try:
             body, refuse = await read_limited(
                 self._read_body, request, policy.server.max_request_bytes
             )
+            refuse = identity.refusal or refuse  # who calls is settled first
             http = McpRequest(
                 method=request.method,
                 target=request.match_info["target"],
@@ -92,6 +95,7 @@ class McpRoute:
             http_method=request.method,
             http_path=request.rel_url.raw_path,
             api="mcp",
+            identity=ctx.identity,
         )
         return _rpc_error(exc.http_status, response, ctx)
 

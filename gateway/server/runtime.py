@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import IO, TYPE_CHECKING, Any
 
 from gateway import audit, cost, telemetry
-from gateway.audit.schema import Fields
+from gateway.agents.identity import Agents, Identity, build_agents
+from gateway.audit.schema import POLICY_RELOAD_EVENT, POLICY_START_EVENT, Fields
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.mcp import McpRequest
@@ -31,7 +32,9 @@ from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
 from gateway.policy import PolicyError, PolicySet, load_policy
+from gateway.policy.refs import parse_ref
 from gateway.ratelimit import RateLimitGroups
+from gateway.secrets import SecretResolvers
 from gateway.secrets.factory import build_secret_resolvers, secrets_ready, start_secret_resolvers
 from gateway.upstream import Resolver, Upstream
 
@@ -62,12 +65,40 @@ def _labels(policy: PolicySet) -> dict[str, Any]:
     }
 
 
+def _differs(old: PolicySet, new: PolicySet, key: str) -> bool:
+    return bool(getattr(old.policy, key) != getattr(new.policy, key))
+
+
+def _file_sha256(path: str) -> str | None:
+    """SHA-256 (hex) of the file at ``path`` as it is now; None if it cannot be read."""
+    try:
+        with open(path, "rb") as file:
+            return hashlib.file_digest(file, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
 def _refusal() -> ShuttingDown:
     return ShuttingDown(
         "the sidecar is shutting down and accepts no new calls; retry shortly "
         "(another replica, or this one after its restart)",
         retry_after_s=1.0,
     )
+
+
+async def resolve_agents(policy: PolicySet, resolvers: SecretResolvers) -> Agents:
+    """The agents of ``policy`` with their tokens' digests, each token resolved once
+    through ``resolvers``. Raises :class:`gateway.errors.SecretError` (a token that
+    cannot be read) or ValueError (an empty one)."""
+    entries = []
+    for name, spec in policy.policy.agents.items():
+        token = None
+        if spec.token_ref is not None:
+            token = (await resolvers.resolve(parse_ref(spec.token_ref))).secret.reveal()
+            if not token.strip():
+                raise ValueError(f"agents.{name}.token_ref: the agent token is empty")
+        entries.append((name, spec.uid, token, spec.targets))
+    return build_agents(policy.policy.agent_id, entries)
 
 
 class Gateway:
@@ -91,6 +122,8 @@ class Gateway:
         self.redis: RedisClient | None = None
         self.cluster_limits: ClusterLimits | None = None
         self.metrics = Metrics()
+        #: Who may call (the policy's ``agents:``, tokens resolved): rebuilt on reload.
+        self.agents = Agents(policy.policy.agent_id)
         #: Set at SIGTERM (:meth:`begin_drain`): readiness is false from then on.
         self.draining = False
         #: While draining: new calls are still served (``server.shutdown.accept_new_calls``).
@@ -168,6 +201,7 @@ class Gateway:
                 tracer=tracer,
                 budgets=Budgets(policy.budgets, cluster=self._cluster_budgets()),
             )
+            self.agents = await resolve_agents(self.policy, resolvers)
             self._resources = stack.pop_all()
         self.metrics.set_known(
             self.policy.targets, policy.rate_limit_groups, **_labels(self.policy)
@@ -176,6 +210,13 @@ class Gateway:
         self.metrics.watch(
             audit_failures=lambda: audit_log.write_failures,
             secrets_ready=lambda: secrets_ready(resolvers),
+        )
+        self.audit.event(
+            POLICY_START_EVENT,
+            policy=self.policy.source,
+            policy_sha256=self.policy.sha256,
+            targets=sorted(self.policy.targets),
+            agents=sorted(policy.agents),
         )
         _log.info(
             "sidecar_started",
@@ -190,19 +231,17 @@ class Gateway:
         Calls in flight finish under the policy they started with. Listener settings
         (``server.host``, ``port``, ``ops_*``, ``max_request_bytes``) and
         ``secrets`` need a restart; a reload that changes them says so in the log.
+        Applied or refused, the reload is an audit record of its own (``policy_reload``:
+        ``applied``, the digests, what changed or the problems).
         """
         source = path or self.policy.source
         try:
             new = await asyncio.to_thread(load_policy, source)
+            agents = await self._agents_of(new)
         except PolicyError as exc:
-            self.metrics.observe_policy_reload(ok=False)
-            _log.error(
-                "policy_reload_refused",
-                policy=source,
-                problems=exc.problems,
-                note="the previous policy stays in force",
-            )
-            return False
+            return await self._reload_refused(source, exc.problems)
+        except (GatewayError, ValueError) as exc:  # an agent token unreadable or empty
+            return await self._reload_refused(source, [f"{source}: agents: {exc}"])
         old = self.policy
         restart_needed = [
             key
@@ -210,15 +249,19 @@ class Gateway:
             if getattr(old.policy, key) != getattr(new.policy, key)
             and not (key == "server" and _server_hot_only(old, new))
         ]
-        self.policy = new
+        self.policy, self.agents = new, agents
         if self.pipeline is not None:
             self.pipeline.apply_policy(new)
         self.metrics.set_known(new.targets, new.policy.rate_limit_groups, **_labels(new))
         self.metrics.observe_policy_reload(ok=True)
         if self.audit is not None:
             self.audit.event(
-                "policy_reload",
+                POLICY_RELOAD_EVENT,
                 policy=source,
+                applied=True,
+                policy_sha256=new.sha256,
+                previous_policy_sha256=old.sha256,
+                changed=[k for k in type(new.policy).model_fields if _differs(old, new, k)],
                 targets=sorted(new.targets),
                 changed_targets=sorted(
                     n
@@ -229,6 +272,32 @@ class Gateway:
                 restart_needed_for=restart_needed,
             )
         return True
+
+    async def _agents_of(self, policy: PolicySet) -> Agents:
+        """The agents of ``policy``, tokens resolved (before start: without tokens; start
+        resolves them)."""
+        if self.pipeline is None:
+            return Agents(policy.policy.agent_id)
+        return await resolve_agents(policy, self.pipeline.resolvers)
+
+    async def _reload_refused(self, source: str, problems: list[str]) -> bool:
+        self.metrics.observe_policy_reload(ok=False)
+        _log.error(
+            "policy_reload_refused",
+            policy=source,
+            problems=problems,
+            note="the previous policy stays in force",
+        )
+        if self.audit is not None:
+            self.audit.event(
+                POLICY_RELOAD_EVENT,
+                policy=source,
+                applied=False,
+                policy_sha256=await asyncio.to_thread(_file_sha256, source),
+                previous_policy_sha256=self.policy.sha256,
+                problems=problems,
+            )
+        return False
 
     def _cluster_budgets(self) -> ClusterBudgets | None:
         """The Redis side of ``scope: cluster`` budgets (with a ``redis:`` section)."""
@@ -277,7 +346,7 @@ class Gateway:
         return pipeline is not None and secrets_ok and not self.draining, checks
 
     async def call(
-        self, body: bytes, *, relay: Relay | None = None
+        self, body: bytes, *, relay: Relay | None = None, identity: Identity | None = None
     ) -> tuple[int, ExternalCallResponse]:
         """Run one call (see :meth:`Pipeline.handle`) in the current task, tracked as in
         flight so that :meth:`drain` can wait for it and, past the drain time, cancel it.
@@ -288,11 +357,15 @@ class Gateway:
         Once draining has begun a call is answered SHUTTING_DOWN (audited), unless
         :meth:`begin_drain` was told to accept new calls and the drain has not ended.
         Raises :class:`ShuttingDown` before :meth:`start` or after :meth:`aclose`.
-        With ``relay``, a 2xx event stream is relayed to it as it arrives.
+        With ``relay``, a 2xx event stream is relayed to it as it arrives. ``identity``:
+        who called (:func:`gateway.agents.identity.identify`); its refusal, if any, is
+        the answer (audited).
         """
         return await self._tracked(
-            lambda pipeline, refuse, relay: pipeline.handle(body, refuse=refuse, relay=relay),
-            None,
+            lambda pipeline, refuse, relay: pipeline.handle(
+                body, refuse=refuse, relay=relay, identity=identity
+            ),
+            identity.refusal if identity is not None else None,
             relay,
         )
 
@@ -363,10 +436,12 @@ class Gateway:
         http_path: str,
         api: str = "envelope",
         audited: bool = True,
+        identity: Identity | None = None,
     ) -> ExternalCallResponse:
         """The answer to a request refused before the pipeline (which audits its own
         answers): ``exc`` as an ExternalCallResponse, and with ``audited`` its one audit
-        record (:func:`gateway.call.record.refusal_record`, ``api`` the route's)."""
+        record (:func:`gateway.call.record.refusal_record`, ``api`` the route's,
+        ``identity`` who called when established)."""
         response = error_response(exc, latency_ms=(time.monotonic() - started) * 1000)
         if audited and self.audit is not None:
             record = refusal_record(
@@ -375,6 +450,8 @@ class Gateway:
                 http_method=http_method,
                 http_path=http_path,
                 http_status=exc.http_status,
+                identity=identity,
+                policy_sha256=self.policy.sha256,
             )
             record[Fields.API] = api
             self.audit.call(record)
