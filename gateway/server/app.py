@@ -95,13 +95,14 @@ def _error_answer(exc: GatewayError, started: float, request: web.Request) -> we
     """The answer to a request refused here, before the pipeline (which audits its own
     answers): on the calls listener it gets its one audit record."""
     gateway = request.app[GATEWAY_KEY]
+    audited = request.app.get(AUDITED_KEY, False)
     response = gateway.refused_early(
         exc,
         started=started,
         http_method=request.method,
         http_path=request.rel_url.raw_path,
-        audited=request.app.get(AUDITED_KEY, False),
-        identity=identify(request.transport, request.headers, gateway.agents),
+        audited=audited,
+        identity=identify(request.transport, request.headers, gateway.agents) if audited else None,
     )
     return _json_answer(exc.http_status, response)
 
