@@ -25,6 +25,7 @@ request's socket and headers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import socket
@@ -67,6 +68,11 @@ class Agents:
 
     default: str
     agents: tuple[Agent, ...] = ()
+
+    @property
+    def default_identity(self) -> Identity:
+        """The identity of every caller without ``agents:`` (``agent_auth: policy``)."""
+        return policy_identity(self.default)
 
     @property
     def enabled(self) -> bool:
@@ -146,6 +152,7 @@ class Identity:
             )
 
 
+@functools.lru_cache(maxsize=64)  # immutable, one per policy agent_id: built once, not per call
 def policy_identity(agent_id: str) -> Identity:
     """The identity of a sidecar without ``agents:``: its policy's ``agent_id``."""
     return Identity(agent_id, "policy")
@@ -156,7 +163,9 @@ def establish(seen: Seen, agents: Agents) -> Identity:
     raises: a caller that is not recognised, or whose claim differs, gets an
     :class:`Identity` whose ``refusal`` says so."""
     if not agents.enabled:
-        identity = dataclasses.replace(policy_identity(agents.default), peer_uid=seen.peer_uid)
+        identity = agents.default_identity
+        if seen.peer_uid is not None:
+            identity = dataclasses.replace(identity, peer_uid=seen.peer_uid)
     else:
         identity = _recognise(seen, agents)
     if seen.claim is not None and identity.agent_auth is not None:

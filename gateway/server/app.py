@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,6 +38,7 @@ from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.server.eventloop import loop_name
+from gateway.server.listeners import calls_sites, start_sites
 from gateway.server.mcp import MCP_ROUTE, McpRoute
 from gateway.server.proxy import (
     PROXY_ROUTE,
@@ -411,10 +411,8 @@ async def serve(
 ) -> None:
     """Run until SIGTERM or SIGINT, then drain and stop (README, "Graceful shutdown").
 
-    With ``unix_socket`` (a path) the calls API is served on that Unix socket as well,
-    made connectable by every UID (mode 0666): who calls is the peer's UID there
-    (``SO_PEERCRED``, :mod:`gateway.agents.identity`), not the file's permissions. A
-    stale socket file at the path is replaced.
+    With ``unix_socket`` (a path) the calls API is on that Unix socket too
+    (:mod:`gateway.server.listeners`).
 
     Readiness turns false in the signal's own callback. New calls are then served while
     draining when ``accept_new_calls`` (None: the policy's
@@ -455,20 +453,14 @@ async def serve(
     # must not cancel its call half-way (Gateway.call).
     runner = make_runner(create_app(gateway), handler_cancellation=False)
     await runner.setup()
-    sites: list[web.BaseSite] = [web.TCPSite(runner, host, port, reuse_address=True)]
-    if unix_socket is not None:
-        sites.append(web.UnixSite(runner, unix_socket))
+    sites = calls_sites(runner, host, port, unix_socket)
     ops_runner = None
     if ops_port is not None:
         ops_runner = make_runner(create_ops_app(gateway))
         await ops_runner.setup()
         sites.append(web.TCPSite(ops_runner, ops_host or host, ops_port, reuse_address=True))
     try:
-        for site in sites:
-            await site.start()
-        if unix_socket is not None:
-            os.chmod(unix_socket, 0o666)  # noqa: S103 - who calls is its UID, not the mode
-        bound = [_bound(site) for site in sites if isinstance(site, web.TCPSite)]
+        bound = await start_sites(sites, unix_socket)
         _log.info(
             "listening",
             calls=bound[0],
@@ -505,12 +497,3 @@ async def serve(
         if ops_runner is not None:
             await ops_runner.cleanup()
         await runner.cleanup()
-
-
-def _bound(site: web.TCPSite) -> str:
-    server = site._server  # aiohttp exposes no public accessor for the bound socket
-    sockets = getattr(server, "sockets", None) or []
-    if sockets:
-        host, port = sockets[0].getsockname()[:2]
-        return f"{host}:{port}"
-    return site.name

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import IO, TYPE_CHECKING, Any
 
 from gateway import audit, cost, telemetry
-from gateway.agents.identity import Agents, Identity, build_agents
+from gateway.agents.identity import Agents, Identity
+from gateway.agents.registry import resolve_agents
 from gateway.audit.schema import POLICY_RELOAD_EVENT, POLICY_START_EVENT, Fields
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
@@ -32,10 +33,9 @@ from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
 from gateway.policy import PolicyError, PolicySet, load_policy
-from gateway.policy.refs import parse_ref
 from gateway.ratelimit import RateLimitGroups
-from gateway.secrets import SecretResolvers
 from gateway.secrets.factory import build_secret_resolvers, secrets_ready, start_secret_resolvers
+from gateway.server.reload import applied_fields, refused_fields
 from gateway.upstream import Resolver, Upstream
 
 if TYPE_CHECKING:
@@ -65,40 +65,12 @@ def _labels(policy: PolicySet) -> dict[str, Any]:
     }
 
 
-def _differs(old: PolicySet, new: PolicySet, key: str) -> bool:
-    return bool(getattr(old.policy, key) != getattr(new.policy, key))
-
-
-def _file_sha256(path: str) -> str | None:
-    """SHA-256 (hex) of the file at ``path`` as it is now; None if it cannot be read."""
-    try:
-        with open(path, "rb") as file:
-            return hashlib.file_digest(file, "sha256").hexdigest()
-    except OSError:
-        return None
-
-
 def _refusal() -> ShuttingDown:
     return ShuttingDown(
         "the sidecar is shutting down and accepts no new calls; retry shortly "
         "(another replica, or this one after its restart)",
         retry_after_s=1.0,
     )
-
-
-async def resolve_agents(policy: PolicySet, resolvers: SecretResolvers) -> Agents:
-    """The agents of ``policy`` with their tokens' digests, each token resolved once
-    through ``resolvers``. Raises :class:`gateway.errors.SecretError` (a token that
-    cannot be read) or ValueError (an empty one)."""
-    entries = []
-    for name, spec in policy.policy.agents.items():
-        token = None
-        if spec.token_ref is not None:
-            token = (await resolvers.resolve(parse_ref(spec.token_ref))).secret.reveal()
-            if not token.strip():
-                raise ValueError(f"agents.{name}.token_ref: the agent token is empty")
-        entries.append((name, spec.uid, token, spec.targets))
-    return build_agents(policy.policy.agent_id, entries)
 
 
 class Gateway:
@@ -255,22 +227,7 @@ class Gateway:
         self.metrics.set_known(new.targets, new.policy.rate_limit_groups, **_labels(new))
         self.metrics.observe_policy_reload(ok=True)
         if self.audit is not None:
-            self.audit.event(
-                POLICY_RELOAD_EVENT,
-                policy=source,
-                applied=True,
-                policy_sha256=new.sha256,
-                previous_policy_sha256=old.sha256,
-                changed=[k for k in type(new.policy).model_fields if _differs(old, new, k)],
-                targets=sorted(new.targets),
-                changed_targets=sorted(
-                    n
-                    for n in set(old.targets) | set(new.targets)
-                    if (old.targets.get(n) and old.targets[n].spec)
-                    != (new.targets.get(n) and new.targets[n].spec)
-                ),
-                restart_needed_for=restart_needed,
-            )
+            self.audit.event(POLICY_RELOAD_EVENT, **applied_fields(old, new, restart_needed))
         return True
 
     async def _agents_of(self, policy: PolicySet) -> Agents:
@@ -289,14 +246,8 @@ class Gateway:
             note="the previous policy stays in force",
         )
         if self.audit is not None:
-            self.audit.event(
-                POLICY_RELOAD_EVENT,
-                policy=source,
-                applied=False,
-                policy_sha256=await asyncio.to_thread(_file_sha256, source),
-                previous_policy_sha256=self.policy.sha256,
-                problems=problems,
-            )
+            fields = await asyncio.to_thread(refused_fields, source, problems, self.policy)
+            self.audit.event(POLICY_RELOAD_EVENT, **fields)
         return False
 
     def _cluster_budgets(self) -> ClusterBudgets | None:
