@@ -156,6 +156,32 @@ def test_the_owner_of_a_loopback_socket(lines: list[str], owner: int | None) -> 
     assert peers.socket_owner([_HEADER, *lines], _LOCAL, _PEER) == owner
 
 
+@pytest.mark.parametrize(
+    ("lines", "v6", "owner"),
+    [
+        ([_line(_hex4("127.0.0.1", 40000), _hex4("127.0.0.1", 8181), 1001, 77)], False, 1001),
+        # A TIME_WAIT entry of an earlier connection first, then the live one.
+        ([_line(_hex4("127.0.0.1", 40000), _hex4("127.0.0.1", 8181), 0, 0),
+          _line(_hex4("127.0.0.1", 41000), _hex4("127.0.0.1", 8181), 1009, 81),
+          _line(_hex4("127.0.0.1", 40000), _hex4("127.0.0.1", 8181), 1002, 79)], False, 1002),
+        ([_line(_hex4("127.0.0.1", 8181), _hex4("127.0.0.1", 40000), 0, 78)], False, None),
+        ([_line("0000000000000000FFFF00000100007F:9C40",
+                "0000000000000000FFFF00000100007F:1FF5", 1003, 80)], True, 1003),
+    ],
+)  # fmt: skip
+def test_the_owner_is_found_in_a_whole_table(lines: list[str], v6: bool, owner: int | None) -> None:
+    text = "\n".join([_HEADER, *lines]) + "\n"
+    assert peers.find_owner(text, _LOCAL, _PEER, v6=v6) == owner
+    assert peers.find_owner(text.rstrip("\n"), _LOCAL, _PEER, v6=v6) == owner
+
+
+def test_an_ipv6_pair_is_not_looked_for_in_the_ipv4_table() -> None:
+    local = (ipaddress.ip_address("::1"), 8181)
+    assert (
+        peers.find_owner(_HEADER + "\n", local, (ipaddress.ip_address("::1"), 1), v6=False) is None
+    )
+
+
 def test_ipv6_and_ipv4_mapped_entries_are_read() -> None:
     mapped = "0000000000000000FFFF00000100007F"  # ::ffff:127.0.0.1, as tcp6 prints it
     line = _line(f"{mapped}:9C40", f"{mapped}:1FF5", 1003, 80)

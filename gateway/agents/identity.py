@@ -29,6 +29,7 @@ import functools
 import hashlib
 import hmac
 import socket
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
@@ -218,6 +219,11 @@ def _mismatch(identity: Identity, claim: str) -> PermissionDenied:
     )
 
 
+#: A TCP connection's owner, read once per connection and kept while its transport lives
+#: (a socket's UID is fixed at its creation): /proc/net/tcp* lists every socket of the pod.
+_TCP_OWNERS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
 class Transport(Protocol):
     """What :func:`identify` needs of a connection: asyncio's ``BaseTransport``."""
 
@@ -228,10 +234,17 @@ def identify(transport: Transport | None, headers: Mapping[str, str], agents: Ag
     """The identity of a request that came in on ``transport`` (its ``socket``) with
     ``headers`` (a mapping whose ``get`` ignores case, as aiohttp's): the one hook of
     every API and listener. Asks the kernel (:func:`gateway.agents.peers.peer_uid`) only
-    when the caller is on the Unix socket or some agent is recognised by UID."""
+    when the caller is on the Unix socket or some agent is recognised by UID; a TCP
+    connection's owner once per connection (``transport`` weakly referenced)."""
     sock = transport.get_extra_info("socket") if transport is not None else None
     listener: Listener = "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
-    uid = peers.peer_uid(sock) if listener == "unix" or agents.reads_uid else None
+    uid = None
+    if listener == "unix" or agents.reads_uid:
+        uid = _TCP_OWNERS.get(transport) if listener == "tcp" else None
+        if uid is None:
+            uid = peers.peer_uid(sock)
+            if uid is not None and listener == "tcp":
+                _TCP_OWNERS[transport] = uid
     seen = Seen(listener, uid, headers.get(TOKEN_HEADER), headers.get(CLAIM_HEADER))
     return establish(seen, agents)
 
