@@ -615,9 +615,7 @@ async def test_calls_in_flight_finish_on_the_old_pool_which_then_closes(
     upstream = sc.gateway.pipeline.upstream
     old = upstream._session
     other = {"allow_cidrs": ["127.0.0.0/8"], "deny_cidrs": ["10.9.8.0/24"]}
-    sc.gateway.apply_policy(
-        compile_policy({"fake-openai": openai_target(up.url)}, egress=other)
-    )
+    sc.gateway.apply_policy(compile_policy({"fake-openai": openai_target(up.url)}, egress=other))
     assert upstream._session is not old
     assert old is not None
     assert not old.closed  # the call in flight still uses it
