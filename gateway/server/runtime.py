@@ -1,9 +1,11 @@
 """The sidecar's resources and their lifecycle, independent of HTTP routing.
 
-:class:`Gateway` owns the outbound client, the secret resolvers, the audit log and the
-pipeline, and knows whether the sidecar is ready and whether it is draining. Resources
-are created in :meth:`Gateway.start` and closed in reverse order by :meth:`Gateway.aclose`
-(idempotent).
+:class:`Gateway` owns what the components of :mod:`gateway.server.components` build
+from the policy (the outbound client, the secret resolvers, the audit log, the pipeline
+...), and knows whether the sidecar is ready and whether it is draining. The components
+are built in list order in :meth:`Gateway.start`, take in a new policy in
+:meth:`Gateway.reload`, and their resources are closed in reverse order by
+:meth:`Gateway.aclose` (idempotent).
 """
 
 from __future__ import annotations
