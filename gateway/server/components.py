@@ -53,8 +53,8 @@ class Keys:
     ``hot``: keys or ``section.key`` paths it takes in on reload (:meth:`Component.apply`).
     ``restart``: top-level sections it reads at start only; a reload that changes one
     (outside the ``hot`` paths of any component) reports it in ``restart_needed_for``.
-    ``start_only``: sections read at start only and documented as such, not reported
-    (``telemetry``'s tracing settings, docs/operations.md).
+    ``start_only``: sections read at start only that a reload neither applies nor
+    reports (``telemetry``'s tracing settings, as docs/operations.md says; ``audit``).
     """
 
     hot: tuple[str, ...] = ()
