@@ -80,7 +80,7 @@ def _forget_seen() -> None:
 async def test_a_part_added_to_the_list_is_built_reloaded_and_closed(tmp_path: Path) -> None:
     source = _write(tmp_path / "policy.yaml", agent_id="first")
     parts: list[type[Component]] = [*COMPONENTS, _Probe]
-    gateway = Gateway(load_policy(source), log_stream=io.StringIO(), parts=parts)
+    gateway = Gateway(load_policy(source), log_stream=io.StringIO(), components=parts)
     await gateway.start()
     assert _Seen.events == [("build", ("first", False))]
     _write(tmp_path / "policy.yaml", agent_id="second")
@@ -96,7 +96,7 @@ async def test_a_part_added_to_the_list_is_built_reloaded_and_closed(tmp_path: P
 
 async def test_a_start_that_fails_in_a_part_closes_the_parts_before_it() -> None:
     parts: list[type[Component]] = [*COMPONENTS, _Probe, _FailsToBuild]
-    gateway = Gateway(compile_policy(_TARGETS), log_stream=io.StringIO(), parts=parts)
+    gateway = Gateway(compile_policy(_TARGETS), log_stream=io.StringIO(), components=parts)
     with pytest.raises(ValueError, match="cannot start"):
         await gateway.start()
     assert _Seen.events == [("build", ("test-agent", False)), ("close", False)]
@@ -150,7 +150,7 @@ async def test_the_restart_needed_keys_follow_the_list(tmp_path: Path) -> None:
     source = _write(tmp_path / "policy.yaml")
     log = io.StringIO()
     parts: list[type[Component]] = [*COMPONENTS, _ReadsPortOnReload, _ReadsAuditAtStart]
-    gateway = Gateway(load_policy(source), log_stream=log, parts=parts)
+    gateway = Gateway(load_policy(source), log_stream=log, components=parts)
     await gateway.start()
     try:
         _write(tmp_path / "policy.yaml", server={"port": 8081}, audit={"payloads": "none"})

@@ -61,11 +61,11 @@ class Gateway:
         *,
         resolver: Resolver | None = None,
         log_stream: IO[str] | None = None,
-        parts: Sequence[type[Component]] = COMPONENTS,
+        components: Sequence[type[Component]] = COMPONENTS,
     ) -> None:
-        """``parts``: the components to build, in order (the default is the sidecar's)."""
+        """``components``: the parts to build, in order (default: the sidecar's list)."""
         self.policy = policy
-        self._component_types = tuple(parts)
+        self._component_types = tuple(components)
         #: The components built by start() and what they built (None until then).
         self._components: list[Component] = []
         self._parts: Parts | None = None
