@@ -105,8 +105,10 @@ class Component(Protocol):
 
 
 class Listeners:
-    """The listeners (``server.app``) read the server section at start; the drain reads
-    ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force."""
+    """The listeners and the policy file watcher (``server.app.serve``: host, ports,
+    ``max_request_bytes``, ``reload_interval_s``) read the server section at start; the
+    drain reads ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force.
+    Built and closed by ``serve``, not here: this entry says what they read."""
 
     keys: ClassVar = Keys(hot=("server.drain_s", "server.shutdown"), restart=("server",))
 
