@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from gateway.policy import PolicySet, load_policy
+from gateway.policy import Policy, PolicySet, load_policy
 from gateway.server import components
 from gateway.server.components import COMPONENTS, Component, Keys, Parts
 from gateway.server.runtime import Gateway
@@ -115,6 +115,16 @@ def test_the_keys_applied_on_reload_are_those_the_parts_say_they_take_in() -> No
         "server.debug",
     }
     assert components.hot_keys([*COMPONENTS, _Probe]) == hot  # agent_id: already taken in
+
+
+def test_every_policy_section_is_read_by_a_part_in_the_list() -> None:
+    claimed = {
+        key.partition(".")[0]
+        for part in COMPONENTS
+        for key in (*part.keys.hot, *part.keys.restart, *part.keys.start_only)
+    }
+    # "version" selects the file's shape; it drives no part.
+    assert claimed == set(Policy.model_fields) - {"version"}
 
 
 @pytest.mark.parametrize(

@@ -65,8 +65,9 @@ class Keys:
 class Parts:
     """What the components built, for the components after them and for the runtime.
 
-    The first three are given; the others are set by the component that builds them
-    (reading one before its builder ran is a programming error: AttributeError).
+    ``metrics``, ``dns_resolver`` and ``log_stream`` are given; the others are set by the
+    component that builds them (reading one before its builder ran is a programming
+    error: AttributeError).
     """
 
     audit: audit.AuditLog
