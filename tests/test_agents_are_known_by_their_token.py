@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import compile_policy, envelope, openai_target
+from gateway.policy import load_policy
+from tests.conftest import compile_policy, envelope, openai_target, policy_yaml
 
 TOKEN = "agent-token-TEST-0042-NOTREAL"
 OTHER = "agent-token-TEST-0043-NOTREAL"
@@ -102,3 +103,29 @@ async def test_a_start_with_an_empty_token_fails(
     )
     with pytest.raises(ValueError, match=r"agents\.reviewer\.token_ref: the agent token is empty"):
         await sidecar_factory(policy)
+
+
+async def test_a_reload_reads_the_tokens_again(
+    upstream: Any, sidecar_factory: Any, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    path = tmp_path / "policy.yaml"
+    agents = {"interpreter": {"token_ref": f"file://{token_file}"}}
+    path.write_text(policy_yaml({"fake-openai": openai_target(upstream.url)}, agents=agents))
+    sc = await sidecar_factory(load_policy(path))
+    assert (await _post(sc, "/v1/calls", envelope(), {"x-egress-agent-token": TOKEN}))[0] == 200
+
+    token_file.write_text(OTHER)  # rotated: the reload reads it
+    assert await sc.gateway.reload() is True
+    status, body = await _post(sc, "/v1/calls", envelope(), {"x-egress-agent-token": TOKEN})
+    assert (status, body["error"]["details"]["reason"]) == (403, "unknown_agent")
+    assert (await _post(sc, "/v1/calls", envelope(), {"x-egress-agent-token": OTHER}))[0] == 200
+
+    token_file.write_text("")  # an empty token refuses the reload; the one in force stays
+    assert await sc.gateway.reload() is False
+    assert (await _post(sc, "/v1/calls", envelope(), {"x-egress-agent-token": OTHER}))[0] == 200
+    [refused] = [e for e in sc.lines() if e.get("event") == "policy_reload" and not e["applied"]]
+    assert refused["problems"] == [
+        f"{path}:1: agents.interpreter.token_ref: the agent token 'file://{token_file}' is empty"
+    ]
