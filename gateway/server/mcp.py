@@ -42,7 +42,7 @@ from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError
 from gateway.providers import mcp as rpc
-from gateway.server.proxy import BodyReader, RelayResponse, answer_ids, read_limited
+from gateway.server.proxy import BodyReader, RelayResponse, answer_ids, read_limited, scrubbed
 from gateway.server.runtime import Gateway
 
 MCP_ROUTE: Final = "/mcp/{target}"
@@ -112,7 +112,7 @@ def _answer(status: int, response: ExternalCallResponse, ctx: CallContext) -> we
             status=answer.status,
             reason=passback_reason(answer.reason),
             body=redaction.scrub_bytes(rewritten if rewritten is not None else answer.body),
-            headers=[(k, redaction.scrub(v)) for k, v in headers],
+            headers=scrubbed(headers),
         )
     return _rpc_error(status, response, ctx)
 

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
 from gateway import redaction
 from gateway.audit import get_logger
@@ -124,9 +125,21 @@ class RelayResponse(web.StreamResponse):
     aiohttp's StreamResponse sends the head alone at ``prepare`` (one more write and one
     more wake-up of the agent before its first event). ``_send_headers_immediately`` is
     the switch aiohttp's own ``web.Response`` uses; were it gone, the head would again go
-    out alone at ``prepare``, which is only slower."""
+    out alone at ``prepare``, which is only slower.
+
+    Every streamed answer of every route is one of these, and its head is scrubbed at
+    ``prepare`` (:func:`scrubbed`), whatever was put in it and when: an upstream that
+    echoes the credential in a header must not get it to the agent on a stream either."""
 
     _send_headers_immediately = False
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        head = list(self.headers.items())
+        clean = scrubbed(head)
+        if clean is not head:
+            self.headers.clear()
+            self.headers.extend(clean)
+        return await super().prepare(request)
 
 
 #: An answer up to this size is handed to the transport whole without waiting (asyncio's
@@ -254,14 +267,19 @@ def _answer(
 
 
 def scrubbed(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """``headers`` with each value scrubbed (:func:`gateway.redaction.scrub`). The values
-    are scrubbed one by one only when their text, joined, holds a secret's form: a form
-    inside one value is inside the whole, so a whole that scrubs to itself means that
-    every value would (one scrub per answer instead of one per header)."""
-    joined = "\n".join(value for _, value in headers)
+    """``headers`` with each value scrubbed (:func:`gateway.redaction.scrub`) and any
+    header whose name holds a secret's form left out (a name cannot be rewritten into a
+    valid one): the one scrub of every answer head the routes write, streamed or not.
+    The headers are scrubbed one by one only when their text, joined, holds a secret's
+    form: a form inside one name or value is inside the whole, so a whole that scrubs to
+    itself means that every one would (one scrub per answer instead of one per header);
+    then ``headers`` itself is returned."""
+    joined = "\n".join(f"{name}\n{value}" for name, value in headers)
     if redaction.scrub(joined) == joined:
         return headers
-    return [(name, redaction.scrub(value)) for name, value in headers]
+    return [
+        (name, redaction.scrub(value)) for name, value in headers if redaction.scrub(name) == name
+    ]
 
 
 def _replayed(
