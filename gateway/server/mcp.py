@@ -18,8 +18,11 @@ EGRESS_ERROR` (or the JSON-RPC / MCP code of a body that is not JSON-RPC, -32700
 ``data.retryable``, ``data.reason`` and, for a rule, ``data.rule``. A refused or failed
 request is answered 200 (the error is the JSON-RPC answer, which every client version
 reads); a body that is not JSON-RPC, mismatched headers, and a failed GET or DELETE (no
-request to answer) get the HTTP status of the code. A stream that fails mid-way ends
-with an error event for each request still unanswered.
+request to answer) get the HTTP status of the code, and so does a refused body of
+notifications only (the MCP transport: input a server does not accept gets an HTTP
+error status, with a JSON-RPC error of no id). A stream that fails mid-way ends with an
+error event for each request still unanswered. A path under ``/mcp`` that is not this
+route (:meth:`McpRoute.unmatched`) is answered as JSON-RPC too.
 """
 
 from __future__ import annotations
@@ -35,14 +38,27 @@ from aiohttp import web
 from gateway import fastjson, redaction
 from gateway.audit import get_logger
 from gateway.call.mcp import McpRequest
-from gateway.call.proxy import egress_headers, id_headers, passback_headers, passback_reason
+from gateway.call.proxy import (
+    egress_headers,
+    id_headers,
+    passback_headers,
+    passback_reason,
+    request_ids,
+)
 from gateway.call.record import CallContext
 from gateway.call.relay import AgentGone
 from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError, InternalError
+from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.providers import mcp as rpc
-from gateway.server.proxy import BodyReader, RelayResponse, answer_ids, read_limited, scrubbed
+from gateway.server.proxy import (
+    BodyReader,
+    RelayResponse,
+    answer_ids,
+    edge_path,
+    read_limited,
+    scrubbed,
+)
 from gateway.server.runtime import Gateway
 
 MCP_ROUTE: Final = "/mcp/{target}"
@@ -85,13 +101,29 @@ class McpRoute:
             _log.exception("mcp_handler_error")
             return self._refused(InternalError("the sidecar failed unexpectedly"), ctx, request)
 
+    def unmatched(self, request: web.Request, status: int) -> web.Response:
+        """The answer to a request under ``/mcp`` that :data:`MCP_ROUTE` does not match
+        (``/mcp/{target}/x``, ``/mcp/``, ``CONNECT``): a JSON-RPC error (``id`` null,
+        :data:`gateway.providers.mcp.EGRESS_ERROR`, ``data.egress_code``
+        INVALID_PAYLOAD, ``data.reason: route``) with ``status`` (aiohttp's 404 or 405),
+        audited, with the ``x-egress-*`` headers of every answer."""
+        ctx = CallContext(started=time.monotonic(), agent_id=self._gateway.policy.policy.agent_id)
+        exc = InvalidPayload(
+            f"{request.method} {edge_path(request)[:200]}: no MCP endpoint here; an MCP "
+            "client talks to /mcp/{target}, {target} an MCP target of the policy",
+            details={"reason": "route", "http_status": status},
+            http_status=status,
+        )
+        return self._refused(exc, ctx, request)
+
     def _refused(self, exc: GatewayError, ctx: CallContext, request: web.Request) -> web.Response:
         response = self._gateway.refused_early(
             exc,
             started=ctx.started,
             http_method=request.method,
-            http_path=request.rel_url.raw_path,
+            http_path=edge_path(request),
             api="mcp",
+            ids=request_ids(request.headers),
         )
         return _rpc_error(exc.http_status, response, ctx)
 

@@ -24,6 +24,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Final
+from urllib.parse import unquote
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -39,6 +40,7 @@ from gateway.call.proxy import (
     passback_headers,
     passback_reason,
     replayed_body,
+    request_ids,
 )
 from gateway.call.record import CallContext
 from gateway.call.relay import AGENT_STALLED, AgentGone
@@ -97,13 +99,29 @@ class ProxyRoute:
             error = InternalError("the sidecar failed unexpectedly")
             return self._refused(error, ctx, request)
 
+    def unmatched(self, request: web.Request, status: int) -> web.Response:
+        """The answer to a request under ``/proxy`` that :data:`PROXY_ROUTE` does not
+        match (no target or no path, ``/proxy//x``, ``CONNECT``): INVALID_PAYLOAD
+        (``details.reason: route``) with ``status`` (aiohttp's 404 or 405), audited, in
+        the provider's error shape of the target its path names, else of the SDK's
+        headers (OpenAI's by default), with the ``x-egress-*`` headers of every answer."""
+        ctx = CallContext(started=time.monotonic(), agent_id=self._gateway.policy.policy.agent_id)
+        exc = InvalidPayload(
+            f"{request.method} {edge_path(request)[:200]}: no drop-in route here; send the "
+            "SDK's requests to /proxy/{target}/{path}, {target} a target of the policy",
+            details={"reason": "route", "http_status": status},
+            http_status=status,
+        )
+        return self._refused(exc, ctx, request)
+
     def _refused(self, exc: GatewayError, ctx: CallContext, request: web.Request) -> web.Response:
         response = self._gateway.refused_early(
             exc,
             started=ctx.started,
             http_method=request.method,
-            http_path=request.rel_url.raw_path,
+            http_path=edge_path(request),
             api="proxy",
+            ids=request_ids(request.headers),
         )
         return _refusal(exc.http_status, response, self._dialect(ctx, request), ctx)
 
@@ -111,9 +129,8 @@ class ProxyRoute:
         """The error shape for this answer: the target's, also when the call was refused
         before the policy decision named it (a bad header, a body too large), else the
         SDK's headers' (their names read only then)."""
-        target = ctx.target or self._gateway.policy.targets.get(
-            request.match_info.get("target", "")
-        )
+        named = request.match_info.get("target") or edge_target(request)
+        target = ctx.target or self._gateway.policy.targets.get(named)
         usage = target.spec.usage if target is not None else None
         if usage is not None and usage in DIALECTS:
             return DIALECTS[usage]  # what drop_in_dialect gives, whatever the headers
@@ -215,6 +232,20 @@ async def read_limited(
         return await read_body(request, limit), None
     except GatewayError as exc:
         return b"", exc
+
+
+def edge_path(request: web.Request) -> str:
+    """The request's path as sent (percent-encoding kept); for ``CONNECT``, whose target
+    aiohttp reads as an authority (an empty path), the raw request target."""
+    return request.rel_url.raw_path if request.path else request.raw_path
+
+
+def edge_target(request: web.Request) -> str:
+    """The target a path under ``/proxy/`` or ``/mcp/`` names (its second segment,
+    percent-decoded), also when the route did not match it; "" for none."""
+    path = request.path or request.raw_path.partition("?")[0]
+    parts = path.split("/", 3)
+    return unquote(parts[2]) if len(parts) > 2 else ""
 
 
 def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
