@@ -20,8 +20,9 @@ request is answered 200 (the error is the JSON-RPC answer, which every client ve
 reads); a body that is not JSON-RPC, mismatched headers, and a failed GET or DELETE (no
 request to answer) get the HTTP status of the code, and so does a refused body of
 notifications only (the MCP transport: input a server does not accept gets an HTTP
-error status, with a JSON-RPC error of no id). A stream that fails mid-way ends with an
-error event for each request still unanswered. A path under ``/mcp`` that is not this
+error status, with a JSON-RPC error of no id). A stream that fails mid-way, or ends
+without the answer to a request (:func:`gateway.call.mcp.read_answer`), ends with an
+error event for each request still unanswered; lines that are not SSE are not relayed. A path under ``/mcp`` that is not this
 route (:meth:`McpRoute.unmatched`) is answered as JSON-RPC too.
 """
 
@@ -66,6 +67,8 @@ _log = get_logger("gateway.server")
 #: One event of a relayed chunk (the relay hands in whole events): its text and its end.
 _EVENT: Final = re.compile(rb"(.*?)(\r\n\r\n|\n\n|\r\r|\n\r\n|\r\n\n)", re.DOTALL)
 _DATA_LINE: Final = re.compile(rb"^data(:.*)?$")
+#: A line of SSE (WHATWG HTML, "Server-sent events"): a comment or a field the client reads.
+_SSE_LINE: Final = re.compile(rb"^(?::|(?:data|event|id|retry)(?::|$))")
 
 
 class McpRoute:
@@ -248,12 +251,22 @@ class _McpRelay:
 
 def _read_events(exchange: rpc.McpExchange, chunk: bytes) -> bytes:
     """``chunk`` (whole events) with each event's message read by ``exchange``; an event
-    whose message was filtered is written anew (its other lines kept), the rest as sent."""
+    whose message was filtered is written anew (its other lines kept), the rest as sent.
+    Lines that are not SSE (neither a comment nor a ``data``, ``event``, ``id`` or
+    ``retry`` field: an HTML error page, a proxy's text) are not relayed, and a block
+    with none left is dropped: they are not events, and the client would read them as
+    fields of the next one."""
     out = bytearray()
     end = 0
     for match in _EVENT.finditer(chunk):
         end = match.end()
         block = match.group(0)
+        lines = match.group(1).splitlines()
+        kept = [ln for ln in lines if _SSE_LINE.match(ln)]
+        if not kept:
+            continue
+        if len(kept) != len(lines):
+            block = b"\n".join(kept) + b"\n\n"
         decoder = SseDecoder(len(block) + 1)
         events = decoder.feed(block) + decoder.close()
         # JSON may start after spaces (SSE strips only one): the client reads it as JSON.
@@ -269,7 +282,7 @@ def _read_events(exchange: rpc.McpExchange, chunk: bytes) -> bytes:
         if not changed:
             out += block
             continue
-        lines = [ln for ln in match.group(1).splitlines() if not _DATA_LINE.match(ln)]
+        lines = [ln for ln in kept if not _DATA_LINE.match(ln)]
         lines.append(b"data: " + fastjson.compact(value))
         out += b"\n".join(lines) + b"\n\n"
     out += chunk[end:]
