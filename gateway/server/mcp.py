@@ -22,8 +22,9 @@ request to answer) get the HTTP status of the code, and so does a refused body o
 notifications only (the MCP transport: input a server does not accept gets an HTTP
 error status, with a JSON-RPC error of no id). A stream that fails mid-way, or ends
 without the answer to a request (:func:`gateway.call.mcp.read_answer`), ends with an
-error event for each request still unanswered; lines that are not SSE are not relayed. A path under ``/mcp`` that is not this
-route (:meth:`McpRoute.unmatched`) is answered as JSON-RPC too.
+error event for each request still unanswered; lines that are not SSE are not relayed.
+A path under ``/mcp`` that is not this route (:meth:`McpRoute.unmatched`) is answered
+as JSON-RPC too.
 """
 
 from __future__ import annotations
