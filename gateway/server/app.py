@@ -15,9 +15,8 @@ Routes of the calls listener (loopback by default):
 The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
 ``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
 the calls API.
-Any other path or method gets a JSON error answer too, never an HTML page: under
-``/proxy`` or ``/mcp`` in that route's shape (:data:`EDGES_KEY`), elsewhere as an
-ExternalCallResponse.
+Any other path or method gets a JSON error answer too, never an HTML page (under
+``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.server.proxy.edge_errors`).
 """
 
 from __future__ import annotations
@@ -39,13 +38,13 @@ from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.server.eventloop import loop_name
-from gateway.server.mcp import MCP_ROUTE, McpRoute
+from gateway.server.mcp import McpRoute
 from gateway.server.proxy import (
-    PROXY_ROUTE,
     WRITE_BUFFERED_BYTES,
     ProxyRoute,
     RelayResponse,
     drop_connection,
+    edge_errors,
     send_bounded,
 )
 from gateway.server.reload import PolicyWatcher
@@ -74,11 +73,6 @@ LINGERING_TIME_S: Final = 10.0
 _DECODED_ENCODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
 _log = get_logger("gateway.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-#: The answer to a request under a route family that none of its routes matched, given
-#: the HTTP status aiohttp chose (404, 405).
-Unmatched = Callable[[web.Request, int], web.Response]
-#: Route family prefix -> its :data:`Unmatched` writer (the calls application only).
-EDGES_KEY: Final = web.AppKey[dict[str, Unmatched]]("edges")
 
 
 def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
@@ -119,17 +113,13 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        edge = _edge(request)
-        if edge is not None:  # under a route family: answered in that route's shape
-            answer = edge(request, exc.status)
-        else:
-            code_exc: GatewayError = InvalidPayload(
-                f"{request.method} {request.path}: {exc.reason}; the sidecar serves POST "
-                f"{CALLS_PATH}, GET /healthz, GET /readyz, GET /metrics and GET /openapi.json",
-                details={"reason": "route", "http_status": exc.status},
-                http_status=exc.status,
-            )
-            answer = _error_answer(code_exc, started, request)
+        code_exc: GatewayError = InvalidPayload(
+            f"{request.method} {request.path}: {exc.reason}; the sidecar serves "
+            f"POST {CALLS_PATH}, GET /healthz, GET /readyz, GET /metrics and GET /openapi.json",
+            details={"reason": "route", "http_status": exc.status},
+            http_status=exc.status,
+        )
+        answer = _error_answer(code_exc, started, request)
         if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110, 15.5.6)
             answer.headers["Allow"] = exc.headers["Allow"]
         return answer
@@ -140,17 +130,6 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     ):
         await send_bounded(request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S))
     return response
-
-
-def _edge(request: web.Request) -> Unmatched | None:
-    """The answer writer of the route family (``/proxy``, ``/mcp``) a request no route
-    matched is under, if any. The path of a ``CONNECT`` (an authority to aiohttp) is
-    its raw request target."""
-    path = request.path or request.raw_path.partition("?")[0]
-    for prefix, unmatched in request.app.get(EDGES_KEY, {}).items():
-        if path == prefix or path.startswith(prefix + "/"):
-            return unmatched
-    return None
 
 
 def _unsent(request: web.Request) -> bool:
@@ -352,18 +331,15 @@ def create_app(
     ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
-        middlewares=[_json_errors],
+        middlewares=[_json_errors, edge_errors],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
     app[BODY_TIMEOUT_KEY] = body_timeout_s
     app.on_response_prepare.append(_close_if_asked)
     app.router.add_post(CALLS_PATH, _calls)
-    proxy, mcp = ProxyRoute(gateway, _read_body), McpRoute(gateway, _read_body)
-    app.router.add_route("*", PROXY_ROUTE, proxy.handle)
-    app.router.add_route("*", MCP_ROUTE, mcp.handle)
-    edges: dict[str, Unmatched] = {"/proxy": proxy.unmatched, "/mcp": mcp.unmatched}
-    app[EDGES_KEY] = edges
+    for route in (ProxyRoute(gateway, _read_body), McpRoute(gateway, _read_body)):
+        route.install(app)  # its route, and its answer to paths under it that miss it
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

@@ -54,6 +54,7 @@ from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.providers import mcp as rpc
 from gateway.server.proxy import (
+    EDGES_KEY,
     BodyReader,
     RelayResponse,
     answer_ids,
@@ -104,6 +105,12 @@ class McpRoute:
         except Exception:  # noqa: BLE001 - the answer must be JSON-RPC anyway
             _log.exception("mcp_handler_error")
             return self._refused(InternalError("the sidecar failed unexpectedly"), ctx, request)
+
+    def install(self, app: web.Application) -> None:
+        """Add :data:`MCP_ROUTE` to ``app``, and :meth:`unmatched` for the paths under
+        ``/mcp`` it does not match (:func:`gateway.server.proxy.edge_errors`)."""
+        app.router.add_route("*", MCP_ROUTE, self.handle)
+        app.setdefault(EDGES_KEY, {})["/mcp"] = self.unmatched
 
     def unmatched(self, request: web.Request, status: int) -> web.Response:
         """The answer to a request under ``/mcp`` that :data:`MCP_ROUTE` does not match

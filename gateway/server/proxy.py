@@ -99,6 +99,12 @@ class ProxyRoute:
             error = InternalError("the sidecar failed unexpectedly")
             return self._refused(error, ctx, request)
 
+    def install(self, app: web.Application) -> None:
+        """Add :data:`PROXY_ROUTE` to ``app``, and :meth:`unmatched` for the paths under
+        ``/proxy`` it does not match (:func:`edge_errors`)."""
+        app.router.add_route("*", PROXY_ROUTE, self.handle)
+        app.setdefault(EDGES_KEY, {})["/proxy"] = self.unmatched
+
     def unmatched(self, request: web.Request, status: int) -> web.Response:
         """The answer to a request under ``/proxy`` that :data:`PROXY_ROUTE` does not
         match (no target or no path, ``/proxy//x``, ``CONNECT``): INVALID_PAYLOAD
@@ -232,6 +238,35 @@ async def read_limited(
         return await read_body(request, limit), None
     except GatewayError as exc:
         return b"", exc
+
+
+#: The answer to a request under a route family that none of its routes matched, given
+#: the HTTP status aiohttp chose (404, 405).
+Unmatched = Callable[[web.Request, int], web.Response]
+#: Route family prefix -> its :data:`Unmatched` writer (the calls application only).
+EDGES_KEY: Final = web.AppKey[dict[str, Unmatched]]("edges")
+
+
+@web.middleware
+async def edge_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Answer a request under a route family (``/proxy``, ``/mcp``) that none of its
+    routes matched (aiohttp's 404 or 405) with that family's own writer (the calls
+    application's :data:`EDGES_KEY`), in its shape; the path of a ``CONNECT`` (an
+    authority to aiohttp) is its raw request target. Any other error goes on to the
+    application's JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        path = request.path or request.raw_path.partition("?")[0]
+        for prefix, unmatched in request.app.get(EDGES_KEY, {}).items():
+            if exc.status >= 400 and (path == prefix or path.startswith(prefix + "/")):
+                answer = unmatched(request, exc.status)
+                if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
+                    answer.headers["Allow"] = exc.headers["Allow"]
+                return answer
+        raise
 
 
 def edge_path(request: web.Request) -> str:
