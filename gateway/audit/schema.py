@@ -92,7 +92,7 @@ class AuditRecord(BaseModel):
     api: Literal["envelope", "proxy", "mcp"] = "envelope"
     # Cost (added in 1.x): USD from the call's usage and its model's price, null when
     # unknown with ``cost_reason`` saying why (gateway.cost: no_dialect, no_price,
-    # usage_unknown, not_sent...); the model priced and the price's source (``policy`` or
+    # usage_unknown, not_sent, not_billed...); the model priced and its source (``policy`` or
     # ``genai-prices``); the budgets the call was booked in; and the shadow-mode rules
     # that would have refused it (``endpoint:/v1/**``, ``rate_limit_group:llm``,
     # ``budget:llm-daily``).
