@@ -127,7 +127,8 @@ async def test_an_envelope_whose_stream_ends_without_the_answer_fails(
 
 
 async def test_a_stream_with_every_answer_still_succeeds(upstream_factory, sidecar_factory):
-    pieces = [_event(PROGRESS), b": keep-alive\n\n", _event(_answer(7))]
+    bom = "\ufeff".encode()  # a stream may start with a byte order mark
+    pieces = [bom + _event(PROGRESS), b": keep-alive\n\n", b"retry: 10\n\n", _event(_answer(7))]
     sidecar = await _sidecar(upstream_factory, sidecar_factory, pieces)
     headers = {"Accept": rpc.ACCEPT, "Content-Type": "application/json"}
     url = sidecar.url + "/mcp/tools"

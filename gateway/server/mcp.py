@@ -69,8 +69,9 @@ _log = get_logger("gateway.server")
 #: One event of a relayed chunk (the relay hands in whole events): its text and its end.
 _EVENT: Final = re.compile(rb"(.*?)(\r\n\r\n|\n\n|\r\r|\n\r\n|\r\n\n)", re.DOTALL)
 _DATA_LINE: Final = re.compile(rb"^data(:.*)?$")
-#: A line of SSE (WHATWG HTML, "Server-sent events"): a comment or a field the client reads.
-_SSE_LINE: Final = re.compile(rb"^(?::|(?:data|event|id|retry)(?::|$))")
+#: A line of SSE (WHATWG HTML, "Server-sent events"): a comment or a field the client
+#: reads, after the byte order mark a stream may start with.
+_SSE_LINE: Final = re.compile(rb"^(?:\xef\xbb\xbf)?(?::|(?:data|event|id|retry)(?::|$))")
 
 
 class McpRoute:
