@@ -356,7 +356,8 @@ class Pipeline:
         try:
             answer = await attempts.run()
         except BaseException as exc:
-            spend.settle_failed(self.budgets, cost, ctx, sent=attempts.log.sent)
+            log = attempts.log
+            spend.settle_failed(self.budgets, cost, ctx, sent=log.sent, billed=log.billed)
             if group is not None:
                 if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
                     self.metrics.observe_ratelimit_rejection(group.name)

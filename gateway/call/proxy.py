@@ -246,6 +246,13 @@ def _not_utf8(name: str) -> InvalidPayload:
     )
 
 
+def request_ids(headers: Mapping[str, str]) -> tuple[str, str]:
+    """(trace_id, correlation_id) of a drop-in or MCP request answered before its call
+    was read (an unmatched path, a refusal before the pipeline), as :func:`_ids` gives
+    them to a call: its audit record and ``x-egress-*`` headers carry them."""
+    return _ids(headers)
+
+
 def _ids(headers: Mapping[str, str]) -> tuple[str, str]:
     """(trace_id, correlation_id): the ``x-egress-*`` headers, else the trace-id of a
     valid ``traceparent`` (W3C Trace Context 3.2), else generated (UUID4 hex)."""
