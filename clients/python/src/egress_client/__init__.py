@@ -47,6 +47,7 @@ from egress_client.errors import (
 )
 from egress_client.ids import bind_ids
 from egress_client.models import (
+    CallChain,
     ErrorCode,
     ErrorPayload,
     ExternalCallRequest,
@@ -64,6 +65,7 @@ __all__ = [
     "AsyncCallStream",
     "AsyncEgressClient",
     "BudgetExceeded",
+    "CallChain",
     "CallChainRefused",
     "CallStream",
     "CapacityExceeded",

@@ -92,6 +92,22 @@ class RequestBody(BaseModel):
         return cls(content_type=content_type, base64=base64.b64encode(data).decode("ascii"))
 
 
+class CallChain(BaseModel):
+    """The call chain an agent received with the request it is working on (agents
+    calling agents), passed on so that its sidecar can check and extend it: the values
+    of the ``x-egress-call-chain`` (``agents``: agent ids, origin first),
+    ``x-egress-deadline`` (``deadline_ms``: absolute, Unix milliseconds) and
+    ``x-egress-call-chain-sig`` (``signature``) headers. Only the types are checked
+    here; the chain's own rules (ids, length, deadline, signature) are the sidecar's, and
+    a chain breaking them is refused with CALL_CHAIN_REFUSED, as the headers would be."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    agents: list[str]
+    deadline_ms: int | None = None
+    signature: str | None = None
+
+
 class ExternalCallRequest(BaseModel):
     """One outbound call for the sidecar to make (``POST /v1/calls``).
 
@@ -127,6 +143,7 @@ class ExternalCallRequest(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     query: dict[str, Any] = Field(default_factory=dict)
     body: RequestBody | None = None
+    call_chain: CallChain | None = None
 
 
 class ErrorPayload(BaseModel):
