@@ -283,3 +283,16 @@ def _refused(
         details={"reason": reason, "call_chain": list(agents) if agents else None},
     )
     return ChainDecision(received.agents or (), agents, deadline_ms, error=error)
+
+
+def seen_in(headers: Mapping[str, str]) -> dict[str, str] | None:
+    """The chain's headers among request ``headers`` (lower-case names), or None."""
+    found = {name: headers[name] for name in CHAIN_HEADERS if name in headers}
+    return found or None
+
+
+def with_headers(headers: Mapping[str, str], decision: ChainDecision) -> dict[str, str]:
+    """``headers`` with the chain's own (:meth:`ChainDecision.headers`) in place of any
+    the agent set, whatever their case: the sidecar's chain is the only one sent."""
+    kept = {k: v for k, v in headers.items() if k.lower() not in CHAIN_HEADERS}
+    return {**kept, **decision.headers()}
