@@ -267,7 +267,7 @@ class OtelCallTrace(CallTrace):
         if ctx.rate_limit_group is not None:
             attrs["egress.rate_limit_group"] = ctx.rate_limit_group
         if ctx.chain is not None and ctx.chain.agents:  # agents calling agents
-            attrs["egress.call_chain"] = list(ctx.chain.agents)
+            span.set_attribute("egress.call_chain", list(ctx.chain.agents))  # a string array
             attrs["egress.call_chain.depth"] = ctx.chain.depth
         if response.status_code is not None:
             attrs["egress.upstream.status_code"] = response.status_code
