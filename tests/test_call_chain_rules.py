@@ -135,6 +135,8 @@ REQUIRE = {"keys": KEYS, "spec": ChainSpec(require_signed_inbound=True, signing_
 REFUSED: list[tuple[str, Any, dict[str, Any], str, list[str] | None]] = [
     ("own agent already in the chain", headers("me,b"), {}, "circular_call_detected",
      ["me", "b", "me"]),
+    ("own agent in it, calling another agent", headers("me,b"), {"target": "c"},
+     "circular_call_detected", ["me", "b", "me"]),
     ("target agent already in the chain", headers("a,b"), {"target": "a"},
      "circular_call_detected", ["a", "b", "me", "a"]),
     ("envelope: own agent in it", CallChain(agents=["x", "me"]), {}, "circular_call_detected",

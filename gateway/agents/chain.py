@@ -23,7 +23,8 @@ the call came with, appends this sidecar's agent and answers a frozen
   ``chain.max_depth`` (depth: agents in the chain, this one included; an origin call is 1);
 * ``ttl_expired``: the chain's deadline has passed.
 
-A call with no chain starts one: its deadline is now + ``chain.ttl_s``. The call's own
+A call with no chain starts one: its deadline is now + ``chain.ttl_s`` (as is that of a
+received chain without a deadline, which only an unsigned chain can be). The call's own
 deadline is the earlier of its ``timeout`` and the chain's (:attr:`ChainDecision.
 remaining_s`); the chain goes on with the chain's deadline, not the call's, since a
 task the call starts may outlive the call.
@@ -232,11 +233,13 @@ def decide(
     ttl_ms = round(spec.ttl_s * 1000)
     deadline = received.deadline_ms if received.deadline_ms is not None else now_ms + ttl_ms
     if deadline > now_ms + ttl_ms + round(spec.max_clock_skew_s * 1000):
-        problem = f"{DEADLINE_HEADER} is further ahead than chain.ttl_s allows"
+        problem = (
+            "the chain's deadline is further ahead than chain.ttl_s allows (+ max_clock_skew_s)"
+        )
         return _refused(received, (), None, "invalid_chain", problem)
     looped = next((a for a in (target_agent, own_agent) if a is not None and a in before), None)
     if looped is not None:
-        loop = (*agents, target_agent) if target_agent is not None else agents
+        loop = (*agents, looped) if looped == target_agent else agents
         message = f"agent {looped!r} is already in the call chain: the call would loop"
         return _refused(received, loop, deadline, "circular_call_detected", message)
     if len(agents) > spec.max_depth:
