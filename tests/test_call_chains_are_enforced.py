@@ -171,6 +171,7 @@ async def test_a_refused_chain_reaches_no_upstream_on_any_api(
     assert refusals(sc, reason) == 3
 
 
+@pytest.mark.slow
 async def test_the_chains_deadline_ends_the_call_before_its_own_timeout(
     upstream_factory: Factory, sidecar_factory: Factory
 ) -> None:
