@@ -94,6 +94,8 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "mcp_request_id": None,
         "mcp_is_error": None,
         "mcp_error_code": None,
+        "call_chain": [agent],
+        "call_chain_depth": 1,
     }
     return record
 

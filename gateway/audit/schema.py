@@ -110,6 +110,11 @@ class AuditRecord(BaseModel):
     mcp_request_id: str | None = None
     mcp_is_error: bool | None = None
     mcp_error_code: int | None = None
+    # Agents calling agents (added in 1.x; gateway.agents.chain): the call chain the call
+    # went out with, or was refused with (agent ids, origin first, this agent last), and
+    # its depth; null when the call ended before its chain was read, or it was unreadable.
+    call_chain: list[str] | None = None
+    call_chain_depth: int | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -178,6 +183,8 @@ class Fields:
     MCP_REQUEST_ID: Final = "mcp_request_id"
     MCP_IS_ERROR: Final = "mcp_is_error"
     MCP_ERROR_CODE: Final = "mcp_error_code"
+    CALL_CHAIN: Final = "call_chain"
+    CALL_CHAIN_DEPTH: Final = "call_chain_depth"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from gateway.agents.chain import ChainDecision
 from gateway.audit.schema import Fields as F
 from gateway.call.attempts import AttemptLog
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
@@ -76,6 +77,10 @@ class CallContext:
     shadow_denied: list[str] = field(default_factory=list)
     #: An exchange with an MCP target: its JSON-RPC messages and their outcomes.
     mcp: McpExchange | None = None
+    #: The call chain headers the request came with (drop-in and MCP routes; None: none
+    #: or an envelope, whose ``call_chain`` says), and what the chain stage decided.
+    chain_seen: dict[str, str] | None = None
+    chain: ChainDecision | None = None
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:
@@ -162,6 +167,8 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         F.MCP_REQUEST_ID: None,
         F.MCP_IS_ERROR: None,
         F.MCP_ERROR_CODE: None,
+        F.CALL_CHAIN: list(ctx.chain.agents) if ctx.chain and ctx.chain.agents else None,
+        F.CALL_CHAIN_DEPTH: ctx.chain.depth if ctx.chain and ctx.chain.agents else None,
     }
 
 
@@ -217,6 +224,8 @@ def observe(metrics: Metrics, ctx: CallContext, response: ExternalCallResponse) 
         metrics.observe_shadow_denial(kind, name)
     if response.error is not None and response.error.code is ErrorCode.BUDGET_EXCEEDED:
         metrics.observe_budget_rejection(str(response.error.details.get("budget", "")))
+    if response.error is not None and response.error.code is ErrorCode.CALL_CHAIN_REFUSED:
+        metrics.observe_chain_refusal(str(response.error.details.get("reason", "")))
     for _ in range(ctx.attempt_log.attempts - 1):  # none for 0 or 1 attempt
         metrics.observe_retry(target)
     genai = outcome_of(ctx, response) if not ctx.replayed else None  # a replay: no operation

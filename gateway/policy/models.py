@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
+from gateway.policy.chain import ChainSpec, chain_problems
 
 # Re-exported: gateway.idempotency.memory imports them from here.
 from gateway.policy.defaults import (
@@ -35,11 +36,7 @@ from gateway.policy.defaults import (
 )
 from gateway.policy.mcp import McpSpec, check_target
 from gateway.policy.refs import InvalidSecretRef, parse_ref
-from gateway.policy.stores import (
-    AuditSpec,
-    RedisSpec,
-    SecretsSpec,
-)
+from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec
 from gateway.policy.stores import StrictModel as _Strict
 from gateway.urls import URL
 
@@ -435,6 +432,7 @@ class Policy(_Strict):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
     budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
+    chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
@@ -479,6 +477,7 @@ class Policy(_Strict):
         groups, has_redis = set(self.rate_limit_groups), self.redis is not None
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
+        problems += chain_problems(self.chain, self.secrets.vault is not None)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",

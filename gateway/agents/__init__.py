@@ -1,0 +1,1 @@
+"""Governing the agent: who calls (identity) and the call chain of agents calling agents."""
