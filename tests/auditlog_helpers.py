@@ -100,6 +100,8 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "agent_claimed": None,
         "peer_uid": 1000 + AGENTS.index(agent) if agent in AGENTS else None,
         "policy_sha256": POLICY_DIGESTS[number % 2],
+        "call_chain": [agent],
+        "call_chain_depth": 1,
     }
     return record
 

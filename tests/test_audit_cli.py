@@ -22,7 +22,7 @@ import pytest
 from gateway.audit import log as audit
 from gateway.audit.query.cli import main, register
 from gateway.policy import AuditSpec
-from tests.auditlog_helpers import calls_of, read_json, write_log
+from tests.auditlog_helpers import call_record, calls_of, read_json, write_log
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +193,27 @@ def test_trace_timeline(log_path: Path, calls: list[dict[str, Any]]) -> None:
         1,
         "no calls for trace no-such-trace\n",
     )
+
+
+def test_trace_names_the_agents_of_its_call_chains(tmp_path: Path) -> None:
+    # Only the executor's log is at hand: the planner that started the chain is named by
+    # the chain its calls carried.
+    import random
+
+    path = tmp_path / "executor.log"
+    log = audit.AuditLog(AuditSpec(sink="file", path=str(path)), agent_id="executor")
+    try:
+        for number in range(2):
+            record = call_record(random.Random(number), number, "executor", "trace-a2a")
+            record["call_chain"] = ["planner", "executor"]
+            record["call_chain_depth"] = 2
+            log.call(record)
+    finally:
+        log.close()
+    code, out, _ = run("trace", "trace-a2a", str(path))
+    assert code == 0
+    assert "(agents: executor, planner)" in out
+    assert "planner > executor" in out
 
 
 def test_verify_command(log_path: Path, tmp_path: Path) -> None:

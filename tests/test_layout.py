@@ -43,6 +43,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/stores.py",
             "gateway/policy/budgets.py",
             "gateway/policy/agents.py",
+            "gateway/policy/chain.py",
             "gateway/policy/mcp.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",

@@ -158,6 +158,8 @@ FLOAT_KEYS = {
     "prices.m.cache_write_usd_per_mtok": (
         "prices: {m: {input_usd_per_mtok: 1, output_usd_per_mtok: 1, cache_write_usd_per_mtok: @}}"
     ),
+    "chain.ttl_s": "chain: {ttl_s: @}",
+    "chain.max_clock_skew_s": "chain: {max_clock_skew_s: @}",
 }
 
 #: Every bounded key with its upper bound (the named constant the model uses).
@@ -202,6 +204,9 @@ UPPER_BOUNDS = {
     "redis.pool_size": d.MAX_REDIS_POOL_SIZE,
     "audit.max_bytes": d.MAX_AUDIT_FILE_BYTES,
     "audit.backup_count": d.MAX_AUDIT_BACKUPS,
+    "chain.ttl_s": d.MAX_CHAIN_TTL_S,
+    "chain.max_clock_skew_s": d.MAX_CHAIN_CLOCK_SKEW_S,
+    "chain.max_depth": d.MAX_CHAIN_MAX_DEPTH,
 }
 INT_KEYS = {
     "targets.t.mcp.arguments.x.a.min_length": MCP + "min_length: @}}}}}}",
@@ -223,6 +228,7 @@ INT_KEYS = {
         "budgets: {b: {limit_usd: 1, window: daily, max_output_tokens: @}}"
     ),
     "agents.a.uid": "agents: {a: {uid: @}}",
+    "chain.max_depth": "chain: {max_depth: @}",
 }
 
 

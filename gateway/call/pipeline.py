@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 
 from gateway import telemetry
+from gateway.agents import chain
 from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
@@ -26,6 +27,7 @@ from gateway.budgets import Budgets
 from gateway.call import mcp, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
+from gateway.call.chain import chain_stage
 from gateway.call.idempotent import answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
@@ -195,6 +197,7 @@ class Pipeline:
             ctx.identity = identity = identity.with_claim(request.agent_id)
             identity.admit(request.target_system)
             ctx.decision = "denied"
+            ctx.chain = await chain_stage(policy.policy.chain, request, ctx, self._resolve)
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             if decision.target.spec.mcp is not None:  # tool and argument rules (call/mcp.py)
@@ -205,7 +208,8 @@ class Pipeline:
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
-            deadline = ctx.started + request.timeout
+            # The envelope's timeout, or the chain's deadline when that comes first.
+            deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
             status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = mcp.read_answer(ctx, response)
         except GatewayError as exc:
@@ -335,6 +339,8 @@ class Pipeline:
         )
         if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
             draft.headers = {**ctx.passthrough_headers, **draft.headers}
+        if ctx.chain is not None:
+            draft.headers = chain.with_headers(draft.headers, ctx.chain)
         ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
         ctx.traceparent = draft.headers["traceparent"]
         group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
@@ -369,7 +375,8 @@ class Pipeline:
         try:
             answer = await attempts.run()
         except BaseException as exc:
-            spend.settle_failed(self.budgets, cost, ctx, sent=attempts.log.sent)
+            log = attempts.log
+            spend.settle_failed(self.budgets, cost, ctx, sent=log.sent, billed=log.billed)
             if group is not None:
                 if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
                     self.metrics.observe_ratelimit_rejection(group.name)

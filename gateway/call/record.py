@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.audit.schema import Fields as F
 from gateway.call.attempts import AttemptLog
@@ -81,6 +82,10 @@ class CallContext:
     #: of the policy file the call ran under.
     identity: Identity | None = None
     policy_sha256: str | None = None
+    #: The call chain headers the request came with (drop-in and MCP routes; None: none
+    #: or an envelope, whose ``call_chain`` says), and what the chain stage decided.
+    chain_seen: dict[str, str] | None = None
+    chain: ChainDecision | None = None
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:
@@ -167,6 +172,8 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         F.MCP_REQUEST_ID: None,
         F.MCP_IS_ERROR: None,
         F.MCP_ERROR_CODE: None,
+        F.CALL_CHAIN: list(ctx.chain.agents) if ctx.chain and ctx.chain.agents else None,
+        F.CALL_CHAIN_DEPTH: ctx.chain.depth if ctx.chain and ctx.chain.agents else None,
         **_caller(ctx, agent_id),
     }
 
@@ -205,11 +212,15 @@ def refusal_record(
     """The audit record of an answer given before the envelope was read (an unknown
     route, a method not allowed, a body too large or unreadable): decision ``invalid``,
     the answer's error code, the sidecar's own request line (``http_path`` without its
-    query, both cut to 256 characters) and ``http_status``; nothing of the body.
-    ``identity``, when established, is who called (its ``agent_id`` wins)."""
+    query, both cut to 256 characters) and ``http_status``, and the answer's ids when it
+    has them; nothing of the body. ``identity``, when established, is who called (its
+    ``agent_id`` wins)."""
+    ids = {F.TRACE_ID: response.trace_id, F.CORRELATION_ID: response.correlation_id}
+    claimed = {k: v for k, v in ids.items() if v is not None}
     ctx = CallContext(
         started=0.0,
         agent_id=identity.agent_id if identity is not None else agent_id,
+        claimed=claimed,
         identity=identity,
         policy_sha256=policy_sha256,
     )
@@ -242,6 +253,8 @@ def observe(metrics: Metrics, ctx: CallContext, response: ExternalCallResponse) 
         metrics.observe_shadow_denial(kind, name)
     if response.error is not None and response.error.code is ErrorCode.BUDGET_EXCEEDED:
         metrics.observe_budget_rejection(str(response.error.details.get("budget", "")))
+    if response.error is not None and response.error.code is ErrorCode.CALL_CHAIN_REFUSED:
+        metrics.observe_chain_refusal(str(response.error.details.get("reason", "")))
     for _ in range(ctx.attempt_log.attempts - 1):  # none for 0 or 1 attempt
         metrics.observe_retry(target)
     genai = outcome_of(ctx, response) if not ctx.replayed else None  # a replay: no operation

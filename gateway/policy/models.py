@@ -13,19 +13,14 @@ import ipaddress
 import re
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import (
-    Field,
-    PlainValidator,
-    StringConstraints,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, PlainValidator, StringConstraints, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
 from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
+from gateway.policy.chain import ChainSpec, chain_problems
 
 # Re-exported: gateway.idempotency.memory imports them from here.
 from gateway.policy.defaults import (
@@ -433,6 +428,7 @@ class Policy(_Strict):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
     budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
+    chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
     agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
 
     @model_validator(mode="after")
@@ -479,6 +475,7 @@ class Policy(_Strict):
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
         has_vault = self.secrets.vault is not None
+        problems += chain_problems(self.chain, has_vault)
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
         if problems:
             raise PydanticCustomError(

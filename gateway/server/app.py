@@ -15,7 +15,8 @@ Routes of the calls listener (loopback by default):
 The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
 ``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
 the calls API.
-Any other path or method gets a JSON error answer too, never an HTML page.
+Any other path or method gets a JSON error answer too, never an HTML page (under
+``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.server.proxy.edge_errors`).
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.server.eventloop import loop_name
 from gateway.server.listeners import calls_sites, start_sites
-from gateway.server.mcp import MCP_ROUTE, McpRoute
+from gateway.server.mcp import McpRoute
 from gateway.server.proxy import (
-    PROXY_ROUTE,
     WRITE_BUFFERED_BYTES,
     ProxyRoute,
     RelayResponse,
     drop_connection,
+    edge_errors,
     send_bounded,
 )
 from gateway.server.reload import PolicyWatcher
@@ -336,15 +337,15 @@ def create_app(
     ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
-        middlewares=[_json_errors],
+        middlewares=[_json_errors, edge_errors],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
     app[BODY_TIMEOUT_KEY] = body_timeout_s
     app.on_response_prepare.append(_close_if_asked)
     app.router.add_post(CALLS_PATH, _calls)
-    app.router.add_route("*", PROXY_ROUTE, ProxyRoute(gateway, _read_body).handle)
-    app.router.add_route("*", MCP_ROUTE, McpRoute(gateway, _read_body).handle)
+    for route in (ProxyRoute(gateway, _read_body), McpRoute(gateway, _read_body)):
+        route.install(app)  # its route, and its answer to paths under it that miss it
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
