@@ -306,9 +306,9 @@ class CostBudgets:
 
 class Calls:
     """The pipeline, handed the parts above; each call reads the policy it started with
-    (targets, envelope rules, ``agent_id``, ``server.debug``...)."""
+    (targets, envelope rules, ``agent_id``, ``server.debug``, ``chain``...)."""
 
-    keys: ClassVar = Keys(hot=("agent_id", "envelope", "targets", "server.debug"))
+    keys: ClassVar = Keys(hot=("agent_id", "envelope", "targets", "server.debug", "chain"))
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         parts.pipeline = Pipeline(
