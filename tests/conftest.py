@@ -4,6 +4,13 @@
 it receives (arrival time, method, path, query, headers, body) and answers with a
 handler the test gives. ``Sidecar`` runs the real application (``gateway.server``) on a
 loopback port and captures everything the sidecar writes (audit records and logs).
+
+Fixtures every test module may ask for by name, defined once: ``upstream_factory``,
+``sidecar_factory``; ``switcher`` (an upstream answering 101); ``json_server`` (the MCP
+SDK's server, stateless, answering JSON; one per session); ``chart`` (the Helm chart,
+loaded once per session); ``redis_prefix`` and ``private_redis``
+(:mod:`tests.redis_fixtures`); ``vault_lab`` (OpenBao, one per session:
+:mod:`tests.vault_fixtures`).
 """
 
 from __future__ import annotations
@@ -12,9 +19,9 @@ import asyncio
 import io
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -25,6 +32,16 @@ from gateway.audit.schema import AuditRecord
 from gateway.policy import PolicySet, parse_policy
 from gateway.server import create_app
 from gateway.server.runtime import Gateway
+from tests.rawhttp import read_message
+from tests.redis_fixtures import private_redis, redis_prefix
+from tests.vault_fixtures import vault_lab
+
+if TYPE_CHECKING:
+    import helm_python as helm
+
+    from tests.mcp_server import McpTestServer
+
+__all__ = ["private_redis", "redis_prefix", "vault_lab"]  # fixtures, shared by every module
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -233,3 +250,57 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> Non
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.005)
+
+
+SWITCH = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+
+
+class Switcher:
+    """Answers every request with a 101 and then holds the connection open, silent."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.port = 0
+        self._held: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_message(reader)
+        self.requests += 1
+        writer.write(SWITCH)
+        await writer.drain()
+        self._held.append(writer)  # never closed by us: a body read would hang
+
+
+@pytest.fixture
+async def switcher() -> AsyncIterator[Switcher]:
+    fake = Switcher()
+    server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+    fake.port = server.sockets[0].getsockname()[1]
+    yield fake
+    for writer in fake._held:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.fixture(scope="session")
+def json_server() -> Iterator[McpTestServer]:
+    """The MCP SDK's server, stateless, answering requests as JSON (tests count what it
+    received relative to what it had before, so one serves the session)."""
+    from tests.mcp_server import RunningServer  # the MCP SDK, only when asked for
+
+    running = RunningServer(stateless=True, json_response=True)
+    yield running.start()
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def chart() -> Iterator[helm.Chart]:
+    """The chart, loaded once (rendering never changes it)."""
+    import helm_python as helm  # only the chart tests load Helm's engine
+
+    from tests.helm_helpers import CHART
+
+    helm.disable_logging()
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded

@@ -31,9 +31,7 @@ from gateway.ratelimit.cluster import ClusterLimits
 from gateway.stores.redis import RedisClient
 from tests.conftest import compile_policy, envelope, openai_target, policy_yaml
 from tests.processes import Process
-from tests.redis_fixtures import SHARED_URL, free_port, redis_prefix
-
-__all__ = ["redis_prefix"]  # a fixture, imported for pytest
+from tests.redis_fixtures import SHARED_URL, free_port
 
 PRICES = {"fake-model-1": {"input_usd_per_mtok": 100_000, "output_usd_per_mtok": 100_000}}
 MESSAGES = [{"role": "user", "content": "ping"}]

@@ -21,9 +21,7 @@ from gateway.idempotency import (
 from gateway.idempotency.redis import MAX_POLL_S, RedisIdempotencyStore
 from gateway.policy import RedisSpec
 from gateway.stores.redis import RedisClient
-from tests.redis_fixtures import SHARED_URL, free_port, redis_prefix
-
-__all__ = ["redis_prefix"]  # a fixture, imported for pytest
+from tests.redis_fixtures import SHARED_URL, free_port
 
 MakeStore = Callable[..., RedisIdempotencyStore]
 

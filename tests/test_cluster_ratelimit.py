@@ -24,11 +24,7 @@ from tests.redis_fixtures import (
     SHARED_URL,
     PrivateRedis,
     free_port,
-    private_redis,
-    redis_prefix,
 )
-
-__all__ = ["private_redis", "redis_prefix"]  # fixtures, imported for pytest
 
 FAR = 1e9
 US = 1_000_000

@@ -33,9 +33,7 @@ from tests.conftest import (
     wait_for,
 )
 from tests.processes import ROOT, Process
-from tests.redis_fixtures import SHARED_URL, PrivateRedis, private_redis, redis_prefix
-
-__all__ = ["private_redis", "redis_prefix"]  # fixtures, imported for pytest
+from tests.redis_fixtures import SHARED_URL, PrivateRedis
 
 #: Spread allowed between a booked admission instant (Redis' clock) and the request's
 #: arrival at the upstream, in seconds: event-loop lateness and loopback HTTP on a busy

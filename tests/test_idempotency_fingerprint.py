@@ -19,9 +19,7 @@ from gateway.idempotency import Proceed, Replay, canonical_json, fingerprint, ke
 from gateway.idempotency.redis import RedisIdempotencyStore
 from gateway.policy import RedisSpec
 from gateway.stores.redis import RedisClient
-from tests.redis_fixtures import SHARED_URL, redis_prefix
-
-__all__ = ["redis_prefix"]  # a fixture, imported for pytest
+from tests.redis_fixtures import SHARED_URL
 
 # Computed by the sidecar before this change (commit b3e62be, json.dumps only): a
 # fingerprint must never change, or a resend of a key stored by an older sidecar

@@ -42,14 +42,6 @@ def sse_server() -> Iterator[McpTestServer]:
     running.stop()
 
 
-@pytest.fixture(scope="module")
-def json_server() -> Iterator[McpTestServer]:
-    """Stateless, answering requests as JSON."""
-    running = RunningServer(stateless=True, json_response=True)
-    yield running.start()
-    running.stop()
-
-
 @pytest.fixture(autouse=True)
 def _mcp_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_MCP_TOKEN", SERVER_TOKEN)

@@ -12,10 +12,7 @@ from aiohttp import web
 
 from tests.conftest import compile_policy, envelope, openai_target, wait_for
 from tests.rawhttp import read_message
-from tests.redis_fixtures import SHARED_URL, redis_prefix
-from tests.test_upstream_101 import switcher
-
-__all__ = ["redis_prefix", "switcher"]  # fixtures, imported for pytest
+from tests.redis_fixtures import SHARED_URL
 
 CHAT = {"model": "fake-model-1", "messages": [{"role": "user", "content": "ping"}]}
 

@@ -50,10 +50,7 @@ from tests.vault_fixtures import (
     VaultLab,
     free_port,
     make_jwt,
-    vault_lab,
 )
-
-__all__ = ["vault_lab"]  # the session fixture, imported so pytest finds it
 
 ref = parse_ref
 
