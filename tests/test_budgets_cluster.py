@@ -275,3 +275,17 @@ async def test_budget_without_redis(upstream_factory, sidecar_factory, on_redis_
         assert status == 200
         assert up.hits == 1
         assert any("Redis unavailable" in w for w in sc.audit_records()[-1]["warnings"])
+
+
+def test_a_cluster_budget_without_redis_says_it_is_counted_here_alone() -> None:
+    """A reload can bring a ``scope: cluster`` budget and its ``redis:`` section to a
+    sidecar started without one (Redis needs a restart: the reload's record says so);
+    until then each sidecar counts the budget alone, and every call's record says it."""
+    budgets = Budgets({"b": BudgetSpec(limit_usd=10, window="daily", scope="cluster")})
+    booking = asyncio.run(budgets.reserve(budgets.applying("t", None, "a"), 1.0))
+    assert booking.warnings == [
+        "budget 'b' (scope: cluster) is counted by this sidecar alone: it runs without "
+        "Redis (the redis section needs a restart)"
+    ]
+    local = Budgets({"b": BudgetSpec(limit_usd=10, window="daily")})
+    assert asyncio.run(local.reserve(local.applying("t", None, "a"), 1.0)).warnings == []
