@@ -238,6 +238,19 @@ async def sidecar_factory() -> AsyncIterator[Callable[..., Awaitable[Sidecar]]]:
         await sidecar.server.close()
 
 
+async def openai_stack(
+    upstream_factory: Callable[..., Awaitable[FakeUpstream]],
+    sidecar_factory: Callable[..., Awaitable[Sidecar]],
+    handler: Handler | None = None,
+    **target: Any,
+) -> tuple[FakeUpstream, Sidecar]:
+    """A recording upstream (answering with ``handler``, else OK) behind a sidecar whose
+    policy has one OpenAI-style target, ``openai``, with ``target``'s overrides."""
+    up = await (upstream_factory(handler) if handler else upstream_factory())
+    sc = await sidecar_factory(compile_policy({"openai": openai_target(up.url, **target)}))
+    return up, sc
+
+
 @pytest.fixture(autouse=True)
 def _test_openai_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_OPENAI_KEY", "sk-fake-TEST-0001-NOTREAL")

@@ -24,7 +24,14 @@ from aiohttp import web
 
 from gateway.server.app import create_app
 from gateway.server.runtime import Gateway
-from tests.conftest import SidecarServer, compile_policy, envelope, openai_target, wait_for
+from tests.conftest import (
+    SidecarServer,
+    compile_policy,
+    envelope,
+    openai_stack,
+    openai_target,
+    wait_for,
+)
 from tests.rawhttp import read_message
 
 BIG = {"object": "blob", "text": "x" * (4 * 1024 * 1024)}  # ~4 MiB of JSON
@@ -177,3 +184,67 @@ async def test_pipelined_answers_to_an_agent_that_reads_all_arrive(upstream_fact
         assert not any(x.get("event") == "answer_undelivered" for x in _lines(log))
     finally:
         await server.close()
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _endless_stream(closed: asyncio.Event) -> Any:
+    """An upstream that streams 64 KiB events until its connection is closed."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = b'data: {"choices":[{"delta":{"content":"' + b"A" * 65536 + b'"}}]}\n\n'
+        try:
+            while True:
+                await resp.write(chunk)
+        except (ConnectionError, RuntimeError):
+            pass
+        finally:
+            closed.set()
+        return resp
+
+    return handler
+
+
+@pytest.mark.parametrize("route", ["proxy", "envelope"])
+async def test_an_agent_that_stops_reading_is_cut_at_the_deadline(
+    upstream_factory, sidecar_factory, route: str
+):
+    closed = asyncio.Event()
+    _, sc = await openai_stack(upstream_factory, sidecar_factory, _endless_stream(closed))
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    if route == "proxy":
+        head = (
+            b"POST /proxy/openai/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nx-egress-timeout: 1\r\n"
+        )
+    else:
+        env = {"target_system": "openai", "endpoint": "/v1/chat/completions", "method": "POST"}
+        ids = {"trace_id": "t-1", "correlation_id": "c-1", "timeout": 1}
+        body = json.dumps({**env, **ids, "parameters": {**CHAT, "stream": True}}).encode()
+        head = (
+            b"POST /v1/calls HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Accept: text/event-stream\r\n"
+        )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", sc.server.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        status = await reader.readuntil(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 200"), status + await reader.read(2000)
+        # ...and the agent reads nothing more: the sidecar's writes block on its window.
+        await wait_for(lambda: bool(sc.audit_records()), timeout_s=8)
+        await asyncio.wait_for(closed.wait(), 5)  # the upstream request was closed
+    finally:
+        writer.close()
+    [record] = sc.audit_records()
+    assert record["success"] is False
+    assert record["error_code"] == "AGENT_TIMEOUT"
+    assert record["latency_ms"] < 5000
+    assert not [line for line in sc.lines() if line.get("level") == "error"]

@@ -24,6 +24,7 @@ from gateway.call.intake import (
     parse_request,
     refuse_lone_surrogates,
 )
+from gateway.call.sse import EventTooLarge, SseDecoder, complete_events
 from gateway.envelope import MAX_METADATA_BYTES, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload
 from tests.conftest import compile_policy, envelope, openai_target
@@ -315,3 +316,47 @@ def test_a_lone_surrogate_is_named_down_to_two_levels(value: dict[str, Any], fie
     with pytest.raises(InvalidPayload) as caught:
         refuse_lone_surrogates(b"\\udc00", value)
     assert caught.value.details == {"reason": "lone_surrogate", "field": field}
+
+
+class _Counted(bytearray):
+    """A buffer that counts the bytes each ``rfind`` may look at."""
+
+    looked = 0
+
+    def rfind(self, sub: Any, start: Any = None, end: Any = None) -> int:  # type: ignore[override]
+        _Counted.looked += len(self) - (start or 0)
+        return super().rfind(sub, start, end)
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+def test_finding_whole_events_searches_each_byte_about_once(newline: bytes) -> None:
+    big = b"data: " + b"A" * 200_000 + newline + newline
+    stream = big + b"data: x" + newline + newline + big
+    chunk = 1000
+    held, cuts, sent = _Counted(), [], 0
+    _Counted.looked = 0
+    for at in range(0, len(stream), chunk):
+        searched = len(held)
+        held += stream[at : at + chunk]
+        cut = complete_events(held, searched)
+        assert cut == complete_events(bytes(held))  # the same answer as a full search
+        if cut:
+            cuts.append(sent + cut)
+            sent += cut
+            held = _Counted(held[cut:])
+    assert cuts == [len(big) + len(newline) * 2 + 7, len(stream)]
+    # 5 end marks, each searching the new bytes plus a few before: linear, not quadratic.
+    assert _Counted.looked < 5 * (len(stream) + 4 * len(stream) // chunk)
+
+
+def test_decoding_one_long_line_joins_it_once() -> None:
+    decoder = SseDecoder(10_000_000)
+    line = b"data: " + b"B" * 100_000
+    for at in range(0, len(line), 100):
+        assert decoder.feed(line[at : at + 100]) == []
+    [event] = decoder.feed(b"\n\n")
+    assert event.data == "B" * 100_000
+    bounded = SseDecoder(1000)
+    assert bounded.feed(b"data: " + b"C" * 600) == []
+    with pytest.raises(EventTooLarge):  # a line growing in pieces is still bounded
+        bounded.feed(b"C" * 600)
