@@ -1,4 +1,4 @@
-"""Failures after the upstream answered (issue 13, class 1).
+"""Failures after the upstream answered.
 
 An upstream body Python can parse but the answer's JSON writer cannot write back (nested
 past pydantic-core's 255 levels, NaN/Infinity, numbers past a double) used to give

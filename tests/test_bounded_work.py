@@ -1,4 +1,4 @@
-"""Bounded work per request (issue 13, class 5).
+"""Bounded work per request.
 
 No envelope may hold the event loop for long: what the sidecar reports about an invalid
 envelope is capped (unknown fields, header errors, metadata, lone surrogates) and a large

@@ -1,4 +1,4 @@
-"""Cluster-scope budgets on real Redis (issue 20, "Done when"): the Lua script's buckets
+"""Cluster-scope budgets on real Redis: the Lua script's buckets
 and resets are the pure module's; concurrent admissions from several clients never book
 past the limit; three real sidecar processes sharing one budget let through exactly what
 fits (the upstream counts); a shadow cluster group records without waiting; a

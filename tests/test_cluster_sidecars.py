@@ -1,4 +1,4 @@
-"""Several real sidecar processes on one real Redis (issue 5, "Done when"):
+"""Several real sidecar processes on one real Redis:
 
 - three sidecars hammering one cluster-scope group: the upstream sees no more than the
   documented bound in any window (docs/cluster.md);

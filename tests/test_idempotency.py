@@ -379,7 +379,7 @@ def test_keys_and_fingerprints_are_the_canonical_json_ones(text: str) -> None:
 
 
 async def test_expired_answers_go_before_a_live_one_is_evicted() -> None:
-    # Found by review: with a sweep from the least recently used end only, expired
+    # With a sweep from the least recently used end only, expired
     # answers behind a live one kept their room and a live answer was evicted instead,
     # so a retry within its ttl went upstream again.
     store = MemoryIdempotencyStore(max_entries=4)

@@ -1,4 +1,4 @@
-"""Fingerprints written faster (issue 21), never differently: the same canonical JSON
+"""Fingerprints written faster, never differently: the same canonical JSON
 bytes whoever writes them (orjson where it spells them as the stdlib does, the stdlib's
 C encoder, json.dumps), with or without orjson installed, and the same as earlier
 versions computed, so a resend across a rolling upgrade of sidecars sharing a Redis

@@ -1,4 +1,4 @@
-"""MCP targets with the real ``mcp`` Python SDK (issue 17).
+"""MCP targets with the real ``mcp`` Python SDK.
 
 A real MCP server (:mod:`tests.mcp_server`: the SDK's ``MCPServer`` over streamable HTTP,
 in a thread) is the upstream; the SDK's own streamable-HTTP client talks to

@@ -1,4 +1,4 @@
-"""Policy input that is hostile or careless (issue 13, class 8): YAML merge keys, the
+"""Policy input that is hostile or careless: YAML merge keys, the
 bound of every number, and what ``serve`` and a reload do with a policy that is not one.
 
 The failure modes with a file of their own (unhashable keys, deep nesting, alias bombs,
