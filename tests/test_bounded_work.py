@@ -2,16 +2,19 @@
 
 No envelope may hold the event loop for long: what the sidecar reports about an invalid
 envelope is capped (unknown fields, header errors, metadata, lone surrogates) and a large
-body is parsed once. The heartbeat test measures the loop's longest stall while a real
-sidecar handles the worst envelopes built at the policy's ``server.max_request_bytes``.
+body is parsed once. The work a real sidecar does for the worst envelopes built at the
+policy's ``server.max_request_bytes`` is counted (Python and C function calls in the
+loop's thread, whatever the machine's speed): it stays under a budget and grows at most
+linearly with the envelope's size. Finding the end of an event in a relayed stream
+searches each byte about once. Timings live in ``bench/``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from collections.abc import Callable
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -30,13 +33,17 @@ from gateway.errors import InvalidPayload
 from tests.conftest import compile_policy, envelope, openai_target
 
 MiB = 1024 * 1024
-#: The policy limit of the heartbeat test: the stall of the worst envelope grows with its
-#: size (one parse at least), so it is measured at a size whose parse is well inside the
-#: bound on a loaded 2-core machine; 8 MiB figures are in the issue note.
+#: The policy limit of the counted calls (the work grows with the size; the linearity
+#: check holds it to any size).
 LIMIT = 1 * MiB
-#: The longest event-loop stall allowed while one envelope is handled (generous: the
-#: machine is shared; the real figures are a few tens of milliseconds).
-MAX_STALL_S = 0.25
+#: The most function calls (Python and C, as :func:`sys.setprofile` sees them) that one
+#: envelope of LIMIT bytes may cost the loop's thread, from the request's first byte to
+#: its answer and audit record: the worst shape today (about 87,000 header values of the
+#: wrong type) costs about 82,000, one per item; a plain envelope about 1,600.
+MAX_CALLS = 150_000
+#: Calls that vary from run to run whatever the envelope: the body arrives in as many
+#: reads as the socket gives, and timers of the loop may fire during the call.
+CALL_SLACK = 10_000
 _FILL = "__FILL__"
 
 
@@ -194,49 +201,61 @@ def test_a_large_body_nested_past_the_fast_parsers_limit_still_parses() -> None:
 # -- the event loop keeps running --------------------------------------------------------
 
 
-def _worst() -> dict[str, tuple[bytes, int, str | None]]:
-    """Envelopes of LIMIT bytes that make the sidecar work per item, with the answer's
+def _worst(size: int = LIMIT) -> dict[str, tuple[bytes, int, str | None]]:
+    """Envelopes of ``size`` bytes that make the sidecar work per item, with the answer's
     expected (HTTP status, error code)."""
     keys, ones = _key("x"), (lambda i: "1")
     top_level = json.dumps(envelope())[:-1] + ", " + json.dumps(_FILL) + "}"
-    surrogate = filled(ones, open_="[", close=',"\\udc00"]', parameters={"a": _FILL})
+    surrogate = filled(ones, open_="[", close=',"\\udc00"]', size=size, parameters={"a": _FILL})
     return {
         "unknown-fields": (
-            filled(keys, open_="{", close="}", template=json.dumps(_FILL)),
+            filled(keys, open_="{", close="}", template=json.dumps(_FILL), size=size),
             400,
             "INVALID_PAYLOAD",
         ),
-        "unknown-fields-warn": (filled(keys, open_="", close="", template=top_level), 200, None),
+        "unknown-fields-warn": (
+            filled(keys, open_="", close="", template=top_level, size=size),
+            200,
+            None,
+        ),
         "wrong-header-values": (
-            filled(keys, open_="{", close="}", headers=_FILL),
+            filled(keys, open_="{", close="}", size=size, headers=_FILL),
             400,
             "INVALID_PAYLOAD",
         ),
         "many-headers": (
-            filled(lambda i: f'"h{i:07d}":"v"', open_="{", close="}", headers=_FILL),
+            filled(lambda i: f'"h{i:07d}":"v"', open_="{", close="}", size=size, headers=_FILL),
             403,
             "PERMISSION_DENIED",
         ),
         "huge-metadata": (
-            filled(ones, open_="[", close="]", metadata={"a": _FILL}),
+            filled(ones, open_="[", close="]", size=size, metadata={"a": _FILL}),
             400,
             "INVALID_PAYLOAD",
         ),
         "metadata-keys": (
-            filled(keys, open_="{", close="}", metadata=_FILL),
+            filled(keys, open_="{", close="}", size=size, metadata=_FILL),
             400,
             "INVALID_PAYLOAD",
         ),
         "lone-surrogate-last": (surrogate, 400, "INVALID_PAYLOAD"),
         "wrong-type-list": (
-            filled(ones, open_="[", close="]", max_retries=_FILL),
+            filled(ones, open_="[", close="]", size=size, max_retries=_FILL),
             400,
             "INVALID_PAYLOAD",
         ),
-        "parameters-keys": (filled(keys, open_="{", close="}", parameters=_FILL), 200, None),
-        "parameters-ints": (filled(ones, open_="[", close="]", parameters={"a": _FILL}), 200, None),
+        "parameters-keys": (
+            filled(keys, open_="{", close="}", size=size, parameters=_FILL),
+            200,
+            None,
+        ),
+        "parameters-ints": (
+            filled(ones, open_="[", close="]", size=size, parameters={"a": _FILL}),
+            200,
+            None,
+        ),
         "parameters-escapes": (
-            filled(lambda i: '"\\u00e9"', open_="[", close="]", parameters={"a": _FILL}),
+            filled(lambda i: '"\\u00e9"', open_="[", close="]", size=size, parameters={"a": _FILL}),
             200,
             None,
         ),
@@ -262,11 +281,34 @@ def test_the_worst_cases_are_all_measured() -> None:
     assert sorted(WORST) == sorted(_worst())
 
 
+@contextmanager
+def _counting() -> Iterator[list[int]]:
+    """Count the function calls (Python and C) made in this thread while inside."""
+    count = [0]
+
+    def profile(_frame: Any, event: str, _arg: Any) -> None:
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        yield count
+    finally:
+        sys.setprofile(None)
+
+
+async def _counted(call: Awaitable[tuple[int, Any]]) -> tuple[int, Any, int]:
+    with _counting() as count:
+        status, answer = await call
+    return status, answer, count[0]
+
+
 @pytest.mark.parametrize("case", WORST)
-async def test_the_event_loop_never_stalls_long_on_one_envelope(
+async def test_the_work_of_one_envelope_is_bounded_and_linear_in_its_size(
     case: str, upstream_factory: Any, sidecar_factory: Any
 ) -> None:
     body, status, code = _worst()[case]
+    half, _, _ = _worst(LIMIT // 2)[case]  # past LARGE_BODY_BYTES too: the same path
     assert LIMIT - 4096 < len(body) <= LIMIT
     up = await upstream_factory()
     policy = compile_policy(
@@ -277,28 +319,15 @@ async def test_the_event_loop_never_stalls_long_on_one_envelope(
     sc = await sidecar_factory(policy)
     await sc.call(envelope())  # warm: first-call imports and connections
 
-    gaps: list[float] = []
-    stop = asyncio.Event()
-
-    async def heartbeat() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    beat = asyncio.create_task(heartbeat())
-    await asyncio.sleep(0.02)
-    got_status, answer = await sc.call(body)
-    stop.set()
-    await beat
+    *_, work_half = await _counted(sc.call(half))
+    got_status, answer, work = await _counted(sc.call(body))
     response = ExternalCallResponse.model_validate(answer)
     assert got_status == status, answer
     assert (response.error.code if response.error else None) == code
-    assert len(sc.audit_records()) == 2
-    longest = max(gaps)
-    assert longest < MAX_STALL_S, f"{case}: the loop stalled {longest * 1000:.0f} ms"
+    assert len(sc.audit_records()) == 3
+    assert work < MAX_CALLS, f"{case}: {work} calls for one envelope of {len(body)} bytes"
+    # Twice the bytes may cost twice the work, not four times (quadratic).
+    assert work <= 2 * work_half + CALL_SLACK, f"{case}: {work_half} -> {work} calls"
 
 
 @pytest.mark.parametrize(
