@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -317,3 +319,59 @@ def chart() -> Iterator[helm.Chart]:
     helm.disable_logging()
     with helm.Chart.load(CHART) as loaded:
         yield loaded
+
+
+class CountWaits:
+    """Await ``awaitable`` through this, counting the times it suspended (waited for a
+    timer, I/O or another task) in ``waits``: "answered at once" is ``waits == 0``,
+    counted rather than timed, so a busy machine cannot fail it."""
+
+    def __init__(self, awaitable: Awaitable[Any]) -> None:
+        self._inner = awaitable
+        self.waits = 0
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        inner = self._inner.__await__()
+        sent: Any = None
+        thrown: BaseException | None = None
+        while True:
+            try:
+                yielded = inner.throw(thrown) if thrown is not None else inner.send(sent)
+            except StopIteration as done:
+                return done.value
+            self.waits += 1
+            sent, thrown = None, None
+            try:
+                sent = yield yielded
+            except BaseException as exc:  # cancellation goes in, as with await
+                thrown = exc
+
+
+async def turns_until(predicate: Callable[[], bool], most: int = 50) -> int:
+    """Let the event loop run one iteration at a time until ``predicate`` holds; the
+    iterations it took (at most ``most``, else the test fails): "at once" counted in the
+    loop's turns, not in seconds."""
+    for turn in range(most + 1):
+        if predicate():
+            return turn
+        await asyncio.sleep(0)
+    raise AssertionError(f"not within {most} turns of the event loop")
+
+
+@contextmanager
+def calls_made() -> Iterator[list[str]]:
+    """The names of the functions (Python and C, as :func:`sys.setprofile` sees them)
+    called in this thread while inside, in order: work counted, not timed."""
+    names: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            names.append(frame.f_code.co_name)
+        elif event == "c_call":
+            names.append(getattr(arg, "__name__", "?"))
+
+    sys.setprofile(profile)
+    try:
+        yield names
+    finally:
+        sys.setprofile(None)

@@ -12,9 +12,7 @@ searches each byte about once. Timings live in ``bench/``.
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -30,7 +28,7 @@ from gateway.call.intake import (
 from gateway.call.sse import EventTooLarge, SseDecoder, complete_events
 from gateway.envelope import MAX_METADATA_BYTES, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload
-from tests.conftest import compile_policy, envelope, openai_target
+from tests.conftest import calls_made, compile_policy, envelope, openai_target
 
 MiB = 1024 * 1024
 #: The policy limit of the counted calls (the work grows with the size; the linearity
@@ -281,26 +279,10 @@ def test_the_worst_cases_are_all_measured() -> None:
     assert sorted(WORST) == sorted(_worst())
 
 
-@contextmanager
-def _counting() -> Iterator[list[int]]:
-    """Count the function calls (Python and C) made in this thread while inside."""
-    count = [0]
-
-    def profile(_frame: Any, event: str, _arg: Any) -> None:
-        if event in ("call", "c_call"):
-            count[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        yield count
-    finally:
-        sys.setprofile(None)
-
-
 async def _counted(call: Awaitable[tuple[int, Any]]) -> tuple[int, Any, int]:
-    with _counting() as count:
+    with calls_made() as calls:
         status, answer = await call
-    return status, answer, count[0]
+    return status, answer, len(calls)
 
 
 @pytest.mark.parametrize("case", WORST)
