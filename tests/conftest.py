@@ -375,3 +375,10 @@ def calls_made() -> Iterator[list[str]]:
         yield names
     finally:
         sys.setprofile(None)
+
+
+#: "Soon", for a test that rules out a long wait: far above what a loaded machine adds to
+#: loopback calls, far below the timer ruled out, which such a test sets to RULED_OUT_S.
+SOON_S = 10.0
+#: The timer (a deadline, a lease) that a test using SOON_S shows was not waited for.
+RULED_OUT_S = 45.0

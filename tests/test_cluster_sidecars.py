@@ -25,6 +25,7 @@ import redis
 from aiohttp import web
 
 from tests.conftest import (
+    SOON_S,
     FakeUpstream,
     Sidecar,
     compile_policy,
@@ -252,7 +253,7 @@ async def test_redis_down_then_back(
         status, answer = await _post(session, side, _call("open", "down"))
         assert status == 200  # fail-open: admitted by the sidecar's own limiter
         assert answer["success"]
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < SOON_S  # no hang on a dead Redis
         record = await _record_of(side, "/items/down")
         assert record["warnings"] == [
             "rate-limit group 'open': Redis unavailable, admitted by this sidecar's own "
