@@ -11,6 +11,7 @@ searches each byte about once. Timings live in ``bench/``.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -199,9 +200,10 @@ def test_a_large_body_nested_past_the_fast_parsers_limit_still_parses() -> None:
 # -- the event loop keeps running --------------------------------------------------------
 
 
+@functools.cache
 def _worst(size: int = LIMIT) -> dict[str, tuple[bytes, int, str | None]]:
     """Envelopes of ``size`` bytes that make the sidecar work per item, with the answer's
-    expected (HTTP status, error code)."""
+    expected (HTTP status, error code); built once per size (they are read only)."""
     keys, ones = _key("x"), (lambda i: "1")
     top_level = json.dumps(envelope())[:-1] + ", " + json.dumps(_FILL) + "}"
     surrogate = filled(ones, open_="[", close=',"\\udc00"]', size=size, parameters={"a": _FILL})
