@@ -11,6 +11,7 @@ a module is split where a seam is, never to stay under a count.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -113,9 +114,15 @@ def _module(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The module's syntax tree, parsed once for all the rules (read only)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _imports(path: Path) -> Iterator[tuple[str, bool]]:
     """(imported module, only for type checking) for every import in ``path``."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _tree(path)
     typing_only: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
@@ -258,8 +265,7 @@ def _function_lengths(path: Path, source: str | None = None) -> Iterator[tuple[s
             else:
                 yield from walk(child, prefix)
 
-    text = path.read_text() if source is None else source
-    yield from walk(ast.parse(text, str(path)), "")
+    yield from walk(_tree(path) if source is None else ast.parse(source, str(path)), "")
 
 
 def test_no_function_body_over_60_lines() -> None:
