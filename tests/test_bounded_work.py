@@ -6,7 +6,7 @@ body is parsed once. The work a real sidecar does for the worst envelopes built 
 policy's ``server.max_request_bytes`` is counted (Python and C function calls in the
 loop's thread, whatever the machine's speed): it stays under a budget and grows at most
 linearly with the envelope's size. Finding the end of an event in a relayed stream
-searches each byte about once. Timings live in ``bench/``.
+searches each byte about once. The loop's stalls are timed in ``bench/loop_stall.py``.
 """
 
 from __future__ import annotations
