@@ -3,7 +3,8 @@
 Each third-party library is imported by its owner only (the same table as ruff's banned-API
 rule, TID251, in pyproject.toml, which this test also holds to the table); the contract
 (``envelope``, ``errors``) imports nothing else of the package; ``demo`` is imported by
-nothing; no cycle between the package's parts; no function body over 60 lines (but the
+nothing; no cycle between the package's parts, type-only imports included; telemetry,
+audit and metrics import nothing from ``call/``; no function body over 60 lines (but the
 named offenders of :data:`LONG_FUNCTIONS`); no module over 1000 lines, a backstop only:
 a module is split where a seam is, never to stay under a count.
 """
@@ -220,6 +221,23 @@ def _cycles(graph: dict[str, set[str]]) -> list[str]:
 
 def test_no_cycle_between_the_parts_of_the_package() -> None:
     assert _cycles(_graph()) == []
+
+
+def test_no_cycle_even_through_type_only_imports() -> None:
+    """An import under ``if TYPE_CHECKING:`` is a dependency all the same: a type named
+    upward still ties the lower part to the upper one."""
+    assert _cycles(_graph(typing_only_too=True)) == []
+
+
+#: The parts that record what a call did (audit records, metrics, spans): they sit below
+#: the call's stages and are fed one record, so they import nothing from ``call/``.
+BELOW_THE_CALL = ("gateway.telemetry", "gateway.audit", "gateway.metrics")
+
+
+def test_telemetry_audit_and_metrics_import_nothing_from_the_call() -> None:
+    graph = _graph(typing_only_too=True)
+    upward = sorted(part for part in BELOW_THE_CALL if "gateway.call" in graph.get(part, ()))
+    assert upward == []
 
 
 def test_the_contract_imports_nothing_else_of_the_package() -> None:
