@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 from gateway import __version__
 from gateway.audit.query import cli as audit_cli
@@ -233,15 +233,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(policy_path=args.policy, examples_dir=args.examples))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="egress-gateway",
-        description="Egress sidecar for AI agents: policy-checked, credential-injecting, "
-        "audited outbound calls.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_serve(sub: Any) -> None:
+    """The ``serve`` command and its flags (each also a ``GATEWAY_*`` variable)."""
     p = sub.add_parser("serve", help="run the sidecar")
     p.add_argument(
         "--policy",
@@ -264,6 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="health/metrics listener port (default 8182; env GATEWAY_OPS_PORT)",
     )
     p.set_defaults(func=_cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="egress-gateway",
+        description="Egress sidecar for AI agents: policy-checked, credential-injecting, "
+        "audited outbound calls.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_serve(sub)
 
     p = sub.add_parser("validate", help="check policy files; print every error")
     p.add_argument("files", nargs="+", metavar="FILE")

@@ -1,7 +1,10 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
-    intake -> egress decision -> idempotency -> rate-limit group -> circuit breaker
-    -> secret -> upstream attempts (retries, backoff, Retry-After) -> usage -> answer
+    intake -> egress decision (an MCP target's tool rules too) -> idempotency
+    -> the outbound request -> secret -> budget reservation
+    -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
+       (backoff, Retry-After)
+    -> usage -> budget settlement -> answer -> audit record
 
 Every call, whatever happens, ends with exactly one :class:`ExternalCallResponse` and
 exactly one audit record (written in a ``finally``). A bug inside the sidecar becomes an

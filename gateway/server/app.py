@@ -1,4 +1,6 @@
-"""The HTTP face of the sidecar: the only module that knows aiohttp.web.
+"""The HTTP face of the sidecar: the aiohttp.web application, its listeners and routes
+(the drop-in and MCP routes' handlers in :mod:`gateway.server.proxy` and
+:mod:`gateway.server.mcp`, the other owners of aiohttp.web).
 
 Routes of the calls listener (loopback by default):
 
