@@ -31,6 +31,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/server/app.py",
             "gateway/server/proxy.py",
             "gateway/server/mcp.py",
+            "gateway/server/listeners.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
@@ -44,6 +45,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/models.py",
             "gateway/policy/stores.py",
             "gateway/policy/budgets.py",
+            "gateway/policy/agents.py",
             "gateway/policy/chain.py",
             "gateway/policy/mcp.py",
             "gateway/policy/loader.py",

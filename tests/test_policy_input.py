@@ -199,6 +199,7 @@ UPPER_BOUNDS = {
     "prices.m.cached_usd_per_mtok": d.MAX_USD_PER_MTOK,
     "prices.m.cache_write_usd_per_mtok": d.MAX_USD_PER_MTOK,
     "budgets.b.max_output_tokens": d.MAX_TOKENS_PER_MINUTE,
+    "agents.a.uid": d.MAX_AGENT_UID,
     "server.max_request_bytes": d.MAX_BODY_BYTES,
     "server.max_response_bytes": d.MAX_BODY_BYTES,
     "server.idempotency_max_entries": d.MAX_IDEMPOTENCY_ENTRIES,
@@ -233,6 +234,7 @@ INT_KEYS = {
     "budgets.b.max_output_tokens": (
         "budgets: {b: {limit_usd: 1, window: daily, max_output_tokens: @}}"
     ),
+    "agents.a.uid": "agents: {a: {uid: @}}",
     "chain.max_depth": "chain: {max_depth: @}",
 }
 
