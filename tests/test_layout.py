@@ -48,6 +48,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/agents.py",
             "gateway/policy/chain.py",
             "gateway/policy/mcp.py",
+            "gateway/policy/database.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }
@@ -61,6 +62,7 @@ OWNERS: dict[str, frozenset[str]] = {
     "yaml": frozenset({"gateway/policy/loader.py"}),
     "hvac": frozenset({"gateway/secrets/vault.py", "gateway/secrets/vault_auth.py"}),
     "pybreaker": frozenset({"gateway/breaker.py"}),
+    "asyncpg": frozenset({"gateway/database/postgres.py"}),
     "aiolimiter": frozenset({"gateway/ratelimit/local.py"}),
     "redis": frozenset({"gateway/stores/redis.py"}),
     "orjson": frozenset({"gateway/fastjson.py"}),

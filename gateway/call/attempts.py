@@ -113,6 +113,10 @@ class Attempts:
     #: its answer lost or cut): books that attempt's cost (a budget's reservation) and
     #: raises to stop the resend (BudgetExceeded).
     before_resend: Callable[[], Awaitable[None]] | None = None
+    #: The "send" of a target that is not spoken to over HTTP (a database target's
+    #: statement, :meth:`gateway.database.registry.Databases.run`), given the attempt's
+    #: timeout in seconds; None: the HTTP request through ``upstream``.
+    send: Callable[[float], Awaitable[UpstreamResponse]] | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
 
     async def run(self) -> UpstreamResponse:
@@ -135,11 +139,15 @@ class Attempts:
             )
             self.log.attempts += 1
             try:
-                answer = await telemetry.current().send(
-                    self.upstream,
-                    self.outbound,
-                    timeout_s=attempt_timeout,
-                    stream=self.relay is not None,
+                answer = await (
+                    self.send(attempt_timeout)
+                    if self.send is not None
+                    else telemetry.current().send(
+                        self.upstream,
+                        self.outbound,
+                        timeout_s=attempt_timeout,
+                        stream=self.relay is not None,
+                    )
                 )
             except TransportError as exc:
                 self.log.sent = self.log.sent or exc.sent

@@ -46,6 +46,8 @@ from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, audit_record, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
+from gateway.database import DbLog
+from gateway.database.registry import Databases, check_call
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     CapacityExceeded,
@@ -67,7 +69,7 @@ from gateway.policy.refs import SecretRef
 from gateway.providers import estimate_tokens, extract_usage
 from gateway.ratelimit import RateLimitGroups
 from gateway.secrets import ResolvedSecret, SecretResolvers
-from gateway.upstream import Credential, Upstream
+from gateway.upstream import Credential, Upstream, UpstreamResponse
 
 _log = get_logger("gateway.pipeline")
 
@@ -89,8 +91,11 @@ class Pipeline:
         rng: random.Random | None = None,
         tracer: telemetry.Telemetry = telemetry.NO_TELEMETRY,
         budgets: Budgets | None = None,
+        databases: Databases | None = None,
     ) -> None:
         self.groups = groups
+        #: The engines of database targets (gateway.database); none without such targets.
+        self.databases = databases
         #: Cost budgets (local unless built with a cluster) and the policy's prices.
         self.budgets = budgets if budgets is not None else Budgets(policy.policy.budgets)
         self.pricing = Pricing(policy.policy.prices)
@@ -208,6 +213,9 @@ class Pipeline:
                 relay = (
                     relay if ctx.api == "mcp" else None
                 )  # an envelope's answer is filtered whole
+            if decision.target.spec.database is not None:  # a statement, not HTTP
+                ctx.db_call = check_call(request, decision.target, ctx.api)
+                ctx.api, ctx.db, relay = "database", DbLog(), None
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
@@ -357,7 +365,9 @@ class Pipeline:
             request=request,
             outbound=with_credential(draft, target, resolved),
             deadline=deadline,
-            has_idempotency_key=ctx.idempotency_key is not None,
+            # A statement marked idempotent may be sent again like a keyed request.
+            has_idempotency_key=ctx.idempotency_key is not None
+            or (ctx.db_call is not None and ctx.db_call.spec.idempotent),
             rng=self._rng,
             relay=relay,
             started=ctx.started,
@@ -371,6 +381,7 @@ class Pipeline:
                 else None
             ),
         )
+        attempts.send = self._database_send(target.name, ctx)
         ctx.attempt_log = attempts.log
         # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
         cost = await spend.reserve(self.budgets, self.pricing, request, target, ctx)
@@ -413,6 +424,20 @@ class Pipeline:
             trace_id=request.trace_id,
             correlation_id=request.correlation_id,
         )
+
+    def _database_send(
+        self, target: str, ctx: CallContext
+    ) -> Callable[[float], Awaitable[UpstreamResponse]] | None:
+        """A database target's "send": its statement run by :attr:`databases`."""
+        call, log = ctx.db_call, ctx.db
+        if call is None or log is None:
+            return None
+        databases = self.databases
+        if databases is None:
+            raise InternalError(
+                "a database target without the database engines", details={"target": target}
+            )
+        return lambda timeout_s: databases.run(target, call, timeout_s=timeout_s, log=log)
 
     def _refresher(
         self, decision: Decision, ctx: CallContext, deadline: float

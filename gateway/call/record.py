@@ -16,6 +16,7 @@ from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.audit.schema import Fields as F
 from gateway.call.attempts import AttemptLog
+from gateway.database import DbLog, StatementCall
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
 from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget
@@ -63,7 +64,10 @@ class CallContext:
     stream_body: bytes | None = None
     #: The API the call came in by: ``proxy`` for the drop-in provider routes, ``mcp``
     #: for ``/mcp/{target}``.
-    api: Literal["envelope", "proxy", "mcp"] = "envelope"
+    api: Literal["envelope", "proxy", "mcp", "database"] = "envelope"
+    #: A database target's statement (``api: database``), and what running it learned.
+    db_call: StatementCall | None = None
+    db: DbLog | None = None
     #: Drop-in routes: the request headers an SDK sent that go upstream beneath the
     #: policy's own (:mod:`gateway.call.proxy`); empty for envelopes.
     passthrough_headers: dict[str, str] = field(default_factory=dict)
@@ -175,6 +179,24 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         F.CALL_CHAIN: list(ctx.chain.agents) if ctx.chain and ctx.chain.agents else None,
         F.CALL_CHAIN_DEPTH: ctx.chain.depth if ctx.chain and ctx.chain.agents else None,
         **_caller(ctx, agent_id),
+        **_database(ctx.db),
+    }
+
+
+def _database(db: DbLog | None) -> dict[str, Any]:
+    """A database target's statement: its name, the SHA-256 of its SQL and of its
+    parameters (never their values), the database user, rows, SQLSTATE and pool wait."""
+    if db is None:
+        return {}
+    return {
+        F.DB_STATEMENT: db.statement,
+        F.DB_SQL_SHA256: db.sql_sha256,
+        F.DB_PARAMS_SHA256: db.params_sha256,
+        F.DB_USER: db.user,
+        F.DB_ROWS: db.rows,
+        F.DB_SQLSTATE: db.sqlstate,
+        F.DB_POOL_WAIT_MS: round(db.pool_wait_s * 1000, 3) if db.pool_wait_s is not None else None,
+        F.DB_RETRIES: db.retries or None,
     }
 
 

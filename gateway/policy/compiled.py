@@ -152,7 +152,7 @@ def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
 def mcp_endpoint(target: CompiledTarget) -> str:
     """The endpoint of an MCP target: the path of its policy ``base_url`` (``/`` if none),
     percent-encoded as written."""
-    return URL(target.spec.base_url).raw_path or "/"
+    return URL(target.spec.base_url or "").raw_path or "/"
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,7 +108,7 @@ class ParamSpec(ArgumentRule):
     Parameters are required unless ``required: false`` (then an absent one is NULL)."""
 
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-    type: ParamType  # type: ignore[assignment]  # narrower than an MCP argument's
+    type: ParamType  # narrower than an MCP argument's
     required: bool = True
 
 

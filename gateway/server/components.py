@@ -13,10 +13,10 @@ added to the list, and cannot be left out of any of the three.
 Parts built, in order: the listeners' settings (read by ``server.app`` at start), the
 audit log, the outbound client, the price data, the secret resolvers, the Redis client
 and cluster limits, the idempotency stores, telemetry, the rate-limit groups, the
-circuit breakers, the budgets, the pipeline, the agents who may call, and the metrics'
-policy labels. A component that must read something before it can take in a policy
-(the agents' tokens) has an ``async prepare(policy, parts)``, which a reload awaits for
-every component before any applies the policy.
+circuit breakers, the budgets, the database targets' engines, the pipeline, the agents
+who may call, and the metrics' policy labels. A component that must read something
+before it can take in a policy (the agents' tokens) has an ``async prepare(policy,
+parts)``, which a reload awaits for every component before any applies the policy.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
 from gateway.cost import Pricing
+from gateway.database.registry import Databases
 from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
@@ -85,6 +86,7 @@ class Parts:
     groups: RateLimitGroups
     breakers: CircuitBreakers
     budgets: Budgets
+    databases: Databases
     pipeline: Pipeline
     agents: Agents
 
@@ -304,6 +306,23 @@ class CostBudgets:
         parts.budgets.update(policy.policy.budgets)
 
 
+class DatabaseTargets:
+    """The engines of the database targets (:mod:`gateway.database.registry`): their
+    pools opened and statements prepared at start, the leases revoked at close; a
+    reload gives a changed ``database:`` section a new engine."""
+
+    keys: ClassVar = Keys(hot=("targets",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.databases = Databases(parts.resolvers)
+        stack.push_async_callback(parts.databases.aclose)
+        parts.databases.apply(policy)
+        await parts.databases.start()
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        parts.databases.apply(policy)
+
+
 class Calls:
     """The pipeline, handed the parts above; each call reads the policy it started with
     (targets, envelope rules, ``agent_id``, ``server.debug``, ``chain``...)."""
@@ -322,6 +341,7 @@ class Calls:
             idempotency=parts.idempotency,
             tracer=parts.tracer,
             budgets=parts.budgets,
+            databases=parts.databases,
         )
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
@@ -392,6 +412,7 @@ COMPONENTS: Final[tuple[type[Component], ...]] = (
     Groups,
     Breakers,
     CostBudgets,
+    DatabaseTargets,
     Calls,
     AgentIdentities,
     MetricLabels,
