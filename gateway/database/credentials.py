@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final, Protocol
 
 from gateway.audit import get_logger
@@ -49,6 +49,9 @@ class Login:
 
 
 class CredentialSource(Protocol):
+    #: True when a privilege error may mean the credential was revoked (a lease).
+    dynamic: bool
+
     async def current(self) -> Login:
         """The login to connect with. Raises a SecretError."""
 
@@ -61,6 +64,8 @@ class CredentialSource(Protocol):
 class StaticCredentials:
     """A user and password read through secret references (``user_ref``, ``password_ref``),
     read again when the database refuses them (rotated)."""
+
+    dynamic = False
 
     def __init__(self, resolvers: SecretResolvers, user_ref: str, password_ref: str) -> None:
         self._resolvers = resolvers
@@ -92,6 +97,8 @@ class StaticCredentials:
 
 class VaultCredentials:
     """One lease of ``role`` on ``mount`` for the whole sidecar (module docstring)."""
+
+    dynamic = True
 
     def __init__(self, vault: VaultResolver, mount: str, role: str) -> None:
         self._vault, self._mount, self._role = vault, mount, role
@@ -203,6 +210,4 @@ class VaultCredentials:
 
 
 def _renewed(lease: DatabaseLease, granted_s: float) -> DatabaseLease:
-    from dataclasses import replace
-
     return replace(lease, lease_s=granted_s, obtained_at=time.monotonic())

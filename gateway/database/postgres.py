@@ -66,9 +66,10 @@ _CONNECTION_ERRORS: Final = (
 
 
 class _Connection(asyncpg.Connection):  # type: ignore[misc]
-    """A connection that keeps its target's statements, prepared when it opened."""
+    """A connection that keeps what preparing its target's statements said when it
+    opened: per statement, its parameter types and its columns."""
 
-    prepared: dict[str, Any]
+    prepared: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
 
 
 def type_problems(name: str, stmt: StatementSpec, param_types: list[str]) -> list[str]:
@@ -104,8 +105,7 @@ class PostgresDatabase:
         async with pool.acquire(timeout=self.spec.pool.acquire_timeout_s) as conn:
             problems: list[str] = []
             for name, stmt in self.spec.statements.items():
-                types = [t.name for t in conn.prepared[name].get_parameters()]
-                problems += type_problems(name, stmt, types)
+                problems += type_problems(name, stmt, list(conn.prepared[name][0]))
             return problems
 
     async def aclose(self) -> None:
@@ -137,7 +137,17 @@ class PostgresDatabase:
         statements = self.spec.statements
 
         async def prepare(conn: _Connection) -> None:
-            conn.prepared = {n: await conn.prepare(s.sql) for n, s in statements.items()}
+            for json_type in ("json", "jsonb"):  # answered parsed; bound as their text
+                await conn.set_type_codec(
+                    json_type, encoder=str, decoder=json.loads, schema="pg_catalog"
+                )
+            conn.prepared = {}
+            for name, stmt in statements.items():
+                prepared = await conn.prepare(stmt.sql)
+                conn.prepared[name] = (
+                    tuple(t.name for t in prepared.get_parameters()),
+                    tuple(a.name for a in prepared.get_attributes()),
+                )
 
         try:
             return await asyncpg.create_pool(
@@ -148,7 +158,8 @@ class PostgresDatabase:
                 max_size=self.spec.pool.max_size,
                 connection_class=_Connection,
                 init=prepare,
-                statement_cache_size=0,  # our statements are prepared once, by name
+                # Each statement is prepared once per connection, then reused from here.
+                statement_cache_size=max(len(statements) * 2, 100),
                 timeout=self.spec.pool.acquire_timeout_s,
             )
         except asyncpg.exceptions.InvalidAuthorizationSpecificationError as exc:
@@ -186,6 +197,7 @@ class PostgresDatabase:
                 if (
                     state in _PRIVILEGE_STATES
                     and attempt == 0
+                    and self.credentials.dynamic
                     and self._pool_login is not None
                     and await self.credentials.refused(self._pool_login)
                 ):
@@ -276,18 +288,25 @@ class _LoginRefused(Exception):
 
 
 async def _execute(conn: Any, call: StatementCall, log: DbLog) -> dict[str, Any]:
-    spec, stmt = call.spec, conn.prepared[call.name]
-    values = [_coerce(v, t.name) for v, t in zip(call.values, stmt.get_parameters(), strict=True)]
-    columns = [a.name for a in stmt.get_attributes()]
-    affected = None
+    # asyncpg's statement cache keeps each statement prepared on its connection; its
+    # calls with arguments always use the extended protocol (server-side binding).
+    spec, (types, names) = call.spec, conn.prepared[call.name]
+    values = [_coerce(v, t) for v, t in zip(call.values, types, strict=True)]
+    columns, affected = list(names), None
     if spec.mode == "read":
-        cursor = await stmt.cursor(*values)
+        cursor = await conn.cursor(spec.sql, *values)
         rows = await cursor.fetch(spec.max_rows + 1)
+    elif columns:  # RETURNING: the rows are the affected ones
+        rows = await conn.fetch(spec.sql, *values)
+        affected = len(rows)
     else:
-        rows = await stmt.fetch(*values)
-        status = stmt.get_statusmsg() or ""
-        last = status.rsplit(" ", 1)[-1]
-        affected = int(last) if last.isdigit() else None
+        rows = []
+        if values:
+            status = await conn.execute(spec.sql, *values)
+            last = status.rsplit(" ", 1)[-1]
+            affected = int(last) if last.isdigit() else None
+        else:  # execute() without arguments would use the simple-query protocol
+            await conn.fetch(spec.sql)
         if spec.max_affected_rows is not None and (affected or 0) > spec.max_affected_rows:
             raise _TooManyAffected(affected or 0)
     shaped, truncated = shape_rows(call, columns, [tuple(r) for r in rows], False)

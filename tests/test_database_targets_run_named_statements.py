@@ -1,0 +1,319 @@
+"""Database targets against the PostgreSQL on this machine (127.0.0.1:5432, trust auth,
+database ``test``): statements by name, server-side binding, limits, errors, records.
+
+The sidecar connects as a role made for the test (``egw_app_*``) that may read and write
+its own tables only; a schema per test session keeps the tables apart.
+"""
+
+# ruff: noqa: S608 - the SQL here is the test's own (schema names it made), never an input
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import random
+import secrets
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from gateway import audit
+from gateway.breaker import CircuitBreakers, breaker_specs
+from gateway.call.pipeline import Pipeline
+from gateway.database.registry import Databases
+from gateway.idempotency.memory import MemoryIdempotencyStore
+from gateway.metrics import Metrics
+from gateway.policy import PolicySet, parse_policy
+from gateway.ratelimit import RateLimitGroups
+from gateway.secrets.factory import build_secret_resolvers
+
+pytest.importorskip("asyncpg")
+
+PG = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-d", "test", "-v", "ON_ERROR_STOP=1", "-qAt"]
+
+
+def psql(sql: str) -> str:
+    try:
+        done = subprocess.run([*PG, "-c", sql], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("psql is not installed")
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr)
+    return done.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def schema() -> Iterator[str]:
+    try:
+        psql("SELECT 1")
+    except RuntimeError:
+        pytest.skip("no PostgreSQL on 127.0.0.1:5432")
+    suffix = secrets.token_hex(4)
+    name, role = f"egw_{suffix}", f"egw_app_{suffix}"
+    psql(
+        f"CREATE ROLE {role} LOGIN; ALTER ROLE {role} SET deadlock_timeout = '50ms';"
+        f"CREATE SCHEMA {name};"
+        f"CREATE TABLE {name}.items (id int PRIMARY KEY, sku text UNIQUE, price numeric(10,2),"
+        f" made timestamptz, blob bytea, doc jsonb);"
+        f"CREATE TABLE {name}.secret (v text);"
+        f"INSERT INTO {name}.items SELECT g, 'sku-' || g, g * 1.25, '2026-01-02T03:04:05Z',"
+        f" '\\x0001ff', '{{\"k\": [1, 2]}}' FROM generate_series(1, 30) g;"
+        f"GRANT USAGE ON SCHEMA {name} TO {role};"
+        f"GRANT SELECT, INSERT, UPDATE, DELETE ON {name}.items TO {role};"
+    )
+    yield name
+    psql(f"DROP SCHEMA {name} CASCADE; DROP OWNED BY {role}; DROP ROLE {role}")
+
+
+def policy_text(schema: str) -> str:
+    role = schema.replace("egw_", "egw_app_")
+    return f"""
+version: 1
+agent_id: db-agent
+egress: {{allow_cidrs: ["127.0.0.0/8"]}}
+targets:
+  shop:
+    timeout_s: 10
+    retry: {{max_retries: 0}}
+    database:
+      engine: postgresql
+      dsn: postgresql://127.0.0.1:5432/test
+      credential: {{user_ref: "env://EGW_TEST_DB_USER", password_ref: "env://EGW_TEST_DB_PW"}}
+      pool: {{max_size: 2, acquire_timeout_s: 0.5}}
+      session: {{statement_timeout_s: 5, lock_timeout_s: 5}}
+      statements:
+        item:
+          mode: read
+          sql: SELECT id, sku, price, made, blob, doc FROM {schema}.items WHERE sku = $1
+          params: [{{name: sku, type: string}}]
+        items_from:
+          mode: read
+          sql: SELECT id FROM {schema}.items WHERE id >= $1 ORDER BY id
+          params: [{{name: first, type: integer, minimum: 1, maximum: 1000}}]
+          max_rows: 5
+        items_all_or_error:
+          mode: read
+          sql: SELECT id FROM {schema}.items ORDER BY id
+          max_rows: 5
+          on_limit: error
+        count:
+          mode: read
+          sql: SELECT count(*) AS n FROM {schema}.items
+        by_pattern:
+          mode: read
+          sql: SELECT id FROM {schema}.items WHERE sku = $1
+          params: [{{name: sku, type: string, pattern: "sku-[0-9]{{1,4}}"}}]
+        sleep:
+          mode: read
+          sql: SELECT pg_sleep($1)
+          params: [{{name: s, type: number}}]
+          timeout_s: 0.3
+        secret:
+          mode: read
+          sql: SELECT v FROM {schema}.secret
+        add:
+          mode: write
+          sql: INSERT INTO {schema}.items (id, sku) VALUES ($1, $2)
+          params: [{{name: id, type: integer}}, {{name: sku, type: string}}]
+        bump_both:
+          mode: write
+          sql: UPDATE {schema}.items SET price = price + 1 WHERE id = $1 OR id = $2
+          params: [{{name: a, type: integer}}, {{name: b, type: integer}}]
+        reprice_all:
+          mode: write
+          sql: UPDATE {schema}.items SET price = price WHERE id > $1
+          params: [{{name: above, type: integer}}]
+          max_affected_rows: 3
+""" + (f"# role {role}\n")
+
+
+@pytest.fixture
+async def lab(schema: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any]:
+    monkeypatch.setenv("EGW_TEST_DB_USER", schema.replace("egw_", "egw_app_"))
+    monkeypatch.setenv("EGW_TEST_DB_PW", "unused-TEST-password")
+    policy = PolicySet.compile(parse_policy(policy_text(schema)))
+    resolvers = build_secret_resolvers(policy.policy)
+    databases = Databases(resolvers)
+    databases.apply(policy)
+    await databases.start()
+    stream = io.StringIO()
+    store = MemoryIdempotencyStore()
+    pipeline = Pipeline(
+        policy,
+        resolvers=resolvers,
+        upstream=None,  # type: ignore[arg-type]  # a database target never uses it
+        audit=audit.AuditLog(policy.policy.audit, stream, agent_id="db-agent"),
+        metrics=Metrics(),
+        groups=RateLimitGroups(policy.policy.rate_limit_groups),
+        breakers=CircuitBreakers(breaker_specs(policy.policy.targets)),
+        idempotency=store,
+        rng=random.Random(0),
+        databases=databases,
+    )
+
+    class Lab:
+        records: list[dict[str, Any]] = []
+
+        async def call(self, statement: str, method: str = "GET", **extra: Any) -> Any:
+            envelope = {
+                "trace_id": "t-" + secrets.token_hex(4),
+                "correlation_id": "c-1",
+                "target_system": "shop",
+                "endpoint": f"/{statement}",
+                "method": method,
+                **extra,
+            }
+            status, answer = await pipeline.handle(json.dumps(envelope).encode())
+            lines = [json.loads(x) for x in stream.getvalue().splitlines() if x.strip()]
+            self.records = [r for r in lines if r.get("event") != "gateway_started"]
+            return status, answer
+
+    try:
+        yield Lab()
+    finally:
+        await databases.aclose()
+        await store.aclose()
+
+
+async def test_a_read_by_name_answers_json_safe_rows_and_one_record(lab: Any) -> None:
+    status, answer = await lab.call("item", parameters={"sku": "sku-3"})
+    assert status == 200 and answer.success, answer.error
+    data = answer.data
+    assert data["statement"] == "item"
+    assert data["columns"] == ["id", "sku", "price", "made", "blob", "doc"]
+    assert data["rows"] == [
+        [3, "sku-3", "3.75", "2026-01-02T03:04:05+00:00", "AAH/", {"k": [1, 2]}]
+    ]
+    assert (data["row_count"], data["truncated"], data["affected_rows"]) == (1, False, None)
+    record = lab.records[-1]
+    assert record["api"] == "database"
+    assert record["db_statement"] == "item"
+    # The user came through a secret reference: the redaction hides it like any secret.
+    assert record["db_rows"] == 1
+    assert record["db_user"] == "[REDACTED]"
+    assert len(record["db_sql_sha256"]) == 64
+    assert len(record["db_params_sha256"]) == 64
+    assert "sku-3" not in json.dumps(record)  # the parameter's value is never recorded
+    assert record["db_pool_wait_ms"] >= 0
+    assert record["decision"] == "allowed"
+
+
+async def test_injection_in_every_parameter_is_only_a_value(lab: Any) -> None:
+    attacks = [
+        "x' OR '1'='1",
+        "sku-1'; DELETE FROM items; --",
+        "sku-1; DELETE FROM items",
+        "$1",
+        "') UNION SELECT v FROM secret --",
+    ]
+    for attack in attacks:
+        status, answer = await lab.call("item", parameters={"sku": attack})
+        assert status == 200 and answer.data["rows"] == [], attack
+        status, answer = await lab.call("add", "POST", parameters={"id": 900, "sku": attack})
+        assert answer.success, attack
+        assert psql(f"SELECT sku FROM {_schema(lab)}.items WHERE id = 900") == attack
+        psql(f"DELETE FROM {_schema(lab)}.items WHERE id = 900")
+    assert psql(f"SELECT count(*) FROM {_schema(lab)}.items") == "30"
+
+
+async def test_no_sql_of_the_agents_own_gets_run(lab: Any) -> None:
+    tries = [
+        ("/count; DELETE FROM items", "GET"),
+        ("/SELECT 1; DELETE FROM items", "GET"),
+        ("/add", "GET"),  # a write is POST only
+        ("/count", "POST"),  # a read is GET only
+        ("/nope", "GET"),
+    ]
+    for endpoint, method in tries:
+        status, answer = await lab.call(endpoint.lstrip("/"), method)
+        assert answer.error.code == "PERMISSION_DENIED", endpoint
+    status, answer = await lab.call("count", body={"content_type": "text/plain", "base64": ""})
+    assert answer.error.code == "INVALID_PAYLOAD"
+    status, answer = await lab.call("count", query={"sql": "DELETE FROM items"})
+    assert answer.error.code == "INVALID_PAYLOAD"
+    _status, answer = await lab.call("count", parameters={"sql": "DELETE FROM items"})
+    assert answer.error.details["reason"] == "unknown_parameter"
+    assert psql(f"SELECT count(*) FROM {_schema(lab)}.items") == "30"
+
+
+async def test_parameters_are_checked_by_their_rules(lab: Any) -> None:
+    _, answer = await lab.call("by_pattern", parameters={"sku": "sku-1' OR 1=1"})
+    assert (answer.error.code, answer.error.details["reason"]) == (
+        "PERMISSION_DENIED",
+        "parameter_refused",
+    )
+    _, answer = await lab.call("items_from", parameters={"first": 5000})
+    assert answer.error.code == "PERMISSION_DENIED"
+    _, answer = await lab.call("items_from", parameters={"first": "5"})
+    assert answer.error.code == "INVALID_PAYLOAD"
+    _, answer = await lab.call("items_from", parameters={"first": True})
+    assert answer.error.code == "INVALID_PAYLOAD"
+    _, answer = await lab.call("items_from")
+    assert answer.error.details["reason"] == "missing_parameter"
+
+
+async def test_limits_truncate_or_refuse(lab: Any) -> None:
+    _, answer = await lab.call("items_from", parameters={"first": 1})
+    assert answer.data["rows"] == [[1], [2], [3], [4], [5]]
+    assert answer.data["truncated"] is True
+    _, answer = await lab.call("items_all_or_error")
+    assert answer.error.code == "RESPONSE_TOO_LARGE"
+    _, answer = await lab.call("reprice_all", "POST", parameters={"above": 10})
+    assert answer.error.code == "UPSTREAM_REJECTED"
+    assert answer.error.details["reason"] == "max_affected_rows"
+    _, answer = await lab.call("reprice_all", "POST", parameters={"above": 28})
+    assert answer.success
+    assert answer.data["affected_rows"] == 2
+
+
+async def test_database_errors_in_the_products_codes(lab: Any) -> None:
+    _, answer = await lab.call("sleep", parameters={"s": 5})
+    assert answer.error.code == "AGENT_TIMEOUT"
+    assert answer.error.details["sqlstate"] == "57014"
+    assert lab.records[-1]["db_sqlstate"] == "57014"
+    _, answer = await lab.call("secret")
+    assert answer.error.code == "PERMISSION_DENIED"
+    assert answer.error.details["sqlstate"] == "42501"
+    _, answer = await lab.call("add", "POST", parameters={"id": 1, "sku": "dup"})
+    error = answer.error
+    assert (error.code, error.details["sqlstate"]) == ("UPSTREAM_REJECTED", "23505")
+    assert error.details["constraint"] == "items_pkey"
+
+
+async def test_a_deadlock_is_retried_and_the_write_lands(lab: Any) -> None:
+    import asyncpg
+
+    schema = _schema(lab)
+    blocker = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/test")
+    try:
+        tx = blocker.transaction()
+        await tx.start()
+        await blocker.execute("SET LOCAL deadlock_timeout = '10s'")
+        await blocker.execute(f"UPDATE {schema}.items SET price = 100 WHERE id = 2")
+        call = asyncio.create_task(lab.call("bump_both", "POST", parameters={"a": 1, "b": 2}))
+        for _ in range(500):  # until the sidecar's UPDATE waits on row 2 (bounded)
+            waiting = await blocker.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE '%price + 1%'"
+            )
+            if waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert waiting
+        await blocker.execute(f"UPDATE {schema}.items SET price = 200 WHERE id = 1")
+        await tx.commit()
+        _status, answer = await call
+    finally:
+        await blocker.close()
+    assert answer.success and answer.data["affected_rows"] == 2, answer
+    assert lab.records[-1]["db_retries"] == ["40P01"]
+    assert psql(f"SELECT price FROM {schema}.items WHERE id IN (1, 2) ORDER BY id") == (
+        "201.00\n101.00"
+    )
+
+
+def _schema(lab: Any) -> str:
+    return os.environ["EGW_TEST_DB_USER"].replace("egw_app_", "egw_")
