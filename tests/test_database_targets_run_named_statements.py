@@ -230,9 +230,9 @@ async def test_no_sql_of_the_agents_own_gets_run(lab: Any) -> None:
         ("/nope", "GET"),
     ]
     for endpoint, method in tries:
-        status, answer = await lab.call(endpoint.lstrip("/"), method)
+        _, answer = await lab.call(endpoint.lstrip("/"), method)
         assert answer.error.code == "PERMISSION_DENIED", endpoint
-    status, answer = await lab.call("count", body={"content_type": "text/plain", "base64": ""})
+    _, answer = await lab.call("count", body={"content_type": "text/plain", "base64": ""})
     assert answer.error.code == "INVALID_PAYLOAD"
     _, answer = await lab.call("count", query={"sql": "DELETE FROM items"})
     assert answer.error.code == "INVALID_PAYLOAD"
