@@ -46,8 +46,8 @@ from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, audit_record, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
-from gateway.database import DbLog
-from gateway.database.registry import Databases, check_call
+from gateway.database import DbLog, bind
+from gateway.database.registry import Databases, refuse_route
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     CapacityExceeded,
@@ -213,9 +213,11 @@ class Pipeline:
                 relay = (
                     relay if ctx.api == "mcp" else None
                 )  # an envelope's answer is filtered whole
-            if decision.target.spec.database is not None:  # a statement, not HTTP
-                ctx.db_call = check_call(request, decision.target, ctx.api)
+            database = decision.target.spec.database
+            if database is not None:  # a statement, not HTTP (gateway.database)
+                refuse_route(decision.target, ctx.api)
                 ctx.api, ctx.db, relay = "database", DbLog(), None
+                ctx.db_call = bind(request, database.statements)
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")

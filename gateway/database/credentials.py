@@ -28,8 +28,9 @@ from gateway.secrets.base import Secret
 if TYPE_CHECKING:
     from gateway.secrets.vault import DatabaseLease, VaultResolver
 
-#: A login refused sooner than this after it was issued is not rotated again: a real
-#: denial must not make each call cost a Vault lease.
+#: A static login refused sooner than this after it was read is not read again, and a
+#: lease Vault confirmed alive is not asked about again for this long (seconds): a real
+#: denial must not make each call cost a Vault request.
 MIN_ROTATE_AGE_S: Final = 1.0
 #: After a failed renewal, the renewer tries again this soon (seconds).
 RENEW_RETRY_S: Final = 2.0
@@ -108,6 +109,7 @@ class VaultCredentials:
         self._generation = 0
         self._renewer: asyncio.Task[None] | None = None
         self._revoking: set[asyncio.Task[None]] = set()
+        self._alive_until = 0.0
         self._closed = False
 
     async def current(self) -> Login:
@@ -121,12 +123,19 @@ class VaultCredentials:
             return self._login
 
     async def refused(self, login: Login) -> bool:
+        """True after taking a new lease because Vault no longer holds the one ``login``
+        came from (revoked: its user was dropped); False when it does (a real denial,
+        remembered for :data:`MIN_ROTATE_AGE_S` so that denials do not each ask Vault)."""
         async with self._lock:
             if self._login is not login:
                 return True  # already rotated by another call
-            if time.monotonic() - login.issued_at < MIN_ROTATE_AGE_S:
+            lease = self._lease
+            if lease is None or time.monotonic() < self._alive_until:
                 return False
-            await self._rotate_locked("refused")
+            if await self._vault.lease_alive(lease.lease_id):
+                self._alive_until = time.monotonic() + MIN_ROTATE_AGE_S
+                return False
+            await self._rotate_locked("revoked")
             return True
 
     async def aclose(self) -> None:

@@ -11,9 +11,8 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from gateway.audit import get_logger
-from gateway.database import DbLog, StatementCall, bind
+from gateway.database import DbLog, StatementCall
 from gateway.database.credentials import CredentialSource, StaticCredentials, VaultCredentials
-from gateway.envelope import ExternalCallRequest
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.database import DatabaseSpec
@@ -38,17 +37,15 @@ def engine_class() -> type[PostgresDatabase]:
     return PostgresDatabase
 
 
-def check_call(request: ExternalCallRequest, target: CompiledTarget, api: str) -> StatementCall:
-    """A database target's call, bound to its statement (:func:`gateway.database.bind`).
-    Raises InvalidPayload for a drop-in or MCP route (only envelopes name statements)."""
-    assert target.spec.database is not None
+def refuse_route(target: CompiledTarget, api: str) -> None:
+    """Raises InvalidPayload unless ``api`` is the envelope: only an envelope names a
+    statement (the drop-in and MCP routes have no meaning for a database)."""
     if api != "envelope":
         raise InvalidPayload(
             f"target {target.name!r} is a database: call it with an envelope naming a "
             "statement (POST /v1/calls), not through a drop-in or MCP route",
             details={"reason": "not_for_database", "target": target.name},
         )
-    return bind(request, target.spec.database.statements)
 
 
 class Databases:

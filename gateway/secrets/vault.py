@@ -262,6 +262,16 @@ class VaultResolver:
         resp = await self._vault_call("lease renewal", renew)
         return float(resp.get("lease_duration") or 0)
 
+    async def lease_alive(self, lease_id: str) -> bool:
+        """Whether Vault still holds the lease (``PUT /v1/sys/leases/lookup``): False once
+        it was revoked or expired. Raises as :meth:`database_credentials` (a 400 for an
+        unknown lease is False)."""
+        try:
+            await self._vault_call("lease lookup", lambda: self._client.sys.read_lease(lease_id))
+        except SecretNotFound:
+            return False
+        return True
+
     async def revoke_lease(self, lease_id: str) -> None:
         """Revoke a lease now (``PUT /v1/sys/leases/revoke``): Vault drops the database
         user. Raises as :meth:`database_credentials`."""
