@@ -102,6 +102,14 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "policy_sha256": POLICY_DIGESTS[number % 2],
         "call_chain": [agent],
         "call_chain_depth": 1,
+        "db_statement": None,
+        "db_sql_sha256": None,
+        "db_params_sha256": None,
+        "db_user": None,
+        "db_rows": None,
+        "db_sqlstate": None,
+        "db_pool_wait_ms": None,
+        "db_retries": None,
     }
     return record
 

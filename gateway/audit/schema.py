@@ -130,7 +130,7 @@ class AuditRecord(BaseModel):
     # Database targets (added in 1.x; ``api: database``): the statement's name, the
     # SHA-256 of its SQL and of its parameters as canonical JSON (never their values),
     # the database user, the rows answered, the SQLSTATE of an error, the wait for a
-    # pooled connection, and the SQLSTATEs of transactions retried; absent otherwise.
+    # pooled connection, and the SQLSTATEs of transactions retried; null for other calls.
     db_statement: str | None = None
     db_sql_sha256: str | None = None
     db_params_sha256: str | None = None

@@ -183,11 +183,14 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
     }
 
 
+_NO_DATABASE: Final = DbLog()
+
+
 def _database(db: DbLog | None) -> dict[str, Any]:
     """A database target's statement: its name, the SHA-256 of its SQL and of its
     parameters (never their values), the database user, rows, SQLSTATE and pool wait."""
     if db is None:
-        return {}
+        db = _NO_DATABASE
     return {
         F.DB_STATEMENT: db.statement,
         F.DB_SQL_SHA256: db.sql_sha256,

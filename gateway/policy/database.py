@@ -90,16 +90,16 @@ class PoolSpec(StrictModel):
     ``acquire_timeout_s`` for one (then CAPACITY_EXCEEDED), and a connection's life of at
     most ``max_lifetime_s`` (keep it shorter than the Vault lease)."""
 
-    max_size: int = Field(4, ge=1, le=100)
-    acquire_timeout_s: float = Field(2.0, gt=0, le=d.MAX_WAIT_S)
-    max_lifetime_s: float = Field(300.0, gt=0, le=d.MAX_WAIT_S)
+    max_size: int = Field(d.DEFAULT_DB_POOL_SIZE, ge=1, le=d.MAX_DB_POOL_SIZE)
+    acquire_timeout_s: float = Field(d.DEFAULT_DB_ACQUIRE_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
+    max_lifetime_s: float = Field(d.DEFAULT_DB_MAX_LIFETIME_S, gt=0, le=d.MAX_WAIT_S)
 
 
 class SessionSpec(StrictModel):
     """Limits set on each transaction with ``SET LOCAL`` (seconds; 0: none)."""
 
-    statement_timeout_s: float = Field(5.0, ge=0, le=d.MAX_WAIT_S)
-    lock_timeout_s: float = Field(1.0, ge=0, le=d.MAX_WAIT_S)
+    statement_timeout_s: float = Field(d.DEFAULT_DB_STATEMENT_TIMEOUT_S, ge=0, le=d.MAX_WAIT_S)
+    lock_timeout_s: float = Field(d.DEFAULT_DB_LOCK_TIMEOUT_S, ge=0, le=d.MAX_WAIT_S)
 
 
 class ParamSpec(ArgumentRule):
@@ -121,11 +121,11 @@ class StatementSpec(StrictModel):
     mode: Literal["read", "write"]
     sql: str = Field(min_length=1, max_length=65536)
     params: list[ParamSpec] = Field(default_factory=list, max_length=100)
-    max_rows: int = Field(1000, ge=1, le=1_000_000)
-    max_bytes: int = Field(1024 * 1024, ge=1024, le=d.MAX_BODY_BYTES)
+    max_rows: int = Field(d.DEFAULT_DB_MAX_ROWS, ge=1, le=d.MAX_DB_MAX_ROWS)
+    max_bytes: int = Field(d.DEFAULT_DB_MAX_BYTES, ge=d.MIN_DB_MAX_BYTES, le=d.MAX_BODY_BYTES)
     on_limit: Literal["truncate", "error"] = "truncate"
-    timeout_s: float = Field(5.0, gt=0, le=d.MAX_WAIT_S)
-    max_affected_rows: int | None = Field(None, ge=0)
+    timeout_s: float = Field(d.DEFAULT_DB_STATEMENT_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
+    max_affected_rows: int | None = Field(None, ge=0, le=d.MAX_DB_AFFECTED_ROWS)
     idempotent: bool = False
 
     @model_validator(mode="after")

@@ -295,7 +295,7 @@ class IdempotencySpec(_Strict):
 
 
 class TargetSpec(_Strict):
-    base_url: str | None = None  # required unless database
+    base_url: str | None  # required; a database target has none (it has its DSN)
     credential: CredentialSpec | None = None
     endpoints: list[EndpointRule] | None = Field(None, min_length=1)  # required unless mcp
     rate_limit_group: Name | None = None
@@ -313,6 +313,14 @@ class TargetSpec(_Strict):
     database: DatabaseSpec | None = None  # named statements (gateway.policy.database)
     _mcp = model_validator(mode="after")(check_target)
     _database = model_validator(mode="after")(check_database_target)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_base_url(cls, data: Any) -> Any:
+        # A database target's base_url is its DSN: absent, not "Field required".
+        if isinstance(data, dict) and "database" in data and "base_url" not in data:
+            return {**data, "base_url": None}
+        return data
 
     @field_validator("base_url")
     @classmethod
