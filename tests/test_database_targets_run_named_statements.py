@@ -15,6 +15,7 @@ import os
 import random
 import secrets
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -290,6 +291,7 @@ async def test_a_deadlock_is_retried_and_the_write_lands(lab: Any) -> None:
 
     schema = _schema(lab)
     blocker = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/test")
+    watcher = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/test")
     try:
         tx = blocker.transaction()
         await tx.start()
@@ -297,19 +299,21 @@ async def test_a_deadlock_is_retried_and_the_write_lands(lab: Any) -> None:
         await blocker.execute(f"UPDATE {schema}.items SET price = 100 WHERE id = 2")
         call = asyncio.create_task(lab.call("bump_both", "POST", parameters={"a": 1, "b": 2}))
         for _ in range(500):  # until the sidecar's UPDATE waits on row 2 (bounded)
-            waiting = await blocker.fetchval(
+            # Outside the blocker's transaction, which would see one snapshot of it.
+            waiting = await watcher.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
                 " AND query LIKE '%price + 1%'"
             )
-            if waiting:
+            if waiting or call.done():
                 break
             await asyncio.sleep(0.01)
-        assert waiting
+        assert waiting, call.done() and call.result()[1]
         await blocker.execute(f"UPDATE {schema}.items SET price = 200 WHERE id = 1")
         await tx.commit()
         _status, answer = await call
     finally:
         await blocker.close()
+        await watcher.close()
     assert answer.success, answer.error
     assert answer.data["affected_rows"] == 2
     assert lab.records[-1]["db_retries"] == ["40P01"]
@@ -320,3 +324,44 @@ async def test_a_deadlock_is_retried_and_the_write_lands(lab: Any) -> None:
 
 def _schema(lab: Any) -> str:
     return os.environ["EGW_TEST_DB_USER"].replace("egw_app_", "egw_")
+
+
+def test_validate_check_database_prepares_each_statement_against_the_database(
+    schema: str, tmp_path: Any
+) -> None:
+    text = policy_text(schema) + (
+        "        missing:\n"
+        "          mode: read\n"
+        f"          sql: SELECT nothing FROM {schema}.no_such_table\n"
+        "        mistyped:\n"
+        "          mode: read\n"
+        f"          sql: SELECT id FROM {schema}.items WHERE id = $1\n"
+        "          params: [{name: id, type: string}]\n"
+    )
+    path = tmp_path / "db.yaml"
+    path.write_text(text)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.getcwd(),
+        "EGW_TEST_DB_USER": schema.replace("egw_", "egw_app_"),
+        "EGW_TEST_DB_PW": "unused",
+    }
+    plain = subprocess.run(
+        [sys.executable, "-m", "gateway", "validate", str(path)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    checked = subprocess.run(
+        [sys.executable, "-m", "gateway", "validate", "--check-database", str(path)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert checked.returncode == 1
+    lines = text.splitlines()
+    missing = lines.index("        missing:") + 1
+    mistyped = lines.index("        mistyped:") + 1
+    assert checked.stderr.splitlines() == [
+        f"{path}:{missing}: targets.shop.database.statements.missing: PostgreSQL refuses it "
+        f'(42P01): relation "{schema}.no_such_table" does not exist',
+        f"{path}:{mistyped}: targets.shop.database.statements.mistyped: statement 'mistyped': "
+        "parameter 'id' is string in the policy but PostgreSQL reads $1 as int4",
+    ]

@@ -98,15 +98,43 @@ class PostgresDatabase:
         self._lock = asyncio.Lock()
         self._old: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> list[str]:
-        """Open the pool and prepare every statement on its first connection; the type
-        problems found (empty: all good)."""
-        pool = await self._current_pool()
-        async with pool.acquire(timeout=self.spec.pool.acquire_timeout_s) as conn:
-            problems: list[str] = []
+    async def check(self) -> list[tuple[str, str]]:
+        """Prepare each statement on one connection of its own: ``(statement, problem)``
+        for each PostgreSQL refuses (a missing table, a syntax error) or whose parameter
+        types differ from the policy's. Raises TransportError or DependencyFailed when
+        the database cannot be reached or refuses the login."""
+        login = await self.credentials.current()
+        try:
+            conn = await asyncpg.connect(
+                self.spec.dsn,
+                user=login.user,
+                password=login.password.reveal(),
+                timeout=self.spec.pool.acquire_timeout_s,
+            )
+        except asyncpg.exceptions.InvalidAuthorizationSpecificationError:
+            raise DependencyFailed(
+                f"the database refused the sidecar's login on target {self.target!r}",
+                details={"reason": "login_refused", "target": self.target},
+            ) from None
+        except (*_CONNECTION_ERRORS, TimeoutError) as exc:
+            raise TransportError("connect", sent=False, message=_connect_message(exc)) from None
+        problems: list[tuple[str, str]] = []
+        try:
             for name, stmt in self.spec.statements.items():
-                problems += type_problems(name, stmt, list(conn.prepared[name][0]))
-            return problems
+                try:
+                    prepared = await conn.prepare(stmt.sql)
+                except asyncpg.PostgresError as exc:
+                    problems.append((name, f"PostgreSQL refuses it ({exc.sqlstate}): {exc}"))
+                    continue
+                types = [t.name for t in prepared.get_parameters()]
+                problems += [(name, p) for p in type_problems(name, stmt, types)]
+        finally:
+            await conn.close()
+        return problems
+
+    async def start(self) -> None:
+        """Open the pool (its first connection prepares every statement)."""
+        await self._current_pool()
 
     async def aclose(self) -> None:
         pool, self._pool = self._pool, None

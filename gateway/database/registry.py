@@ -17,7 +17,7 @@ from gateway.errors import GatewayError, InvalidPayload
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.database import DatabaseSpec
 from gateway.secrets import SecretResolvers
-from gateway.upstream import UpstreamResponse
+from gateway.upstream import TransportError, UpstreamResponse
 
 if TYPE_CHECKING:
     from gateway.database.postgres import PostgresDatabase
@@ -81,18 +81,35 @@ class Databases:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
+    async def check(self) -> list[tuple[tuple[str, ...], str]]:
+        """Each statement prepared against its live database (``validate
+        --check-database``): ``(key path, problem)`` for each refused or mistyped, and
+        for each database that cannot be reached."""
+        problems: list[tuple[tuple[str, ...], str]] = []
+        for name, (_, engine) in self._engines.items():
+            where = ("targets", name, "database")
+            try:
+                found = await engine.check()
+            except (GatewayError, TransportError) as exc:
+                problems.append((where, f"cannot check the statements: {_message(exc)}"))
+                continue
+            problems += [((*where, "statements", s), message) for s, message in found]
+        return problems
+
     async def start(self) -> None:
-        """Open each pool and prepare its statements. A database that cannot be reached
-        is logged (its calls answer DEPENDENCY_FAILED until it can); a statement whose
-        parameter types differ from the policy's raises ValueError."""
+        """Prepare every statement (:meth:`check`) and open each pool. A database that
+        cannot be reached is logged (its calls answer DEPENDENCY_FAILED until it can); a
+        statement PostgreSQL refuses or whose parameter types differ from the policy's
+        raises ValueError."""
         for name, (_, engine) in self._engines.items():
             try:
-                problems = await engine.start()
-            except (GatewayError, OSError, Exception) as exc:  # noqa: BLE001 - any engine failure
-                _log.warning("database_not_ready", target=name, error=type(exc).__name__)
+                found = await engine.check()
+                await engine.start()
+            except (GatewayError, TransportError) as exc:
+                _log.warning("database_not_ready", target=name, error=_message(exc))
                 continue
-            if problems:
-                raise ValueError("; ".join(problems))
+            if found:
+                raise ValueError("; ".join(f"{name}.{s}: {m}" for s, m in found))
 
     async def run(
         self, target: str, call: StatementCall, *, timeout_s: float, log: DbLog
@@ -136,3 +153,26 @@ class Databases:
         if vault is None or not hasattr(vault, "database_credentials"):
             raise ValueError("a vault_database_role needs secrets.vault in the policy")
         return VaultCredentials(vault, key[1], key[2])
+
+
+def _message(exc: GatewayError | TransportError) -> str:
+    return exc.message
+
+
+async def check_statements(policy: PolicySet) -> list[tuple[tuple[str, ...], str]]:
+    """Every database statement of ``policy`` prepared against its live database, with
+    the policy's own secret resolvers (a Vault lease is taken and revoked):
+    :meth:`Databases.check`'s problems. Raises ValueError as :meth:`Databases.apply`."""
+    from gateway.secrets.factory import build_secret_resolvers, start_secret_resolvers
+
+    resolvers = build_secret_resolvers(policy.policy)
+    try:
+        await start_secret_resolvers(resolvers)
+        databases = Databases(resolvers)
+        try:
+            databases.apply(policy)
+            return await databases.check()
+        finally:
+            await databases.aclose()
+    finally:
+        await resolvers.aclose()
