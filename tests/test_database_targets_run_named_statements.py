@@ -142,12 +142,13 @@ async def lab(schema: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any
     await databases.start()
     stream = io.StringIO()
     store = MemoryIdempotencyStore()
+    metrics = Metrics()
     pipeline = Pipeline(
         policy,
         resolvers=resolvers,
         upstream=None,  # type: ignore[arg-type]  # a database target never uses it
         audit=audit.AuditLog(policy.policy.audit, stream, agent_id="db-agent"),
-        metrics=Metrics(),
+        metrics=metrics,
         groups=RateLimitGroups(policy.policy.rate_limit_groups),
         breakers=CircuitBreakers(breaker_specs(policy.policy.targets)),
         idempotency=store,
@@ -157,6 +158,7 @@ async def lab(schema: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any
 
     class Lab:
         records: list[dict[str, Any]] = []
+        series = metrics
 
         async def call(self, statement: str, method: str = "GET", **extra: Any) -> Any:
             envelope = {

@@ -280,6 +280,11 @@ def observe(metrics: Metrics, ctx: CallContext, response: ExternalCallResponse) 
         metrics.observe_budget_rejection(str(response.error.details.get("budget", "")))
     if response.error is not None and response.error.code is ErrorCode.CALL_CHAIN_REFUSED:
         metrics.observe_chain_refusal(str(response.error.details.get("reason", "")))
+    if ctx.db_call is not None:  # a statement of the policy: a bounded label
+        error = response.error
+        metrics.observe_statement(
+            target, ctx.db_call.name, error.code.value if error else "success"
+        )
     for _ in range(ctx.attempt_log.attempts - 1):  # none for 0 or 1 attempt
         metrics.observe_retry(target)
     genai = outcome_of(ctx, response) if not ctx.replayed else None  # a replay: no operation
