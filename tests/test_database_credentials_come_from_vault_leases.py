@@ -6,6 +6,7 @@ password nowhere in a record or an answer."""
 # ruff: noqa: S608 - the SQL here is the test's own, never an input
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import random
@@ -209,3 +210,49 @@ async def test_a_parameter_outside_its_pattern_never_reaches_the_database(shop: 
     records = shop.records()
     assert records[-1]["db_statement"] is None  # refused before anything ran
     assert records[-1]["api"] == "database"
+
+
+async def test_a_lease_is_renewed_then_replaced_before_its_max_ttl(
+    vault_lab: VaultLab, private_postgres: PrivatePostgres
+) -> None:
+    from gateway.database.credentials import VaultCredentials
+    from gateway.policy.stores import VaultSpec
+    from gateway.secrets.vault import VaultResolver
+
+    mount, token = setup_engine(vault_lab, private_postgres)
+    root = vault_lab.bao.root()
+    root.secrets.database.create_role(
+        name=ROLE,
+        db_name="shop",
+        mount_point=mount,
+        creation_statements=[
+            "CREATE ROLE \"{{name}}\" WITH LOGIN PASSWORD '{{password}}' "
+            "VALID UNTIL '{{expiration}}';"
+        ],
+        default_ttl="3s",
+        max_ttl="5s",
+    )
+    vault = VaultResolver(VaultSpec(address=vault_lab.address), environ={"VAULT_TOKEN": token})
+    await vault.start()
+    credentials = VaultCredentials(vault, mount, ROLE)
+    try:
+        first = await credentials.current()
+        assert first.user.startswith("v-")
+        prefix = f"{mount}/creds/{ROLE}/"
+        [lease_id] = [prefix + k for k in root.sys.list_leases(prefix)["data"]["keys"]]
+        renewed = False
+        for _ in range(300):  # bounded: the renewal is due at 2 s, the max_ttl at 5 s
+            await asyncio.sleep(0.05)
+            now = await credentials.current()
+            if now is not first:
+                break
+            renewed = renewed or root.sys.read_lease(lease_id)["data"]["last_renewal"] is not None
+        assert renewed  # Vault saw the lease renewed before it was replaced
+        assert now is not first
+        assert now.user != first.user
+        assert not role_exists(private_postgres, first.user)  # the old lease was revoked
+        assert role_exists(private_postgres, now.user)
+    finally:
+        await credentials.aclose()
+        await vault.aclose()
+    assert not role_exists(private_postgres, now.user)  # revoked at close

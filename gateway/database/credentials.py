@@ -4,10 +4,11 @@
 
 A Vault lease is renewed in the background at two thirds of its time; a new lease is
 taken (and the pool using the old one rotated by its owner, which sees a new
-``generation``) when a renewal grants less than a third of the lease (the role's
-``max_ttl`` is near), when the sidecar logged in to Vault again (a lease dies with the
-token that made it), and when the database refused the login (the lease was revoked).
-The old lease is revoked once the new one is in use; every lease is revoked at close.
+``generation``) when a renewal grants less than two thirds of the role's TTL (Vault
+capped it: the role's ``max_ttl`` is near), when the sidecar logged in to Vault again
+(a lease dies with the token that made it), and when the database refused the login or
+a privilege and Vault no longer holds the lease (it was revoked). The old lease is
+revoked once the new one is in use; every lease is revoked at close.
 Passwords stay :class:`gateway.secrets.base.Secret`\\ s: never in a log or record.
 """
 
@@ -110,6 +111,7 @@ class VaultCredentials:
         self._renewer: asyncio.Task[None] | None = None
         self._revoking: set[asyncio.Task[None]] = set()
         self._alive_until = 0.0
+        self._ttl_s = 0.0  # the role's TTL, as the first lease of this rotation stated it
         self._closed = False
 
     async def current(self) -> Login:
@@ -157,13 +159,16 @@ class VaultCredentials:
         lease = self._lease
         if lease is None or lease.login_generation != self._vault.login_generation:
             return False  # a lease dies with the Vault token that made it
-        return lease.lease_s <= 0 or time.monotonic() < lease.obtained_at + lease.lease_s - 1.0
+        # A little before its end (a tenth of it, at most a second): a call's connection
+        # must not be opened with credentials that die while it runs.
+        margin = min(1.0, lease.lease_s / 10)
+        return lease.lease_s <= 0 or time.monotonic() < lease.obtained_at + lease.lease_s - margin
 
     async def _rotate_locked(self, why: str) -> None:
         if self._closed:
             raise SecretError("the database credentials are closed", details={"reason": "closed"})
         lease = await self._vault.database_credentials(self._mount, self._role)
-        old, self._lease = self._lease, lease
+        old, self._lease, self._ttl_s = self._lease, lease, lease.lease_s
         self._generation += 1
         self._login = Login(lease.user, lease.password, self._generation, lease.obtained_at)
         _log.info(
@@ -211,8 +216,8 @@ class VaultCredentials:
             if lease.login_generation != self._vault.login_generation:
                 await self._rotate_locked("vault_relogin")
                 return
-            granted = await self._vault.renew_lease(lease.lease_id, lease.lease_s)
-            if granted < lease.lease_s / 3:  # the role's max_ttl is near: a new lease
+            granted = await self._vault.renew_lease(lease.lease_id, self._ttl_s)
+            if granted < self._ttl_s * _RENEW_AT:  # Vault capped it: the max_ttl is near
                 await self._rotate_locked("max_ttl")
                 return
             self._lease = _renewed(lease, granted)
