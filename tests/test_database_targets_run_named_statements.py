@@ -367,3 +367,36 @@ def test_validate_check_database_prepares_each_statement_against_the_database(
         f"{path}:{mistyped}: targets.shop.database.statements.mistyped: statement 'mistyped': "
         "parameter 'id' is string in the policy but PostgreSQL reads $1 as int4",
     ]
+
+
+async def test_a_sidecar_serves_statements_on_the_envelope_route_only(
+    schema: str, monkeypatch: pytest.MonkeyPatch, sidecar_factory: Any
+) -> None:
+    monkeypatch.setenv("EGW_TEST_DB_USER", schema.replace("egw_", "egw_app_"))
+    monkeypatch.setenv("EGW_TEST_DB_PW", "unused-TEST-password")
+    sidecar = await sidecar_factory(PolicySet.compile(parse_policy(policy_text(schema))))
+    envelope = {
+        "trace_id": "t-http",
+        "correlation_id": "c-http",
+        "target_system": "shop",
+        "endpoint": "/count",
+        "method": "GET",
+    }
+    status, answer = await sidecar.call(envelope)
+    assert status == 200, answer
+    assert answer["data"]["rows"] == [[30]]
+    async with sidecar.session.get(sidecar.url + "/proxy/shop/count") as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["code"] == "INVALID_PAYLOAD"
+    rpc = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "count"}}
+    async with sidecar.session.post(sidecar.url + "/mcp/shop", json=rpc) as resp:
+        error = (await resp.json())["error"]
+    assert error["data"]["egress_code"] == "PERMISSION_DENIED"
+    assert error["data"]["reason"] == "not_an_mcp_target"
+    assert psql(f"SELECT count(*) FROM {schema}.items") == "30"
+    [record, proxied, *_] = sidecar.audit_records()
+    assert record["api"] == "database"
+    assert record["db_rows"] == 1
+    assert proxied["api"] == "proxy"
+    assert proxied["error_code"] == "INVALID_PAYLOAD"
+    assert proxied["db_statement"] is None
