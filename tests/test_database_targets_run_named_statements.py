@@ -79,6 +79,7 @@ targets:
   shop:
     timeout_s: 10
     retry: {{max_retries: 0}}
+    idempotency: {{methods: [POST]}}
     database:
       engine: postgresql
       dsn: postgresql://127.0.0.1:5432/test
@@ -123,6 +124,10 @@ targets:
           mode: write
           sql: UPDATE {schema}.items SET price = price + 1 WHERE id = $1 OR id = $2
           params: [{{name: a, type: integer}}, {{name: b, type: integer}}]
+        lock_one:
+          mode: write
+          sql: UPDATE {schema}.items SET price = price + 1 WHERE id = $1
+          params: [{{name: id, type: integer}}]
         reprice_all:
           mode: write
           sql: UPDATE {schema}.items SET price = price WHERE id > $1
@@ -400,3 +405,102 @@ async def test_a_sidecar_serves_statements_on_the_envelope_route_only(
     assert proxied["api"] == "proxy"
     assert proxied["error_code"] == "INVALID_PAYLOAD"
     assert proxied["db_statement"] is None
+
+
+async def _waiting_on_a_lock(watcher: Any, calls: list[asyncio.Task[Any]], count: int) -> None:
+    """Until ``count`` statements of the sidecar wait on a lock (bounded)."""
+    for _ in range(500):
+        waiting = await watcher.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%price + 1 WHERE id = $1'"
+        )
+        if waiting >= count or any(c.done() for c in calls):
+            break
+        await asyncio.sleep(0.01)
+    assert waiting == count, [c.result()[1] for c in calls if c.done()]
+
+
+async def test_a_full_pool_answers_capacity_exceeded(lab: Any) -> None:
+    import asyncpg
+
+    schema = _schema(lab)
+    blocker = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/test")
+    watcher = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/test")
+    try:
+        tx = blocker.transaction()
+        await tx.start()
+        await blocker.execute(f"UPDATE {schema}.items SET price = price WHERE id = 7")
+        calls = [
+            asyncio.create_task(lab.call("lock_one", "POST", parameters={"id": 7}))
+            for _ in range(2)  # the pool's two connections, each waiting on the row
+        ]
+        await _waiting_on_a_lock(watcher, calls, 2)
+        _, answer = await lab.call("count")
+        record = lab.records[-1]
+        await tx.rollback()
+        done = await asyncio.gather(*calls)
+    finally:
+        await blocker.close()
+        await watcher.close()
+    assert answer.error.code == "CAPACITY_EXCEEDED"
+    assert answer.error.details["reason"] == "pool_wait"
+    assert record["db_pool_wait_ms"] >= 500  # acquire_timeout_s: it waited that long
+    assert all(a.success for _, a in done)
+
+
+async def test_a_write_lost_after_it_was_sent_is_outcome_unknown(lab: Any) -> None:
+    import asyncpg
+
+    schema = _schema(lab)
+    blocker = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/test")
+    watcher = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/test")
+    try:
+        tx = blocker.transaction()
+        await tx.start()
+        await blocker.execute(f"UPDATE {schema}.items SET price = price WHERE id = 8")
+        call = asyncio.create_task(lab.call("lock_one", "POST", parameters={"id": 8}))
+        await _waiting_on_a_lock(watcher, [call], 1)
+        await watcher.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND query LIKE '%price + 1 WHERE id = $1'"
+        )
+        _, answer = await call
+        await tx.rollback()
+    finally:
+        await blocker.close()
+        await watcher.close()
+    assert answer.error.code == "OUTCOME_UNKNOWN"
+    assert lab.records[-1]["db_statement"] == "lock_one"
+    _, again = await lab.call("count")  # the pool replaced the lost connection
+    assert again.success
+
+
+async def test_a_write_with_an_idempotency_key_runs_once(lab: Any) -> None:
+    extra = {"idempotency_key": "note-" + secrets.token_hex(4)}
+    _, first = await lab.call("add", "POST", parameters={"id": 950, "sku": "once"}, **extra)
+    _, again = await lab.call("add", "POST", parameters={"id": 950, "sku": "once"}, **extra)
+    assert first.success
+    assert again.success
+    assert again.replayed
+    assert again.data == first.data
+    assert psql(f"SELECT count(*) FROM {_schema(lab)}.items WHERE id = 950") == "1"
+    psql(f"DELETE FROM {_schema(lab)}.items WHERE id = 950")
+
+
+async def test_an_unreachable_database_is_dependency_failed_and_opens_the_breaker(
+    schema: str, monkeypatch: pytest.MonkeyPatch, sidecar_factory: Any
+) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the block ends: nobody listens there
+    monkeypatch.setenv("EGW_TEST_DB_USER", "nobody")
+    monkeypatch.setenv("EGW_TEST_DB_PW", "unused-TEST-password")
+    text = policy_text(schema).replace("127.0.0.1:5432/test", f"127.0.0.1:{port}/test")
+    text = text.replace("timeout_s: 10\n", "timeout_s: 10\n    circuit_breaker: {fail_max: 2}\n")
+    sidecar = await sidecar_factory(PolicySet.compile(parse_policy(text)))
+    envelope = {"trace_id": "t", "correlation_id": "c", "target_system": "shop",
+                "endpoint": "/count", "method": "GET"}  # fmt: skip
+    codes = [(await sidecar.call(envelope))[1]["error"]["code"] for _ in range(3)]
+    assert codes == ["DEPENDENCY_FAILED", "DEPENDENCY_FAILED", "CIRCUIT_OPEN"]

@@ -367,9 +367,13 @@ class Pipeline:
             request=request,
             outbound=with_credential(draft, target, resolved),
             deadline=deadline,
-            # A statement marked idempotent may be sent again like a keyed request.
-            has_idempotency_key=ctx.idempotency_key is not None
-            or (ctx.db_call is not None and ctx.db_call.spec.idempotent),
+            # A database never sees the idempotency key (the sidecar's store replays, but
+            # a resent statement runs again): only a statement marked idempotent is safe.
+            has_idempotency_key=(
+                ctx.db_call.spec.idempotent
+                if ctx.db_call is not None
+                else ctx.idempotency_key is not None
+            ),
             rng=self._rng,
             relay=relay,
             started=ctx.started,
