@@ -45,6 +45,9 @@ from gateway.upstream import TransportError, UpstreamResponse
 
 #: Serialization failures and deadlocks are tried this many times in all.
 TX_ATTEMPTS: Final = 3
+#: How long past the attempt's time a database that stopped answering is waited for
+#: (the server's own statement_timeout answers first when it can), seconds.
+_ANSWER_MARGIN_S: Final = 1.0
 _RETRY_STATES: Final = frozenset({"40001", "40P01"})
 _PRIVILEGE_STATES: Final = frozenset({"42501", "25006"})
 #: PostgreSQL's types for each parameter type of the policy (asyncpg's type names).
@@ -202,8 +205,16 @@ class PostgresDatabase:
         GatewayError or a TransportError (module docstring)."""
         started = time.monotonic()
         for attempt in range(TX_ATTEMPTS):
+            remaining = timeout_s - (time.monotonic() - started)
             try:
-                data = await self._run_once(call, timeout_s - (time.monotonic() - started), log)
+                # The server's statement_timeout ends a slow statement; this bounds a
+                # database that stopped answering at all (its outcome is then unknown).
+                async with asyncio.timeout(max(remaining, 0.0) + _ANSWER_MARGIN_S):
+                    data = await self._run_once(call, remaining, log)
+            except TimeoutError:
+                raise TransportError(
+                    "timeout", sent=True, message="the database did not answer in time"
+                ) from None
             except _LoginRefused as exc:
                 if attempt == 0 and await self.credentials.refused(exc.login):
                     continue
