@@ -7,6 +7,7 @@ password nowhere in a record or an answer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import random
@@ -76,18 +77,28 @@ path "sys/leases/lookup" {{ capabilities = ["update"] }}
 
 @pytest.fixture
 async def shop(vault_lab: VaultLab, private_postgres: PrivatePostgres) -> AsyncIterator[Any]:
-    pg = private_postgres
+    mount, token = setup_engine(vault_lab, private_postgres)
+    async with open_shop(vault_lab, private_postgres, mount, "{method: token}", token) as opened:
+        yield opened
+
+
+@contextlib.asynccontextmanager
+async def open_shop(
+    vault_lab: VaultLab, pg: PrivatePostgres, mount: str, auth: str, token: str | None
+) -> AsyncIterator[Any]:
+    """A pipeline whose target ``orders`` reads and writes ``orders`` of the private
+    cluster with credentials of ``mount``'s role, the sidecar logging in with ``auth``."""
     pg.psql(
         "CREATE TABLE IF NOT EXISTS orders (id serial PRIMARY KEY, customer text NOT NULL);"
-        "TRUNCATE orders; INSERT INTO orders (customer) VALUES ('acme'), ('acme'), ('zeta');"
+        "TRUNCATE orders RESTART IDENTITY;"
+        "INSERT INTO orders (customer) VALUES ('acme'), ('acme'), ('zeta');"
     )
-    mount, token = setup_engine(vault_lab, pg)
     text = f"""
 version: 1
 agent_id: db-agent
 egress: {{allow_cidrs: ["127.0.0.0/8"]}}
 secrets:
-  vault: {{address: "{vault_lab.address}", auth: {{method: token}}}}
+  vault: {{address: "{vault_lab.address}", auth: {auth}}}
 targets:
   orders:
     retry: {{max_retries: 0}}
@@ -106,7 +117,8 @@ targets:
           params: [{{name: customer, type: string}}]
 """
     policy = PolicySet.compile(parse_policy(text))
-    resolvers = build_secret_resolvers(policy.policy, environ={"VAULT_TOKEN": token})
+    environ = {"VAULT_TOKEN": token} if token else {}
+    resolvers = build_secret_resolvers(policy.policy, environ=environ)
     await start_secret_resolvers(resolvers)
     databases = Databases(resolvers)
     databases.apply(policy)
@@ -256,3 +268,32 @@ async def test_a_lease_is_renewed_then_replaced_before_its_max_ttl(
         await credentials.aclose()
         await vault.aclose()
     assert not role_exists(private_postgres, now.user)  # revoked at close
+
+
+async def test_a_lease_that_dies_with_the_vault_token_is_replaced_after_a_relogin(
+    vault_lab: VaultLab, private_postgres: PrivatePostgres
+) -> None:
+    mount, _ = setup_engine(vault_lab, private_postgres)
+    root = vault_lab.bao.root()
+    approle = f"{mount}-sidecar"
+    root.auth.approle.create_or_update_approle(
+        approle, token_policies=[f"{mount}-reader"], token_ttl="60s", token_max_ttl="600s"
+    )
+    role_id = vault_lab.write(
+        f"{approle}.role", root.auth.approle.read_role_id(approle)["data"]["role_id"]
+    )
+    secret_id = vault_lab.write(f"{approle}.secret", vault_lab.secret_id(approle))
+    auth = f"{{method: approle, role_id_file: {role_id}, secret_id_file: {secret_id}}}"
+    async with open_shop(vault_lab, private_postgres, mount, auth, None) as shop:
+        answer = await shop.call("by_customer", "GET", customer="acme")
+        assert answer.success, answer.error
+        first_user = shop.records()[-1]["db_user"]
+        # Revoking the sidecar's token revokes the leases it made: Vault drops the user.
+        assert vault_lab.revoke_tokens_of_role(approle) == 1
+        assert not role_exists(private_postgres, first_user)
+        answer = await shop.call("by_customer", "GET", customer="zeta")
+        assert answer.success, answer.error
+        assert answer.data["rows"] == [[3]]
+        second_user = shop.records()[-1]["db_user"]
+        assert second_user != first_user
+        assert role_exists(private_postgres, second_user)
