@@ -504,3 +504,27 @@ async def test_an_unreachable_database_is_dependency_failed_and_opens_the_breake
                 "endpoint": "/count", "method": "GET"}  # fmt: skip
     codes = [(await sidecar.call(envelope))[1]["error"]["code"] for _ in range(3)]
     assert codes == ["DEPENDENCY_FAILED", "DEPENDENCY_FAILED", "CIRCUIT_OPEN"]
+
+
+def test_asyncpg_is_loaded_only_for_a_policy_with_a_database_target() -> None:
+    program = (
+        "import sys\n"
+        "import gateway.server.components, gateway.call.pipeline, gateway.database.registry\n"
+        "assert 'asyncpg' not in sys.modules, 'loaded without a database target'\n"
+        "sys.modules['asyncpg'] = None  # as if the database extra were not installed\n"
+        "from gateway.database.registry import engine_class\n"
+        "try:\n"
+        "    engine_class()\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "the policy has a database target but asyncpg is not installed: install "
+        "egress-gateway[database]"
+    )

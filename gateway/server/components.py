@@ -36,7 +36,7 @@ from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
 from gateway.cost import Pricing
-from gateway.database.registry import Databases
+from gateway.database.registry import Databases, engine_class
 from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
@@ -318,6 +318,12 @@ class DatabaseTargets:
         stack.push_async_callback(parts.databases.aclose)
         parts.databases.apply(policy)
         await parts.databases.start()
+
+    async def prepare(self, policy: PolicySet, parts: Parts) -> None:
+        """Refuse a reload that adds a database target without the engine installed
+        (ValueError), before any component takes the policy in."""
+        if any(t.spec.database is not None for t in policy.targets.values()):
+            engine_class()
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
         parts.databases.apply(policy)
