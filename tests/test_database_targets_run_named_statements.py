@@ -75,7 +75,21 @@ def policy_text(schema: str) -> str:
 version: 1
 agent_id: db-agent
 egress: {{allow_cidrs: ["127.0.0.0/8"]}}
+rate_limit_groups:
+  one-a-minute: {{requests_per_second: 0.017, burst: 1, max_queue_s: 0}}
 targets:
+  limited:
+    rate_limit_group: one-a-minute
+    database:
+      engine: postgresql
+      dsn: postgresql://127.0.0.1:5432/test
+      credential: {{user_ref: "env://EGW_TEST_DB_USER", password_ref: "env://EGW_TEST_DB_PW"}}
+      statements:
+        count: {{mode: read, sql: SELECT count(*) FROM {schema}.items}}
+        wide:
+          mode: read
+          sql: SELECT repeat('x', 400) AS pad, id FROM {schema}.items ORDER BY id
+          max_bytes: 2048
   shop:
     timeout_s: 10
     retry: {{max_retries: 0}}
@@ -165,6 +179,9 @@ async def lab(schema: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any
         records: list[dict[str, Any]] = []
         series = metrics
 
+        async def call_target(self, target: str, statement: str) -> Any:
+            return (await self.call(statement, target_system=target))[1]
+
         async def call(self, statement: str, method: str = "GET", **extra: Any) -> Any:
             envelope = {
                 "trace_id": "t-" + secrets.token_hex(4),
@@ -206,6 +223,7 @@ async def test_a_read_by_name_answers_json_safe_rows_and_one_record(lab: Any) ->
     assert len(record["db_sql_sha256"]) == 64
     assert len(record["db_params_sha256"]) == 64
     assert "sku-3" not in json.dumps(record)  # the parameter's value is never recorded
+    assert "unused-TEST-password" not in json.dumps(lab.records)
     assert record["db_pool_wait_ms"] >= 0
     assert record["decision"] == "allowed"
 
@@ -263,6 +281,24 @@ async def test_parameters_are_checked_by_their_rules(lab: Any) -> None:
     assert answer.error.code == "INVALID_PAYLOAD"
     _, answer = await lab.call("items_from")
     assert answer.error.details["reason"] == "missing_parameter"
+
+
+async def test_a_rate_limit_group_holds_a_database_target(lab: Any) -> None:
+    first = await lab.call_target("limited", "count")
+    second = await lab.call_target("limited", "count")
+    assert first.success, first.error
+    assert second.error.code == "CAPACITY_EXCEEDED"
+    assert lab.records[-1]["rate_limit_group"] == "one-a-minute"
+    assert lab.records[-1]["db_statement"] is None  # refused before it ran
+
+
+async def test_max_bytes_truncates_rows(lab: Any) -> None:
+    answer = await lab.call_target("limited", "wide")
+    assert answer.success, answer.error
+    assert answer.data["truncated"] is True
+    assert answer.data["row_count"] == len(answer.data["rows"])
+    assert 1 <= answer.data["row_count"] < 30
+    assert len(json.dumps(answer.data["rows"])) <= 2048 + 64
 
 
 async def test_limits_truncate_or_refuse(lab: Any) -> None:
