@@ -564,3 +564,38 @@ def test_asyncpg_is_loaded_only_for_a_policy_with_a_database_target() -> None:
         "the policy has a database target but asyncpg is not installed: install "
         "egress-gateway[database]"
     )
+
+
+async def test_a_reload_replaces_only_a_changed_database_section(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    role = schema.replace("egw_", "egw_app_")
+    monkeypatch.setenv("EGW_TEST_DB_USER", role)
+    monkeypatch.setenv("EGW_TEST_DB_PW", "unused-TEST-password")
+    text = policy_text(schema)
+    first = PolicySet.compile(parse_policy(text))
+    changed = PolicySet.compile(parse_policy(text.replace("max_rows: 5\n", "max_rows: 6\n", 1)))
+    databases = Databases(build_secret_resolvers(first.policy))
+    databases.apply(first)
+    await databases.start()
+
+    async def connections(expected: int) -> int:
+        """The role's connections once they number ``expected`` (closing ones linger a
+        moment in pg_stat_activity), or what they number after a bounded wait."""
+        for _ in range(200):
+            found = int(psql(f"SELECT count(*) FROM pg_stat_activity WHERE usename = '{role}'"))
+            if found == expected:
+                break
+            await asyncio.sleep(0.02)
+        return found
+
+    try:
+        shop, limited = databases.get("shop"), databases.get("limited")
+        assert await connections(2) == 2  # each pool's first connection
+        databases.apply(changed)  # shop's statements changed, limited's did not
+        assert databases.get("limited") is limited
+        assert databases.get("shop") is not shop
+        assert await connections(1) == 1  # the old pool closed (its calls were done)
+    finally:
+        await databases.aclose()
+    assert await connections(0) == 0

@@ -70,9 +70,9 @@ class Databases:
         old = self._engines
         self._engines = {}
         for name, spec in specs.items():
-            kept = old.pop(name, None)
+            kept = old.get(name)
             if kept is not None and kept[0] == spec:
-                self._engines[name] = kept
+                self._engines[name] = old.pop(name)
             else:
                 assert engine is not None
                 self._engines[name] = (spec, engine(name, spec, self._source(spec)))
