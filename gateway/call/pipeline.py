@@ -217,7 +217,8 @@ class Pipeline:
             if database is not None:  # a statement, not HTTP (gateway.database)
                 refuse_route(decision.target, ctx.api)
                 ctx.api, ctx.db, relay = "database", DbLog(), None
-                ctx.db_call = bind(request, database.statements)
+                digest = policy.policy.audit.payloads == "summary"  # "none": no hash
+                ctx.db_call = bind(request, database.statements, digest=digest)
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")

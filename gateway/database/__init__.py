@@ -50,7 +50,8 @@ class StatementCall:
     spec: StatementSpec
     values: tuple[Any, ...]
     sql_sha256: str
-    params_sha256: str
+    #: Of the parameters as canonical JSON; None with ``audit.payloads: none``.
+    params_sha256: str | None
 
 
 @dataclass(slots=True)
@@ -72,9 +73,12 @@ def sha256_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def bind(request: ExternalCallRequest, statements: dict[str, StatementSpec]) -> StatementCall:
+def bind(
+    request: ExternalCallRequest, statements: dict[str, StatementSpec], *, digest: bool = True
+) -> StatementCall:
     """The statement the envelope names (``endpoint`` ``/NAME``, already allowed by the
-    egress decision) with its parameters checked and ordered. Raises InvalidPayload or
+    egress decision) with its parameters checked and ordered; ``digest`` False leaves
+    out the parameters' hash (``audit.payloads: none``). Raises InvalidPayload or
     PermissionDenied (module docstring)."""
     if request.body is not None or request.query or request.headers:
         raise InvalidPayload(
@@ -98,7 +102,8 @@ def bind(request: ExternalCallRequest, statements: dict[str, StatementSpec]) -> 
         )
     values = tuple(_value(name, p, request.parameters) for p in spec.params)
     canonical = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
-    return StatementCall(name, spec, values, sha256_hex(spec.sql), sha256_hex(canonical))
+    params_sha256 = sha256_hex(canonical) if digest else None
+    return StatementCall(name, spec, values, sha256_hex(spec.sql), params_sha256)
 
 
 def _value(statement: str, param: ParamSpec, parameters: dict[str, Any]) -> Any:
