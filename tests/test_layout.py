@@ -28,6 +28,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/server/app.py",
             "gateway/server/proxy.py",
             "gateway/server/mcp.py",
+            "gateway/server/ops.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
@@ -41,6 +42,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/models.py",
             "gateway/policy/stores.py",
             "gateway/policy/budgets.py",
+            "gateway/policy/controls.py",
             "gateway/policy/mcp.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",

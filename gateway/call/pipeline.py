@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 
 from gateway import telemetry
+from gateway.agents.controls import Controls
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
@@ -83,8 +84,11 @@ class Pipeline:
         rng: random.Random | None = None,
         tracer: telemetry.Telemetry = telemetry.NO_TELEMETRY,
         budgets: Budgets | None = None,
+        controls: Controls | None = None,
     ) -> None:
         self.groups = groups
+        #: The stop switch and the repeated-call breaker (gateway.agents.controls).
+        self.controls = controls if controls is not None else Controls()
         #: Cost budgets (local unless built with a cluster) and the policy's prices.
         self.budgets = budgets if budgets is not None else Budgets(policy.policy.budgets)
         self.pricing = Pricing(policy.policy.prices)
@@ -189,11 +193,16 @@ class Pipeline:
                 relay = (
                     relay if ctx.api == "mcp" else None
                 )  # an envelope's answer is filtered whole
+            # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
+            ctx.shadow_denied += await self.controls.check(
+                ctx.agent_id, decision.target.name, request, ctx.mcp
+            )
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             deadline = ctx.started + request.timeout
-            status, response = await self._call(policy, request, decision, ctx, deadline, relay)
+            with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+                status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = mcp.read_answer(ctx, response)
         except GatewayError as exc:
             status = answer_status(exc)

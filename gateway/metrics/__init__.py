@@ -32,6 +32,8 @@ secrets_ready                          gauge      (none): 1 usable, 0 Vault with
 build_info                             gauge      version, python (always 1)
 policy_info                            gauge      agent_id, digest (always 1)
 mcp_requests_total                     counter    target, method, tool, outcome
+agent_stops                            gauge      scope (agent|target|all): stops in force
+agent_stop_changes_total               counter    action (stop|resume), scope
 =====================================  =========  ======================================
 
 The OpenTelemetry GenAI client metrics (semantic conventions 1.44.0, "Development"; see
@@ -162,6 +164,7 @@ class Metrics(Series):
             self._child(self.secret_cache, result)
         for ok in ("ok", "error"):
             self._child(self.policy_reloads, ok)
+        self.set_agent_stops({})
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -362,6 +365,15 @@ class Metrics(Series):
     def observe_budget_rejection(self, budget: str) -> None:
         """Count one call a budget refused (the budget's policy name)."""
         self._child(self.budget_rejections, budget).inc()
+
+    def set_agent_stops(self, counts: dict[str, int]) -> None:
+        """The stop switches in force, by scope (``agent``, ``target``, ``all``)."""
+        for scope in ("agent", "target", "all"):
+            self.agent_stops.labels(scope).set(counts.get(scope, 0))
+
+    def observe_agent_stop_change(self, action: str, scope: str) -> None:
+        """Count one ``stop`` or ``resume`` an operator asked for, by its scope."""
+        self._child(self.agent_stop_changes, action, scope).inc()
 
     def observe_shadow_denial(self, kind: str, rule: str) -> None:
         """Count one "would deny" of a shadow rule: kind ``endpoint`` (its path pattern),

@@ -119,3 +119,15 @@ MAX_USD_PER_MTOK: Final = 100_000.0
 #: every implementation (doubles: below 2**53, RFC 8259 section 6), with room to spare.
 MAX_ARGUMENT_LENGTH: Final = MAX_BODY_BYTES
 MAX_ARGUMENT_NUMBER: Final = 10.0**15
+#: Stopping a runaway agent (gateway/policy/controls.py). A cluster stop is read from
+#: Redis at least this often (seconds) besides its published notice, so that a sidecar
+#: that missed the notice (a dropped subscription) still obeys within the 2 s the README
+#: promises; faster than 0.05 s is load on Redis, slower than 1.5 s breaks the promise.
+DEFAULT_STOP_POLL_INTERVAL_S: Final = 0.5
+MIN_STOP_POLL_INTERVAL_S: Final = 0.05
+MAX_STOP_POLL_INTERVAL_S: Final = 1.5
+#: The repeated-call breaker keeps one timestamp per repeat: a bound on memory and on
+#: the Redis list; a window past a day is a budget's job.
+MAX_REPEATS: Final = 10_000
+MAX_REPEAT_WINDOW_S: Final = 86_400.0
+MAX_REPEAT_EXEMPT: Final = 200

@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
+from gateway.policy.controls import ControlsSpec, controls_problems
 
 # Re-exported: gateway.idempotency.memory imports them from here.
 from gateway.policy.defaults import (
@@ -45,7 +46,6 @@ from gateway.urls import URL
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
-
 
 _KINDS: Final = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
 _RETRY_CONDITIONS: Final = ("timeout", "connect")
@@ -435,6 +435,7 @@ class Policy(_Strict):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
     budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
+    controls: ControlsSpec = Field(default_factory=ControlsSpec)  # gateway.policy.controls
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
@@ -479,6 +480,7 @@ class Policy(_Strict):
         groups, has_redis = set(self.rate_limit_groups), self.redis is not None
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
+        problems += controls_problems(self.controls, has_redis, self.secrets.vault is not None)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",

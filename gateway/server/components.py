@@ -13,7 +13,8 @@ added to the list, and cannot be left out of any of the three.
 Parts built, in order: the listeners' settings (read by ``server.app`` at start), the
 audit log, the outbound client, the price data, the secret resolvers, the Redis client
 and cluster limits, the idempotency stores, telemetry, the rate-limit groups, the
-circuit breakers, the budgets, the pipeline, and the metrics' policy labels.
+circuit breakers, the budgets, the operator's controls (stop switch, repeated-call
+breaker), the pipeline, and the metrics' policy labels.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from gateway import audit, cost, telemetry
+from gateway.agents.controls import Controls, StopSwitch
+from gateway.agents.repeats import RepeatedCalls
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
@@ -80,6 +83,7 @@ class Parts:
     groups: RateLimitGroups
     breakers: CircuitBreakers
     budgets: Budgets
+    controls: Controls
     pipeline: Pipeline
 
     def __init__(
@@ -298,6 +302,39 @@ class CostBudgets:
         parts.budgets.update(policy.policy.budgets)
 
 
+class AgentControls:
+    """The stop switch (its shared state watched in Redis with ``stop_switch.scope:
+    cluster``) and the repeated-call breaker; the operator token is read per request."""
+
+    keys: ClassVar = Keys(
+        hot=(
+            "controls.repeated_calls",
+            "controls.repeat_exempt",
+            "controls.operator_token_ref",
+        ),
+        restart=("controls",),
+    )
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        spec, metrics = policy.policy.controls, parts.metrics
+
+        def on_change(stops: Any) -> None:
+            counts: dict[str, int] = {}
+            for stop in stops.values():
+                counts[stop.scope] = counts.get(stop.scope, 0) + 1
+            metrics.set_agent_stops(counts)
+
+        stops = StopSwitch(spec.stop_switch, redis=parts.redis, on_change=on_change)
+        stack.push_async_callback(stops.aclose)
+        await stops.start()
+        repeats = RepeatedCalls(spec.repeated_calls, spec.repeat_exempt, redis=parts.redis)
+        parts.controls = Controls(stops, repeats)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        spec = policy.policy.controls
+        parts.controls.repeats.update(spec.repeated_calls, spec.repeat_exempt)
+
+
 class Calls:
     """The pipeline, handed the parts above; each call reads the policy it started with
     (targets, envelope rules, ``agent_id``, ``server.debug``...)."""
@@ -316,6 +353,7 @@ class Calls:
             idempotency=parts.idempotency,
             tracer=parts.tracer,
             budgets=parts.budgets,
+            controls=parts.controls,
         )
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
@@ -356,6 +394,7 @@ COMPONENTS: Final[tuple[type[Component], ...]] = (
     Groups,
     Breakers,
     CostBudgets,
+    AgentControls,
     Calls,
     MetricLabels,
 )

@@ -1,0 +1,1 @@
+"""Governing the agent, not only the call: identity, the call chain, and the operator's controls."""
