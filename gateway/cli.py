@@ -1,4 +1,4 @@
-"""Command line: ``egress-gateway serve | validate | call | demo``.
+"""Command line: ``egress-gateway serve | validate | call | demo | audit | stop | resume``.
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 from gateway import __version__
+from gateway.agents import cli as controls_cli
 from gateway.audit.query import cli as audit_cli
 
 if TYPE_CHECKING:
@@ -283,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_call)
 
     audit_cli.register(sub)
+    controls_cli.register(sub)  # stop, resume
 
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
     p.add_argument("--policy", default="policies/demo.yaml")

@@ -14,7 +14,8 @@ Routes of the calls listener (loopback by default):
 
 The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
 ``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
-the calls API.
+the calls API, and the stop switch's routes behind the operator token
+(:mod:`gateway.server.ops`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
 ``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.server.proxy.edge_errors`).
 """
@@ -37,6 +38,7 @@ from gateway.call.idempotent import rendered
 from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
+from gateway.server import ops
 from gateway.server.eventloop import loop_name
 from gateway.server.mcp import McpRoute
 from gateway.server.proxy import (
@@ -356,13 +358,15 @@ def create_app(
 
 
 def create_ops_app(gateway: Gateway) -> web.Application:
-    """Health, readiness and metrics only: safe to bind on the pod IP."""
+    """Health, readiness and metrics, and the stop switch's routes behind the operator
+    token (:mod:`gateway.server.ops`): safe to bind on the pod IP."""
     app = web.Application(middlewares=[_json_errors])
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
+    ops.install(app, gateway)  # the stop switch's routes (operator token)
     return app
 
 
