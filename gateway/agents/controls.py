@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from gateway.agents.repeats import RepeatedCalls, operations
+from gateway.agents.caps import CallCaps
+from gateway.agents.repeats import RepeatedCalls, call_names, operations
 from gateway.audit import get_logger
 from gateway.errors import AgentStopped
 from gateway.policy.controls import StopSwitchSpec
@@ -332,12 +333,19 @@ def now() -> float:
 
 
 class Controls:
-    """The operator's controls the call path consults: the stop switch and the
-    repeated-call breaker (:mod:`gateway.agents.repeats`)."""
+    """The operator's controls the call path consults: the stop switch, the
+    repeated-call breaker (:mod:`gateway.agents.repeats`) and the tool caps
+    (:mod:`gateway.agents.caps`)."""
 
-    def __init__(self, stops: StopSwitch | None = None, repeats: RepeatedCalls | None = None):
+    def __init__(
+        self,
+        stops: StopSwitch | None = None,
+        repeats: RepeatedCalls | None = None,
+        caps: CallCaps | None = None,
+    ) -> None:
         self.stops = stops if stops is not None else StopSwitch(StopSwitchSpec())
         self.repeats = repeats if repeats is not None else RepeatedCalls(None)
+        self.caps = caps if caps is not None else CallCaps({})
 
     async def check(
         self,
@@ -347,17 +355,19 @@ class Controls:
         exchange: McpExchange | None,
     ) -> list[str]:
         """Before any I/O of a call: raise AGENT_STOPPED when a stop holds it, REPEATED_CALL
-        when the breaker (``mode: enforce``) refuses it, CAPACITY_EXCEEDED when the
-        breaker cannot count it (cluster, Redis down, fail_closed). Returns the shadow
-        refusals to record (``repeated_call:TARGET``)."""
+        when the breaker (``mode: enforce``) refuses it, BUDGET_EXCEEDED when a tool cap
+        is full, CAPACITY_EXCEEDED when the breaker or a cap cannot count it (cluster,
+        Redis down, fail_closed). Returns the shadow refusals to record
+        (``repeated_call:TARGET``, ``budget:NAME``)."""
         self.stops.check(agent, target)
+        shadow = []
         refused = await self.repeats.check(agent, operations(target, request, exchange))
-        if not refused:
-            return []
-        spec = self.repeats.spec
-        if spec is not None and spec.mode == "enforce":
-            raise refused[0]
-        return [f"repeated_call:{target}"]
+        if refused:
+            spec = self.repeats.spec
+            if spec is not None and spec.mode == "enforce":
+                raise refused[0]
+            shadow.append(f"repeated_call:{target}")
+        return shadow + await self.caps.check(target, agent, call_names(request, exchange))
 
     def track(self, agent: str, target: str | None) -> contextlib.AbstractContextManager[None]:
         """See :meth:`StopSwitch.track`."""

@@ -88,6 +88,15 @@ def operations(
     return [Operation(request.endpoint, digest)]
 
 
+def call_names(request: ExternalCallRequest, exchange: McpExchange | None) -> list[str]:
+    """What a call is, by name, as ``repeat_exempt`` and a budget's ``applies_to.tool``
+    match it: the tools of an MCP request's ``tools/call`` messages (none for protocol
+    traffic), else the endpoint path."""
+    if exchange is not None:
+        return [m.tool for m in exchange.requests if m.tool is not None]
+    return [request.endpoint]
+
+
 @lru_cache(maxsize=256)  # pure function of the policy's patterns; bounded
 def _exempt(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
     if not patterns:

@@ -131,3 +131,6 @@ MAX_STOP_POLL_INTERVAL_S: Final = 1.5
 MAX_REPEATS: Final = 10_000
 MAX_REPEAT_WINDOW_S: Final = 86_400.0
 MAX_REPEAT_EXEMPT: Final = 200
+#: A tool cap (a budget's ``max_calls``) is counted like spend, in integer nano-units
+#: inside Redis's Lua (exact below 2**53): the same bound as MAX_BUDGET_USD.
+MAX_BUDGET_CALLS: Final = 1_000_000

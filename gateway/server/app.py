@@ -9,13 +9,10 @@ Routes of the calls listener (loopback by default):
   envelope, answered as the provider would (:mod:`gateway.server.proxy`).
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
   target's ``mcp`` rules (:mod:`gateway.server.mcp`).
-* ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
-* ``GET /openapi.json``: this API as an OpenAPI 3.1 document (both listeners).
+* ``GET /healthz`` (alive), ``/readyz`` (ready), ``/openapi.json`` (both listeners).
 
-The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
-``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
-the calls API, and the stop switch's routes behind the operator token
-(:mod:`gateway.server.ops`).
+The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
+``/metrics``, ``/openapi.json`` and the stop switch (:mod:`gateway.server.ops`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
 ``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.server.proxy.edge_errors`).
 """
@@ -358,8 +355,7 @@ def create_app(
 
 
 def create_ops_app(gateway: Gateway) -> web.Application:
-    """Health, readiness and metrics, and the stop switch's routes behind the operator
-    token (:mod:`gateway.server.ops`): safe to bind on the pod IP."""
+    """Health, readiness, metrics, the stop switch (operator token): safe on the pod IP."""
     app = web.Application(middlewares=[_json_errors])
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from gateway import audit, cost, telemetry
+from gateway.agents.caps import CallCaps
 from gateway.agents.controls import Controls, StopSwitch
 from gateway.agents.repeats import RepeatedCalls
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
@@ -304,13 +305,15 @@ class CostBudgets:
 
 class AgentControls:
     """The stop switch (its shared state watched in Redis with ``stop_switch.scope:
-    cluster``) and the repeated-call breaker; the operator token is read per request."""
+    cluster``), the repeated-call breaker and the tool caps (budgets' ``max_calls``); the
+    operator token is read per request."""
 
     keys: ClassVar = Keys(
         hot=(
             "controls.repeated_calls",
             "controls.repeat_exempt",
             "controls.operator_token_ref",
+            "budgets",
         ),
         restart=("controls",),
     )
@@ -328,11 +331,13 @@ class AgentControls:
         stack.push_async_callback(stops.aclose)
         await stops.start()
         repeats = RepeatedCalls(spec.repeated_calls, spec.repeat_exempt, redis=parts.redis)
-        parts.controls = Controls(stops, repeats)
+        cluster = parts.budgets.cluster  # tool caps count on the budgets' ledger
+        parts.controls = Controls(stops, repeats, CallCaps(policy.policy.budgets, cluster=cluster))
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
         spec = policy.policy.controls
         parts.controls.repeats.update(spec.repeated_calls, spec.repeat_exempt)
+        parts.controls.caps.update(policy.policy.budgets)
 
 
 class Calls:
