@@ -159,6 +159,7 @@ def _env_warnings(path: str, policy: PolicySet) -> list[str]:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
+    from gateway.policy.controls import tool_cap_warnings
 
     failed = False
     for path in args.files:
@@ -181,6 +182,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if args.env_check:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
+            for loc, message in tool_cap_warnings(policy.policy):
+                print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -18,7 +18,8 @@ unreachable; ``fail_closed`` refuses every call with AGENT_STOPPED until Redis a
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from fnmatch import fnmatchcase
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator
 
@@ -95,3 +96,32 @@ def controls_problems(
     if repeats is not None and repeats.scope == "cluster" and not has_redis:
         problems.append((("controls", "repeated_calls", "scope"), needs))
     return problems
+
+
+def tool_cap_warnings(policy: Any) -> list[tuple[tuple[str, ...], str]]:
+    """Budgets whose ``applies_to.tool`` names no tool or endpoint the policy could ever
+    send (a typo would cap nothing): (key path, message) pairs for ``validate``.
+    ``policy`` is a :class:`gateway.policy.models.Policy`. A path glob is compared with
+    the endpoint paths, a tool glob with the MCP targets' ``tools.allow`` globs, of the
+    budget's target (or of every target); either way round counts as a match."""
+    warnings: list[tuple[tuple[str, ...], str]] = []
+    for name, spec in policy.budgets.items():
+        glob = spec.applies_to.tool
+        if glob is None:
+            continue
+        wanted = spec.applies_to.target
+        known: list[str] = []
+        for target_name, target in policy.targets.items():
+            if wanted is not None and target_name != wanted:
+                continue
+            if glob.startswith("/"):
+                known += [rule.path for rule in target.endpoints or ()]
+            elif target.mcp is not None:
+                known += list(target.mcp.tools.allow)
+        if not any(fnmatchcase(k, glob) or fnmatchcase(glob, k) for k in known):
+            where = f"target {wanted!r}" if wanted else "any target"
+            message = f"{glob!r} matches no {'endpoint' if glob.startswith('/') else 'MCP tool'}"
+            warnings.append(
+                (("budgets", name, "applies_to", "tool"), f"{message} of {where}: it caps nothing")
+            )
+    return warnings
