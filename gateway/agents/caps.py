@@ -51,6 +51,9 @@ class CallCaps:
             }
         )
 
+    def __bool__(self) -> bool:
+        return bool(self._specs)
+
     async def check(self, target: str, agent: str, tools: Sequence[str]) -> list[str]:
         """Book one call against every cap that applies. Raises BUDGET_EXCEEDED (an
         enforced cap is full), CapacityExceeded (a fail-closed cluster cap without

@@ -21,7 +21,9 @@ Two stores, by ``controls.stop_switch.scope``:
   is applied here at once and written to Redis when it answers again.
 
 The decision (:func:`stop_for`) is pure; :class:`StopSwitch` holds the state, the
-registry of calls in flight (task -> agent and target) and the Redis watcher.
+registry of calls in flight (task -> agent and target) and the Redis watcher;
+:class:`Controls` is what the call path consults: the stop switch, then the repeated-call
+breaker (:mod:`gateway.agents.repeats`), then the tool caps (:mod:`gateway.agents.caps`).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ _READ: Final = "return redis.call('HGETALL', KEYS[1])"
 @dataclass(frozen=True, slots=True)
 class Stop:
     """One stop: its scope, the agent or target it names (``""`` for ``all``), the
-    operator's reason, who asked (the ops API's caller label) and when (Unix seconds)."""
+    operator's reason, who asked (the request's ``by``, e.g. the operator's user name)
+    and when (Unix seconds)."""
 
     scope: StopScope
     name: str
@@ -361,13 +364,16 @@ class Controls:
         (``repeated_call:TARGET``, ``budget:NAME``)."""
         self.stops.check(agent, target)
         shadow = []
-        refused = await self.repeats.check(agent, operations(target, request, exchange))
-        if refused:
-            spec = self.repeats.spec
-            if spec is not None and spec.mode == "enforce":
+        spec = self.repeats.spec
+        if spec is not None:  # off by default: no fingerprint to compute
+            refused = await self.repeats.check(agent, operations(target, request, exchange))
+            if refused and spec.mode == "enforce":
                 raise refused[0]
-            shadow.append(f"repeated_call:{target}")
-        return shadow + await self.caps.check(target, agent, call_names(request, exchange))
+            if refused:
+                shadow.append(f"repeated_call:{target}")
+        if self.caps:
+            shadow += await self.caps.check(target, agent, call_names(request, exchange))
+        return shadow
 
     def track(self, agent: str, target: str | None) -> contextlib.AbstractContextManager[None]:
         """See :meth:`StopSwitch.track`."""
