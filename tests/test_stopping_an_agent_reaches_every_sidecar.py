@@ -227,44 +227,16 @@ async def test_a_stop_reaches_every_sidecar_and_only_the_operator_lifts_it(
     a, b = await asyncio.gather(sidecars(policy), sidecars(policy))
     async with aiohttp.ClientSession() as http:
         assert (await _envelope(http, a, "ok"))[0] == 200
-        firsts = [asyncio.Event(), asyncio.Event()]
-        holds = [asyncio.Event(), asyncio.Event()]
-        calls = [asyncio.create_task(_envelope(http, sc, "hang")) for sc in (a, b)]
-        streams = [
-            asyncio.create_task(_sdk_stream(sc, e)) for sc, e in zip((a, b), firsts, strict=True)
-        ]
-        tools = [asyncio.create_task(_mcp_hold(sc, e)) for sc, e in zip((a, b), holds, strict=True)]
-        await wait_for(
-            lambda: upstream.hits["/items/hang"] == 2 and all(e.is_set() for e in firsts + holds),
-            20,
-        )
-
+        calls = await _in_flight(http, upstream, (a, b))
         started = time.monotonic()
         status, answer = await _ops(
             http, a, "stop", {"scope": "agent", "name": AGENT, "reason": "looping on search"}, TOKEN
         )
         assert (status, answer["propagated"]) == (200, True), answer
-        called, streamed, tooled = await asyncio.wait_for(
-            asyncio.gather(
-                asyncio.gather(*calls), asyncio.gather(*streams), asyncio.gather(*tools)
-            ),
-            10,
-        )
+        ended = await asyncio.wait_for(asyncio.gather(*calls), 10)
         elapsed = time.monotonic() - started
         assert elapsed < PROPAGATION_BOUND_S, f"the stop took {elapsed:.2f} s to end every call"
-
-        for status, body in called:
-            assert status == 423
-            assert body["error"]["code"] == "AGENT_STOPPED"
-            assert body["error"]["retryable"] is False
-            assert body["error"]["details"]["scope"] == "agent"
-            assert body["error"]["details"]["reason"] == "looping on search"
-        for exc in streamed:
-            assert isinstance(exc, openai.APIError), exc
-            assert exc.code == "AGENT_STOPPED"
-        for exc in tooled:
-            assert isinstance(exc, MCPError), exc
-            assert "looping on search" in str(exc)
+        _assert_ended_by_the_stop(ended, "looping on search")
 
         # A sidecar started after the stop refuses at once; nothing reaches the upstream.
         c = await sidecars(policy)
@@ -298,6 +270,49 @@ async def test_a_stop_reaches_every_sidecar_and_only_the_operator_lifts_it(
     assert [e["why"] for e in b.events("agent_resume")] == ["fixed"]
     for sc in (a, b, c):
         assert all(TOKEN not in line for line in sc.raw)
+
+
+async def _in_flight(
+    http: aiohttp.ClientSession, upstream: Upstream, sidecars: tuple[Process, ...]
+) -> list[asyncio.Task[Any]]:
+    """On each sidecar: an envelope call, an OpenAI SDK stream (its first chunk relayed)
+    and an MCP SDK tool call (its progress relayed), all held open by the upstreams;
+    returned once every one of them is in flight."""
+    firsts = [asyncio.Event() for _ in sidecars]
+    holds = [asyncio.Event() for _ in sidecars]
+    tasks = [asyncio.create_task(_envelope(http, sc, "hang")) for sc in sidecars]
+    tasks += [
+        asyncio.create_task(_sdk_stream(sc, e)) for sc, e in zip(sidecars, firsts, strict=True)
+    ]
+    tasks += [asyncio.create_task(_mcp_hold(sc, e)) for sc, e in zip(sidecars, holds, strict=True)]
+    await wait_for(
+        lambda: (
+            upstream.hits["/items/hang"] == len(sidecars)
+            and all(e.is_set() for e in firsts + holds)
+        ),
+        20,
+    )
+    return tasks
+
+
+def _assert_ended_by_the_stop(ended: list[Any], reason: str) -> None:
+    """Each call of :func:`_in_flight` ended as its client expects a stop to end it."""
+    for result in ended:
+        if isinstance(result, tuple):  # the envelope's (status, answer)
+            status, body = result
+            assert status == 423
+            assert body["error"]["code"] == "AGENT_STOPPED"
+            assert body["error"]["retryable"] is False
+            assert body["error"]["details"]["scope"] == "agent"
+            assert body["error"]["details"]["reason"] == reason
+        elif isinstance(result, openai.APIError):  # the SDK's stream raised
+            assert result.code == "AGENT_STOPPED"
+        else:
+            assert isinstance(result, MCPError), result  # the MCP SDK's call raised
+            assert reason in str(result)
+    assert len(ended) == 6
+    assert sum(isinstance(r, openai.APIError) for r in ended) == 2
+    assert sum(isinstance(r, MCPError) for r in ended) == 2
 
 
 async def _wait_ok(http: aiohttp.ClientSession, sc: Process) -> None:
