@@ -64,8 +64,10 @@ ToolGlob = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./*\-:@]{1,256
 
 class AppliesTo(StrictModel):
     """Which calls a budget counts: each key given must match (none given: every call).
-    ``agent`` is the call's ``agent_id`` (the envelope's, else the policy's); ``tool`` a
-    glob over the MCP tool a ``tools/call`` names, or the endpoint path of any other call."""
+    ``agent`` is the agent who called, as the sidecar established it (its UID, its token,
+    else the policy's ``agent_id``: :mod:`gateway.agents.identity`), never a claim;
+    ``tool`` a glob over the MCP tool a ``tools/call`` names, or the endpoint path of any
+    other call."""
 
     target: _Name | None = None
     rate_limit_group: _Name | None = None

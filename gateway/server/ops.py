@@ -114,7 +114,7 @@ def _scope(gateway: Gateway, body: dict[str, Any]) -> tuple[Any, str]:
     policy = gateway.policy.policy
     known: set[str] = set()
     if scope == "agent":
-        known = {policy.agent_id, *(getattr(policy, "agents", None) or ())}
+        known = {policy.agent_id, *policy.agents}
     elif scope == "target":
         known = set(policy.targets)
     if scope != "all" and name not in known:
