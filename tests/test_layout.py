@@ -32,6 +32,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/server/proxy.py",
             "gateway/server/mcp.py",
             "gateway/server/listeners.py",
+            "gateway/server/ops.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
@@ -47,6 +48,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/budgets.py",
             "gateway/policy/agents.py",
             "gateway/policy/chain.py",
+            "gateway/policy/controls.py",
             "gateway/policy/mcp.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",

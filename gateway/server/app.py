@@ -11,12 +11,10 @@ Routes of the calls listener (loopback by default):
   envelope, answered as the provider would (:mod:`gateway.server.proxy`).
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
   target's ``mcp`` rules (:mod:`gateway.server.mcp`).
-* ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
-* ``GET /openapi.json``: this API as an OpenAPI 3.1 document (both listeners).
+* ``GET /healthz`` (alive), ``/readyz`` (ready), ``/openapi.json`` (both listeners).
 
-The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
-``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
-the calls API.
+The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
+``/metrics``, ``/openapi.json`` and the stop switch (:mod:`gateway.server.ops`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
 ``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.server.proxy.edge_errors`).
 """
@@ -40,6 +38,7 @@ from gateway.call.idempotent import rendered
 from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
+from gateway.server import ops
 from gateway.server.eventloop import loop_name
 from gateway.server.listeners import calls_sites, start_sites
 from gateway.server.mcp import McpRoute
@@ -364,13 +363,14 @@ def create_app(
 
 
 def create_ops_app(gateway: Gateway) -> web.Application:
-    """Health, readiness and metrics only: safe to bind on the pod IP."""
+    """Health, readiness, metrics, the stop switch (operator token): safe on the pod IP."""
     app = web.Application(middlewares=[_json_errors])
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
+    ops.install(app, gateway)  # the stop switch's routes (operator token)
     return app
 
 
