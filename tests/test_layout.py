@@ -26,6 +26,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/upstream/client.py",
             "gateway/upstream/resolver.py",
             "gateway/server/app.py",
+            "gateway/api/http.py",
             "gateway/server/proxy.py",
             "gateway/server/mcp.py",
         }
