@@ -38,7 +38,7 @@ from gateway import fastjson
 from gateway.audit.schema import Fields as F
 from gateway.call.bodies import is_stream_form
 from gateway.call.intake import Intake, decode_json, parse_request, printable
-from gateway.call.proxy import _ids, egress_timeout, header_map
+from gateway.call.proxy import egress_timeout, header_map, request_ids
 from gateway.call.record import CLAIM_LIMIT, CallContext
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload, PermissionDenied
@@ -83,7 +83,7 @@ def mcp_intake(
     and DELETE; a body that is not JSON-RPC; headers that do not match the body)."""
     ctx.api = "mcp"
     headers = header_map(http.headers)
-    trace_id, correlation_id = _ids(headers)
+    trace_id, correlation_id = request_ids(headers)
     target = policy.targets.get(http.target)
     endpoint = mcp_endpoint(target) if target is not None and target.spec.mcp else "/"
     ctx.claimed = {

@@ -6,7 +6,7 @@ Routes of the calls listener (loopback by default):
   ExternalCallResponse JSON, whatever happened, with an HTTP status that mirrors the
   outcome (README, "Error codes").
 * ``ANY /proxy/{target}/{path}``: a provider SDK's own request, the same call as an
-  envelope, answered as the provider would (:mod:`gateway.server.proxy`).
+  envelope, answered as the provider would (:mod:`gateway.api.proxy`).
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
   target's ``mcp`` rules (:mod:`gateway.server.mcp`).
 * ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
@@ -29,14 +29,13 @@ from typing import Final
 from aiohttp import web
 
 from gateway import openapi
-from gateway.api import envelope, http
+from gateway.api import envelope, http, proxy
 from gateway.api.envelope import CALLS_PATH
-from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, Handler, read_body
+from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, Handler
 from gateway.audit import get_logger
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.server.eventloop import loop_name
 from gateway.server.mcp import MCP_ROUTE, McpRoute
-from gateway.server.proxy import PROXY_ROUTE, ProxyRoute
 from gateway.server.reload import PolicyWatcher
 from gateway.server.runtime import Gateway
 
@@ -124,8 +123,8 @@ def create_app(
     app[BODY_TIMEOUT_KEY] = body_timeout_s
     app.on_response_prepare.append(http.close_if_asked)
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
-    app.router.add_route("*", PROXY_ROUTE, ProxyRoute(gateway, read_body).handle)
-    app.router.add_route("*", MCP_ROUTE, McpRoute(gateway, read_body).handle)
+    app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))
+    app.router.add_route("*", MCP_ROUTE, McpRoute(gateway).handle)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

@@ -33,16 +33,22 @@ from typing import Any, Final
 from aiohttp import web
 
 from gateway import fastjson, redaction
+from gateway.api.http import Incoming, RelayResponse
 from gateway.audit import get_logger
 from gateway.call.mcp import McpRequest
-from gateway.call.proxy import egress_headers, id_headers, passback_headers, passback_reason
+from gateway.call.proxy import (
+    answer_ids,
+    egress_headers,
+    id_headers,
+    passback_headers,
+    passback_reason,
+)
 from gateway.call.record import CallContext
 from gateway.call.relay import AgentGone
 from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError
 from gateway.providers import mcp as rpc
-from gateway.server.proxy import BodyReader, RelayResponse, answer_ids, read_limited
 from gateway.server.runtime import Gateway
 
 MCP_ROUTE: Final = "/mcp/{target}"
@@ -56,18 +62,15 @@ class McpRoute:
     """The handler of :data:`MCP_ROUTE` for one :class:`Gateway`, reading bodies with the
     calls listener's own reader (the same limits as every route)."""
 
-    def __init__(self, gateway: Gateway, read_body: BodyReader) -> None:
+    def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
-        self._read_body = read_body
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         gateway = self._gateway
         policy = gateway.policy.policy
         ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
         try:
-            body, refuse = await read_limited(
-                self._read_body, request, policy.server.max_request_bytes
-            )
+            body, refuse = await Incoming(request).read_or_refusal(policy.server.max_request_bytes)
             http = McpRequest(
                 method=request.method,
                 target=request.match_info["target"],
