@@ -27,7 +27,6 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/upstream/resolver.py",
             "gateway/server/app.py",
             "gateway/api/http.py",
-            "gateway/server/mcp.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),

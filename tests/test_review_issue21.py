@@ -129,7 +129,7 @@ async def test_a_traceparent_that_is_not_utf8_is_replaced_as_any_invalid_one(
     assert len(sent) == 55
 
 
-#: An answer just under the bound of a large one (gateway.server.proxy.WRITE_BUFFERED_BYTES).
+#: An answer just under the bound of a large one (gateway.api.http.WRITE_BUFFERED_BYTES).
 MEDIUM = {"object": "blob", "text": "x" * (60 * 1024)}
 
 

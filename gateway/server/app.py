@@ -8,7 +8,7 @@ Routes of the calls listener (loopback by default):
 * ``ANY /proxy/{target}/{path}``: a provider SDK's own request, the same call as an
   envelope, answered as the provider would (:mod:`gateway.api.proxy`).
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
-  target's ``mcp`` rules (:mod:`gateway.server.mcp`).
+  target's ``mcp`` rules (:mod:`gateway.api.mcp`).
 * ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
 * ``GET /openapi.json``: this API as an OpenAPI 3.1 document (both listeners).
 
@@ -29,13 +29,12 @@ from typing import Final
 from aiohttp import web
 
 from gateway import openapi
-from gateway.api import envelope, http, proxy
+from gateway.api import envelope, http, mcp, proxy
 from gateway.api.envelope import CALLS_PATH
 from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, Handler
 from gateway.audit import get_logger
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.server.eventloop import loop_name
-from gateway.server.mcp import MCP_ROUTE, McpRoute
 from gateway.server.reload import PolicyWatcher
 from gateway.server.runtime import Gateway
 
@@ -124,7 +123,7 @@ def create_app(
     app.on_response_prepare.append(http.close_if_asked)
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
     app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))
-    app.router.add_route("*", MCP_ROUTE, McpRoute(gateway).handle)
+    app.router.add_route("*", mcp.MCP_ROUTE, mcp.handler(gateway))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
