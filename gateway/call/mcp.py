@@ -40,6 +40,7 @@ from gateway.call.bodies import is_stream_form
 from gateway.call.intake import Intake, decode_json, parse_request, printable
 from gateway.call.proxy import egress_timeout, header_map, request_ids
 from gateway.call.record import CLAIM_LIMIT, CallContext
+from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload, PermissionDenied
 from gateway.policy import CompiledTarget, PolicySet
@@ -242,15 +243,7 @@ def check_envelope(
     checked as on ``/mcp/{target}``, and ``Accept`` is what an MCP client sends. Returns
     the request, in ``mcp.tools_rate_limit_group`` for a ``tools/call`` when the envelope
     names no group. Raises as :func:`mcp_intake`, and PermissionDenied for an envelope
-    with a ``body`` or a drop-in route's call (``/proxy/...``: only ``/mcp/{target}`` and
-    envelopes are read). A no-op on the MCP route (checked at intake)."""
-    if ctx.mcp is not None or ctx.api == "mcp":
-        return request
-    if ctx.api != "envelope":  # a drop-in route would pass batches and lists unread
-        raise PermissionDenied(
-            f"target {target.name!r} is an MCP server: point the MCP client at /mcp/{target.name}",
-            details={"reason": "mcp_route_only"},
-        )
+    with a ``body`` (bytes the rules cannot read)."""
     if request.body is not None:  # bytes the rules cannot read
         raise PermissionDenied(
             f"an envelope to MCP target {target.name!r} carries its JSON-RPC request in "
@@ -270,25 +263,31 @@ def check_envelope(
     return request.model_copy(update=update) if update else request
 
 
-def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
-    """Read a successful answer of an MCP exchange: each request's outcome into
-    ``ctx.mcp``, ``tools/list`` filtered. On the MCP route the upstream's JSON body is
-    read (a rewritten one kept in ``ctx.mcp.body``; a stream was read by the relay); an
-    envelope's ``data`` is filtered in place (its assembled events too)."""
+def read_route_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+    """Read a successful answer of the MCP route: each request's outcome into ``ctx.mcp``,
+    ``tools/list`` filtered; the upstream's JSON body is read (a rewritten one kept in
+    ``ctx.mcp.body``; a stream was read by the relay). Returns ``response``."""
     exchange = ctx.mcp
     if exchange is None or not response.success:
         return response
-    if ctx.api == "mcp":
-        answer = ctx.attempt_log.answer
-        if answer is None or answer.stream is not None or not answer.body:
-            return response
-        try:
-            value = json.loads(answer.body)
-        except (ValueError, RecursionError):
-            return response
-        value, changed = exchange.read(value)
-        if changed:
-            exchange.body = fastjson.compact(value)
+    answer = ctx.attempt_log.answer
+    if answer is None or answer.stream is not None or not answer.body:
+        return response
+    try:
+        value = json.loads(answer.body)
+    except (ValueError, RecursionError):
+        return response
+    value, changed = exchange.read(value)
+    if changed:
+        exchange.body = fastjson.compact(value)
+    return response
+
+
+def read_envelope_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+    """Read a successful answer of an envelope to an MCP target: each request's outcome
+    into ``ctx.mcp``; its ``data`` filtered in place (its assembled events too)."""
+    exchange = ctx.mcp
+    if exchange is None or not response.success:
         return response
     data = response.data
     if is_stream_form(data):
@@ -402,3 +401,87 @@ def metric_labels(ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, s
         else "_none",
         outcome,
     )
+
+
+# -- each API's part in the shared stages (gateway.call.hooks) -------------------------
+
+
+class _Exchanges:
+    """Audit records and metric labels: one per JSON-RPC request of an MCP exchange."""
+
+    def records(self, ctx: CallContext, record: dict[str, Any]) -> list[dict[str, Any]]:
+        return audit_records(ctx, record)
+
+    def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
+        return metric_labels(ctx, record) if ctx.mcp is not None else None
+
+
+class _Envelope(_Exchanges):
+    """An envelope: an MCP target's rules on its ``parameters`` (:func:`check_envelope`);
+    its answer read whole (never relayed: it is filtered) and filtered."""
+
+    def checked(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        relay: Relay | None,
+    ) -> tuple[ExternalCallRequest, Relay | None]:
+        if target.spec.mcp is None:
+            return request, relay
+        return check_envelope(request, target, ctx), None
+
+    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+        return read_envelope_answer(ctx, response)
+
+
+class _Route(_Exchanges):
+    """The MCP route (``/mcp/{target}``): checked at intake (:func:`mcp_intake`); its
+    answer read (:func:`read_route_answer`), its stream by the route's relay."""
+
+    def checked(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        relay: Relay | None,
+    ) -> tuple[ExternalCallRequest, Relay | None]:
+        return request, relay
+
+    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+        return read_route_answer(ctx, response)
+
+
+class _DropIn:
+    """A drop-in route (``/proxy/...``): an MCP target is refused (the route would pass
+    batches and lists unread); the rest as it comes."""
+
+    def checked(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        relay: Relay | None,
+    ) -> tuple[ExternalCallRequest, Relay | None]:
+        if target.spec.mcp is not None:
+            raise PermissionDenied(
+                f"target {target.name!r} is an MCP server: point the MCP client at "
+                f"/mcp/{target.name}",
+                details={"reason": "mcp_route_only"},
+            )
+        return request, relay
+
+    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+        return response
+
+    def records(self, ctx: CallContext, record: dict[str, Any]) -> list[dict[str, Any]]:
+        return [record]
+
+    def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
+        return None
+
+
+#: The hooks (:class:`gateway.call.hooks.CallHooks`) of each API's pipeline entry point.
+ENVELOPE: Final = _Envelope()
+ROUTE: Final = _Route()
+DROP_IN: Final = _DropIn()

@@ -25,6 +25,7 @@ from gateway.budgets import Budgets
 from gateway.call import mcp, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
+from gateway.call.hooks import CallHooks
 from gateway.call.idempotent import answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
@@ -130,7 +131,7 @@ class Pipeline:
             fast = parse_envelope_fast(body) if refuse is None else None
             return Intake(fast) if fast is not None else self._intake(body, ctx, refuse, policy)
 
-        return await self._run(policy, ctx, intake, relay)
+        return await self._run(policy, ctx, intake, relay, mcp.ENVELOPE)
 
     async def handle_proxy(
         self,
@@ -144,7 +145,9 @@ class Pipeline:
         request from ``http``): the same stages as an envelope. ``ctx`` is the caller's,
         so that it can write back the upstream's own answer (``ctx.attempt_log.answer``)."""
         policy = self.policy
-        return await self._run(policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay)
+        return await self._run(
+            policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay, mcp.DROP_IN
+        )
 
     async def handle_mcp(
         self,
@@ -158,7 +161,7 @@ class Pipeline:
         same stages; ``ctx`` is the caller's (the upstream's answer, ``ctx.mcp``)."""
         policy = self.policy
         return await self._run(
-            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay
+            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay, mcp.ROUTE
         )
 
     async def _run(
@@ -167,7 +170,10 @@ class Pipeline:
         ctx: CallContext,
         intake: Callable[[], Intake],
         relay: Relay | None,
+        hooks: CallHooks,
     ) -> tuple[int, ExternalCallResponse]:
+        """The stages of one call, the same for every API: ``intake`` gives its request,
+        ``hooks`` are its API's part (:class:`gateway.call.hooks.CallHooks`)."""
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
@@ -188,17 +194,14 @@ class Pipeline:
             ctx.decision = "denied"
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
-            if decision.target.spec.mcp is not None:  # tool and argument rules (call/mcp.py)
-                request = ctx.request = mcp.check_envelope(request, decision.target, ctx)
-                relay = (
-                    relay if ctx.api == "mcp" else None
-                )  # an envelope's answer is filtered whole
+            request, relay = hooks.checked(request, decision.target, ctx, relay)
+            ctx.request = request
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             deadline = ctx.started + request.timeout
             status, response = await self._call(policy, request, decision, ctx, deadline, relay)
-            response = mcp.read_answer(ctx, response)
+            response = hooks.answered(ctx, response)
         except GatewayError as exc:
             status = answer_status(exc)
             response = self._failure(exc, ctx)
@@ -231,7 +234,7 @@ class Pipeline:
                 )
         finally:
             if response is not None:
-                self._write_audit(ctx, response)
+                self._write_audit(ctx, response, hooks)
                 trace.end(ctx, status, response)
         return status, response
 
@@ -444,13 +447,14 @@ class Pipeline:
             ),
         )
 
-    def _write_audit(self, ctx: CallContext, response: ExternalCallResponse) -> None:
-        for record in mcp.audit_records(ctx, audit_record(ctx, response)):
+    def _write_audit(
+        self, ctx: CallContext, response: ExternalCallResponse, hooks: CallHooks
+    ) -> None:
+        for record in hooks.records(ctx, audit_record(ctx, response)):
             self.audit.call(record)
-            if ctx.mcp is not None:
-                self.metrics.observe_mcp(
-                    record[Fields.TARGET_SYSTEM], *mcp.metric_labels(ctx, record)
-                )
+            labels = hooks.labels(ctx, record)
+            if labels is not None:
+                self.metrics.observe_mcp(record[Fields.TARGET_SYSTEM], *labels)
         observe(self.metrics, ctx, response)
 
 
