@@ -12,6 +12,7 @@ written by :mod:`gateway.api.http`.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Final, Protocol
 
 from gateway.api import http
@@ -54,7 +55,7 @@ class Runtime(Protocol):
 
 def handler(runtime: Runtime) -> http.Handler:
     """The handler of :data:`CALLS_PATH` for ``runtime``."""
-    return http.handler(lambda incoming: _Exchange(runtime, incoming), "handler_error")
+    return http.handler(partial(_Exchange, runtime), "handler_error")
 
 
 def json_answer(status: int, response: ExternalCallResponse) -> Answer:

@@ -54,8 +54,8 @@ _DECODED_ENCODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
 _CLOSE_KEY: Final = web.RequestKey("close_after_answer", bool)
 _log = get_logger("gateway.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-#: Header lines of an answer: pairs (repeats kept, in order) or a mapping.
-Headers = Sequence[tuple[str, str]] | Mapping[str, str]
+#: Header lines of an answer: pairs (repeats kept, in order) or a dict.
+Headers = Sequence[tuple[str, str]] | dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +150,9 @@ class Incoming:
     def content_length(self) -> int | None:
         return self._request.content_length
 
-    async def read(self, limit: int) -> bytes:
+    def read(self, limit: int) -> Awaitable[bytes]:
         """The body (:func:`read_body`)."""
-        return await read_body(self._request, limit)
+        return read_body(self._request, limit)
 
     async def read_or_refusal(self, limit: int) -> tuple[bytes, GatewayError | None]:
         """The body (at most ``limit`` bytes), or ``b""`` and the refusal of it, for an API
@@ -194,7 +194,7 @@ def respond(answer: Answer) -> web.Response:
         status=answer.status,
         reason=answer.reason,
         body=redaction.scrub_bytes(answer.body),
-        headers=scrubbed(answer.headers),
+        headers=scrubbed(answer.headers) if answer.headers else None,
         content_type=answer.content_type,
     )
     if answer.length is not None:  # set after the body, which resets it
@@ -207,7 +207,7 @@ def scrubbed(headers: Headers) -> list[tuple[str, str]]:
     values are scrubbed one by one only when their text, joined, holds a secret's form: a
     form inside one value is inside the whole, so a whole that scrubs to itself means that
     every value would (one scrub per answer instead of one per header)."""
-    pairs = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+    pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
     joined = "\n".join(value for _, value in pairs)
     if redaction.scrub(joined) == joined:
         return pairs

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from functools import partial
 from typing import Any, Final, Protocol
 
 from gateway import fastjson
@@ -84,7 +85,7 @@ class Runtime(Protocol):
 
 def handler(runtime: Runtime) -> http.Handler:
     """The handler of :data:`MCP_ROUTE` for ``runtime``."""
-    return http.handler(lambda incoming: _Exchange(runtime, incoming), "mcp_handler_error")
+    return http.handler(partial(_Exchange, runtime), "mcp_handler_error")
 
 
 class _Exchange:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from typing import Final, Protocol
 
 from gateway.api import http
@@ -79,7 +80,7 @@ class Runtime(Protocol):
 
 def handler(runtime: Runtime) -> http.Handler:
     """The handler of :data:`PROXY_ROUTE` for ``runtime``."""
-    return http.handler(lambda incoming: _Exchange(runtime, incoming), "proxy_handler_error")
+    return http.handler(partial(_Exchange, runtime), "proxy_handler_error")
 
 
 class _Exchange:
