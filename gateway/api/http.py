@@ -58,7 +58,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Headers = Sequence[tuple[str, str]] | dict[str, str]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Answer:
     """One whole answer, as its API shapes it: HTTP ``status`` (and ``reason`` phrase,
     None for the standard one), ``headers``, ``body`` bytes and ``content_type`` (None: the
@@ -73,7 +73,7 @@ class Answer:
     length: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Head:
     """The status line and headers of a relayed stream, sent with its first bytes."""
 
@@ -121,14 +121,13 @@ class Incoming:
     """The request as an API reads it (aiohttp's stays here): method, raw path, route
     parameters, headers (every line, names in any case), query items, and the body."""
 
-    __slots__ = ("_request",)
+    __slots__ = ("_request", "content_length", "headers", "method")
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
-
-    @property
-    def method(self) -> str:
-        return self._request.method
+        self.method: str = request.method
+        self.headers: Mapping[str, str] = request.headers
+        self.content_length: int | None = request.content_length
 
     @property
     def raw_path(self) -> str:
@@ -139,16 +138,8 @@ class Incoming:
         return self._request.match_info
 
     @property
-    def headers(self) -> Mapping[str, str]:
-        return self._request.headers
-
-    @property
     def query(self) -> tuple[tuple[str, str], ...]:
         return tuple(self._request.query.items())
-
-    @property
-    def content_length(self) -> int | None:
-        return self._request.content_length
 
     def read(self, limit: int) -> Awaitable[bytes]:
         """The body (:func:`read_body`)."""
@@ -157,7 +148,7 @@ class Incoming:
     async def read_or_refusal(self, limit: int) -> tuple[bytes, GatewayError | None]:
         """The body (at most ``limit`` bytes), or ``b""`` and the refusal of it, for an API
         that passes the refusal to the pipeline so that it is audited as the call."""
-        size = self._request.content_length
+        size = self.content_length
         if size is not None and size > limit:
             return b"", body_too_large(limit)
         try:
