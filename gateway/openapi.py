@@ -226,7 +226,7 @@ def _description(codes: dict[str, dict[str, Any]]) -> str:
     )
 
 
-@cache
+@cache  # constant for the process (built from the code): built once, when first served
 def build_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document (a JSON-able dict; do not mutate it)."""
     codes = error_codes()
@@ -265,7 +265,7 @@ def build_document() -> dict[str, Any]:
     }
 
 
-@cache
+@cache  # constant for the process, as build_document
 def document_bytes() -> bytes:
     """The document as served and as committed in ``docs/openapi.json``."""
     return (json.dumps(build_document(), indent=2, ensure_ascii=False) + "\n").encode()

@@ -586,11 +586,11 @@ async def test_a_tightened_egress_applies_at_once_to_pooled_connections(
     assert status == 200
     denied = compile_policy({"fake-openai": openai_target(by_name)}, egress={})
     assert sc.gateway.pipeline is not None
-    sc.gateway.pipeline.apply_policy(denied)  # what a reload does once the file parses
+    sc.gateway.apply_policy(denied)  # what a reload does once the file parses
     status, answer = await sc.call(envelope())
     _assert_error(status, answer, 403, "EGRESS_DENIED", False)
     assert up.hits == 1
-    sc.gateway.pipeline.apply_policy(compile_policy({"fake-openai": openai_target(by_name)}))
+    sc.gateway.apply_policy(compile_policy({"fake-openai": openai_target(by_name)}))
     status, _ = await sc.call(envelope())
     assert status == 200
     assert up.hits == 2
@@ -615,9 +615,7 @@ async def test_calls_in_flight_finish_on_the_old_pool_which_then_closes(
     upstream = sc.gateway.pipeline.upstream
     old = upstream._session
     other = {"allow_cidrs": ["127.0.0.0/8"], "deny_cidrs": ["10.9.8.0/24"]}
-    sc.gateway.pipeline.apply_policy(
-        compile_policy({"fake-openai": openai_target(up.url)}, egress=other)
-    )
+    sc.gateway.apply_policy(compile_policy({"fake-openai": openai_target(up.url)}, egress=other))
     assert upstream._session is not old
     assert old is not None
     assert not old.closed  # the call in flight still uses it

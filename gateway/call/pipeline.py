@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from gateway import telemetry
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
-from gateway.breaker import CircuitBreakers, breaker_specs
+from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
 from gateway.call import mcp, spend
 from gateway.call.attempts import Attempts, deadline_error
@@ -108,14 +108,10 @@ class Pipeline:
         self.aborting = False
 
     def apply_policy(self, policy: PolicySet) -> None:
-        """Swap in a new policy; calls already running keep the one they started with."""
+        """Swap in a new policy; calls already running keep the one they started with.
+        The parts this pipeline was handed take the policy in themselves (the runtime's
+        components: :meth:`gateway.server.runtime.Gateway.apply_policy`)."""
         self.policy = policy
-        self.upstream.egress = policy.policy.egress
-        self.upstream.max_response_bytes = policy.policy.server.max_response_bytes
-        self.groups.update(policy.policy.rate_limit_groups)
-        self.breakers.update(breaker_specs(policy.policy.targets))
-        self.budgets.update(policy.policy.budgets)
-        self.pricing = Pricing(policy.policy.prices)
 
     async def handle(
         self, body: bytes, *, refuse: GatewayError | None = None, relay: Relay | None = None
