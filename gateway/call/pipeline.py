@@ -177,15 +177,7 @@ class Pipeline:
             request = ctx.request = taken.request
             ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
             if taken.unknown_fields:
-                ctx.warnings.append(
-                    "unknown envelope fields ignored: " + ", ".join(taken.unknown_fields)
-                )
-                _log.warning(
-                    "unknown_envelope_fields",
-                    fields=list(taken.unknown_fields),
-                    trace_id=request.trace_id,
-                    correlation_id=request.correlation_id,
-                )
+                _unknown_fields(ctx, request, taken.unknown_fields)
             ctx.agent_id = request.agent_id or ctx.agent_id
             ctx.decision = "denied"
             decision = egress_rules.decide(policy, request)
@@ -211,28 +203,33 @@ class Pipeline:
             # Cancelled by our own shutdown (drain time over): answer instead of vanishing.
             task.uncancel()
         except Exception as exc:  # noqa: BLE001 - a bug must still get an answer
-            _log.exception("internal_error", trace_id=_trace(ctx), correlation_id=_corr(ctx))
-            err = InternalError(
-                "the sidecar failed unexpectedly; the audit log has the details under this "
-                "call's trace_id and correlation_id",
-                details={"exception": type(exc).__name__},
-            )
-            status = 500
-            response = self._failure(err, ctx)
-            if policy.policy.server.debug:
-                assert response.error is not None
-                response = response.model_copy(
-                    update={
-                        "error": response.error.model_copy(
-                            update={"stack_trace": traceback.format_exc()}
-                        )
-                    }
-                )
+            status, response = 500, self._crashed(exc, ctx, policy)
         finally:
             if response is not None:
                 self._write_audit(ctx, response, hooks)
                 trace.end(ctx, status, response)
         return status, response
+
+    def _crashed(self, exc: Exception, ctx: CallContext, policy: PolicySet) -> ExternalCallResponse:
+        """The answer to a bug inside the sidecar (logged with its traceback): UNKNOWN,
+        pointing at the audit record; with ``server.debug`` the stack trace too."""
+        _log.exception("internal_error", trace_id=_trace(ctx), correlation_id=_corr(ctx))
+        err = InternalError(
+            "the sidecar failed unexpectedly; the audit log has the details under this "
+            "call's trace_id and correlation_id",
+            details={"exception": type(exc).__name__},
+        )
+        response = self._failure(err, ctx)
+        if policy.policy.server.debug:
+            assert response.error is not None
+            response = response.model_copy(
+                update={
+                    "error": response.error.model_copy(
+                        update={"stack_trace": traceback.format_exc()}
+                    )
+                }
+            )
+        return response
 
     @staticmethod
     def _intake(
@@ -452,6 +449,19 @@ class Pipeline:
             if labels is not None:
                 self.metrics.observe_mcp(record[Fields.TARGET_SYSTEM], *labels)
         observe(self.metrics, ctx, response)
+
+
+def _unknown_fields(
+    ctx: CallContext, request: ExternalCallRequest, fields: tuple[str, ...]
+) -> None:
+    """Warn (in the answer and the log) of the envelope's fields this sidecar ignored."""
+    ctx.warnings.append("unknown envelope fields ignored: " + ", ".join(fields))
+    _log.warning(
+        "unknown_envelope_fields",
+        fields=list(fields),
+        trace_id=request.trace_id,
+        correlation_id=request.correlation_id,
+    )
 
 
 def _interrupted_error(ctx: CallContext) -> GatewayError:
