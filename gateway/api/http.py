@@ -27,6 +27,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
+from urllib.parse import unquote
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
@@ -131,7 +132,19 @@ class Incoming:
 
     @property
     def raw_path(self) -> str:
-        return self._request.rel_url.raw_path
+        """The path as sent (percent-encoding kept); for ``CONNECT``, whose target aiohttp
+        reads as an authority (an empty path), the raw request target."""
+        request = self._request
+        return request.rel_url.raw_path if request.path else request.raw_path
+
+    @property
+    def named_target(self) -> str:
+        """The target a path under ``/proxy/`` or ``/mcp/`` names (its second segment,
+        percent-decoded), also when the route did not match it; "" for none."""
+        request = self._request
+        path = request.path or request.raw_path.partition("?")[0]
+        parts = path.split("/", 3)
+        return unquote(parts[2]) if len(parts) > 2 else ""
 
     @property
     def route(self) -> Mapping[str, str]:
@@ -194,15 +207,46 @@ def respond(answer: Answer) -> web.Response:
 
 
 def scrubbed(headers: Headers) -> list[tuple[str, str]]:
-    """``headers`` as pairs, each value scrubbed (:func:`gateway.redaction.scrub`). The
-    values are scrubbed one by one only when their text, joined, holds a secret's form: a
-    form inside one value is inside the whole, so a whole that scrubs to itself means that
-    every value would (one scrub per answer instead of one per header)."""
+    """``headers`` as pairs, each value scrubbed (:func:`gateway.redaction.scrub`) and any
+    header whose name holds a secret's form left out (a name cannot be rewritten into a
+    valid one): the one scrub of every answer head, streamed or not. The headers are
+    scrubbed one by one only when their text, joined, holds a secret's form: a form inside
+    one name or value is inside the whole, so a whole that scrubs to itself means that
+    every one would (one scrub per answer instead of one per header)."""
     pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
-    joined = "\n".join(value for _, value in pairs)
+    joined = "\n".join(f"{name}\n{value}" for name, value in pairs)
     if redaction.scrub(joined) == joined:
         return pairs
-    return [(name, redaction.scrub(value)) for name, value in pairs]
+    return [
+        (name, redaction.scrub(value)) for name, value in pairs if redaction.scrub(name) == name
+    ]
+
+
+#: The answer of an API to a request under its route family (``/proxy``, ``/mcp``) that
+#: none of its routes matched, given the HTTP status aiohttp chose (404, 405).
+Unmatched = Callable[[Incoming, int], Answer]
+#: Route family prefix -> its :data:`Unmatched` (the calls application only).
+EDGES_KEY: Final = web.AppKey[dict[str, Unmatched]]("edges")
+
+
+@web.middleware
+async def edge_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer a request under a route family (``/proxy``, ``/mcp``) that none of its
+    routes matched (aiohttp's 404 or 405) with that family's API (the calls application's
+    :data:`EDGES_KEY`), in its shape and written here; the path of a ``CONNECT`` (an
+    authority to aiohttp) is its raw request target. Any other error goes on to the
+    application's JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        path = request.path or request.raw_path.partition("?")[0]
+        for prefix, unmatched in request.app.get(EDGES_KEY, {}).items():
+            if exc.status >= 400 and (path == prefix or path.startswith(prefix + "/")):
+                answer = respond(unmatched(Incoming(request), exc.status))
+                if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
+                    answer.headers["Allow"] = exc.headers["Allow"]
+                return answer
+        raise
 
 
 class RelayResponse(web.StreamResponse):

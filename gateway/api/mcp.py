@@ -18,9 +18,13 @@ EGRESS_ERROR` (or the JSON-RPC / MCP code of a body that is not JSON-RPC, -32700
 ``data.retryable``, ``data.reason`` and, for a rule, ``data.rule``. A refused or failed
 request is answered 200 (the error is the JSON-RPC answer, which every client version
 reads); a body that is not JSON-RPC, mismatched headers, and a failed GET or DELETE (no
-request to answer) get the HTTP status of the code. A stream that fails mid-way ends
-with an error event for each request still unanswered. The answers are written by
-:mod:`gateway.api.http`.
+request to answer) get the HTTP status of the code, and so does a refused body of
+notifications only (the MCP transport: input a server does not accept gets an HTTP
+error status, with a JSON-RPC error of no id). A stream that fails mid-way, or ends
+without the answer to a request (:func:`gateway.call.mcp.read_route_answer`), ends with
+an error event for each request still unanswered; lines that are not SSE are not
+relayed. A path under ``/mcp`` that is not this route (:func:`unmatched`) is answered as
+JSON-RPC too. The answers are written by :mod:`gateway.api.http`.
 """
 
 from __future__ import annotations
@@ -41,19 +45,25 @@ from gateway.call.proxy import (
     id_headers,
     passback_headers,
     passback_reason,
+    request_ids,
 )
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, InvalidPayload
 from gateway.policy import PolicySet
 from gateway.providers import mcp as rpc
 
 MCP_ROUTE: Final = "/mcp/{target}"
+#: The route family: a path under it that the route does not match is answered here too.
+PREFIX: Final = "/mcp"
 #: One event of a relayed chunk (the relay hands in whole events): its text and its end.
 _EVENT: Final = re.compile(rb"(.*?)(\r\n\r\n|\n\n|\r\r|\n\r\n|\r\n\n)", re.DOTALL)
 _DATA_LINE: Final = re.compile(rb"^data(:.*)?$")
+#: A line of SSE (WHATWG HTML, "Server-sent events"): a comment or a field the client
+#: reads, after the byte order mark a stream may start with.
+_SSE_LINE: Final = re.compile(rb"^(?:\xef\xbb\xbf)?(?::|(?:data|event|id|retry)(?::|$))")
 
 
 class Runtime(Protocol):
@@ -80,12 +90,32 @@ class Runtime(Protocol):
         http_path: str,
         api: str = "envelope",
         audited: bool = True,
+        ids: tuple[str, str] | None = None,
     ) -> ExternalCallResponse: ...
 
 
 def handler(runtime: Runtime) -> http.Handler:
     """The handler of :data:`MCP_ROUTE` for ``runtime``."""
     return http.handler(partial(_Exchange, runtime), "mcp_handler_error")
+
+
+def unmatched(runtime: Runtime) -> http.Unmatched:
+    """The answer to a request under :data:`PREFIX` that :data:`MCP_ROUTE` does not match
+    (``/mcp/{target}/x``, ``/mcp/``, ``CONNECT``): a JSON-RPC error (``id`` null,
+    :data:`gateway.providers.mcp.EGRESS_ERROR`, ``data.egress_code`` INVALID_PAYLOAD,
+    ``data.reason: route``) with the status aiohttp chose (404 or 405), audited, with the
+    ``x-egress-*`` headers of every answer."""
+
+    def answer(incoming: Incoming, status: int) -> Answer:
+        exc = InvalidPayload(
+            f"{incoming.method} {incoming.raw_path[:200]}: no MCP endpoint here; an MCP "
+            "client talks to /mcp/{target}, {target} an MCP target of the policy",
+            details={"reason": "route", "http_status": status},
+            http_status=status,
+        )
+        return _Exchange(runtime, incoming).refused(exc)
+
+    return answer
 
 
 class _Exchange:
@@ -128,6 +158,7 @@ class _Exchange:
             http_method=incoming.method,
             http_path=incoming.raw_path,
             api="mcp",
+            ids=request_ids(incoming.headers),
         )
         return _rpc_error(exc.http_status, response, self.ctx)
 
@@ -221,12 +252,22 @@ def _rpc_error(status: int, response: ExternalCallResponse, ctx: CallContext) ->
 
 def _read_events(exchange: rpc.McpExchange, chunk: bytes) -> bytes:
     """``chunk`` (whole events) with each event's message read by ``exchange``; an event
-    whose message was filtered is written anew (its other lines kept), the rest as sent."""
+    whose message was filtered is written anew (its other lines kept), the rest as sent.
+    Lines that are not SSE (neither a comment nor a ``data``, ``event``, ``id`` or
+    ``retry`` field: an HTML error page, a proxy's text) are not relayed, and a block
+    with none left is dropped: they are not events, and the client would read them as
+    fields of the next one."""
     out = bytearray()
     end = 0
     for match in _EVENT.finditer(chunk):
         end = match.end()
         block = match.group(0)
+        lines = match.group(1).splitlines()
+        kept = [ln for ln in lines if _SSE_LINE.match(ln)]
+        if not kept:
+            continue
+        if len(kept) != len(lines):
+            block = b"\n".join(kept) + b"\n\n"
         decoder = SseDecoder(len(block) + 1)
         events = decoder.feed(block) + decoder.close()
         # JSON may start after spaces (SSE strips only one): the client reads it as JSON.
@@ -242,7 +283,7 @@ def _read_events(exchange: rpc.McpExchange, chunk: bytes) -> bytes:
         if not changed:
             out += block
             continue
-        lines = [ln for ln in match.group(1).splitlines() if not _DATA_LINE.match(ln)]
+        lines = [ln for ln in kept if not _DATA_LINE.match(ln)]
         lines.append(b"data: " + fastjson.compact(value))
         out += b"\n".join(lines) + b"\n\n"
     out += chunk[end:]

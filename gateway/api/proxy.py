@@ -35,17 +35,20 @@ from gateway.call.proxy import (
     passback_headers,
     passback_reason,
     replayed_body,
+    request_ids,
 )
 from gateway.call.record import CallContext
 from gateway.call.relay import AGENT_STALLED, Relay
 from gateway.call.sse import complete_events
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError, IdempotencyConflict, error_response
+from gateway.errors import GatewayError, IdempotencyConflict, InvalidPayload, error_response
 from gateway.policy import PolicySet
 from gateway.providers import DIALECTS, Dialect, drop_in_dialect
 
 #: The route, for every method (``{path}`` may hold slashes and is read raw).
 PROXY_ROUTE: Final = "/proxy/{target}/{path:.*}"
+#: The route family: a path under it that the route does not match is answered here too.
+PREFIX: Final = "/proxy"
 #: A relayed stream that failed this way needs no error event of ours: the upstream's own
 #: error event was relayed (the SDK raises on it), or nobody is reading any more.
 _ENDED_BY_ITSELF: Final = frozenset({"stream_error_event", "agent_disconnected"})
@@ -75,12 +78,32 @@ class Runtime(Protocol):
         http_path: str,
         api: str = "envelope",
         audited: bool = True,
+        ids: tuple[str, str] | None = None,
     ) -> ExternalCallResponse: ...
 
 
 def handler(runtime: Runtime) -> http.Handler:
     """The handler of :data:`PROXY_ROUTE` for ``runtime``."""
     return http.handler(partial(_Exchange, runtime), "proxy_handler_error")
+
+
+def unmatched(runtime: Runtime) -> http.Unmatched:
+    """The answer to a request under :data:`PREFIX` that :data:`PROXY_ROUTE` does not match
+    (no target or no path, ``/proxy//x``, ``CONNECT``): INVALID_PAYLOAD (``details.reason:
+    route``) with the status aiohttp chose (404 or 405), audited, in the provider's error
+    shape of the target its path names, else of the SDK's headers (OpenAI's by default),
+    with the ``x-egress-*`` headers of every answer."""
+
+    def answer(incoming: Incoming, status: int) -> Answer:
+        exc = InvalidPayload(
+            f"{incoming.method} {incoming.raw_path[:200]}: no drop-in route here; send the "
+            "SDK's requests to /proxy/{target}/{path}, {target} a target of the policy",
+            details={"reason": "route", "http_status": status},
+            http_status=status,
+        )
+        return _Exchange(runtime, incoming).refused(exc)
+
+    return answer
 
 
 class _Exchange:
@@ -127,6 +150,7 @@ class _Exchange:
             http_method=incoming.method,
             http_path=incoming.raw_path,
             api="proxy",
+            ids=request_ids(incoming.headers),
         )
         return _refusal(exc.http_status, response, self._dialect(), self.ctx)
 
@@ -135,9 +159,8 @@ class _Exchange:
         before the policy decision named it (a bad header, a body too large), else the
         SDK's headers' (their names read only then)."""
         incoming = self._incoming
-        target = self.ctx.target or self._runtime.policy.targets.get(
-            incoming.route.get("target", "")
-        )
+        named = incoming.route.get("target") or incoming.named_target
+        target = self.ctx.target or self._runtime.policy.targets.get(named)
         usage = target.spec.usage if target is not None else None
         if usage is not None and usage in DIALECTS:
             return DIALECTS[usage]  # what drop_in_dialect gives, whatever the headers

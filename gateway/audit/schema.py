@@ -92,7 +92,7 @@ class AuditRecord(BaseModel):
     api: Literal["envelope", "proxy", "mcp"] = "envelope"
     # Cost (added in 1.x): USD from the call's usage and its model's price, null when
     # unknown with ``cost_reason`` saying why (gateway.cost: no_dialect, no_price,
-    # usage_unknown, not_sent...); the model priced and the price's source (``policy`` or
+    # usage_unknown, not_sent, not_billed...); the model priced and its source (``policy`` or
     # ``genai-prices``); the budgets the call was booked in; and the shadow-mode rules
     # that would have refused it (``endpoint:/v1/**``, ``rate_limit_group:llm``,
     # ``budget:llm-daily``).
@@ -114,6 +114,10 @@ class AuditRecord(BaseModel):
     seq: int | None = None
     prev_hash: str | None = None
     hash: str | None = None
+    # With the chain on: the prev_hash of this start's seq 1 (the hash of the record its
+    # audit file ended with when it started; 64 zeros for none), so that records
+    # deleted from the start of a restart's segment are detected (added in 1.x).
+    chain_start: str | None = None
 
 
 class Fields:
@@ -177,6 +181,7 @@ class Fields:
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"
+    CHAIN_START: Final = "chain_start"
 
 
 #: The first record of a chained start that continues the chain its audit file ended
@@ -187,7 +192,7 @@ PREV_SIDECAR_ID: Final = "prev_sidecar_id"
 PREV_SEQ: Final = "prev_seq"
 
 #: The chain's own fields: set by the writer, never taken from a caller's record.
-CHAIN_FIELDS: Final = (Fields.SEQ, Fields.PREV_HASH, Fields.HASH)
+CHAIN_FIELDS: Final = (Fields.SEQ, Fields.PREV_HASH, Fields.HASH, Fields.CHAIN_START)
 
 
 AUDIT_FIELDS: Final = tuple(AuditRecord.model_fields)

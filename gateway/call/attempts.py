@@ -74,6 +74,10 @@ class AttemptLog:
     #: An attempt's request may have reached the upstream (answered, or lost after being
     #: sent, or interrupted while sending): what a budget's reservation is kept for.
     sent: bool = False
+    #: An attempt may have been billed: answered other than with an error status (a
+    #: 2xx, a redirect), or lost or interrupted after it was sent. An attempt answered
+    #: 4xx or 5xx is not: the providers do not bill them (what a budget releases).
+    billed: bool = False
     warnings: list[str] = field(default_factory=list)
     #: Rate-limit groups in shadow mode that would have refused the call.
     shadow_denied: list[str] = field(default_factory=list)
@@ -139,6 +143,7 @@ class Attempts:
                 )
             except TransportError as exc:
                 self.log.sent = self.log.sent or exc.sent
+                self.log.billed = self.log.billed or exc.sent
                 _settle(permit, None, exc.kind)
                 retryable, unknown = transport_retryable(
                     exc.kind,
@@ -166,10 +171,12 @@ class Attempts:
                     not isinstance(exc, PermissionDenied | EgressDenied)
                     or exc.details.get("reason") in _REFUSED_REDIRECTS
                 )
+                self.log.billed = self.log.billed or self.log.sent
                 if permit is not None:
                     permit.release()  # interrupted or refused locally: counts as nothing
                 raise
             self.log.sent = True
+            self.log.billed = self.log.billed or answer.status < 400
             _settle(permit, answer.status, None)
             self.log.answer = answer
             self.log.upstream_latency_s = answer.elapsed_s

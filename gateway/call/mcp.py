@@ -40,9 +40,8 @@ from gateway.call.bodies import is_stream_form
 from gateway.call.intake import Intake, decode_json, parse_request, printable
 from gateway.call.proxy import egress_timeout, header_map, request_ids
 from gateway.call.record import CLAIM_LIMIT, CallContext
-from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
-from gateway.errors import InvalidPayload, PermissionDenied
+from gateway.errors import InvalidPayload, PermissionDenied, StreamInterrupted
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.compiled import mcp_endpoint
 from gateway.policy.mcp import MCP_METHODS, McpSpec
@@ -266,11 +265,19 @@ def check_envelope(
 def read_route_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
     """Read a successful answer of the MCP route: each request's outcome into ``ctx.mcp``,
     ``tools/list`` filtered; the upstream's JSON body is read (a rewritten one kept in
-    ``ctx.mcp.body``; a stream was read by the relay). Returns ``response``."""
+    ``ctx.mcp.body``; a stream was read by the relay). Returns ``response``.
+
+    Raises :class:`StreamInterrupted` (``details.reason: ended_without_answer``) when an
+    event stream ended, however it ended, with a request of the body unanswered: the
+    client would otherwise wait for an answer that will not come, and the audit record
+    say success. Not retryable when a ``tools/call`` is among them (the tool may have
+    run)."""
     exchange = ctx.mcp
     if exchange is None or not response.success:
         return response
     answer = ctx.attempt_log.answer
+    if answer is not None and answer.stream is not None:
+        _check_answered(exchange, ctx)
     if answer is None or answer.stream is not None or not answer.body:
         return response
     try:
@@ -285,15 +292,32 @@ def read_route_answer(ctx: CallContext, response: ExternalCallResponse) -> Exter
 
 def read_envelope_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
     """Read a successful answer of an envelope to an MCP target: each request's outcome
-    into ``ctx.mcp``; its ``data`` filtered in place (its assembled events too)."""
+    into ``ctx.mcp``; its ``data`` filtered in place (its assembled events too). Raises
+    as :func:`read_route_answer` when its events lack the answer to a request."""
     exchange = ctx.mcp
     if exchange is None or not response.success:
         return response
     data = response.data
     if is_stream_form(data):
         events = [exchange.read(event)[0] for event in data["events"]]
+        _check_answered(exchange, ctx)
         return response.model_copy(update={"data": {**data, "events": events}})
     return response.model_copy(update={"data": exchange.read(data)[0]})
+
+
+def _check_answered(exchange: rpc.McpExchange, ctx: CallContext) -> None:
+    """Raise :class:`StreamInterrupted` if a request of ``exchange`` got no answer on
+    the stream that ended (:func:`read_route_answer`, :func:`read_envelope_answer`)."""
+    pending = [m for m in exchange.requests if m.id not in exchange.outcomes]
+    if not pending:
+        return
+    target = ctx.target.name if ctx.target is not None else None
+    raise StreamInterrupted(
+        f"the MCP server's event stream ended without the answer to {len(pending)} "
+        "request(s) of this body",
+        details={"reason": "ended_without_answer", "target": target},
+        retryable=not any(m.method == rpc.TOOLS_CALL for m in pending),
+    )
 
 
 # -- keys that parsers read differently ----------------------------------------------
@@ -401,87 +425,3 @@ def metric_labels(ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, s
         else "_none",
         outcome,
     )
-
-
-# -- each API's part in the shared stages (gateway.call.hooks) -------------------------
-
-
-class _Exchanges:
-    """Audit records and metric labels: one per JSON-RPC request of an MCP exchange."""
-
-    def records(self, ctx: CallContext, record: dict[str, Any]) -> list[dict[str, Any]]:
-        return audit_records(ctx, record)
-
-    def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
-        return metric_labels(ctx, record) if ctx.mcp is not None else None
-
-
-class _Envelope(_Exchanges):
-    """An envelope: an MCP target's rules on its ``parameters`` (:func:`check_envelope`);
-    its answer read whole (never relayed: it is filtered) and filtered."""
-
-    def checked(
-        self,
-        request: ExternalCallRequest,
-        target: CompiledTarget,
-        ctx: CallContext,
-        relay: Relay | None,
-    ) -> tuple[ExternalCallRequest, Relay | None]:
-        if target.spec.mcp is None:
-            return request, relay
-        return check_envelope(request, target, ctx), None
-
-    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
-        return read_envelope_answer(ctx, response)
-
-
-class _Route(_Exchanges):
-    """The MCP route (``/mcp/{target}``): checked at intake (:func:`mcp_intake`); its
-    answer read (:func:`read_route_answer`), its stream by the route's relay."""
-
-    def checked(
-        self,
-        request: ExternalCallRequest,
-        target: CompiledTarget,
-        ctx: CallContext,
-        relay: Relay | None,
-    ) -> tuple[ExternalCallRequest, Relay | None]:
-        return request, relay
-
-    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
-        return read_route_answer(ctx, response)
-
-
-class _DropIn:
-    """A drop-in route (``/proxy/...``): an MCP target is refused (the route would pass
-    batches and lists unread); the rest as it comes."""
-
-    def checked(
-        self,
-        request: ExternalCallRequest,
-        target: CompiledTarget,
-        ctx: CallContext,
-        relay: Relay | None,
-    ) -> tuple[ExternalCallRequest, Relay | None]:
-        if target.spec.mcp is not None:
-            raise PermissionDenied(
-                f"target {target.name!r} is an MCP server: point the MCP client at "
-                f"/mcp/{target.name}",
-                details={"reason": "mcp_route_only"},
-            )
-        return request, relay
-
-    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
-        return response
-
-    def records(self, ctx: CallContext, record: dict[str, Any]) -> list[dict[str, Any]]:
-        return [record]
-
-    def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
-        return None
-
-
-#: The hooks (:class:`gateway.call.hooks.CallHooks`) of each API's pipeline entry point.
-ENVELOPE: Final = _Envelope()
-ROUTE: Final = _Route()
-DROP_IN: Final = _DropIn()

@@ -22,6 +22,7 @@ from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
+from gateway.call import hooks as api_hooks
 from gateway.call import mcp, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
@@ -127,7 +128,7 @@ class Pipeline:
             fast = parse_envelope_fast(body) if refuse is None else None
             return Intake(fast) if fast is not None else self._intake(body, ctx, refuse, policy)
 
-        return await self._run(policy, ctx, intake, relay, mcp.ENVELOPE)
+        return await self._run(policy, ctx, intake, relay, api_hooks.ENVELOPE)
 
     async def handle_proxy(
         self,
@@ -142,7 +143,7 @@ class Pipeline:
         so that it can write back the upstream's own answer (``ctx.attempt_log.answer``)."""
         policy = self.policy
         return await self._run(
-            policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay, mcp.DROP_IN
+            policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay, api_hooks.DROP_IN
         )
 
     async def handle_mcp(
@@ -157,7 +158,7 @@ class Pipeline:
         same stages; ``ctx`` is the caller's (the upstream's answer, ``ctx.mcp``)."""
         policy = self.policy
         return await self._run(
-            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay, mcp.ROUTE
+            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay, api_hooks.ROUTE
         )
 
     async def _run(
@@ -356,7 +357,8 @@ class Pipeline:
         try:
             answer = await attempts.run()
         except BaseException as exc:
-            spend.settle_failed(self.budgets, cost, ctx, sent=attempts.log.sent)
+            log = attempts.log
+            spend.settle_failed(self.budgets, cost, ctx, sent=log.sent, billed=log.billed)
             if group is not None:
                 if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
                     self.metrics.observe_ratelimit_rejection(group.name)

@@ -184,8 +184,11 @@ def refusal_record(
     """The audit record of an answer given before the envelope was read (an unknown
     route, a method not allowed, a body too large or unreadable): decision ``invalid``,
     the answer's error code, the sidecar's own request line (``http_path`` without its
-    query, both cut to 256 characters) and ``http_status``; nothing of the body."""
-    record = audit_record(CallContext(started=0.0, agent_id=agent_id), response)
+    query, both cut to 256 characters) and ``http_status``, and the answer's ids when it
+    has them; nothing of the body."""
+    ids = {F.TRACE_ID: response.trace_id, F.CORRELATION_ID: response.correlation_id}
+    claimed = {k: v for k, v in ids.items() if v is not None}
+    record = audit_record(CallContext(started=0.0, agent_id=agent_id, claimed=claimed), response)
     record[F.HTTP_METHOD] = http_method[:CLAIM_LIMIT]
     record[F.HTTP_PATH] = http_path[:CLAIM_LIMIT]
     record[F.HTTP_STATUS] = http_status

@@ -20,8 +20,10 @@ attempt may have been processed).
 
 After (:func:`settle`): the real cost from the usage replaces the reservation; a call
 that failed is released when nothing can have reached the upstream
-(:attr:`gateway.call.attempts.AttemptLog.sent` false), and otherwise keeps its
-reservation (the upstream may have acted; its cost is unknown). The audit record gets
+(:attr:`gateway.call.attempts.AttemptLog.sent` false) or nothing billed can have
+(:attr:`gateway.call.attempts.AttemptLog.billed` false: every answer an error status,
+which providers do not bill), and otherwise keeps its reservation (the upstream may
+have acted; its cost is unknown). The audit record gets
 ``cost_usd`` (null when unknown) and ``cost_reason``.
 """
 
@@ -156,9 +158,15 @@ def settle(budgets: Budgets, spend: Spend, ctx: CallContext) -> None:
         budgets.settle(spend.booking, usd)  # None (unknown): the reservation is kept
 
 
-def settle_failed(budgets: Budgets, spend: Spend, ctx: CallContext, *, sent: bool) -> None:
+def settle_failed(
+    budgets: Budgets, spend: Spend, ctx: CallContext, *, sent: bool, billed: bool
+) -> None:
     """After a failure: release the reservation if nothing can have reached the upstream
-    (its cost is then 0: ``cost_reason`` "not_sent"), else keep it (cost unknown)."""
-    ctx.cost_reason = spend.price.reason or ("usage_unknown" if sent else "not_sent")
+    (``sent`` false: ``cost_reason`` "not_sent") or nothing it received can have been
+    billed (``billed`` false: every attempt it answered, it answered with an error
+    status, which the providers do not bill; "not_billed"), else keep it (the upstream
+    may have processed the call; "usage_unknown"). A released call costs nothing."""
+    unsent = "not_billed" if sent else "not_sent"
+    ctx.cost_reason = spend.price.reason or ("usage_unknown" if billed else unsent)
     if spend.booking is not None:
-        budgets.settle(spend.booking, None if sent else 0.0)
+        budgets.settle(spend.booking, None if billed else 0.0)

@@ -15,7 +15,8 @@ Routes of the calls listener (loopback by default):
 The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
 ``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
 the calls API.
-Any other path or method gets a JSON error answer too, never an HTML page.
+Any other path or method gets a JSON error answer too, never an HTML page (under
+``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.api.http.edge_errors`).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def create_app(
     ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
-        middlewares=[_json_errors],
+        middlewares=[_json_errors, http.edge_errors],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
@@ -124,6 +125,11 @@ def create_app(
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
     app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))
     app.router.add_route("*", mcp.MCP_ROUTE, mcp.handler(gateway))
+    # The answer of each route family to the paths under it that its route misses.
+    app[http.EDGES_KEY] = {
+        proxy.PREFIX: proxy.unmatched(gateway),
+        mcp.PREFIX: mcp.unmatched(gateway),
+    }
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

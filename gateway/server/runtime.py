@@ -281,11 +281,19 @@ class Gateway:
         http_path: str,
         api: str = "envelope",
         audited: bool = True,
+        ids: tuple[str, str] | None = None,
     ) -> ExternalCallResponse:
         """The answer to a request refused before the pipeline (which audits its own
         answers): ``exc`` as an ExternalCallResponse, and with ``audited`` its one audit
-        record (:func:`gateway.call.record.refusal_record`, ``api`` the route's)."""
-        response = error_response(exc, latency_ms=(time.monotonic() - started) * 1000)
+        record (:func:`gateway.call.record.refusal_record`, ``api`` the route's); ``ids``
+        (trace_id, correlation_id), when given, are the answer's and the record's."""
+        trace_id, correlation_id = ids if ids is not None else (None, None)
+        response = error_response(
+            exc,
+            latency_ms=(time.monotonic() - started) * 1000,
+            trace_id=trace_id,
+            correlation_id=correlation_id,
+        )
         if audited and self.audit is not None:
             record = refusal_record(
                 self.policy.policy.agent_id,
