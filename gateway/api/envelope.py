@@ -104,7 +104,7 @@ class _Exchange:
 
     async def call(self, stream: Relay | None) -> tuple[int, ExternalCallResponse]:
         """Read the envelope and run it. Raises InvalidPayload for a body too large, not
-        readable or late (:func:`gateway.api.http.read_body`): refused here, audited."""
+        readable or late (:meth:`gateway.api.http.Incoming.read`): refused here, audited."""
         incoming = self._incoming
         runtime = self._runtime
         limit = runtime.policy.policy.server.max_request_bytes
@@ -114,8 +114,7 @@ class _Exchange:
         body = await incoming.read(limit)
         return await runtime.call(body, relay=stream)
 
-    def answer(self, status: int, response: ExternalCallResponse) -> Answer:
-        return json_answer(status, response)
+    answer = staticmethod(json_answer)
 
     def refused(self, exc: GatewayError) -> Answer:
         incoming = self._incoming

@@ -154,9 +154,64 @@ class Incoming:
     def query(self) -> tuple[tuple[str, str], ...]:
         return tuple(self._request.query.items())
 
-    def read(self, limit: int) -> Awaitable[bytes]:
-        """The body (:func:`read_body`)."""
-        return read_body(self._request, limit)
+    async def read(self, limit: int) -> bytes:
+        """The body's bytes, as aiohttp decoded them from their Content-Encoding, read
+        within the app's body timeout.
+
+        Raises :class:`InvalidPayload`: 413 past ``limit`` bytes (decoded); 415 for a
+        Content-Encoding aiohttp does not decode (``details.reason: content_encoding``);
+        400 for a body that is not what its Content-Encoding says (same reason) or whose
+        framing broke part-way (``framing``: a bad chunk or a connection closed early); 408
+        when it does not arrive in time (``body_timeout``). After any of these but the first
+        the connection is closed once the answer is sent: what follows on it cannot be
+        trusted to start a request.
+        """
+        request = self._request
+        encodings = request.headers.getall("Content-Encoding", [])
+        if not _decoded(encodings):
+            _close_after_answer(request)
+            raise InvalidPayload(
+                f"Content-Encoding {', '.join(encodings)!r} is not supported: send the "
+                "envelope as is, or encoded with one of gzip or deflate",
+                details={
+                    "reason": "content_encoding",
+                    "content_encoding": ", ".join(encodings)[:128],
+                    "supported": ["identity", "gzip", "deflate"],
+                },
+                http_status=415,
+            )
+        timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large(None, limit) from None
+        except TimeoutError:
+            _close_after_answer(request)
+            raise InvalidPayload(
+                f"the envelope did not arrive within {timeout_s:g} s of its headers; "
+                "send the whole body at once",
+                details={"reason": "body_timeout", "timeout_s": timeout_s},
+                http_status=408,
+            ) from None
+        except web.RequestPayloadError as exc:
+            _close_after_answer(request)
+            if isinstance(exc.__cause__, ContentEncodingError):
+                raise InvalidPayload(
+                    f"the body is not {', '.join(encodings)}-encoded data, as its "
+                    "Content-Encoding says; send it as is, without the header, or encode it",
+                    details={"reason": "content_encoding", "content_encoding": encodings[0]},
+                ) from None
+            raise InvalidPayload(
+                "the request body could not be read: its framing broke part-way "
+                "(Transfer-Encoding chunks or Content-Length)",
+                details={"reason": "framing"},
+            ) from None
+        except ConnectionError:  # the agent hung up part-way: nobody reads this answer
+            raise InvalidPayload(
+                "the connection closed before the whole envelope arrived",
+                details={"reason": "framing"},
+            ) from None
 
     async def read_or_refusal(self, limit: int) -> tuple[bytes, GatewayError | None]:
         """The body (at most ``limit`` bytes), or ``b""`` and the refusal of it, for an API
@@ -165,7 +220,7 @@ class Incoming:
         if size is not None and size > limit:
             return b"", body_too_large(limit)
         try:
-            return await read_body(self._request, limit), None
+            return await self.read(limit), None
         except GatewayError as exc:
             return b"", exc
 
@@ -311,16 +366,16 @@ class Stream:
         return self._response
 
 
-async def write_large(request: web.Request, response: web.StreamResponse) -> None:
-    """Write a whole answer not yet sent within the listener's body timeout when it is
-    large, or when the agent has not taken an earlier answer yet (:func:`send_bounded`);
-    a small one is left to aiohttp, which hands it to the transport at once."""
-    if (
+def needs_bounded_write(request: web.Request, response: web.StreamResponse) -> bool:
+    """Whether a whole answer not yet sent is to be written within the listener's body
+    timeout (:func:`send_bounded`): when it is large, or when the agent has not taken an
+    earlier answer yet; a small one is left to aiohttp, which hands it to the transport
+    at once."""
+    return (
         isinstance(response, web.Response)
         and not response.prepared
         and ((response.content_length or 0) > WRITE_BUFFERED_BYTES or _unsent(request))
-    ):
-        await send_bounded(request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S))
+    )
 
 
 def _unsent(request: web.Request) -> bool:
@@ -366,65 +421,6 @@ def drop_connection(request: web.Request) -> None:
 
 
 # -- reading a request's body ---------------------------------------------------------
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The body's bytes, as aiohttp decoded them from their Content-Encoding, read
-    within the app's body timeout.
-
-    Raises :class:`InvalidPayload`: 413 past ``limit`` bytes (decoded); 415 for a
-    Content-Encoding aiohttp does not decode (``details.reason: content_encoding``);
-    400 for a body that is not what its Content-Encoding says (same reason) or whose
-    framing broke part-way (``framing``: a bad chunk or a connection closed early); 408
-    when it does not arrive in time (``body_timeout``). After any of these but the first
-    the connection is closed once the answer is sent: what follows on it cannot be
-    trusted to start a request.
-    """
-    encodings = request.headers.getall("Content-Encoding", [])
-    if not _decoded(encodings):
-        _close_after_answer(request)
-        raise InvalidPayload(
-            f"Content-Encoding {', '.join(encodings)!r} is not supported: send the "
-            "envelope as is, or encoded with one of gzip or deflate",
-            details={
-                "reason": "content_encoding",
-                "content_encoding": ", ".join(encodings)[:128],
-                "supported": ["identity", "gzip", "deflate"],
-            },
-            http_status=415,
-        )
-    timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large(None, limit) from None
-    except TimeoutError:
-        _close_after_answer(request)
-        raise InvalidPayload(
-            f"the envelope did not arrive within {timeout_s:g} s of its headers; "
-            "send the whole body at once",
-            details={"reason": "body_timeout", "timeout_s": timeout_s},
-            http_status=408,
-        ) from None
-    except web.RequestPayloadError as exc:
-        _close_after_answer(request)
-        if isinstance(exc.__cause__, ContentEncodingError):
-            raise InvalidPayload(
-                f"the body is not {', '.join(encodings)}-encoded data, as its "
-                "Content-Encoding says; send it as is, without the header, or encode it",
-                details={"reason": "content_encoding", "content_encoding": encodings[0]},
-            ) from None
-        raise InvalidPayload(
-            "the request body could not be read: its framing broke part-way "
-            "(Transfer-Encoding chunks or Content-Length)",
-            details={"reason": "framing"},
-        ) from None
-    except ConnectionError:  # the agent hung up part-way: nobody reads this answer
-        raise InvalidPayload(
-            "the connection closed before the whole envelope arrived",
-            details={"reason": "framing"},
-        ) from None
 
 
 def _decoded(encodings: list[str]) -> bool:

@@ -50,8 +50,7 @@ class CallHooks(Protocol):
 class _Exchanges:
     """Audit records and metric labels: one per JSON-RPC request of an MCP exchange."""
 
-    def records(self, ctx: CallContext, record: dict[str, Any]) -> list[dict[str, Any]]:
-        return mcp.audit_records(ctx, record)
+    records = staticmethod(mcp.audit_records)
 
     def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
         return mcp.metric_labels(ctx, record) if ctx.mcp is not None else None
@@ -73,8 +72,7 @@ class _Envelope(_Exchanges):
             return request, relay
         return mcp.check_envelope(request, target, ctx), None
 
-    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
-        return mcp.read_envelope_answer(ctx, response)
+    answered = staticmethod(mcp.read_envelope_answer)
 
 
 class _Route(_Exchanges):
@@ -91,8 +89,7 @@ class _Route(_Exchanges):
     ) -> tuple[ExternalCallRequest, Relay | None]:
         return request, relay
 
-    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
-        return mcp.read_route_answer(ctx, response)
+    answered = staticmethod(mcp.read_route_answer)
 
 
 class _DropIn:

@@ -56,7 +56,7 @@ _log = get_logger("gateway.server")
 @web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn aiohttp's own HTTP errors (404, 405, 413...) into JSON answers; write a large
-    answer within ``body_timeout_s`` (:func:`gateway.api.http.write_large`)."""
+    answer within ``body_timeout_s`` (:func:`gateway.api.http.send_bounded`)."""
     started = time.monotonic()
     try:
         response = await handler(request)
@@ -82,7 +82,11 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110, 15.5.6)
             answer.headers["Allow"] = exc.headers["Allow"]
         return answer
-    await http.write_large(request, response)
+    if http.needs_bounded_write(request, response):
+        assert isinstance(response, web.Response)
+        await http.send_bounded(
+            request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+        )
     return response
 
 
