@@ -15,6 +15,7 @@ its error code, the HTTP status of the sidecar's answer and whether retrying can
     ├── CapacityExceeded        CAPACITY_EXCEEDED    429  yes
     ├── QuotaExhausted          QUOTA_EXHAUSTED      429  no
     ├── BudgetExceeded          BUDGET_EXCEEDED      429  no
+    ├── CallChainRefused        CALL_CHAIN_REFUSED   409  no
     ├── CircuitOpen             CIRCUIT_OPEN         503  yes
     ├── DependencyFailed        DEPENDENCY_FAILED    502  yes
     ├── DeadlineExceeded        AGENT_TIMEOUT        504  yes
@@ -147,6 +148,17 @@ class BudgetExceeded(GatewayError):
 
     code = ErrorCode.BUDGET_EXCEEDED
     http_status = 429
+
+
+class CallChainRefused(GatewayError):
+    """The call chain the call came with is refused before any upstream contact:
+    ``details.reason`` is ``circular_call_detected``, ``max_depth_exceeded``,
+    ``ttl_expired`` or ``invalid_chain``; ``details.call_chain`` the chain as received
+    (agent ids, origin first; null when it could not be read) (:mod:`gateway.agents.chain`).
+    Not retryable: the same call with the same chain is refused again."""
+
+    code = ErrorCode.CALL_CHAIN_REFUSED
+    http_status = 409
 
 
 class CircuitOpen(GatewayError):

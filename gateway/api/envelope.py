@@ -15,6 +15,7 @@ import time
 from functools import partial
 from typing import Final, Protocol
 
+from gateway.agents.identity import Agents, Identity, identify
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.audit import get_logger
@@ -37,8 +38,11 @@ class Runtime(Protocol):
     @property
     def policy(self) -> PolicySet: ...
 
+    @property
+    def agents(self) -> Agents: ...
+
     async def call(
-        self, body: bytes, *, relay: Relay | None = None
+        self, body: bytes, *, relay: Relay | None = None, identity: Identity | None = None
     ) -> tuple[int, ExternalCallResponse]: ...
 
     def refused_early(
@@ -50,6 +54,8 @@ class Runtime(Protocol):
         http_path: str,
         api: str = "envelope",
         audited: bool = True,
+        identity: Identity | None = None,
+        ids: tuple[str, str] | None = None,
     ) -> ExternalCallResponse: ...
 
 
@@ -81,11 +87,18 @@ def refusal(
     method: str,
     path: str,
     audited: bool,
+    identity: Identity | None,
 ) -> Answer:
     """The answer to a request refused before the pipeline (which audits its own
-    answers); with ``audited`` it gets its one audit record (the calls listener's)."""
+    answers); with ``audited`` it gets its one audit record (the calls listener's), of
+    ``identity`` (who called; None: the policy's ``agent_id``)."""
     response = runtime.refused_early(
-        exc, started=started, http_method=method, http_path=path, audited=audited
+        exc,
+        started=started,
+        http_method=method,
+        http_path=path,
+        audited=audited,
+        identity=identity,
     )
     return json_answer(exc.http_status, response)
 
@@ -112,7 +125,8 @@ class _Exchange:
         if size is not None and size > limit:
             raise http.too_large(size, limit)
         body = await incoming.read(limit)
-        return await runtime.call(body, relay=stream)
+        identity = identify(incoming.transport, incoming.headers, runtime.agents)
+        return await runtime.call(body, relay=stream, identity=identity)
 
     answer = staticmethod(json_answer)
 
@@ -125,6 +139,7 @@ class _Exchange:
             method=incoming.method,
             path=incoming.raw_path,
             audited=True,
+            identity=identify(incoming.transport, incoming.headers, self._runtime.agents),
         )
 
     def head(self) -> Head:

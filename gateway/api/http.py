@@ -147,6 +147,11 @@ class Incoming:
         return unquote(parts[2]) if len(parts) > 2 else ""
 
     @property
+    def transport(self) -> asyncio.Transport | None:
+        """The connection the request came on (who is calling: its peer)."""
+        return self._request.transport
+
+    @property
     def route(self) -> Mapping[str, str]:
         return self._request.match_info
 

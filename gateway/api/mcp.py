@@ -36,6 +36,7 @@ from functools import partial
 from typing import Any, Final, Protocol
 
 from gateway import fastjson
+from gateway.agents.identity import Agents, Identity, identify
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.call.mcp import McpRequest
@@ -72,6 +73,9 @@ class Runtime(Protocol):
     @property
     def policy(self) -> PolicySet: ...
 
+    @property
+    def agents(self) -> Agents: ...
+
     async def mcp(
         self,
         http: McpRequest,
@@ -90,6 +94,7 @@ class Runtime(Protocol):
         http_path: str,
         api: str = "envelope",
         audited: bool = True,
+        identity: Identity | None = None,
         ids: tuple[str, str] | None = None,
     ) -> ExternalCallResponse: ...
 
@@ -125,14 +130,15 @@ class _Exchange:
     message read (the outcome of a request, a ``tools/list`` filtered) and written back
     unchanged unless it was filtered."""
 
-    __slots__ = ("_incoming", "_runtime", "ctx")
+    __slots__ = ("_identity", "_incoming", "_runtime", "ctx")
 
     streams = True
 
     def __init__(self, runtime: Runtime, incoming: Incoming) -> None:
         self._runtime = runtime
         self._incoming = incoming
-        self.ctx = CallContext(started=time.monotonic(), agent_id=runtime.policy.policy.agent_id)
+        identity = self._identity = identify(incoming.transport, incoming.headers, runtime.agents)
+        self.ctx = CallContext(time.monotonic(), identity.agent_id, identity=identity)
 
     @property
     def started(self) -> float:
@@ -142,6 +148,7 @@ class _Exchange:
         incoming = self._incoming
         limit = self._runtime.policy.policy.server.max_request_bytes
         body, refuse = await incoming.read_or_refusal(limit)
+        refuse = self._identity.refusal or refuse  # who calls is settled first
         request = McpRequest(
             method=incoming.method,
             target=incoming.route["target"],
@@ -158,6 +165,7 @@ class _Exchange:
             http_method=incoming.method,
             http_path=incoming.raw_path,
             api="mcp",
+            identity=self.ctx.identity,
             ids=request_ids(incoming.headers),
         )
         return _rpc_error(exc.http_status, response, self.ctx)

@@ -25,6 +25,7 @@ import time
 from functools import partial
 from typing import Final, Protocol
 
+from gateway.agents.identity import Agents, Identity, identify
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.call.proxy import (
@@ -60,6 +61,9 @@ class Runtime(Protocol):
     @property
     def policy(self) -> PolicySet: ...
 
+    @property
+    def agents(self) -> Agents: ...
+
     async def proxy(
         self,
         http: ProxyRequest,
@@ -78,6 +82,7 @@ class Runtime(Protocol):
         http_path: str,
         api: str = "envelope",
         audited: bool = True,
+        identity: Identity | None = None,
         ids: tuple[str, str] | None = None,
     ) -> ExternalCallResponse: ...
 
@@ -112,14 +117,15 @@ class _Exchange:
     back; a relayed stream is written whole events at a time (a partial event waits for
     its end), so that a failure can always end it with one parseable error event."""
 
-    __slots__ = ("_held", "_incoming", "_runtime", "ctx")
+    __slots__ = ("_held", "_identity", "_incoming", "_runtime", "ctx")
 
     streams = True
 
     def __init__(self, runtime: Runtime, incoming: Incoming) -> None:
         self._runtime = runtime
         self._incoming = incoming
-        self.ctx = CallContext(started=time.monotonic(), agent_id=runtime.policy.policy.agent_id)
+        identity = self._identity = identify(incoming.transport, incoming.headers, runtime.agents)
+        self.ctx = CallContext(time.monotonic(), identity.agent_id, identity=identity)
         self._held = bytearray()
 
     @property
@@ -130,6 +136,7 @@ class _Exchange:
         incoming = self._incoming
         limit = self._runtime.policy.policy.server.max_request_bytes
         body, refuse = await incoming.read_or_refusal(limit)
+        refuse = self._identity.refusal or refuse  # who calls is settled first
         # The raw path: the endpoint is checked and sent percent-encoded as received.
         raw = incoming.raw_path.split("/", 3)  # "", "proxy", target, rest
         request = ProxyRequest(
@@ -150,6 +157,7 @@ class _Exchange:
             http_method=incoming.method,
             http_path=incoming.raw_path,
             api="proxy",
+            identity=self.ctx.identity,
             ids=request_ids(incoming.headers),
         )
         return _refusal(exc.http_status, response, self._dialect(), self.ctx)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gateway import fastjson
+from gateway.agents import chain
 from gateway.audit.schema import Fields as F
 from gateway.call.bodies import is_stream_form
 from gateway.call.intake import Intake, decode_json, parse_request, printable
@@ -83,6 +84,7 @@ def mcp_intake(
     and DELETE; a body that is not JSON-RPC; headers that do not match the body)."""
     ctx.api = "mcp"
     headers = header_map(http.headers)
+    ctx.chain_seen = chain.seen_in(headers)
     trace_id, correlation_id = request_ids(headers)
     target = policy.targets.get(http.target)
     endpoint = mcp_endpoint(target) if target is not None and target.spec.mcp else "/"

@@ -1,7 +1,10 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
-    intake -> egress decision -> idempotency -> rate-limit group -> circuit breaker
-    -> secret -> upstream attempts (retries, backoff, Retry-After) -> usage -> answer
+    intake -> egress decision (an MCP target's tool rules too) -> idempotency
+    -> the outbound request -> secret -> budget reservation
+    -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
+       (backoff, Retry-After)
+    -> usage -> budget settlement -> answer -> audit record
 
 Every call, whatever happens, ends with exactly one :class:`ExternalCallResponse` and
 exactly one audit record (written in a ``finally``). A bug inside the sidecar becomes an
@@ -18,6 +21,8 @@ import traceback
 from collections.abc import Awaitable, Callable
 
 from gateway import telemetry
+from gateway.agents import chain
+from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
@@ -26,6 +31,7 @@ from gateway.call import hooks as api_hooks
 from gateway.call import mcp, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
+from gateway.call.chain import chain_stage
 from gateway.call.hooks import CallHooks
 from gateway.call.idempotent import answer_status, once_per_key
 from gateway.call.intake import (
@@ -115,14 +121,22 @@ class Pipeline:
         self.policy = policy
 
     async def handle(
-        self, body: bytes, *, refuse: GatewayError | None = None, relay: Relay | None = None
+        self,
+        body: bytes,
+        *,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+        identity: Identity | None = None,
     ) -> tuple[int, ExternalCallResponse]:
         """Run one call from its raw envelope bytes. Returns (HTTP status, answer).
 
         With ``refuse`` the call is answered with that error at once (still audited).
+        ``identity``: who called (:func:`gateway.agents.identity.identify`); None: the
+        policy's ``agent_id``.
         """
         policy = self.policy  # one policy for the whole call, even across a reload
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.policy.agent_id)
+        identity = identity or policy_identity(policy.policy.agent_id)
+        ctx = CallContext(started=time.monotonic(), agent_id=identity.agent_id, identity=identity)
 
         def intake() -> Intake:
             fast = parse_envelope_fast(body) if refuse is None else None
@@ -171,6 +185,7 @@ class Pipeline:
     ) -> tuple[int, ExternalCallResponse]:
         """The stages of one call, the same for every API: ``intake`` gives its request,
         ``hooks`` are its API's part (:class:`gateway.call.hooks.CallHooks`)."""
+        ctx.policy_sha256 = policy.sha256
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
@@ -179,8 +194,12 @@ class Pipeline:
             ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
             if taken.unknown_fields:
                 _unknown_fields(ctx, request, taken.unknown_fields)
-            ctx.agent_id = request.agent_id or ctx.agent_id
+            # A claimed agent_id is checked against who called, never taken for it.
+            identity = ctx.identity or policy_identity(ctx.agent_id)
+            ctx.identity = identity = identity.with_claim(request.agent_id)
+            identity.admit(request.target_system)
             ctx.decision = "denied"
+            ctx.chain = await chain_stage(policy.policy.chain, request, ctx, self._resolve)
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             request, relay = hooks.checked(request, decision.target, ctx, relay)
@@ -188,7 +207,8 @@ class Pipeline:
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
-            deadline = ctx.started + request.timeout
+            # The envelope's timeout, or the chain's deadline when that comes first.
+            deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
             status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = hooks.answered(ctx, response)
         except GatewayError as exc:
@@ -323,6 +343,8 @@ class Pipeline:
         )
         if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
             draft.headers = {**ctx.passthrough_headers, **draft.headers}
+        if ctx.chain is not None:
+            draft.headers = chain.with_headers(draft.headers, ctx.chain)
         ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
         ctx.traceparent = draft.headers["traceparent"]
         group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None

@@ -1,4 +1,5 @@
-"""Prometheus metrics for ``GET /metrics`` (the only module that imports prometheus-client).
+"""Prometheus metrics for ``GET /metrics`` (prometheus-client: here and in
+:mod:`gateway.metrics.series`, which declares the series).
 
 Every metric lives in a :class:`Metrics` object's own ``CollectorRegistry``, not the
 process-global one, so tests and several app instances never share counters. A policy
@@ -32,6 +33,8 @@ secrets_ready                          gauge      (none): 1 usable, 0 Vault with
 build_info                             gauge      version, python (always 1)
 policy_info                            gauge      agent_id, digest (always 1)
 mcp_requests_total                     counter    target, method, tool, outcome
+call_chain_refusals_total              counter    reason (circular_call_detected|max_depth_
+                                                  exceeded|ttl_expired|invalid_chain)
 =====================================  =========  ======================================
 
 The OpenTelemetry GenAI client metrics (semantic conventions 1.44.0, "Development"; see
@@ -362,6 +365,10 @@ class Metrics(Series):
     def observe_budget_rejection(self, budget: str) -> None:
         """Count one call a budget refused (the budget's policy name)."""
         self._child(self.budget_rejections, budget).inc()
+
+    def observe_chain_refusal(self, reason: str) -> None:
+        """Count one call refused for its call chain (``details.reason``: one of four)."""
+        self._child(self.chain_refusals, reason).inc()
 
     def observe_shadow_denial(self, kind: str, rule: str) -> None:
         """Count one "would deny" of a shadow rule: kind ``endpoint`` (its path pattern),

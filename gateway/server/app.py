@@ -30,12 +30,14 @@ from typing import Final
 from aiohttp import web
 
 from gateway import openapi
+from gateway.agents.identity import identify
 from gateway.api import envelope, http, mcp, proxy
 from gateway.api.envelope import CALLS_PATH
 from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, Handler
 from gateway.audit import get_logger
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.server.eventloop import loop_name
+from gateway.server.listeners import calls_sites, start_sites
 from gateway.server.reload import PolicyWatcher
 from gateway.server.runtime import Gateway
 
@@ -69,14 +71,21 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
             details={"reason": "route", "http_status": exc.status},
             http_status=exc.status,
         )
+        gateway = request.app[GATEWAY_KEY]
+        audited = request.app.get(AUDITED_KEY, False)
         answer = http.respond(
             envelope.refusal(
-                request.app[GATEWAY_KEY],
+                gateway,
                 code_exc,
                 started=started,
                 method=request.method,
                 path=request.rel_url.raw_path,
-                audited=request.app.get(AUDITED_KEY, False),
+                audited=audited,
+                identity=(
+                    identify(request.transport, request.headers, gateway.agents)
+                    if audited
+                    else None
+                ),
             )
         )
         if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110, 15.5.6)
@@ -196,8 +205,12 @@ async def serve(
     ops_port: int | None = None,
     started: asyncio.Event | None = None,
     accept_new_calls: bool | None = None,
+    unix_socket: str | None = None,
 ) -> None:
     """Run until SIGTERM or SIGINT, then drain and stop (README, "Graceful shutdown").
+
+    With ``unix_socket`` (a path) the calls API is on that Unix socket too
+    (:mod:`gateway.server.listeners`).
 
     Readiness turns false in the signal's own callback. New calls are then served while
     draining when ``accept_new_calls`` (None: the policy's
@@ -238,20 +251,19 @@ async def serve(
     # must not cancel its call half-way (Gateway.call).
     runner = make_runner(create_app(gateway), handler_cancellation=False)
     await runner.setup()
-    sites = [web.TCPSite(runner, host, port, reuse_address=True)]
+    sites = calls_sites(runner, host, port, unix_socket)
     ops_runner = None
     if ops_port is not None:
         ops_runner = make_runner(create_ops_app(gateway))
         await ops_runner.setup()
         sites.append(web.TCPSite(ops_runner, ops_host or host, ops_port, reuse_address=True))
     try:
-        for site in sites:
-            await site.start()
-        bound = [_bound(site) for site in sites]
+        bound = await start_sites(sites, unix_socket)
         _log.info(
             "listening",
             calls=bound[0],
             ops=bound[1] if len(bound) > 1 else None,
+            unix_socket=unix_socket,
             loop=loop_name(loop),
         )
         watcher.start()
@@ -283,12 +295,3 @@ async def serve(
         if ops_runner is not None:
             await ops_runner.cleanup()
         await runner.cleanup()
-
-
-def _bound(site: web.TCPSite) -> str:
-    server = site._server  # aiohttp exposes no public accessor for the bound socket
-    sockets = getattr(server, "sockets", None) or []
-    if sockets:
-        host, port = sockets[0].getsockname()[:2]
-        return f"{host}:{port}"
-    return site.name

@@ -266,6 +266,9 @@ class OtelCallTrace(CallTrace):
             attrs["egress.correlation_id"] = ctx.request.correlation_id
         if ctx.rate_limit_group is not None:
             attrs["egress.rate_limit_group"] = ctx.rate_limit_group
+        if ctx.chain is not None and ctx.chain.agents:  # agents calling agents
+            span.set_attribute("egress.call_chain", list(ctx.chain.agents))  # a string array
+            attrs["egress.call_chain.depth"] = ctx.chain.depth
         if response.status_code is not None:
             attrs["egress.upstream.status_code"] = response.status_code
         relayed = ctx.attempt_log.relayed

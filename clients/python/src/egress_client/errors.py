@@ -15,6 +15,7 @@ the code, so that ``except CapacityExceeded`` reads like the README's table::
     ├── CapacityExceeded        CAPACITY_EXCEEDED     429  yes
     ├── QuotaExhausted          QUOTA_EXHAUSTED       429  no
     ├── BudgetExceeded          BUDGET_EXCEEDED       429  no
+    ├── CallChainRefused        CALL_CHAIN_REFUSED    409  no
     ├── CircuitOpen             CIRCUIT_OPEN          503  yes
     ├── DependencyFailed        DEPENDENCY_FAILED     502  yes
     │   └── SidecarUnavailable  (client side) the sidecar could not be reached
@@ -141,6 +142,14 @@ class BudgetExceeded(EgressError):
     default_code = ErrorCode.BUDGET_EXCEEDED
 
 
+class CallChainRefused(EgressError):
+    """The call chain (agents calling agents) is refused: ``details.reason`` is
+    ``circular_call_detected``, ``max_depth_exceeded``, ``ttl_expired`` or
+    ``invalid_chain``; ``details.call_chain`` the agent ids, origin first."""
+
+    default_code = ErrorCode.CALL_CHAIN_REFUSED
+
+
 class CircuitOpen(EgressError):
     default_code = ErrorCode.CIRCUIT_OPEN
     default_retryable = True
@@ -212,6 +221,7 @@ ERROR_CLASSES: dict[str, type[EgressError]] = {
         CapacityExceeded,
         QuotaExhausted,
         BudgetExceeded,
+        CallChainRefused,
         CircuitOpen,
         DependencyFailed,
         AgentTimeout,
