@@ -31,6 +31,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/server/app.py",
             "gateway/api/http.py",
             "gateway/server/listeners.py",
+            "gateway/server/ops.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
@@ -46,6 +47,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/budgets.py",
             "gateway/policy/agents.py",
             "gateway/policy/chain.py",
+            "gateway/policy/controls.py",
             "gateway/policy/mcp.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from gateway import telemetry
 from gateway.agents import chain
+from gateway.agents.controls import Controls
 from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
@@ -91,8 +92,11 @@ class Pipeline:
         rng: random.Random | None = None,
         tracer: telemetry.Telemetry = telemetry.NO_TELEMETRY,
         budgets: Budgets | None = None,
+        controls: Controls | None = None,
     ) -> None:
         self.groups = groups
+        #: The stop switch and the repeated-call breaker (gateway.agents.controls).
+        self.controls = controls if controls is not None else Controls()
         #: Cost budgets (local unless built with a cluster) and the policy's prices.
         self.budgets = budgets if budgets is not None else Budgets(policy.policy.budgets)
         self.pricing = Pricing(policy.policy.prices)
@@ -204,12 +208,17 @@ class Pipeline:
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             request, relay = hooks.checked(request, decision.target, ctx, relay)
             ctx.request = request
+            # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
+            ctx.shadow_denied += await self.controls.check(
+                ctx.agent_id, decision.target.name, request, ctx.mcp
+            )
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
-            status, response = await self._call(policy, request, decision, ctx, deadline, relay)
+            with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+                status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = hooks.answered(ctx, response)
         except GatewayError as exc:
             status = answer_status(exc)

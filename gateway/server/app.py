@@ -9,12 +9,10 @@ Routes of the calls listener (loopback by default):
   envelope, answered as the provider would (:mod:`gateway.api.proxy`).
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
   target's ``mcp`` rules (:mod:`gateway.api.mcp`).
-* ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
-* ``GET /openapi.json``: this API as an OpenAPI 3.1 document (both listeners).
+* ``GET /healthz`` (alive), ``/readyz`` (ready), ``/openapi.json`` (both listeners).
 
-The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
-``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
-the calls API.
+The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
+``/metrics``, ``/openapi.json`` and the stop switch (:mod:`gateway.server.ops`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
 ``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.api.http.edge_errors`).
 """
@@ -36,6 +34,7 @@ from gateway.api.envelope import CALLS_PATH
 from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, Handler
 from gateway.audit import get_logger
 from gateway.errors import GatewayError, InvalidPayload
+from gateway.server import ops
 from gateway.server.eventloop import loop_name
 from gateway.server.listeners import calls_sites, start_sites
 from gateway.server.reload import PolicyWatcher
@@ -159,13 +158,14 @@ def create_app(
 
 
 def create_ops_app(gateway: Gateway) -> web.Application:
-    """Health, readiness and metrics only: safe to bind on the pod IP."""
+    """Health, readiness, metrics, the stop switch (operator token): safe on the pod IP."""
     app = web.Application(middlewares=[_json_errors])
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
+    ops.install(app, gateway)  # the stop switch's routes (operator token)
     return app
 
 
