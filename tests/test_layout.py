@@ -29,8 +29,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/upstream/client.py",
             "gateway/upstream/resolver.py",
             "gateway/server/app.py",
-            "gateway/server/proxy.py",
-            "gateway/server/mcp.py",
+            "gateway/api/http.py",
             "gateway/server/listeners.py",
             "gateway/server/ops.py",
         }
@@ -90,7 +89,6 @@ LONG_FUNCTIONS: frozenset[str] = frozenset(
         "gateway/call/attempts.py::Attempts.run",
         "gateway/call/mcp.py::mcp_intake",
         "gateway/call/pipeline.py::Pipeline._forward",
-        "gateway/call/pipeline.py::Pipeline._run",
         "gateway/call/proxy.py::proxy_intake",
         "gateway/call/record.py::audit_record",
         "gateway/call/relay.py::relay_stream",
