@@ -37,7 +37,7 @@ from gateway.call.intake import (
 from gateway.call.outbound import build as build_outbound
 from gateway.call.outbound import credential, with_credential
 from gateway.call.proxy import ProxyRequest, proxy_intake
-from gateway.call.record import CLAIMED, CallContext, audit_record, observe
+from gateway.call.record import CLAIMED, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
@@ -60,6 +60,7 @@ from gateway.policy.egress import Decision
 from gateway.policy.refs import SecretRef
 from gateway.providers import estimate_tokens, extract_usage
 from gateway.ratelimit import RateLimitGroups
+from gateway.record import CallRecord, audit_record
 from gateway.secrets import ResolvedSecret, SecretResolvers
 from gateway.upstream import Credential, Upstream
 
@@ -231,8 +232,7 @@ class Pipeline:
                 )
         finally:
             if response is not None:
-                self._write_audit(ctx, response)
-                trace.end(ctx, status, response)
+                trace.end(self._write_audit(ctx, response), status, response)
         return status, response
 
     @staticmethod
@@ -444,14 +444,17 @@ class Pipeline:
             ),
         )
 
-    def _write_audit(self, ctx: CallContext, response: ExternalCallResponse) -> None:
-        for record in mcp.audit_records(ctx, audit_record(ctx, response)):
+    def _write_audit(self, ctx: CallContext, response: ExternalCallResponse) -> CallRecord:
+        """Freeze the call into its record; write its audit record(s) and metrics."""
+        call = ctx.record()
+        for record in mcp.audit_records(ctx, audit_record(call, response)):
             self.audit.call(record)
             if ctx.mcp is not None:
                 self.metrics.observe_mcp(
                     record[Fields.TARGET_SYSTEM], *mcp.metric_labels(ctx, record)
                 )
-        observe(self.metrics, ctx, response)
+        observe(self.metrics, call, response)
+        return call
 
 
 def _interrupted_error(ctx: CallContext) -> GatewayError:

@@ -1,0 +1,221 @@
+"""One call's record: what every stage learned, frozen at the call's end (pure).
+
+The pipeline's stages each return what they learned; at the end of a call they are
+frozen into one :class:`CallRecord`, which feeds the audit record (:func:`audit_record`,
+field names: :class:`gateway.audit.schema.Fields`), the metrics
+(:func:`gateway.call.record.observe`) and the call's span
+(:meth:`gateway.telemetry.CallTrace.end`). It lives below them all, so that telemetry,
+audit and metrics read a call without importing the pipeline (:mod:`gateway.call`).
+
+:class:`LiveCall` is what a call's trace may read while the call runs (its start, its
+envelope and target once known); :func:`refusal_record` is the record of an answer the
+server gave before the envelope was read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal, Protocol
+
+from gateway.audit.schema import Fields as F
+from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
+from gateway.policy import CompiledTarget
+from gateway.policy.egress import origin_label
+from gateway.providers import TokenUsage
+from gateway.providers.mcp import McpExchange
+
+#: Envelope fields copied into the audit record (under the same names), even from an
+#: envelope that failed validation (as strings, cut to CLAIM_LIMIT characters).
+CLAIMED: Final = (
+    F.TRACE_ID,
+    F.CORRELATION_ID,
+    F.TARGET_SYSTEM,
+    F.ENDPOINT,
+    F.METHOD,
+    F.AGENT_ID,
+)
+CLAIM_LIMIT: Final = 256
+
+Api = Literal["envelope", "proxy", "mcp"]
+
+
+class LiveCall(Protocol):
+    """A call while it runs, as its trace reads it: ``started`` (``time.monotonic()``
+    seconds), the envelope and the target (None until the call has them)."""
+
+    @property
+    def started(self) -> float: ...
+
+    @property
+    def request(self) -> ExternalCallRequest | None: ...
+
+    @property
+    def target(self) -> CompiledTarget | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFacts:
+    """An answer relayed as a stream: its events, the seconds from the call's start to
+    its first byte (None: nothing relayed), the model its events name (None: none)."""
+
+    events: int
+    first_byte_s: float | None
+    response_model: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """What one call learned, frozen at its end (built by
+    :meth:`gateway.call.record.CallContext.record`). Durations are seconds, sizes bytes,
+    costs USD; None is unknown or not applicable. ``warnings`` and ``shadow_denied``
+    (``kind:name``) gather every stage's; ``decision`` is the egress decision
+    (``invalid``, ``denied``, ``allowed``), ``replayed`` an idempotent replay."""
+
+    started: float
+    agent_id: str
+    api: Api
+    request: ExternalCallRequest | None
+    target: CompiledTarget | None
+    #: Identifiers read from an envelope that failed validation.
+    claimed: Mapping[str, str]
+    decision: str
+    replayed: bool
+    api_key_ref: str | None
+    rate_limit_group: str | None
+    idempotency_key: str | None
+    traceparent: str | None
+    request_bytes: int
+    request_sha256: str | None
+    usage: TokenUsage | None
+    cost_usd: float | None
+    cost_reason: str | None
+    cost_model: str | None
+    cost_source: str | None
+    budgets: list[str]
+    warnings: list[str]
+    shadow_denied: list[str]
+    attempts: int
+    upstream_latency_s: float | None
+    response_bytes: int | None
+    rate_limit_wait_s: float
+    stream: StreamFacts | None
+    #: An exchange with an MCP target: its JSON-RPC messages and their outcomes.
+    mcp: McpExchange | None
+
+
+def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
+    """The audit record of a call that ended with ``response`` (schema v1)."""
+    request, target, usage, error, stream = (
+        call.request,
+        call.target,
+        call.usage,
+        response.error,
+        call.stream,
+    )
+    trace_id: str | None
+    correlation_id: str | None
+    target_system: str | None
+    endpoint: str | None
+    method: str | None
+    if request is not None:
+        agent_id, trace_id, correlation_id = call.agent_id, request.trace_id, request.correlation_id
+        target_system, endpoint, method = request.target_system, request.endpoint, request.method
+    else:  # an envelope that failed validation: the ids it claimed, if any
+        claimed = call.claimed
+        agent_id = claimed.get(F.AGENT_ID) or call.agent_id
+        trace_id, correlation_id = claimed.get(F.TRACE_ID), claimed.get(F.CORRELATION_ID)
+        target_system, endpoint = claimed.get(F.TARGET_SYSTEM), claimed.get(F.ENDPOINT)
+        method = claimed.get(F.METHOD)
+    warnings = [*call.warnings]
+    if error is not None and error.code is ErrorCode.EGRESS_DENIED:
+        warnings.append(f"egress denied: {error.message}")  # the destination, for auditors
+    shadow = [*call.shadow_denied]
+    decision = "replayed" if call.replayed else call.decision
+    if shadow and decision == "allowed":
+        decision = "shadow_denied"
+    latency = call.upstream_latency_s
+    return {
+        F.AGENT_ID: agent_id,
+        F.TRACE_ID: trace_id,
+        F.CORRELATION_ID: correlation_id,
+        F.TARGET_SYSTEM: target_system,
+        F.ENDPOINT: endpoint,
+        F.METHOD: method,
+        F.UPSTREAM: origin_label(target.base_url) if target else None,
+        F.DECISION: decision,
+        F.SUCCESS: response.success,
+        F.STATUS_CODE: response.status_code,
+        F.ERROR_CODE: error.code.value if error else None,
+        F.RETRYABLE: error.retryable if error else None,
+        F.ATTEMPTS: call.attempts,
+        F.LATENCY_MS: response.latency_ms,
+        F.UPSTREAM_LATENCY_MS: round(latency * 1000, 3) if latency is not None else None,
+        F.TOKENS_USED: usage.total if usage else None,
+        F.TOKENS_INPUT: usage.input if usage else None,
+        F.TOKENS_OUTPUT: usage.output if usage else None,
+        F.TOKENS_CACHED: usage.cached if usage else None,
+        F.REQUEST_BYTES: call.request_bytes,
+        F.REQUEST_SHA256: call.request_sha256,
+        F.RESPONSE_BYTES: call.response_bytes,
+        F.API_KEY_REF: call.api_key_ref,
+        F.RATE_LIMIT_GROUP: call.rate_limit_group,
+        F.RATE_LIMIT_WAIT_MS: round(call.rate_limit_wait_s * 1000, 3),
+        F.IDEMPOTENCY_KEY: call.idempotency_key,
+        F.REPLAYED: call.replayed,
+        F.WARNINGS: warnings,
+        F.METADATA: request.metadata if request else {},
+        F.TRACEPARENT: call.traceparent,
+        # Set by refusal_record only: the pipeline's calls came in as POST /v1/calls.
+        F.HTTP_METHOD: None,
+        F.HTTP_PATH: None,
+        F.HTTP_STATUS: None,
+        F.STREAM: stream is not None,
+        F.STREAM_EVENTS: stream.events if stream is not None else None,
+        F.TIME_TO_FIRST_BYTE_MS: (
+            round(stream.first_byte_s * 1000, 3)
+            if stream is not None and stream.first_byte_s is not None
+            else None
+        ),
+        F.TOKENS_REASONING: usage.reasoning if usage else None,
+        F.API: call.api,
+        F.COST_USD: round(call.cost_usd, 9) if call.cost_usd is not None else None,
+        F.COST_REASON: "replayed" if call.replayed else call.cost_reason,
+        F.COST_MODEL: call.cost_model,
+        F.COST_SOURCE: call.cost_source,
+        F.BUDGETS: [*call.budgets],
+        F.SHADOW_DENIED: shadow,
+        # Set per JSON-RPC request by gateway.call.mcp.audit_records.
+        F.MCP_METHOD: None,
+        F.MCP_TOOL: None,
+        F.MCP_REQUEST_ID: None,
+        F.MCP_IS_ERROR: None,
+        F.MCP_ERROR_CODE: None,
+    }
+
+
+def refused(agent_id: str) -> CallRecord:
+    """The record of a call that never started (nothing learned but its agent)."""
+    return CallRecord(
+        0.0, agent_id, "envelope", None, None, {}, "invalid", False, None, None, None, None,
+        0, None, None, None, None, None, None, [], [], [], 0, None, None, 0.0, None, None,
+    )  # fmt: skip
+
+
+def refusal_record(
+    agent_id: str,
+    response: ExternalCallResponse,
+    *,
+    http_method: str,
+    http_path: str,
+    http_status: int,
+) -> dict[str, Any]:
+    """The audit record of an answer given before the envelope was read (an unknown
+    route, a method not allowed, a body too large or unreadable): decision ``invalid``,
+    the answer's error code, the sidecar's own request line (``http_path`` without its
+    query, both cut to 256 characters) and ``http_status``; nothing of the body."""
+    record = audit_record(refused(agent_id), response)
+    record[F.HTTP_METHOD] = http_method[:CLAIM_LIMIT]
+    record[F.HTTP_PATH] = http_path[:CLAIM_LIMIT]
+    record[F.HTTP_STATUS] = http_status
+    return record
