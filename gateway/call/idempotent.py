@@ -32,14 +32,38 @@ from gateway.idempotency.keys import fingerprint, store_key
 
 _log = get_logger("gateway.pipeline")
 
-#: The envelope JSON of the answer :func:`once_per_key` last stored on the envelope route,
-#: for the server to send as it is (:func:`rendered`) instead of writing the same answer a
-#: second time: (a weak reference to the answer, its ``model_dump_json()`` bytes). One
-#: slot: the server takes it in the same step of the event loop (no await between the
-#: pipeline's return and the answer's writing), so calls cannot overwrite each other's.
-#: An answer the server does not write after all (a failure replaced it) leaves its bytes
-#: here until the next one: at most one answer's.
-_rendered: tuple[weakref.ref[ExternalCallResponse], bytes] | None = None
+
+class Rendered:
+    """The JSON bytes of the answer :func:`once_per_key` stored last on the envelope
+    route, kept so that the server sends them as they are instead of writing the same
+    answer a second time (one serialisation per call). One slot, held by the pipeline
+    (gone with it): the server takes it in the same step of the event loop (no await
+    between the pipeline's return and the answer's writing), so calls cannot overwrite
+    each other's; an answer the server does not write after all (a failure replaced
+    it) leaves its bytes here until the next one: at most one answer's."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple[weakref.ref[ExternalCallResponse], bytes] | None = None
+
+    def keep(self, response: ExternalCallResponse, body: bytes) -> None:
+        """Remember ``body``, the bytes of ``response.model_dump_json()``."""
+        self._last = (weakref.ref(response), body)
+
+    def take(self, response: ExternalCallResponse) -> bytes | None:
+        """The bytes of ``response.model_dump_json()`` if they were kept for this answer
+        (the same object, not an equal one), else None. Taken once."""
+        last = self._last
+        if last is None or last[0]() is not response:
+            return None
+        self._last = None
+        return last[1]
+
+    @property
+    def empty(self) -> bool:
+        """Nothing kept (or what was kept was taken)."""
+        return self._last is None
 
 
 async def once_per_key(
@@ -53,12 +77,14 @@ async def once_per_key(
     forward: Callable[[], Awaitable[ExternalCallResponse]],
     failure: Callable[[GatewayError], ExternalCallResponse],
     relay: Relay | None = None,
+    rendered: Rendered | None = None,
 ) -> tuple[int, ExternalCallResponse]:
     """Run ``forward`` at most once for ``ctx.idempotency_key`` on ``target``; returns
     (HTTP status, answer). Raises :class:`IdempotencyConflict` for a reused key, AGENT_
     TIMEOUT when an identical call in flight outlasts the deadline, and whatever
     ``forward`` raises (``failure`` builds the answer stored for an UPSTREAM_REJECTED).
-    A stored streamed answer is replayed to ``relay`` as its stream when one is given."""
+    A stored streamed answer is replayed to ``relay`` as its stream when one is given;
+    the JSON of a stored envelope answer is kept in ``rendered`` for the server."""
     assert ctx.idempotency_key is not None
     key = store_key(target, ctx.idempotency_key)
     fp = fingerprint(
@@ -105,26 +131,13 @@ async def once_per_key(
     except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
         response = _unrenderable(response, exc, ctx)
         body = response.model_dump_json().encode()
-    if ctx.api == "envelope" and ctx.mcp is None:
+    if rendered is not None and ctx.api == "envelope" and ctx.mcp is None:
         # The agent gets these same bytes. Not for an MCP exchange, whose data would be
         # filtered in place after this (the policy refuses idempotency on MCP targets
         # today), nor the other routes, which write answers of their own.
-        global _rendered  # one slot, taken by the server at once
-        _rendered = (weakref.ref(response), body)
+        rendered.keep(response, body)
     await settle(store, key, token, _stored(200, body, ctx.stream_body), ttl_s, ctx)
     return 200, response
-
-
-def rendered(response: ExternalCallResponse) -> bytes | None:
-    """The bytes of ``response.model_dump_json()`` if :func:`once_per_key` wrote them when
-    it stored ``response`` (the same answer, the same serialisation), else None. Taken
-    once: a second call for the same answer gives None."""
-    global _rendered  # one slot
-    last = _rendered
-    if last is None or last[0]() is not response:
-        return None
-    _rendered = None
-    return last[1]
 
 
 async def replay(

@@ -25,7 +25,7 @@ from gateway.budgets import Budgets
 from gateway.call import mcp, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
-from gateway.call.idempotent import answer_status, once_per_key
+from gateway.call.idempotent import Rendered, answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
     decode_json,
@@ -34,8 +34,8 @@ from gateway.call.intake import (
     printable,
     refuse_lone_surrogates,
 )
+from gateway.call.outbound import Credentials, with_credential
 from gateway.call.outbound import build as build_outbound
-from gateway.call.outbound import credential, with_credential
 from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, observe
 from gateway.call.relay import Relay
@@ -106,6 +106,10 @@ class Pipeline:
         self.tracer = tracer
         #: Set by the runtime when it cancels calls that outlived the drain time.
         self.aborting = False
+        #: Each target's credential, per secret (rebuilt on reload, gone with the pipeline).
+        self.credentials = Credentials()
+        #: The JSON of the answer an idempotent call stored last, for the server to send.
+        self.rendered = Rendered()
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with."""
@@ -116,6 +120,7 @@ class Pipeline:
         self.breakers.update(breaker_specs(policy.policy.targets))
         self.budgets.update(policy.policy.budgets)
         self.pricing = Pricing(policy.policy.prices)
+        self.credentials = Credentials()  # the old targets' secrets are not kept
 
     async def handle(
         self, body: bytes, *, refuse: GatewayError | None = None, relay: Relay | None = None
@@ -306,6 +311,7 @@ class Pipeline:
             forward=lambda: self._forward(policy, request, decision, ctx, deadline, relay),
             failure=lambda exc: self._failure(exc, ctx),
             relay=relay,
+            rendered=self.rendered,
         )
 
     async def _forward(
@@ -337,7 +343,7 @@ class Pipeline:
             upstream=self.upstream,
             target=target,
             request=request,
-            outbound=with_credential(draft, target, resolved),
+            outbound=with_credential(draft, target, resolved, self.credentials),
             deadline=deadline,
             has_idempotency_key=ctx.idempotency_key is not None,
             rng=self._rng,
@@ -401,7 +407,8 @@ class Pipeline:
         async def refresh() -> Credential | None:
             assert decision.ref is not None
             self.resolvers.invalidate(decision.ref)
-            return credential(decision.target, await self._resolve(decision.ref, ctx, deadline))
+            resolved = await self._resolve(decision.ref, ctx, deadline)
+            return self.credentials.of(decision.target, resolved)
 
         return refresh
 

@@ -32,7 +32,6 @@ from aiohttp.http_exceptions import ContentEncodingError
 
 from gateway import openapi, redaction
 from gateway.audit import get_logger
-from gateway.call.idempotent import rendered
 from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
@@ -74,10 +73,11 @@ _log = get_logger("gateway.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
-    # An answer just stored for its idempotency key was written as JSON for the store:
-    # the same bytes, not a second serialisation.
-    raw = rendered(response)
+def _json_answer(
+    status: int, response: ExternalCallResponse, raw: bytes | None = None
+) -> web.Response:
+    # An answer just stored for its idempotency key was written as JSON for the store
+    # (``raw``): the same bytes, not a second serialisation.
     if raw is None:
         try:
             raw = response.model_dump_json().encode()
@@ -156,7 +156,8 @@ async def _calls(request: web.Request) -> web.StreamResponse:
         return _error_answer(InternalError("the sidecar failed unexpectedly"), started, request)
     if relay is not None and relay.started:
         return await relay.finish(response)
-    return _json_answer(status, response)
+    pipeline = gateway.pipeline
+    return _json_answer(status, response, pipeline.rendered.take(response) if pipeline else None)
 
 
 def _wants_stream(request: web.Request) -> bool:
