@@ -15,16 +15,14 @@ import asyncio
 import random
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from gateway import telemetry
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
-from gateway.call import mcp, spend
-from gateway.call.attempts import Attempts, deadline_error
-from gateway.call.bodies import is_stream_form, parse_body
+from gateway.call import mcp, send
 from gateway.call.idempotent import Rendered, answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
@@ -34,15 +32,13 @@ from gateway.call.intake import (
     printable,
     refuse_lone_surrogates,
 )
-from gateway.call.outbound import Credentials, with_credential
-from gateway.call.outbound import build as build_outbound
+from gateway.call.outbound import Credentials
 from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
-    CapacityExceeded,
     GatewayError,
     InternalError,
     InvalidPayload,
@@ -57,12 +53,10 @@ from gateway.metrics import Metrics
 from gateway.policy import IdempotencySpec, PolicySet
 from gateway.policy import egress as egress_rules
 from gateway.policy.egress import Decision
-from gateway.policy.refs import SecretRef
-from gateway.providers import estimate_tokens, extract_usage
 from gateway.ratelimit import RateLimitGroups
 from gateway.record import CallRecord, audit_record
-from gateway.secrets import ResolvedSecret, SecretResolvers
-from gateway.upstream import Credential, Upstream
+from gateway.secrets import SecretResolvers
+from gateway.upstream import Upstream
 
 _log = get_logger("gateway.pipeline")
 
@@ -101,7 +95,7 @@ class Pipeline:
         self.upstream = upstream
         self.audit = audit
         self.metrics = metrics
-        self._rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
+        self.rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
         #: Traces of the calls (gateway.telemetry); the no-op unless tracing is on.
         self.tracer = tracer
         #: Set by the runtime when it cancels calls that outlived the drain time.
@@ -323,118 +317,8 @@ class Pipeline:
         deadline: float,
         relay: Relay | None = None,
     ) -> ExternalCallResponse:
-        target = decision.target
-        draft, digest = build_outbound(
-            request,
-            target,
-            idempotency_key=ctx.idempotency_key,
-            digest=policy.policy.audit.payloads == "summary",  # "none": no hash either
-        )
-        if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
-            draft.headers = {**ctx.passthrough_headers, **draft.headers}
-        ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
-        ctx.traceparent = draft.headers["traceparent"]
-        group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
-        reserved = 0
-        if group is not None and group.spec.tokens_per_minute:
-            reserved = estimate_tokens(request.parameters)
-        resolved = await self._resolve(decision.ref, ctx, deadline)
-        attempts = Attempts(
-            upstream=self.upstream,
-            target=target,
-            request=request,
-            outbound=with_credential(draft, target, resolved, self.credentials),
-            deadline=deadline,
-            has_idempotency_key=ctx.idempotency_key is not None,
-            rng=self._rng,
-            relay=relay,
-            started=ctx.started,
-            max_response_bytes=policy.policy.server.max_response_bytes,
-            group=group,
-            tokens_reserved=reserved,
-            breaker=self.breakers.get(target.name),
-            refresh_credential=(
-                self._refresher(decision, ctx, deadline)
-                if resolved is not None and resolved.from_cache
-                else None
-            ),
-        )
-        ctx.attempt_log = attempts.log
-        # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
-        cost = await spend.reserve(self.budgets, self.pricing, request, target, ctx)
-        attempts.before_resend = lambda: spend.rebook(self.budgets, cost, ctx)
-        try:
-            answer = await attempts.run()
-        except BaseException as exc:
-            spend.settle_failed(self.budgets, cost, ctx, sent=attempts.log.sent)
-            if group is not None:
-                if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
-                    self.metrics.observe_ratelimit_rejection(group.name)
-                if attempts.log.admitted:
-                    group.reconcile(reserved, 0)  # no answer, no usage: refund the estimate
-            raise
-        finally:
-            if group is not None:
-                self.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
-        relayed = attempts.log.relayed
-        if relayed is not None:
-            data, ctx.usage = None, relayed.judge.usage()  # the agent has had the events
-            if relayed.kept is not None:
-                ctx.stream_body = bytes(relayed.kept)
-        else:
-            data, _ = parse_body(answer.content_type, answer.body, answer.status)
-            ctx.usage = extract_usage(target.spec.usage, data)
-            if ctx.idempotency_key is not None and is_stream_form(data):
-                ctx.stream_body = answer.body
-        spend.settle(self.budgets, cost, ctx)
-        if group is not None and ctx.usage is not None:
-            # Unknown usage keeps the reservation: the upstream answered, so tokens were
-            # spent, and a refund would let the group overspend (design.md).
-            group.reconcile(reserved, ctx.usage.total)
-        return ExternalCallResponse(
-            success=True,
-            status_code=answer.status,
-            data=data,
-            latency_ms=round((time.monotonic() - ctx.started) * 1000, 3),
-            tokens_used=ctx.usage.total if ctx.usage else None,
-            trace_id=request.trace_id,
-            correlation_id=request.correlation_id,
-        )
-
-    def _refresher(
-        self, decision: Decision, ctx: CallContext, deadline: float
-    ) -> Callable[[], Awaitable[Credential | None]]:
-        async def refresh() -> Credential | None:
-            assert decision.ref is not None
-            self.resolvers.invalidate(decision.ref)
-            resolved = await self._resolve(decision.ref, ctx, deadline)
-            return self.credentials.of(decision.target, resolved)
-
-        return refresh
-
-    async def _resolve(
-        self, ref: SecretRef | None, ctx: CallContext, deadline: float
-    ) -> ResolvedSecret | None:
-        if ref is None:
-            return None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise deadline_error("resolving the secret")
-        with telemetry.current().span(telemetry.CREDENTIAL_RESOLVE, ref.scheme):
-            if self.resolvers.is_local(ref.scheme):
-                resolved = await self.resolvers.resolve(ref)  # a file or the environment
-            else:
-                try:
-                    async with asyncio.timeout(remaining):
-                        resolved = await self.resolvers.resolve(ref)
-                except TimeoutError:
-                    raise deadline_error("resolving the secret") from None
-        ctx.warnings.extend(resolved.warnings)
-        if ref.scheme == "vault":  # the only cached scheme
-            self.metrics.observe_secret_cache(
-                "stale" if resolved.warnings else "hit" if resolved.from_cache else "miss"
-            )
-        return resolved
+        """Send the call upstream (:func:`gateway.call.send.forward`)."""
+        return await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     # -- answers and audit ----------------------------------------------------------------
 
