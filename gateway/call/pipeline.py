@@ -1,7 +1,12 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
-    intake -> egress decision -> idempotency -> rate-limit group -> circuit breaker
-    -> secret -> upstream attempts (retries, backoff, Retry-After) -> usage -> answer
+    intake -> egress decision -> idempotency -> [send: outbound request -> secret
+    -> cost reservation -> attempts (rate-limit group, circuit breaker, upstream,
+    retries: :mod:`gateway.call.retry`) -> usage and cost] -> answer -> record
+
+The send stage is :mod:`gateway.call.send`; the record is one frozen
+:class:`gateway.record.CallRecord`, from which the audit record, the metrics and the
+call's span are written.
 
 Every call, whatever happens, ends with exactly one :class:`ExternalCallResponse` and
 exactly one audit record (written in a ``finally``). A bug inside the sidecar becomes an
