@@ -15,8 +15,7 @@ server gave before the envelope was read.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, NamedTuple, Protocol
 
 from gateway.audit.schema import Fields as F
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
@@ -54,8 +53,7 @@ class LiveCall(Protocol):
     def target(self) -> CompiledTarget | None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class StreamFacts:
+class StreamFacts(NamedTuple):
     """An answer relayed as a stream: its events, the seconds from the call's start to
     its first byte (None: nothing relayed), the model its events name (None: none)."""
 
@@ -64,10 +62,10 @@ class StreamFacts:
     response_model: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class CallRecord:
+class CallRecord(NamedTuple):
     """What one call learned, frozen at its end (built by
-    :meth:`gateway.call.record.CallContext.record`). Durations are seconds, sizes bytes,
+    :meth:`gateway.call.record.CallContext.record`; a named tuple: built at a tenth of
+    a frozen dataclass's cost, once per call). Durations are seconds, sizes bytes,
     costs USD; None is unknown or not applicable. ``warnings`` and ``shadow_denied``
     (``kind:name``) gather every stage's; ``decision`` is the egress decision
     (``invalid``, ``denied``, ``allowed``), ``replayed`` an idempotent replay."""
@@ -127,10 +125,10 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         trace_id, correlation_id = claimed.get(F.TRACE_ID), claimed.get(F.CORRELATION_ID)
         target_system, endpoint = claimed.get(F.TARGET_SYSTEM), claimed.get(F.ENDPOINT)
         method = claimed.get(F.METHOD)
-    warnings = [*call.warnings]
+    warnings = call.warnings  # built for this record (CallContext.record)
     if error is not None and error.code is ErrorCode.EGRESS_DENIED:
-        warnings.append(f"egress denied: {error.message}")  # the destination, for auditors
-    shadow = [*call.shadow_denied]
+        warnings = [*warnings, f"egress denied: {error.message}"]  # the destination
+    shadow = [*call.shadow_denied]  # a list of its own (the record's may be the context's)
     decision = "replayed" if call.replayed else call.decision
     if shadow and decision == "allowed":
         decision = "shadow_denied"

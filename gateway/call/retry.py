@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
 from gateway.envelope import IDEMPOTENT_METHODS
 from gateway.providers.base import ErrorHint
@@ -88,8 +87,7 @@ def transport_retryable(
     return listed, False
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(NamedTuple):
     """One attempt's outcome, as :func:`next_step` reads it.
 
     ``error`` None is a success (the answer is the call's), unless ``refreshed``: a
@@ -120,8 +118,7 @@ class Outcome:
 DONE: Final = Outcome()
 
 
-@dataclass(frozen=True, slots=True)
-class RetryBudget:
+class RetryBudget(NamedTuple):
     """What a call may spend on retries: ``retries`` (the envelope's ``max_retries``
     within the target's), its ``deadline`` (``time.monotonic()`` seconds) and the
     target's backoff (base and cap, seconds)."""
@@ -137,8 +134,7 @@ Action = Literal["retry", "stop"]
 Reason = Literal["done", "refreshed", "not_retryable", "no_retries_left", "deadline", "backoff"]
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
+class Step(NamedTuple):
     """What to do after an attempt: ``retry`` after sleeping ``wait_s`` (None: at once,
     without yielding), booking the last attempt first when ``resend``, counting it as a
     retry when ``counted``; or ``stop`` with the outcome's answer or error. A ``stop``
@@ -152,6 +148,13 @@ class Step:
     counted: bool = True
 
 
+# The steps that carry nothing of their own, made once (the first is every good call's).
+_DONE: Final = Step("stop", "done")
+_REFRESHED: Final = Step("retry", "refreshed", counted=False)
+_NOT_RETRYABLE: Final = Step("stop", "not_retryable")
+_NO_RETRIES_LEFT: Final = Step("stop", "no_retries_left")
+
+
 def next_step(
     outcome: Outcome, retry_number: int, budget: RetryBudget, now: float, rng: random.Random
 ) -> Step:
@@ -160,13 +163,13 @@ def next_step(
     attempt); ``now`` is ``time.monotonic()``. A wait that would reach the deadline
     stops the call instead of sleeping into it."""
     if outcome.refreshed:
-        return Step("retry", "refreshed", counted=False)
+        return _REFRESHED
     if outcome.error is None:
-        return Step("stop", "done")
+        return _DONE
     if not outcome.retryable:
-        return Step("stop", "not_retryable")
+        return _NOT_RETRYABLE
     if retry_number >= budget.retries:
-        return Step("stop", "no_retries_left")
+        return _NO_RETRIES_LEFT
     wait = outcome.retry_after_s
     if wait is None:
         wait = backoff_s(retry_number, budget.backoff_base_s, budget.backoff_max_s, rng)
