@@ -286,7 +286,7 @@ class Pipeline:
             return await self._idempotent(
                 policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
-        return 200, await self._forward(policy, request, decision, ctx, deadline, relay)
+        return 200, await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
         self,
@@ -307,23 +307,11 @@ class Pipeline:
             ctx,
             deadline=deadline,
             ttl_s=idempotency.ttl_s,
-            forward=lambda: self._forward(policy, request, decision, ctx, deadline, relay),
+            forward=lambda: send.forward(self, policy, request, decision, ctx, deadline, relay),
             failure=lambda exc: self._failure(exc, ctx),
             relay=relay,
             rendered=self.rendered,
         )
-
-    async def _forward(
-        self,
-        policy: PolicySet,
-        request: ExternalCallRequest,
-        decision: Decision,
-        ctx: CallContext,
-        deadline: float,
-        relay: Relay | None = None,
-    ) -> ExternalCallResponse:
-        """Send the call upstream (:func:`gateway.call.send.forward`)."""
-        return await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     # -- answers and audit ----------------------------------------------------------------
 

@@ -114,13 +114,15 @@ async def _reserve(
         group=ctx.rate_limit_group,
         agent_id=ctx.agent_id,
     )
-    ctx.cost_model, ctx.cost_source = cost.price.model, cost.source
+    rates = cost.price.rates
+    ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
     try:
         await spend.reserve(pipe.budgets, cost, request)
     finally:
         if cost.refused:
             ctx.decision, ctx.cost_reason = "denied", "not_sent"
-        _noted(ctx, cost, again=False)
+        if cost.warnings or cost.shadow_denied:
+            _noted(ctx, cost, again=False)
     ctx.budgets = cost.budgets
     return cost
 
@@ -128,7 +130,8 @@ async def _reserve(
 async def _rebook(pipe: Pipeline, cost: spend.Spend, ctx: CallContext) -> None:
     """Before resending an attempt the upstream may have acted on: reserve again."""
     await spend.rebook(pipe.budgets, cost)
-    _noted(ctx, cost, again=True)
+    if cost.warnings or cost.shadow_denied:
+        _noted(ctx, cost, again=True)
 
 
 async def _attempt_all(
@@ -232,8 +235,6 @@ async def resolve(
 def _noted(ctx: CallContext, cost: spend.Spend, *, again: bool) -> None:
     """The cost stage's new warnings and shadow denials into the record; ``again`` (a
     resend's booking) adds a shadow denial only once."""
-    if not (cost.warnings or cost.shadow_denied):
-        return
     warnings, shadow = cost.take_notes()
     ctx.warnings.extend(warnings)
     if not again:

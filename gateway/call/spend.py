@@ -67,12 +67,6 @@ class Spend:
     warnings: list[str] = field(default_factory=list)
     shadow_denied: list[str] = field(default_factory=list)
 
-    @property
-    def source(self) -> str | None:
-        """Where the price came from (None: no price)."""
-        rates = self.price.rates
-        return rates.source if rates else None
-
     def take_notes(self) -> tuple[list[str], list[str]]:
         """The warnings and shadow denials since the last take (then forgotten)."""
         notes = self.warnings, self.shadow_denied
