@@ -189,7 +189,9 @@ class Attempts:
         log.response_bytes = len(answer.body)
         if 200 <= answer.status < 300:
             self._feed_back(answer, None)
-            return await self._success_outcome(answer), answer
+            if answer.stream is not None:
+                return await self._relayed_outcome(answer), answer
+            return self._assembled_outcome(answer), answer
         return await self._status_outcome(answer), answer
 
     def _transport_outcome(self, exc: TransportError) -> Outcome:
@@ -206,26 +208,30 @@ class Attempts:
             return Outcome(self._unknown_outcome(exc))
         return Outcome(self._transport_failure(exc), retryable, resend=exc.sent)
 
-    async def _success_outcome(self, answer: UpstreamResponse) -> Outcome:
-        """A 2xx answer: done, unless it is a stream (relayed or read whole) whose end
-        calls for an error; the upstream did act, so it is sent again only when that is
-        safe, as for a lost answer, and never once an event has been relayed."""
-        if answer.stream is not None:
-            judged = await self._relay(answer)
-            relayed = self.relay is not None and self.relay.started
-        else:
-            judged, _ = judge_body(
-                self.target.spec.usage,
-                self.target.name,
-                answer.content_type,
-                answer.body,
-                answer.status,
-                cut=answer.cut,
-            )
-            relayed = False
+    async def _relayed_outcome(self, answer: UpstreamResponse) -> Outcome:
+        """A 2xx stream relayed to the agent: done, unless its end calls for an error;
+        the upstream did act, so it is sent again only when that is safe, as for a lost
+        answer, and never once an event has been relayed."""
+        judged = await self._relay(answer)
         if judged is None:
             return DONE
+        relayed = self.relay is not None and self.relay.started
         return Outcome.stream_end(judged, relayed=relayed, safe_to_resend=self._safe_to_resend())
+
+    def _assembled_outcome(self, answer: UpstreamResponse) -> Outcome:
+        """A 2xx answer read whole: done, unless it is a stream whose end calls for an
+        error (retried as a relayed one that reached nobody)."""
+        judged, _ = judge_body(
+            self.target.spec.usage,
+            self.target.name,
+            answer.content_type,
+            answer.body,
+            answer.status,
+            cut=answer.cut,
+        )
+        if judged is None:
+            return DONE
+        return Outcome.stream_end(judged, relayed=False, safe_to_resend=self._safe_to_resend())
 
     async def _status_outcome(self, answer: UpstreamResponse) -> Outcome:
         """A non-2xx answer: its error (:func:`status_error`), retryable as the target's

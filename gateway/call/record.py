@@ -23,6 +23,8 @@ from gateway.record import CLAIM_LIMIT, CLAIMED, Api, CallRecord, StreamFacts, r
 from gateway.record import audit_record as record_of_call
 from gateway.telemetry.genai import outcome_of, token_counts
 
+_new_record = tuple.__new__
+
 __all__ = [
     "CLAIMED",
     "CLAIM_LIMIT",
@@ -89,35 +91,39 @@ class CallContext:
         shadow = self.shadow_denied
         if log.shadow_denied:
             shadow = [*shadow, *(f"rate_limit_group:{g}" for g in log.shadow_denied)]
-        return CallRecord(
-            self.started,
-            self.agent_id,
-            self.api,
-            self.request,
-            self.target,
-            self.claimed,
-            self.decision,
-            self.replayed,
-            self.api_key_ref,
-            self.rate_limit_group,
-            self.idempotency_key,
-            self.traceparent,
-            self.request_bytes,
-            self.request_sha256,
-            self.usage,
-            self.cost_usd,
-            self.cost_reason,
-            self.cost_model,
-            self.cost_source,
-            self.budgets,
-            [*self.warnings, *log.warnings],
-            shadow,
-            log.attempts,
-            log.upstream_latency_s,
-            log.response_bytes,
-            log.rate_limit_wait_s,
-            stream,
-            self.mcp,
+        # tuple.__new__: the named tuple without its Python-level __new__ (once per call)
+        return _new_record(
+            CallRecord,
+            (
+                self.started,
+                self.agent_id,
+                self.api,
+                self.request,
+                self.target,
+                self.claimed,
+                self.decision,
+                self.replayed,
+                self.api_key_ref,
+                self.rate_limit_group,
+                self.idempotency_key,
+                self.traceparent,
+                self.request_bytes,
+                self.request_sha256,
+                self.usage,
+                self.cost_usd,
+                self.cost_reason,
+                self.cost_model,
+                self.cost_source,
+                self.budgets,
+                [*self.warnings, *log.warnings],
+                shadow,
+                log.attempts,
+                log.upstream_latency_s,
+                log.response_bytes,
+                log.rate_limit_wait_s,
+                stream,
+                self.mcp,
+            ),
         )
 
 

@@ -77,9 +77,18 @@ async def forward(
     )
     ctx.attempt_log = attempts.log
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
-    cost = await _reserve(pipe, request, target, ctx)
+    cost = _priced(pipe, request, target, ctx)
+    if cost.applying:  # else no budget applies: nothing to reserve
+        await _reserve(pipe, cost, request, ctx)
     attempts.before_resend = lambda: _rebook(pipe, cost, ctx)
-    answer = await _attempt_all(pipe, attempts, cost, ctx)
+    try:
+        answer = await attempts.run()
+    except BaseException as exc:
+        _failed(pipe, attempts, cost, ctx, exc)
+        raise
+    finally:
+        if group is not None:
+            pipe.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
     return _answered(pipe, answer, attempts, cost, ctx)
 
 
@@ -101,11 +110,11 @@ def _outbound(
     return draft
 
 
-async def _reserve(
+def _priced(
     pipe: Pipeline, request: ExternalCallRequest, target: CompiledTarget, ctx: CallContext
 ) -> spend.Spend:
-    """Price the call and reserve it against the budgets that apply; a refusal is
-    decision ``denied``, nothing sent (:func:`gateway.call.spend.reserve` raises)."""
+    """The call's price and the budgets that apply (:func:`gateway.call.spend.price`);
+    the record gets the model priced and where its price came from."""
     cost = spend.price(
         pipe.budgets,
         pipe.pricing,
@@ -116,6 +125,14 @@ async def _reserve(
     )
     rates = cost.price.rates
     ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
+    return cost
+
+
+async def _reserve(
+    pipe: Pipeline, cost: spend.Spend, request: ExternalCallRequest, ctx: CallContext
+) -> None:
+    """Reserve the call against the budgets that apply; a refusal is decision
+    ``denied``, nothing sent (:func:`gateway.call.spend.reserve` raises)."""
     try:
         await spend.reserve(pipe.budgets, cost, request)
     finally:
@@ -124,7 +141,6 @@ async def _reserve(
         if cost.warnings or cost.shadow_denied:
             _noted(ctx, cost, again=False)
     ctx.budgets = cost.budgets
-    return cost
 
 
 async def _rebook(pipe: Pipeline, cost: spend.Spend, ctx: CallContext) -> None:
@@ -134,25 +150,18 @@ async def _rebook(pipe: Pipeline, cost: spend.Spend, ctx: CallContext) -> None:
         _noted(ctx, cost, again=True)
 
 
-async def _attempt_all(
-    pipe: Pipeline, attempts: Attempts, cost: spend.Spend, ctx: CallContext
-) -> UpstreamResponse:
-    """The attempts' final 2xx answer. A failure releases what its reservations may
-    (budgets, the group's token estimate) and is raised."""
+def _failed(
+    pipe: Pipeline, attempts: Attempts, cost: spend.Spend, ctx: CallContext, exc: BaseException
+) -> None:
+    """After the attempts failed with ``exc``: release what the reservations may (the
+    budgets', the group's token estimate) and count a refusal by the group."""
+    ctx.cost_reason = spend.settle_failed(pipe.budgets, cost, sent=attempts.log.sent)
     group = attempts.group
-    try:
-        return await attempts.run()
-    except BaseException as exc:
-        ctx.cost_reason = spend.settle_failed(pipe.budgets, cost, sent=attempts.log.sent)
-        if group is not None:
-            if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
-                pipe.metrics.observe_ratelimit_rejection(group.name)
-            if attempts.log.admitted:
-                group.reconcile(attempts.tokens_reserved, 0)  # no usage: refund it
-        raise
-    finally:
-        if group is not None:
-            pipe.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
+    if group is not None:
+        if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
+            pipe.metrics.observe_ratelimit_rejection(group.name)
+        if attempts.log.admitted:
+            group.reconcile(attempts.tokens_reserved, 0)  # no answer, no usage: refund it
 
 
 def _answered(
