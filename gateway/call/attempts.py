@@ -53,6 +53,8 @@ from gateway.providers import ErrorHint, error_hint
 from gateway.ratelimit import RateLimitGroup, provider_hold_s
 from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
 
+_new_budget = tuple.__new__
+
 #: Refusals of a redirect (``details.reason``, :func:`gateway.policy.egress.redirect_hop`
 #: and :mod:`gateway.upstream.client`): raised after the upstream answered the request.
 _REFUSED_REDIRECTS: Final = frozenset(
@@ -120,11 +122,15 @@ class Attempts:
         """The upstream's final 2xx answer. Raises a GatewayError otherwise: the attempts
         run until :func:`gateway.call.retry.next_step` says stop, which is the one end."""
         retry = self.target.spec.retry
-        budget = RetryBudget(
-            min(self.request.max_retries, retry.max_retries),
-            self.deadline,
-            retry.backoff_base_s,
-            retry.backoff_max_s,
+        # tuple.__new__: the named tuple without its Python-level __new__ (once per call)
+        budget = _new_budget(
+            RetryBudget,
+            (
+                min(self.request.max_retries, retry.max_retries),
+                self.deadline,
+                retry.backoff_base_s,
+                retry.backoff_max_s,
+            ),
         )
         retry_number = 0
         while True:

@@ -115,15 +115,15 @@ class Credentials:
 
     def of(self, target: CompiledTarget, resolved: ResolvedSecret | None) -> Credential | None:
         """Where the target's ``credential`` puts ``resolved``; None without either."""
-        if target.spec.credential is None or resolved is None:
+        spec = target.spec.credential
+        if spec is None or resolved is None:
             return None
         built = self._built
         last = built.get(target.name)
         secret = resolved.secret
         if last is not None and last[0] is target and last[1] is secret:
             return last[2]
-        made = credential(target, resolved)
-        assert made is not None
+        made = Credential(secret, spec.header, spec.query_param, spec.format)
         if len(built) >= MAX_BUILT:
             built.clear()
         built[target.name] = (target, secret, made)

@@ -77,7 +77,16 @@ async def forward(
     )
     ctx.attempt_log = attempts.log
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
-    cost = _priced(pipe, request, target, ctx)
+    cost = spend.price(
+        pipe.budgets,
+        pipe.pricing,
+        request,
+        target,
+        group=ctx.rate_limit_group,
+        agent_id=ctx.agent_id,
+    )
+    rates = cost.price.rates  # the record: the model priced, where its price came from
+    ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
     if cost.applying:  # else no budget applies: nothing to reserve
         await _reserve(pipe, cost, request, ctx)
     attempts.before_resend = lambda: _rebook(pipe, cost, ctx)
@@ -108,24 +117,6 @@ def _outbound(
     ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
     ctx.traceparent = draft.headers["traceparent"]
     return draft
-
-
-def _priced(
-    pipe: Pipeline, request: ExternalCallRequest, target: CompiledTarget, ctx: CallContext
-) -> spend.Spend:
-    """The call's price and the budgets that apply (:func:`gateway.call.spend.price`);
-    the record gets the model priced and where its price came from."""
-    cost = spend.price(
-        pipe.budgets,
-        pipe.pricing,
-        request,
-        target,
-        group=ctx.rate_limit_group,
-        agent_id=ctx.agent_id,
-    )
-    rates = cost.price.rates
-    ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
-    return cost
 
 
 async def _reserve(
