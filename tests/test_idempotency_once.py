@@ -158,6 +158,7 @@ async def test_an_answer_json_cannot_hold_is_stored_and_sent_with_its_note() -> 
     ctx = CallContext(started=time.monotonic(), agent_id="a", request=request)
     ctx.idempotency_key = "k-note"
     rendered = idempotent.Rendered()
+    learned = idempotent.Learned()
     sent = 0
 
     async def forward() -> ExternalCallResponse:
@@ -179,12 +180,13 @@ async def test_an_answer_json_cannot_hold_is_stored_and_sent_with_its_note() -> 
             forward=forward,
             failure=failure,
             rendered=rendered,
+            learned=learned,
         )
 
     status, response = await once()
     assert status == 200
-    assert response.data == {"content_type": None, "text": ctx.warnings[0]}
-    assert "could not be written as JSON" in ctx.warnings[0]
+    assert response.data == {"content_type": None, "text": learned.warnings[0]}
+    assert "could not be written as JSON" in learned.warnings[0]
     wire = rendered.take(response)
     assert wire == response.model_dump_json().encode()
     status, replayed = await once()  # the resend: the note, from the store

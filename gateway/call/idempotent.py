@@ -66,6 +66,22 @@ class Rendered:
         return self._last is None
 
 
+class Learned:
+    """What :func:`once_per_key` learns for the call's record, kept here rather than
+    written into the call's context (the pipeline does that): whether the answer is a
+    replay, and its warnings (a key the store failed to settle, an answer JSON could
+    not hold)."""
+
+    __slots__ = ("replayed", "warnings")
+
+    def __init__(self) -> None:
+        self.replayed = False
+        self.warnings: tuple[str, ...] = ()  # rare: a tuple, grown when there is one
+
+    def warn(self, note: str) -> None:
+        self.warnings = (*self.warnings, note)
+
+
 async def once_per_key(
     store: IdempotencyStore,
     request: ExternalCallRequest,
@@ -78,14 +94,18 @@ async def once_per_key(
     failure: Callable[[GatewayError], ExternalCallResponse],
     relay: Relay | None = None,
     rendered: Rendered | None = None,
+    learned: Learned | None = None,
 ) -> tuple[int, ExternalCallResponse]:
     """Run ``forward`` at most once for ``ctx.idempotency_key`` on ``target``; returns
     (HTTP status, answer). Raises :class:`IdempotencyConflict` for a reused key, AGENT_
     TIMEOUT when an identical call in flight outlasts the deadline, and whatever
     ``forward`` raises (``failure`` builds the answer stored for an UPSTREAM_REJECTED).
     A stored streamed answer is replayed to ``relay`` as its stream when one is given;
-    the JSON of a stored envelope answer is kept in ``rendered`` for the server."""
+    the JSON of a stored envelope answer is kept in ``rendered`` for the server. What
+    the record learns goes to ``learned`` (``ctx`` is only read)."""
     assert ctx.idempotency_key is not None
+    if learned is None:
+        learned = Learned()
     key = store_key(target, ctx.idempotency_key)
     fp = fingerprint(
         target,
@@ -98,7 +118,7 @@ async def once_per_key(
     while True:
         outcome = await store.begin(key, fp, lease_s=max(deadline - time.monotonic(), 0.001))
         if isinstance(outcome, Replay):
-            return await replay(outcome.answer, request, ctx, relay)
+            return await replay(outcome.answer, request, ctx, relay, learned)
         if isinstance(outcome, Conflict):
             raise IdempotencyConflict(
                 f"idempotency key {ctx.idempotency_key!r} was already used on target "
@@ -109,7 +129,7 @@ async def once_per_key(
         if isinstance(outcome, InFlight):
             stored = await store.wait(key, fp, deadline=deadline)
             if stored is not None:
-                return await replay(stored, request, ctx, relay)
+                return await replay(stored, request, ctx, relay, learned)
             if time.monotonic() >= deadline:
                 raise deadline_error("waiting for an identical call in flight")
             continue
@@ -119,7 +139,9 @@ async def once_per_key(
         response = await forward()
     except UpstreamRejected as exc:
         # The upstream's definitive answer to this request: replay it, like Stripe.
-        await settle(store, key, token, stored_answer(answer_status(exc), failure(exc)), ttl_s, ctx)
+        await settle(
+            store, key, token, stored_answer(answer_status(exc), failure(exc)), ttl_s, ctx, learned
+        )
         raise
     except BaseException:
         await asyncio.shield(store.abandon(key, token))
@@ -129,26 +151,31 @@ async def once_per_key(
     try:
         body = response.model_dump_json().encode()
     except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
-        response = _unrenderable(response, exc, ctx)
+        response = _unrenderable(response, exc, learned)
         body = response.model_dump_json().encode()
     if rendered is not None and ctx.api == "envelope" and ctx.mcp is None:
         # The agent gets these same bytes. Not for an MCP exchange, whose data would be
         # filtered in place after this (the policy refuses idempotency on MCP targets
         # today), nor the other routes, which write answers of their own.
         rendered.keep(response, body)
-    await settle(store, key, token, _stored(200, body, ctx.stream_body), ttl_s, ctx)
+    await settle(store, key, token, _stored(200, body, ctx.stream_body), ttl_s, ctx, learned)
     return 200, response
 
 
 async def replay(
-    stored: bytes, request: ExternalCallRequest, ctx: CallContext, relay: Relay | None = None
+    stored: bytes,
+    request: ExternalCallRequest,
+    ctx: CallContext,
+    relay: Relay | None = None,
+    learned: Learned | None = None,
 ) -> tuple[int, ExternalCallResponse]:
     """A stored answer as the answer to ``request`` (its ids, ``replayed``, this latency).
 
     A stored streamed answer (its events kept) is sent again as a stream to ``relay``
     when the agent asked for one; otherwise its ``data`` is the stream's assembled form."""
     doc = json.loads(stored)
-    ctx.replayed = True
+    if learned is not None:
+        learned.replayed = True
     response = ExternalCallResponse.model_validate(doc["response"])
     update: dict[str, Any] = {
         "replayed": True,
@@ -177,7 +204,13 @@ def answer_status(exc: GatewayError) -> int:
 
 
 async def settle(
-    store: IdempotencyStore, key: str, token: str, stored: bytes, ttl_s: float, ctx: CallContext
+    store: IdempotencyStore,
+    key: str,
+    token: str,
+    stored: bytes,
+    ttl_s: float,
+    ctx: CallContext,
+    learned: Learned,
 ) -> None:
     """Complete the idempotency key with the answer. A store that fails here (Redis gone)
     must not turn the upstream's answer into an error: the agent still gets it, the audit
@@ -192,18 +225,18 @@ async def settle(
             trace_id=ctx.request.trace_id if ctx.request else None,
             correlation_id=ctx.request.correlation_id if ctx.request else None,
         )
-        ctx.warnings.append(
+        learned.warn(
             f"idempotency key not settled ({type(exc).__name__}): a resend after this call's "
             "deadline may reach the upstream again"
         )
 
 
 def _unrenderable(
-    response: ExternalCallResponse, exc: Exception, ctx: CallContext
+    response: ExternalCallResponse, exc: Exception, learned: Learned
 ) -> ExternalCallResponse:
     """``response`` with a ``data`` the JSON writer refused replaced by a note saying so."""
     note = f"the upstream's answer could not be written as JSON ({str(exc)[:200]})"
-    ctx.warnings.append(note)
+    learned.warn(note)
     return response.model_copy(update={"data": {"content_type": None, "text": note}})
 
 

@@ -28,7 +28,7 @@ from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call import mcp, send
-from gateway.call.idempotent import Rendered, answer_status, once_per_key
+from gateway.call.idempotent import Learned, Rendered, answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
     decode_json,
@@ -300,18 +300,26 @@ class Pipeline:
     ) -> tuple[int, ExternalCallResponse]:
         """One upstream call per idempotency key (:func:`gateway.call.idempotent.
         once_per_key`), in the store of the target's ``idempotency.scope``."""
-        return await once_per_key(
-            self.idempotency.for_scope(idempotency.scope),
-            request,
-            decision.target.name,
-            ctx,
-            deadline=deadline,
-            ttl_s=idempotency.ttl_s,
-            forward=lambda: send.forward(self, policy, request, decision, ctx, deadline, relay),
-            failure=lambda exc: self._failure(exc, ctx),
-            relay=relay,
-            rendered=self.rendered,
-        )
+        learned = Learned()
+        try:
+            return await once_per_key(
+                self.idempotency.for_scope(idempotency.scope),
+                request,
+                decision.target.name,
+                ctx,
+                deadline=deadline,
+                ttl_s=idempotency.ttl_s,
+                forward=lambda: send.forward(self, policy, request, decision, ctx, deadline, relay),
+                failure=lambda exc: self._failure(exc, ctx),
+                relay=relay,
+                rendered=self.rendered,
+                learned=learned,
+            )
+        finally:
+            if learned.replayed:
+                ctx.replayed = True
+            if learned.warnings:  # after the send stage's: the order the call met them
+                ctx.warnings.extend(learned.warnings)
 
     # -- answers and audit ----------------------------------------------------------------
 
