@@ -29,10 +29,11 @@ SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
 
 @dataclass
 class RawStreams:
-    """A raw upstream: the first request gets ``PART`` and its connection ends as
-    ``framing`` says (``close``: the body ends where the connection does; ``chunked``:
-    the last chunk never comes; ``-reset``: the connection is aborted, not closed);
-    later requests get the whole stream with a Content-Length."""
+    """A raw upstream: the first request gets ``PART`` (``-empty``: not even that, only
+    the head) and its connection ends as ``framing`` says (``close``: the body ends
+    where the connection does; ``chunked``: the last chunk never comes; ``-reset``: the
+    connection is aborted, not closed); later requests get the whole stream with a
+    Content-Length."""
 
     framing: str
     port: int = 0
@@ -45,13 +46,14 @@ class RawStreams:
         for line in head.split(b"\r\n"):
             if line.lower().startswith(b"idempotency-key:"):
                 self.keys.append(line.split(b":", 1)[1].strip().decode())
+        part = b"" if self.framing.endswith("-empty") else PART
         if self.hits > 1:
             writer.write(SSE_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(WHOLE), WHOLE))
         elif self.framing.startswith("close"):
-            writer.write(SSE_HEAD + b"Connection: close\r\n\r\n" + PART)
+            writer.write(SSE_HEAD + b"Connection: close\r\n\r\n" + part)
         else:
-            chunked = b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(PART), PART)
-            writer.write(SSE_HEAD + chunked)
+            chunk = b"%x\r\n%s\r\n" % (len(part), part) if part else b""
+            writer.write(SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunk)
         await writer.drain()
         if self.framing.endswith("-reset") and self.hits == 1:
             writer.transport.abort()
@@ -70,7 +72,9 @@ async def raw_streams(request: pytest.FixtureRequest) -> AsyncIterator[RawStream
 
 
 @pytest.mark.parametrize(
-    "raw_streams", ["close", "close-reset", "chunked", "chunked-reset"], indirect=True
+    "raw_streams",
+    ["close", "close-reset", "chunked", "chunked-reset", "close-empty", "chunked-empty"],
+    indirect=True,
 )
 async def test_a_keyed_call_retries_a_stream_cut_before_its_marker(raw_streams, sidecar_factory):
     target = openai_target(
@@ -88,3 +92,26 @@ async def test_a_keyed_call_retries_a_stream_cut_before_its_marker(raw_streams, 
     assert raw_streams.keys[0] == raw_streams.keys[1]
     [record] = sc.audit_records()
     assert record["attempts"] == 2
+
+
+@pytest.mark.parametrize(
+    ("provider", "status", "head", "expected"),
+    [
+        ("openai", 200, False, "STREAM_INTERRUPTED"),  # closed before its first byte
+        ("anthropic", 200, False, "STREAM_INTERRUPTED"),
+        ("openai", 200, True, None),  # a HEAD answer has no body by definition
+        ("openai", 204, False, None),
+        ("none", 200, False, None),  # no dialect: judged by its framing, which held
+    ],
+)
+def test_an_event_stream_that_ended_before_its_first_byte_is_judged(
+    provider: str, status: int, head: bool, expected: str | None
+) -> None:
+    """As the relay judges it: no bytes is no marker (pure)."""
+    from gateway.call.stream import judge_body
+
+    error, _ = judge_body(provider, "t", "text/event-stream", b"", status, head=head)
+    assert (error.code.value if error else None) == expected
+    if error is not None:
+        assert error.retryable is True
+        assert error.details["reason"] == "no_terminal_marker"

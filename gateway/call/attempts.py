@@ -234,6 +234,7 @@ class Attempts:
             answer.body,
             answer.status,
             cut=answer.cut,
+            head=self.request.method == "HEAD",
         )
         if judged is None:
             return DONE
