@@ -114,7 +114,7 @@ def test_rendered_bytes_are_given_once_and_only_for_their_answer() -> None:
     assert stored == twin  # equal, but not the answer the bytes were written for
     rendered = idempotent.Rendered()
     assert rendered.take(stored) is None
-    rendered.keep(stored, stored.model_dump_json().encode())
+    rendered.last = (idempotent.weakref.ref(stored), stored.model_dump_json().encode())
     assert rendered.take(twin) is None
     assert rendered.take(stored) == stored.model_dump_json().encode()
     assert rendered.take(stored) is None  # taken

@@ -197,7 +197,21 @@ class Attempts:
             self._feed_back(answer, None)
             if answer.stream is not None:
                 return await self._relayed_outcome(answer), answer
-            return self._assembled_outcome(answer), answer
+            # Read whole: done, unless it is a stream whose end calls for an error
+            # (resent as a relayed one that reached nobody would be).
+            judged, _ = judge_body(
+                self.target.spec.usage,
+                self.target.name,
+                answer.content_type,
+                answer.body,
+                answer.status,
+                cut=answer.cut,
+                head=self.request.method == "HEAD",
+            )
+            if judged is None:
+                return DONE, answer
+            safe = self._safe_to_resend()
+            return Outcome.stream_end(judged, relayed=False, safe_to_resend=safe), answer
         return await self._status_outcome(answer), answer
 
     def _transport_outcome(self, exc: TransportError) -> Outcome:
@@ -223,22 +237,6 @@ class Attempts:
             return DONE
         relayed = self.relay is not None and self.relay.started
         return Outcome.stream_end(judged, relayed=relayed, safe_to_resend=self._safe_to_resend())
-
-    def _assembled_outcome(self, answer: UpstreamResponse) -> Outcome:
-        """A 2xx answer read whole: done, unless it is a stream whose end calls for an
-        error (retried as a relayed one that reached nobody)."""
-        judged, _ = judge_body(
-            self.target.spec.usage,
-            self.target.name,
-            answer.content_type,
-            answer.body,
-            answer.status,
-            cut=answer.cut,
-            head=self.request.method == "HEAD",
-        )
-        if judged is None:
-            return DONE
-        return Outcome.stream_end(judged, relayed=False, safe_to_resend=self._safe_to_resend())
 
     async def _status_outcome(self, answer: UpstreamResponse) -> Outcome:
         """A non-2xx answer: its error (:func:`status_error`), retryable as the target's

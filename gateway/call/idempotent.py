@@ -42,28 +42,25 @@ class Rendered:
     each other's; an answer the server does not write after all (a failure replaced
     it) leaves its bytes here until the next one: at most one answer's."""
 
-    __slots__ = ("_last",)
+    __slots__ = ("last",)
 
     def __init__(self) -> None:
-        self._last: tuple[weakref.ref[ExternalCallResponse], bytes] | None = None
-
-    def keep(self, response: ExternalCallResponse, body: bytes) -> None:
-        """Remember ``body``, the bytes of ``response.model_dump_json()``."""
-        self._last = (weakref.ref(response), body)
+        #: (a weak reference to the answer, its ``model_dump_json()`` bytes), or None.
+        self.last: tuple[weakref.ref[ExternalCallResponse], bytes] | None = None
 
     def take(self, response: ExternalCallResponse) -> bytes | None:
         """The bytes of ``response.model_dump_json()`` if they were kept for this answer
         (the same object, not an equal one), else None. Taken once."""
-        last = self._last
+        last = self.last
         if last is None or last[0]() is not response:
             return None
-        self._last = None
+        self.last = None
         return last[1]
 
     @property
     def empty(self) -> bool:
         """Nothing kept (or what was kept was taken)."""
-        return self._last is None
+        return self.last is None
 
 
 class Learned:
@@ -72,11 +69,9 @@ class Learned:
     replay, and its warnings (a key the store failed to settle, an answer JSON could
     not hold)."""
 
-    __slots__ = ("replayed", "warnings")
-
-    def __init__(self) -> None:
-        self.replayed = False
-        self.warnings: tuple[str, ...] = ()  # rare: a tuple, grown when there is one
+    # Class defaults and no __init__: made once per keyed call, without a Python frame.
+    replayed: bool = False
+    warnings: tuple[str, ...] = ()  # rare: a tuple, grown when there is one
 
     def warn(self, note: str) -> None:
         self.warnings = (*self.warnings, note)
@@ -157,7 +152,7 @@ async def once_per_key(
         # The agent gets these same bytes. Not for an MCP exchange, whose data would be
         # filtered in place after this (the policy refuses idempotency on MCP targets
         # today), nor the other routes, which write answers of their own.
-        rendered.keep(response, body)
+        rendered.last = (weakref.ref(response), body)  # taken by Rendered.take
     await settle(store, key, token, _stored(200, body, ctx.stream_body), ttl_s, ctx, learned)
     return 200, response
 
