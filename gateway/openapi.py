@@ -38,7 +38,8 @@ CALLS_SERVER: Final = {
 OPS_SERVER: Final = {
     "url": "http://127.0.0.1:8182",
     "description": "the ops listener (server.ops_host, server.ops_port): health, readiness, "
-    "metrics and this document only",
+    "metrics, this document, and the operator's stop switch (/v1/controls/..., behind the "
+    "operator token: README, 'Stopping an agent'; not described here)",
 }
 #: Statuses an error code is answered with besides its class's ``http_status`` (README,
 #: "Error codes"): a too-large envelope is 413; an upstream's own 4xx verdict is passed
@@ -226,7 +227,7 @@ def _description(codes: dict[str, dict[str, Any]]) -> str:
     )
 
 
-@cache
+@cache  # constant for the process (built from the code): built once, when first served
 def build_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document (a JSON-able dict; do not mutate it)."""
     codes = error_codes()
@@ -265,7 +266,7 @@ def build_document() -> dict[str, Any]:
     }
 
 
-@cache
+@cache  # constant for the process, as build_document
 def document_bytes() -> bytes:
     """The document as served and as committed in ``docs/openapi.json``."""
     return (json.dumps(build_document(), indent=2, ensure_ascii=False) + "\n").encode()

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final, Literal, NamedTuple, Protocol
 
+from gateway.agents.chain import ChainDecision
+from gateway.agents.identity import Identity
 from gateway.audit.schema import Fields as F
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
 from gateway.policy import CompiledTarget
@@ -100,31 +102,18 @@ class CallRecord(NamedTuple):
     stream: StreamFacts | None
     #: An exchange with an MCP target: its JSON-RPC messages and their outcomes.
     mcp: McpExchange | None
+    #: Who called, as the sidecar established it (gateway.agents.identity); the SHA-256
+    #: of the policy file the call ran under.
+    identity: Identity | None
+    policy_sha256: str | None
+    #: What the call chain stage decided (:mod:`gateway.call.chain`; None: not reached).
+    chain: ChainDecision | None
 
 
 def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
     """The audit record of a call that ended with ``response`` (schema v1)."""
-    request, target, usage, error, stream = (
-        call.request,
-        call.target,
-        call.usage,
-        response.error,
-        call.stream,
-    )
-    trace_id: str | None
-    correlation_id: str | None
-    target_system: str | None
-    endpoint: str | None
-    method: str | None
-    if request is not None:
-        agent_id, trace_id, correlation_id = call.agent_id, request.trace_id, request.correlation_id
-        target_system, endpoint, method = request.target_system, request.endpoint, request.method
-    else:  # an envelope that failed validation: the ids it claimed, if any
-        claimed = call.claimed
-        agent_id = claimed.get(F.AGENT_ID) or call.agent_id
-        trace_id, correlation_id = claimed.get(F.TRACE_ID), claimed.get(F.CORRELATION_ID)
-        target_system, endpoint = claimed.get(F.TARGET_SYSTEM), claimed.get(F.ENDPOINT)
-        method = claimed.get(F.METHOD)
+    request, target, usage, error = call.request, call.target, call.usage, response.error
+    agent_id = call.agent_id  # a claimed agent_id is never who called
     warnings = call.warnings  # built for this record (CallContext.record)
     if error is not None and error.code is ErrorCode.EGRESS_DENIED:
         warnings = [*warnings, f"egress denied: {error.message}"]  # the destination
@@ -135,11 +124,7 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
     latency = call.upstream_latency_s
     return {
         F.AGENT_ID: agent_id,
-        F.TRACE_ID: trace_id,
-        F.CORRELATION_ID: correlation_id,
-        F.TARGET_SYSTEM: target_system,
-        F.ENDPOINT: endpoint,
-        F.METHOD: method,
+        **_named(call),
         F.UPSTREAM: origin_label(target.base_url) if target else None,
         F.DECISION: decision,
         F.SUCCESS: response.success,
@@ -168,6 +153,44 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         F.HTTP_METHOD: None,
         F.HTTP_PATH: None,
         F.HTTP_STATUS: None,
+        **_stream_and_cost(call, shadow),
+        # Set per JSON-RPC request by gateway.call.mcp.audit_records.
+        F.MCP_METHOD: None,
+        F.MCP_TOOL: None,
+        F.MCP_REQUEST_ID: None,
+        F.MCP_IS_ERROR: None,
+        F.MCP_ERROR_CODE: None,
+        **_chain(call.chain),
+        **_caller(call, agent_id),
+    }
+
+
+def _named(call: CallRecord) -> dict[str, Any]:
+    """What the call names (its ids, target, endpoint, method): the envelope's, or for an
+    envelope that failed validation the ids it claimed, if any."""
+    request = call.request
+    if request is not None:
+        return {
+            F.TRACE_ID: request.trace_id,
+            F.CORRELATION_ID: request.correlation_id,
+            F.TARGET_SYSTEM: request.target_system,
+            F.ENDPOINT: request.endpoint,
+            F.METHOD: request.method,
+        }
+    claimed = call.claimed
+    return {
+        F.TRACE_ID: claimed.get(F.TRACE_ID),
+        F.CORRELATION_ID: claimed.get(F.CORRELATION_ID),
+        F.TARGET_SYSTEM: claimed.get(F.TARGET_SYSTEM),
+        F.ENDPOINT: claimed.get(F.ENDPOINT),
+        F.METHOD: claimed.get(F.METHOD),
+    }
+
+
+def _stream_and_cost(call: CallRecord, shadow: list[str]) -> dict[str, Any]:
+    """The record's stream, reasoning tokens, API, cost, budgets and shadow denials."""
+    stream, usage = call.stream, call.usage
+    return {
         F.STREAM: stream is not None,
         F.STREAM_EVENTS: stream.events if stream is not None else None,
         F.TIME_TO_FIRST_BYTE_MS: (
@@ -183,20 +206,43 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         F.COST_SOURCE: call.cost_source,
         F.BUDGETS: [*call.budgets],
         F.SHADOW_DENIED: shadow,
-        # Set per JSON-RPC request by gateway.call.mcp.audit_records.
-        F.MCP_METHOD: None,
-        F.MCP_TOOL: None,
-        F.MCP_REQUEST_ID: None,
-        F.MCP_IS_ERROR: None,
-        F.MCP_ERROR_CODE: None,
     }
 
 
-def refused(agent_id: str) -> CallRecord:
-    """The record of a call that never started (nothing learned but its agent)."""
+def _chain(chain: ChainDecision | None) -> dict[str, Any]:
+    """The call chain the call went out with (None without agents calling agents)."""
+    agents = chain is not None and bool(chain.agents)
+    return {
+        F.CALL_CHAIN: list(chain.agents) if chain is not None and agents else None,
+        F.CALL_CHAIN_DEPTH: chain.depth if chain is not None and agents else None,
+    }
+
+
+def _caller(call: CallRecord, agent_id: str) -> dict[str, Any]:
+    """Who called (:class:`gateway.agents.identity.Identity`) and under which policy."""
+    identity = call.identity
+    claim = call.claimed.get(F.AGENT_ID) if call.request is None else None
+    claimed = identity.claimed if identity is not None else None
+    return {
+        F.AGENT_AUTH: identity.agent_auth if identity is not None else None,
+        F.AGENT_CLAIMED: claimed or (claim if claim is not None and claim != agent_id else None),
+        F.PEER_UID: identity.peer_uid if identity is not None else None,
+        F.POLICY_SHA256: call.policy_sha256,
+    }
+
+
+def refused(
+    agent_id: str,
+    claimed: Mapping[str, str],
+    identity: Identity | None = None,
+    policy_sha256: str | None = None,
+) -> CallRecord:
+    """The record of a call that never started (nothing learned but its agent, the ids
+    ``claimed`` for it, who called and the policy's SHA-256 when known)."""
     return CallRecord(
-        0.0, agent_id, "envelope", None, None, {}, "invalid", False, None, None, None, None,
-        0, None, None, None, None, None, None, [], [], [], 0, None, None, 0.0, None, None,
+        0.0, agent_id, "envelope", None, None, claimed, "invalid", False, None, None, None,
+        None, 0, None, None, None, None, None, None, [], [], [], 0, None, None, 0.0, None,
+        None, identity, policy_sha256, None,
     )  # fmt: skip
 
 
@@ -207,12 +253,19 @@ def refusal_record(
     http_method: str,
     http_path: str,
     http_status: int,
+    identity: Identity | None = None,
+    policy_sha256: str | None = None,
 ) -> dict[str, Any]:
     """The audit record of an answer given before the envelope was read (an unknown
     route, a method not allowed, a body too large or unreadable): decision ``invalid``,
     the answer's error code, the sidecar's own request line (``http_path`` without its
-    query, both cut to 256 characters) and ``http_status``; nothing of the body."""
-    record = audit_record(refused(agent_id), response)
+    query, both cut to 256 characters) and ``http_status``, and the answer's ids when it
+    has them; nothing of the body. ``identity``, when established, is who called (its
+    ``agent_id`` wins)."""
+    ids = {F.TRACE_ID: response.trace_id, F.CORRELATION_ID: response.correlation_id}
+    claimed = {k: v for k, v in ids.items() if v is not None}
+    who = identity.agent_id if identity is not None else agent_id
+    record = audit_record(refused(who, claimed, identity, policy_sha256), response)
     record[F.HTTP_METHOD] = http_method[:CLAIM_LIMIT]
     record[F.HTTP_PATH] = http_path[:CLAIM_LIMIT]
     record[F.HTTP_STATUS] = http_status

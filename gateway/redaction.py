@@ -63,6 +63,8 @@ SENSITIVE_SUFFIXES: Final = (
     "_token", "_secret", "_password", "_passwd", "_api_key", "_apikey", "_private_key",
     "_authorization", "_cookie", "_credentials",
 )  # fmt: skip
+#: Verdicts of is_sensitive_key (pure: the key lists are constants), as every record
+#: field of every call asks again; bounded, cleared when full.
 _NORMALISED: dict[str, bool] = {}
 _MAX_NORMALISED: Final = 4096
 

@@ -351,6 +351,7 @@ def test_the_record_builders_give_every_call_field_and_validate() -> None:
         Fields.SEQ,
         Fields.PREV_HASH,
         Fields.HASH,
+        Fields.CHAIN_START,
     }
     call = audit_record(CallContext(started=0.0, agent_id="a"), _answer())
     refused = refusal_record(

@@ -1,4 +1,4 @@
-"""Cost, budgets and shadow mode (issue 20), in one process: pure parts table-driven,
+"""Cost, budgets and shadow mode, in one process: pure parts table-driven,
 then real sidecars in front of loopback upstreams that count what reaches them.
 
 Prices in these tests come from the policy's ``prices:`` table (0.1 USD per token, so
@@ -365,7 +365,7 @@ async def test_unknown_price_fails_closed_unless_allowed(upstream_factory, sidec
     assert spent_usd(capped, "day") == pytest.approx(ACTUAL_USD)
 
 
-async def test_reservation_released_without_contact_kept_when_answered(
+async def test_reservation_released_without_contact_or_billable_answer(
     upstream_factory, sidecar_factory
 ):
     closed = await upstream_factory()
@@ -386,8 +386,10 @@ async def test_reservation_released_without_contact_kept_when_answered(
     _status, answer = await sc.call(call())
     assert answer["error"]["code"] == "DEPENDENCY_FAILED"
     assert up.hits == 1
-    assert spent_usd(sc, "day") == pytest.approx(RESERVED_USD)  # answered: kept
-    assert sc.audit_records()[-1]["cost_reason"] == "usage_unknown"
+    # Answered with an error status only: not billed by the provider, released (a
+    # billable answer without usage keeps it: test_budget_released_after_error_answers).
+    assert spent_usd(sc, "day") == 0.0
+    assert sc.audit_records()[-1]["cost_reason"] == "not_billed"
 
 
 async def test_streamed_answer_reconciles_its_real_cost(upstream_factory, sidecar_factory):

@@ -496,7 +496,7 @@ def test_every_error_code_is_documented_in_the_readme():
         assert f"| `{code.value}` |" in readme, code
 
 
-# -- found by the adversarial review ------------------------------------------------------
+# -- hostile input: odd strings, ids, headers, paths, numbers; a tightened egress --------
 
 
 async def test_lone_surrogate_is_refused_and_audited(upstream_factory, sidecar_factory):
@@ -577,8 +577,8 @@ async def test_a_number_that_overflows_a_float_is_refused_not_forwarded(
 async def test_a_tightened_egress_applies_at_once_to_pooled_connections(
     upstream_factory, sidecar_factory
 ):
-    # Found by review: keep-alive connections checked under the old rules kept a now
-    # denied destination reachable for as long as calls kept them busy.
+    # Keep-alive connections checked under the old rules must not keep a now denied
+    # destination reachable for as long as calls kept them busy.
     up = await upstream_factory()
     by_name = up.url.replace("127.0.0.1", "localhost")  # checked when connecting
     sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(by_name)}))
@@ -586,11 +586,11 @@ async def test_a_tightened_egress_applies_at_once_to_pooled_connections(
     assert status == 200
     denied = compile_policy({"fake-openai": openai_target(by_name)}, egress={})
     assert sc.gateway.pipeline is not None
-    sc.gateway.pipeline.apply_policy(denied)  # what a reload does once the file parses
+    sc.gateway.apply_policy(denied)  # what a reload does once the file parses
     status, answer = await sc.call(envelope())
     _assert_error(status, answer, 403, "EGRESS_DENIED", False)
     assert up.hits == 1
-    sc.gateway.pipeline.apply_policy(compile_policy({"fake-openai": openai_target(by_name)}))
+    sc.gateway.apply_policy(compile_policy({"fake-openai": openai_target(by_name)}))
     status, _ = await sc.call(envelope())
     assert status == 200
     assert up.hits == 2
@@ -615,9 +615,7 @@ async def test_calls_in_flight_finish_on_the_old_pool_which_then_closes(
     upstream = sc.gateway.pipeline.upstream
     old = upstream._session
     other = {"allow_cidrs": ["127.0.0.0/8"], "deny_cidrs": ["10.9.8.0/24"]}
-    sc.gateway.pipeline.apply_policy(
-        compile_policy({"fake-openai": openai_target(up.url)}, egress=other)
-    )
+    sc.gateway.apply_policy(compile_policy({"fake-openai": openai_target(up.url)}, egress=other))
     assert upstream._session is not old
     assert old is not None
     assert not old.closed  # the call in flight still uses it

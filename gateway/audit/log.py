@@ -24,8 +24,9 @@ bits, floats in either spelling, escaped lone surrogates, non-string keys, verif
 The chain runs on across rotated files. A start that appends to an audit file whose
 last line is a chained record first writes an ``audit_chain_continued`` event whose
 ``prev_hash`` is that record's hash (and names it: ``prev_sidecar_id``, ``prev_seq``),
-so that records cut from before a restart are detectable. ``egress-gateway audit
-verify`` checks it all.
+so that records cut from before a restart are detectable; every record of that start
+carries that hash too (``chain_start``), so that records cut from its own beginning
+are detectable as well. ``egress-gateway audit verify`` checks it all.
 """
 
 from __future__ import annotations
@@ -154,6 +155,10 @@ class _HashChain:
     def __init__(self, link: _Link | None) -> None:
         self._seq = 0
         self._prev = link.hash if link is not None else GENESIS_HASH
+        # In every record: the record this start continued (genesis for none), so that
+        # deleting its first records (its continued event included) still leaves a
+        # record that names what came before it.
+        self._start = self._prev
 
     def __call__(self, _: WrappedLogger, __: str, event_dict: EventDict) -> str:
         for key in CHAIN_FIELDS:
@@ -161,6 +166,7 @@ class _HashChain:
         seq = self._seq + 1
         event_dict[Fields.SEQ] = seq
         event_dict[Fields.PREV_HASH] = self._prev
+        event_dict[Fields.CHAIN_START] = self._start
         line = _render_line(event_dict)
         digest = hash_text(canonical_text(_read_back(line)))
         # Only now: a record that could not be rendered leaves no gap in the chain.

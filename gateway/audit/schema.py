@@ -24,6 +24,8 @@ AUDIT_SCHEMA_VERSION: Final = 1
 CALL_EVENT: Final = "egress_call"
 BREAKER_EVENT: Final = "breaker_state_change"
 POLICY_RELOAD_EVENT: Final = "policy_reload"
+#: A sidecar's start: the policy it started with (``policy_sha256``, its targets).
+POLICY_START_EVENT: Final = "policy_start"
 
 #: ``prev_hash`` of the first record of a chain (``seq`` 1): 64 zero hex digits.
 GENESIS_HASH: Final = "0" * 64
@@ -92,7 +94,7 @@ class AuditRecord(BaseModel):
     api: Literal["envelope", "proxy", "mcp"] = "envelope"
     # Cost (added in 1.x): USD from the call's usage and its model's price, null when
     # unknown with ``cost_reason`` saying why (gateway.cost: no_dialect, no_price,
-    # usage_unknown, not_sent...); the model priced and the price's source (``policy`` or
+    # usage_unknown, not_sent, not_billed...); the model priced and its source (``policy`` or
     # ``genai-prices``); the budgets the call was booked in; and the shadow-mode rules
     # that would have refused it (``endpoint:/v1/**``, ``rate_limit_group:llm``,
     # ``budget:llm-daily``).
@@ -110,10 +112,29 @@ class AuditRecord(BaseModel):
     mcp_request_id: str | None = None
     mcp_is_error: bool | None = None
     mcp_error_code: int | None = None
+    # Who called (added in 1.x): how ``agent_id`` was established (``uid``: the kernel's
+    # word about the calling process; ``token``: the agent's token; ``policy``: the
+    # policy's agent_id; null: not established, the call refused ``unknown_agent``), a
+    # claimed id that differed (``agent_mismatch``), and the caller's UID as the kernel
+    # gave it (null: not asked, or unreadable). The SHA-256 of the policy file that
+    # decided the call.
+    agent_auth: Literal["uid", "token", "policy"] | None = None
+    agent_claimed: str | None = None
+    peer_uid: int | None = None
+    policy_sha256: str | None = None
+    # Agents calling agents (added in 1.x; gateway.agents.chain): the call chain the call
+    # went out with, or was refused with (agent ids, origin first, this agent last), and
+    # its depth; null when the call ended before its chain was read, or it was unreadable.
+    call_chain: list[str] | None = None
+    call_chain_depth: int | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
     hash: str | None = None
+    # With the chain on: the prev_hash of this start's seq 1 (the hash of the record its
+    # audit file ended with when it started; 64 zeros for none), so that records
+    # deleted from the start of a restart's segment are detected (added in 1.x).
+    chain_start: str | None = None
 
 
 class Fields:
@@ -174,9 +195,16 @@ class Fields:
     MCP_REQUEST_ID: Final = "mcp_request_id"
     MCP_IS_ERROR: Final = "mcp_is_error"
     MCP_ERROR_CODE: Final = "mcp_error_code"
+    AGENT_AUTH: Final = "agent_auth"
+    AGENT_CLAIMED: Final = "agent_claimed"
+    PEER_UID: Final = "peer_uid"
+    POLICY_SHA256: Final = "policy_sha256"
+    CALL_CHAIN: Final = "call_chain"
+    CALL_CHAIN_DEPTH: Final = "call_chain_depth"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"
+    CHAIN_START: Final = "chain_start"
 
 
 #: The first record of a chained start that continues the chain its audit file ended
@@ -187,7 +215,7 @@ PREV_SIDECAR_ID: Final = "prev_sidecar_id"
 PREV_SEQ: Final = "prev_seq"
 
 #: The chain's own fields: set by the writer, never taken from a caller's record.
-CHAIN_FIELDS: Final = (Fields.SEQ, Fields.PREV_HASH, Fields.HASH)
+CHAIN_FIELDS: Final = (Fields.SEQ, Fields.PREV_HASH, Fields.HASH, Fields.CHAIN_START)
 
 
 AUDIT_FIELDS: Final = tuple(AuditRecord.model_fields)

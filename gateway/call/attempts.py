@@ -79,6 +79,10 @@ class AttemptLog:
     #: An attempt's request may have reached the upstream (answered, or lost after being
     #: sent, or interrupted while sending): what a budget's reservation is kept for.
     sent: bool = False
+    #: An attempt may have been billed: answered other than with an error status (a
+    #: 2xx, a redirect), or lost or interrupted after it was sent. An attempt answered
+    #: 4xx or 5xx is not: the providers do not bill them (what a budget releases).
+    billed: bool = False
     warnings: list[str] = field(default_factory=list)
     #: Rate-limit groups in shadow mode that would have refused the call.
     shadow_denied: list[str] = field(default_factory=list)
@@ -174,7 +178,7 @@ class Attempts:
                 stream=self.relay is not None,
             )
         except TransportError as exc:
-            log.sent = log.sent or exc.sent
+            log.sent, log.billed = log.sent or exc.sent, log.billed or exc.sent
             _settle(permit, None, exc.kind)
             return self._transport_outcome(exc), None
         except BaseException as exc:
@@ -185,10 +189,11 @@ class Attempts:
                 not isinstance(exc, PermissionDenied | EgressDenied)
                 or exc.details.get("reason") in _REFUSED_REDIRECTS
             )
+            log.billed = log.billed or log.sent
             if permit is not None:
                 permit.release()  # interrupted or refused locally: counts as nothing
             raise
-        log.sent = True
+        log.sent, log.billed = True, log.billed or answer.status < 400
         _settle(permit, answer.status, None)
         log.answer = answer
         log.upstream_latency_s = answer.elapsed_s

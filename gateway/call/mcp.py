@@ -35,13 +35,14 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gateway import fastjson
+from gateway.agents import chain
 from gateway.audit.schema import Fields as F
 from gateway.call.bodies import is_stream_form
 from gateway.call.intake import Intake, decode_json, parse_request, printable
 from gateway.call.proxy import _ids, egress_timeout, header_map
 from gateway.call.record import CLAIM_LIMIT, CallContext
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
-from gateway.errors import InvalidPayload, PermissionDenied
+from gateway.errors import InvalidPayload, PermissionDenied, StreamInterrupted
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.compiled import mcp_endpoint
 from gateway.policy.mcp import MCP_METHODS, McpSpec
@@ -83,6 +84,7 @@ def mcp_intake(
     and DELETE; a body that is not JSON-RPC; headers that do not match the body)."""
     ctx.api = "mcp"
     headers = header_map(http.headers)
+    ctx.chain_seen = chain.seen_in(headers)
     trace_id, correlation_id = _ids(headers)
     target = policy.targets.get(http.target)
     endpoint = mcp_endpoint(target) if target is not None and target.spec.mcp else "/"
@@ -274,12 +276,20 @@ def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCal
     """Read a successful answer of an MCP exchange: each request's outcome into
     ``ctx.mcp``, ``tools/list`` filtered. On the MCP route the upstream's JSON body is
     read (a rewritten one kept in ``ctx.mcp.body``; a stream was read by the relay); an
-    envelope's ``data`` is filtered in place (its assembled events too)."""
+    envelope's ``data`` is filtered in place (its assembled events too).
+
+    Raises :class:`StreamInterrupted` (``details.reason: ended_without_answer``) when an
+    event stream ended, however it ended, with a request of the body unanswered: the
+    client would otherwise wait for an answer that will not come, and the audit record
+    say success. Not retryable when a ``tools/call`` is among them (the tool may have
+    run)."""
     exchange = ctx.mcp
     if exchange is None or not response.success:
         return response
     if ctx.api == "mcp":
         answer = ctx.attempt_log.answer
+        if answer is not None and answer.stream is not None:
+            _check_answered(exchange, ctx)
         if answer is None or answer.stream is not None or not answer.body:
             return response
         try:
@@ -293,8 +303,24 @@ def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCal
     data = response.data
     if is_stream_form(data):
         events = [exchange.read(event)[0] for event in data["events"]]
+        _check_answered(exchange, ctx)
         return response.model_copy(update={"data": {**data, "events": events}})
     return response.model_copy(update={"data": exchange.read(data)[0]})
+
+
+def _check_answered(exchange: rpc.McpExchange, ctx: CallContext) -> None:
+    """Raise :class:`StreamInterrupted` if a request of ``exchange`` got no answer on
+    the stream that ended (:func:`read_answer`)."""
+    pending = [m for m in exchange.requests if m.id not in exchange.outcomes]
+    if not pending:
+        return
+    target = ctx.target.name if ctx.target is not None else None
+    raise StreamInterrupted(
+        f"the MCP server's event stream ended without the answer to {len(pending)} "
+        "request(s) of this body",
+        details={"reason": "ended_without_answer", "target": target},
+        retryable=not any(m.method == rpc.TOOLS_CALL for m in pending),
+    )
 
 
 # -- keys that parsers read differently ----------------------------------------------

@@ -1,8 +1,10 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
-    intake -> egress decision -> idempotency -> [send: outbound request -> secret
-    -> cost reservation -> attempts (rate-limit group, circuit breaker, upstream,
-    retries: :mod:`gateway.call.retry`) -> usage and cost] -> answer -> record
+    intake -> call chain -> egress decision (an MCP target's tool rules too)
+    -> stop switch and repeated-call breaker -> idempotency -> [send: outbound request
+    -> secret -> budget reservation -> attempts, each: rate-limit group -> circuit
+    breaker -> send -> retry decision (backoff, Retry-After: :mod:`gateway.call.retry`)
+    -> usage -> budget settlement] -> answer -> record
 
 The send stage is :mod:`gateway.call.send`; the record is one frozen
 :class:`gateway.record.CallRecord`, from which the audit record, the metrics and the
@@ -17,17 +19,21 @@ UNKNOWN answer that points at the audit record, never a stack trace on the wire 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 import traceback
 from collections.abc import Callable
 
 from gateway import telemetry
+from gateway.agents.controls import Controls
+from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
-from gateway.breaker import CircuitBreakers, breaker_specs
+from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
 from gateway.call import mcp, send
+from gateway.call.chain import chain_stage
 from gateway.call.idempotent import Learned, Rendered, answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
@@ -83,8 +89,11 @@ class Pipeline:
         rng: random.Random | None = None,
         tracer: telemetry.Telemetry = telemetry.NO_TELEMETRY,
         budgets: Budgets | None = None,
+        controls: Controls | None = None,
     ) -> None:
         self.groups = groups
+        #: The stop switch and the repeated-call breaker (gateway.agents.controls).
+        self.controls = controls if controls is not None else Controls()
         #: Cost budgets (local unless built with a cluster) and the policy's prices.
         self.budgets = budgets if budgets is not None else Budgets(policy.policy.budgets)
         self.pricing = Pricing(policy.policy.prices)
@@ -111,25 +120,29 @@ class Pipeline:
         self.rendered = Rendered()
 
     def apply_policy(self, policy: PolicySet) -> None:
-        """Swap in a new policy; calls already running keep the one they started with."""
+        """Swap in a new policy; calls already running keep the one they started with.
+        The parts this pipeline was handed take the policy in themselves (the runtime's
+        components: :meth:`gateway.server.runtime.Gateway.apply_policy`)."""
         self.policy = policy
-        self.upstream.egress = policy.policy.egress
-        self.upstream.max_response_bytes = policy.policy.server.max_response_bytes
-        self.groups.update(policy.policy.rate_limit_groups)
-        self.breakers.update(breaker_specs(policy.policy.targets))
-        self.budgets.update(policy.policy.budgets)
-        self.pricing = Pricing(policy.policy.prices)
         self.credentials = Credentials()  # the old targets' secrets are not kept
 
     async def handle(
-        self, body: bytes, *, refuse: GatewayError | None = None, relay: Relay | None = None
+        self,
+        body: bytes,
+        *,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+        identity: Identity | None = None,
     ) -> tuple[int, ExternalCallResponse]:
         """Run one call from its raw envelope bytes. Returns (HTTP status, answer).
 
         With ``refuse`` the call is answered with that error at once (still audited).
+        ``identity``: who called (:func:`gateway.agents.identity.identify`); None: the
+        policy's ``agent_id``.
         """
         policy = self.policy  # one policy for the whole call, even across a reload
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.policy.agent_id)
+        identity = identity or policy_identity(policy.policy.agent_id)
+        ctx = CallContext(started=time.monotonic(), agent_id=identity.agent_id, identity=identity)
 
         def intake() -> Intake:
             fast = parse_envelope_fast(body) if refuse is None else None
@@ -173,6 +186,7 @@ class Pipeline:
         intake: Callable[[], Intake],
         relay: Relay | None,
     ) -> tuple[int, ExternalCallResponse]:
+        ctx.policy_sha256 = policy.sha256
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
@@ -189,8 +203,14 @@ class Pipeline:
                     trace_id=request.trace_id,
                     correlation_id=request.correlation_id,
                 )
-            ctx.agent_id = request.agent_id or ctx.agent_id
+            # A claimed agent_id is checked against who called, never taken for it.
+            identity = ctx.identity or policy_identity(ctx.agent_id)
+            ctx.identity = identity = identity.with_claim(request.agent_id)
+            identity.admit(request.target_system)
             ctx.decision = "denied"
+            ctx.chain = await chain_stage(
+                policy.policy.chain, request, ctx, functools.partial(send.resolve, self)
+            )
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             if decision.target.spec.mcp is not None:  # tool and argument rules (call/mcp.py)
@@ -198,11 +218,17 @@ class Pipeline:
                 relay = (
                     relay if ctx.api == "mcp" else None
                 )  # an envelope's answer is filtered whole
+            # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
+            ctx.shadow_denied += await self.controls.check(
+                ctx.agent_id, decision.target.name, request, ctx.mcp
+            )
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
-            deadline = ctx.started + request.timeout
-            status, response = await self._call(policy, request, decision, ctx, deadline, relay)
+            # The envelope's timeout, or the chain's deadline when that comes first.
+            deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
+            with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+                status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = mcp.read_answer(ctx, response)
         except GatewayError as exc:
             status = answer_status(exc)

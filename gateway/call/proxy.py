@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gateway import fastjson
+from gateway.agents import chain
 from gateway.call.bodies import is_json_type, media_type
 from gateway.call.intake import Intake, decode_json, parse_built, parse_object_fast, printable
 from gateway.call.record import CLAIM_LIMIT, CallContext
@@ -156,6 +157,7 @@ def proxy_intake(
     does not forward, a body on GET/HEAD/DELETE/OPTIONS, a bad header value)."""
     ctx.api = "proxy"
     headers = header_map(http.headers)
+    ctx.chain_seen = chain.seen_in(headers)
     trace_id, correlation_id = _ids(headers)
     ctx.claimed = {
         "trace_id": trace_id,
@@ -244,6 +246,13 @@ def _not_utf8(name: str) -> InvalidPayload:
         "cannot forward unchanged",
         details={"reason": "invalid_header", "header": name[:64]},
     )
+
+
+def request_ids(headers: Mapping[str, str]) -> tuple[str, str]:
+    """(trace_id, correlation_id) of a drop-in or MCP request answered before its call
+    was read (an unmatched path, a refusal before the pipeline), as :func:`_ids` gives
+    them to a call: its audit record and ``x-egress-*`` headers carry them."""
+    return _ids(headers)
 
 
 def _ids(headers: Mapping[str, str]) -> tuple[str, str]:

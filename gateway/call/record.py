@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.agents.chain import ChainDecision
+from gateway.agents.identity import Identity
 from gateway.call.attempts import AttemptLog
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
 from gateway.metrics import Metrics, Outcome
@@ -76,6 +78,14 @@ class CallContext:
     shadow_denied: list[str] = field(default_factory=list)
     #: An exchange with an MCP target: its JSON-RPC messages and their outcomes.
     mcp: McpExchange | None = None
+    #: Who called, as the sidecar established it (gateway.agents.identity); the SHA-256
+    #: of the policy file the call ran under.
+    identity: Identity | None = None
+    policy_sha256: str | None = None
+    #: The call chain headers the request came with (drop-in and MCP routes; None: none
+    #: or an envelope, whose ``call_chain`` says), and what the chain stage decided.
+    chain_seen: dict[str, str] | None = None
+    chain: ChainDecision | None = None
 
     def record(self) -> CallRecord:
         """What the call learned, frozen: this context with its attempts' log."""
@@ -123,6 +133,9 @@ class CallContext:
                 log.rate_limit_wait_s,
                 stream,
                 self.mcp,
+                self.identity,
+                self.policy_sha256,
+                self.chain,
             ),
         )
 
@@ -156,6 +169,8 @@ def observe(metrics: Metrics, call: CallRecord, response: ExternalCallResponse) 
         metrics.observe_shadow_denial(kind, name)
     if response.error is not None and response.error.code is ErrorCode.BUDGET_EXCEEDED:
         metrics.observe_budget_rejection(str(response.error.details.get("budget", "")))
+    if response.error is not None and response.error.code is ErrorCode.CALL_CHAIN_REFUSED:
+        metrics.observe_chain_refusal(str(response.error.details.get("reason", "")))
     for _ in range(call.attempts - 1):  # none for 0 or 1 attempt
         metrics.observe_retry(target)
     genai = outcome_of(call, response) if not call.replayed else None  # a replay: no operation

@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gateway import telemetry
+from gateway.agents import chain
+from gateway.agents.repeats import call_names
 from gateway.call import spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
@@ -84,6 +86,7 @@ async def forward(
         target,
         group=ctx.rate_limit_group,
         agent_id=ctx.agent_id,
+        tools=call_names(request, ctx.mcp) if pipe.budgets else (),
     )
     rates = cost.price.rates  # the record: the model priced, where its price came from
     ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
@@ -104,8 +107,9 @@ async def forward(
 def _outbound(
     policy: PolicySet, request: ExternalCallRequest, target: CompiledTarget, ctx: CallContext
 ) -> Draft:
-    """The request the upstream gets, less its credential; the record gets its size,
-    digest and ``traceparent``."""
+    """The request the upstream gets, less its credential, with the call chain's headers
+    (:func:`gateway.agents.chain.with_headers`); the record gets its size, digest and
+    ``traceparent``."""
     draft, digest = build_outbound(
         request,
         target,
@@ -114,6 +118,8 @@ def _outbound(
     )
     if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
         draft.headers = {**ctx.passthrough_headers, **draft.headers}
+    if ctx.chain is not None:  # the call chain it goes out with (gateway.agents.chain)
+        draft.headers = chain.with_headers(draft.headers, ctx.chain)
     ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
     ctx.traceparent = draft.headers["traceparent"]
     return draft
@@ -146,12 +152,13 @@ def _failed(
 ) -> None:
     """After the attempts failed with ``exc``: release what the reservations may (the
     budgets', the group's token estimate) and count a refusal by the group."""
-    ctx.cost_reason = spend.settle_failed(pipe.budgets, cost, sent=attempts.log.sent)
+    log = attempts.log
+    ctx.cost_reason = spend.settle_failed(pipe.budgets, cost, sent=log.sent, billed=log.billed)
     group = attempts.group
     if group is not None:
         if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
             pipe.metrics.observe_ratelimit_rejection(group.name)
-        if attempts.log.admitted:
+        if log.admitted:
             group.reconcile(attempts.tokens_reserved, 0)  # no answer, no usage: refund it
 
 

@@ -20,15 +20,18 @@ attempt may have been processed).
 
 After (:func:`settle`): the real cost from the usage replaces the reservation; a call
 that failed is released when nothing can have reached the upstream
-(:attr:`gateway.call.attempts.AttemptLog.sent` false), and otherwise keeps its
-reservation (the upstream may have acted; its cost is unknown). Each step returns what
-the call's record learns (:func:`settle`: ``cost_usd``, null when unknown, and
-``cost_reason``) or keeps it on the :class:`Spend` (its warnings and shadow denials,
-taken by :meth:`Spend.take_notes`); the pipeline writes it into the call's context.
+(:attr:`gateway.call.attempts.AttemptLog.sent` false) or nothing billed can have
+(:attr:`gateway.call.attempts.AttemptLog.billed` false: every answer an error status,
+which providers do not bill), and otherwise keeps its reservation (the upstream may
+have acted; its cost is unknown). Each step returns what the call's record learns
+(:func:`settle`: ``cost_usd``, null when unknown, and ``cost_reason``) or keeps it on
+the :class:`Spend` (its warnings and shadow denials, taken by :meth:`Spend.take_notes`);
+the pipeline writes it into the call's context.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -82,10 +85,12 @@ def price(
     *,
     group: str | None,
     agent_id: str,
+    tools: Sequence[str],
 ) -> Spend:
     """The call's price (cheap: cached per model) and the budgets that apply to it (of
-    its target, rate-limit ``group`` and agent). Raises nothing."""
-    applying = budgets.applying(target.name, group, agent_id) if budgets else []
+    its target, rate-limit ``group``, agent and ``tools``: the call's names,
+    :func:`gateway.agents.repeats.call_names`). Raises nothing."""
+    applying = budgets.applying(target.name, group, agent_id, tools) if budgets else []
     priced = pricing.price(
         target.spec.usage, request.endpoint, request.parameters, measure=bool(applying)
     )
@@ -183,11 +188,15 @@ def settle(
     return usd, reason
 
 
-def settle_failed(budgets: Budgets, spend: Spend, *, sent: bool) -> str:
+def settle_failed(budgets: Budgets, spend: Spend, *, sent: bool, billed: bool) -> str:
     """After a failure: release the reservation if nothing can have reached the upstream
-    (its cost is then 0: ``cost_reason`` "not_sent"), else keep it (cost unknown).
+    (``sent`` false: ``cost_reason`` "not_sent") or nothing it received can have been
+    billed (``billed`` false: every attempt it answered, it answered with an error
+    status, which the providers do not bill; "not_billed"), else keep it (the upstream
+    may have processed the call; "usage_unknown"). A released call costs nothing.
     Returns the record's ``cost_reason``."""
-    reason = spend.price.reason or ("usage_unknown" if sent else "not_sent")
+    unsent = "not_billed" if sent else "not_sent"
+    reason = spend.price.reason or ("usage_unknown" if billed else unsent)
     if spend.booking is not None:
-        budgets.settle(spend.booking, None if sent else 0.0)
+        budgets.settle(spend.booking, None if billed else 0.0)
     return reason

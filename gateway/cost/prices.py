@@ -61,6 +61,8 @@ def library_rates(provider: str, model: str, now: datetime | None = None) -> Rat
     return _cached(provider, model, day)
 
 
+# Pure for the process (the library's snapshot never changes while it runs): a lookup
+# walks the whole price table, so each (provider, model, day) is looked up once; LRU.
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _cached(provider: str, model: str, day: str) -> Rates | None:
     try:
@@ -88,7 +90,7 @@ def _cached(provider: str, model: str, day: str) -> Rates | None:
     )
 
 
-@functools.cache
+@functools.cache  # the warning is said once per process
 def _missing() -> None:
     _log.warning(
         "prices_unavailable",

@@ -213,6 +213,8 @@ class Refusal:
     argument: str | None = None
 
 
+# Pure (a pattern is the same regex under any policy), so a reload cannot make it stale;
+# compiled once per pattern, not per call; bounded (LRU) as a policy names few patterns.
 @functools.lru_cache(maxsize=1024)
 def _glob(pattern: str) -> re.Pattern[str]:
     return re.compile(".*".join(re.escape(part) for part in pattern.split("*")), re.DOTALL)

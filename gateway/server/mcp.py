@@ -18,8 +18,13 @@ EGRESS_ERROR` (or the JSON-RPC / MCP code of a body that is not JSON-RPC, -32700
 ``data.retryable``, ``data.reason`` and, for a rule, ``data.rule``. A refused or failed
 request is answered 200 (the error is the JSON-RPC answer, which every client version
 reads); a body that is not JSON-RPC, mismatched headers, and a failed GET or DELETE (no
-request to answer) get the HTTP status of the code. A stream that fails mid-way ends
-with an error event for each request still unanswered.
+request to answer) get the HTTP status of the code, and so does a refused body of
+notifications only (the MCP transport: input a server does not accept gets an HTTP
+error status, with a JSON-RPC error of no id). A stream that fails mid-way, or ends
+without the answer to a request (:func:`gateway.call.mcp.read_answer`), ends with an
+error event for each request still unanswered; lines that are not SSE are not relayed.
+A path under ``/mcp`` that is not this route (:meth:`McpRoute.unmatched`) is answered
+as JSON-RPC too.
 """
 
 from __future__ import annotations
@@ -33,16 +38,31 @@ from typing import Any, Final
 from aiohttp import web
 
 from gateway import fastjson, redaction
+from gateway.agents.identity import identify
 from gateway.audit import get_logger
 from gateway.call.mcp import McpRequest
-from gateway.call.proxy import egress_headers, id_headers, passback_headers, passback_reason
+from gateway.call.proxy import (
+    egress_headers,
+    id_headers,
+    passback_headers,
+    passback_reason,
+    request_ids,
+)
 from gateway.call.record import CallContext
 from gateway.call.relay import AgentGone
 from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError, InternalError
+from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.providers import mcp as rpc
-from gateway.server.proxy import BodyReader, RelayResponse, answer_ids, read_limited
+from gateway.server.proxy import (
+    EDGES_KEY,
+    BodyReader,
+    RelayResponse,
+    answer_ids,
+    edge_path,
+    read_limited,
+    scrubbed,
+)
 from gateway.server.runtime import Gateway
 
 MCP_ROUTE: Final = "/mcp/{target}"
@@ -50,6 +70,9 @@ _log = get_logger("gateway.server")
 #: One event of a relayed chunk (the relay hands in whole events): its text and its end.
 _EVENT: Final = re.compile(rb"(.*?)(\r\n\r\n|\n\n|\r\r|\n\r\n|\r\n\n)", re.DOTALL)
 _DATA_LINE: Final = re.compile(rb"^data(:.*)?$")
+#: A line of SSE (WHATWG HTML, "Server-sent events"): a comment or a field the client
+#: reads, after the byte order mark a stream may start with.
+_SSE_LINE: Final = re.compile(rb"^(?:\xef\xbb\xbf)?(?::|(?:data|event|id|retry)(?::|$))")
 
 
 class McpRoute:
@@ -63,11 +86,13 @@ class McpRoute:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         gateway = self._gateway
         policy = gateway.policy.policy
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
+        identity = identify(request.transport, request.headers, gateway.agents)
+        ctx = CallContext(time.monotonic(), identity.agent_id, identity=identity)
         try:
             body, refuse = await read_limited(
                 self._read_body, request, policy.server.max_request_bytes
             )
+            refuse = identity.refusal or refuse  # who calls is settled first
             http = McpRequest(
                 method=request.method,
                 target=request.match_info["target"],
@@ -85,13 +110,36 @@ class McpRoute:
             _log.exception("mcp_handler_error")
             return self._refused(InternalError("the sidecar failed unexpectedly"), ctx, request)
 
+    def install(self, app: web.Application) -> None:
+        """Add :data:`MCP_ROUTE` to ``app``, and :meth:`unmatched` for the paths under
+        ``/mcp`` it does not match (:func:`gateway.server.proxy.edge_errors`)."""
+        app.router.add_route("*", MCP_ROUTE, self.handle)
+        app.setdefault(EDGES_KEY, {})["/mcp"] = self.unmatched
+
+    def unmatched(self, request: web.Request, status: int) -> web.Response:
+        """The answer to a request under ``/mcp`` that :data:`MCP_ROUTE` does not match
+        (``/mcp/{target}/x``, ``/mcp/``, ``CONNECT``): a JSON-RPC error (``id`` null,
+        :data:`gateway.providers.mcp.EGRESS_ERROR`, ``data.egress_code``
+        INVALID_PAYLOAD, ``data.reason: route``) with ``status`` (aiohttp's 404 or 405),
+        audited, with the ``x-egress-*`` headers of every answer."""
+        ctx = CallContext(started=time.monotonic(), agent_id=self._gateway.policy.policy.agent_id)
+        exc = InvalidPayload(
+            f"{request.method} {edge_path(request)[:200]}: no MCP endpoint here; an MCP "
+            "client talks to /mcp/{target}, {target} an MCP target of the policy",
+            details={"reason": "route", "http_status": status},
+            http_status=status,
+        )
+        return self._refused(exc, ctx, request)
+
     def _refused(self, exc: GatewayError, ctx: CallContext, request: web.Request) -> web.Response:
         response = self._gateway.refused_early(
             exc,
             started=ctx.started,
             http_method=request.method,
-            http_path=request.rel_url.raw_path,
+            http_path=edge_path(request),
             api="mcp",
+            identity=ctx.identity,
+            ids=request_ids(request.headers),
         )
         return _rpc_error(exc.http_status, response, ctx)
 
@@ -112,7 +160,7 @@ def _answer(status: int, response: ExternalCallResponse, ctx: CallContext) -> we
             status=answer.status,
             reason=passback_reason(answer.reason),
             body=redaction.scrub_bytes(rewritten if rewritten is not None else answer.body),
-            headers=[(k, redaction.scrub(v)) for k, v in headers],
+            headers=scrubbed(headers),
         )
     return _rpc_error(status, response, ctx)
 
@@ -216,12 +264,22 @@ class _McpRelay:
 
 def _read_events(exchange: rpc.McpExchange, chunk: bytes) -> bytes:
     """``chunk`` (whole events) with each event's message read by ``exchange``; an event
-    whose message was filtered is written anew (its other lines kept), the rest as sent."""
+    whose message was filtered is written anew (its other lines kept), the rest as sent.
+    Lines that are not SSE (neither a comment nor a ``data``, ``event``, ``id`` or
+    ``retry`` field: an HTML error page, a proxy's text) are not relayed, and a block
+    with none left is dropped: they are not events, and the client would read them as
+    fields of the next one."""
     out = bytearray()
     end = 0
     for match in _EVENT.finditer(chunk):
         end = match.end()
         block = match.group(0)
+        lines = match.group(1).splitlines()
+        kept = [ln for ln in lines if _SSE_LINE.match(ln)]
+        if not kept:
+            continue
+        if len(kept) != len(lines):
+            block = b"\n".join(kept) + b"\n\n"
         decoder = SseDecoder(len(block) + 1)
         events = decoder.feed(block) + decoder.close()
         # JSON may start after spaces (SSE strips only one): the client reads it as JSON.
@@ -237,7 +295,7 @@ def _read_events(exchange: rpc.McpExchange, chunk: bytes) -> bytes:
         if not changed:
             out += block
             continue
-        lines = [ln for ln in match.group(1).splitlines() if not _DATA_LINE.match(ln)]
+        lines = [ln for ln in kept if not _DATA_LINE.match(ln)]
         lines.append(b"data: " + fastjson.compact(value))
         out += b"\n".join(lines) + b"\n\n"
     out += chunk[end:]

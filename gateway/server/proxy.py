@@ -24,10 +24,13 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Final
+from urllib.parse import unquote
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
 from gateway import redaction
+from gateway.agents.identity import identify
 from gateway.audit import get_logger
 from gateway.call.proxy import (
     CORRELATION_ID_HEADER,
@@ -38,6 +41,7 @@ from gateway.call.proxy import (
     passback_headers,
     passback_reason,
     replayed_body,
+    request_ids,
 )
 from gateway.call.record import CallContext
 from gateway.call.relay import AGENT_STALLED, AgentGone
@@ -77,11 +81,13 @@ class ProxyRoute:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         gateway = self._gateway
         policy = gateway.policy.policy
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
+        identity = identify(request.transport, request.headers, gateway.agents)
+        ctx = CallContext(time.monotonic(), identity.agent_id, identity=identity)
         try:
             body, refuse = await read_limited(
                 self._read_body, request, policy.server.max_request_bytes
             )
+            refuse = identity.refusal or refuse  # who calls is settled first
             http = _proxy_request(request, body)
             relay = _ProxyRelay(request, ctx)
             status, response = await gateway.proxy(http, ctx=ctx, refuse=refuse, relay=relay)
@@ -96,13 +102,36 @@ class ProxyRoute:
             error = InternalError("the sidecar failed unexpectedly")
             return self._refused(error, ctx, request)
 
+    def install(self, app: web.Application) -> None:
+        """Add :data:`PROXY_ROUTE` to ``app``, and :meth:`unmatched` for the paths under
+        ``/proxy`` it does not match (:func:`edge_errors`)."""
+        app.router.add_route("*", PROXY_ROUTE, self.handle)
+        app.setdefault(EDGES_KEY, {})["/proxy"] = self.unmatched
+
+    def unmatched(self, request: web.Request, status: int) -> web.Response:
+        """The answer to a request under ``/proxy`` that :data:`PROXY_ROUTE` does not
+        match (no target or no path, ``/proxy//x``, ``CONNECT``): INVALID_PAYLOAD
+        (``details.reason: route``) with ``status`` (aiohttp's 404 or 405), audited, in
+        the provider's error shape of the target its path names, else of the SDK's
+        headers (OpenAI's by default), with the ``x-egress-*`` headers of every answer."""
+        ctx = CallContext(started=time.monotonic(), agent_id=self._gateway.policy.policy.agent_id)
+        exc = InvalidPayload(
+            f"{request.method} {edge_path(request)[:200]}: no drop-in route here; send the "
+            "SDK's requests to /proxy/{target}/{path}, {target} a target of the policy",
+            details={"reason": "route", "http_status": status},
+            http_status=status,
+        )
+        return self._refused(exc, ctx, request)
+
     def _refused(self, exc: GatewayError, ctx: CallContext, request: web.Request) -> web.Response:
         response = self._gateway.refused_early(
             exc,
             started=ctx.started,
             http_method=request.method,
-            http_path=request.rel_url.raw_path,
+            http_path=edge_path(request),
             api="proxy",
+            identity=ctx.identity,
+            ids=request_ids(request.headers),
         )
         return _refusal(exc.http_status, response, self._dialect(ctx, request), ctx)
 
@@ -110,9 +139,8 @@ class ProxyRoute:
         """The error shape for this answer: the target's, also when the call was refused
         before the policy decision named it (a bad header, a body too large), else the
         SDK's headers' (their names read only then)."""
-        target = ctx.target or self._gateway.policy.targets.get(
-            request.match_info.get("target", "")
-        )
+        named = request.match_info.get("target") or edge_target(request)
+        target = ctx.target or self._gateway.policy.targets.get(named)
         usage = target.spec.usage if target is not None else None
         if usage is not None and usage in DIALECTS:
             return DIALECTS[usage]  # what drop_in_dialect gives, whatever the headers
@@ -124,9 +152,21 @@ class RelayResponse(web.StreamResponse):
     aiohttp's StreamResponse sends the head alone at ``prepare`` (one more write and one
     more wake-up of the agent before its first event). ``_send_headers_immediately`` is
     the switch aiohttp's own ``web.Response`` uses; were it gone, the head would again go
-    out alone at ``prepare``, which is only slower."""
+    out alone at ``prepare``, which is only slower.
+
+    Every streamed answer of every route is one of these, and its head is scrubbed at
+    ``prepare`` (:func:`scrubbed`), whatever was put in it and when: an upstream that
+    echoes the credential in a header must not get it to the agent on a stream either."""
 
     _send_headers_immediately = False
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        head = list(self.headers.items())
+        clean = scrubbed(head)
+        if clean is not head:
+            self.headers.clear()
+            self.headers.extend(clean)
+        return await super().prepare(request)
 
 
 #: An answer up to this size is handed to the transport whole without waiting (asyncio's
@@ -204,6 +244,49 @@ async def read_limited(
         return b"", exc
 
 
+#: The answer to a request under a route family that none of its routes matched, given
+#: the HTTP status aiohttp chose (404, 405).
+Unmatched = Callable[[web.Request, int], web.Response]
+#: Route family prefix -> its :data:`Unmatched` writer (the calls application only).
+EDGES_KEY: Final = web.AppKey[dict[str, Unmatched]]("edges")
+
+
+@web.middleware
+async def edge_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Answer a request under a route family (``/proxy``, ``/mcp``) that none of its
+    routes matched (aiohttp's 404 or 405) with that family's own writer (the calls
+    application's :data:`EDGES_KEY`), in its shape; the path of a ``CONNECT`` (an
+    authority to aiohttp) is its raw request target. Any other error goes on to the
+    application's JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        path = request.path or request.raw_path.partition("?")[0]
+        for prefix, unmatched in request.app.get(EDGES_KEY, {}).items():
+            if exc.status >= 400 and (path == prefix or path.startswith(prefix + "/")):
+                answer = unmatched(request, exc.status)
+                if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
+                    answer.headers["Allow"] = exc.headers["Allow"]
+                return answer
+        raise
+
+
+def edge_path(request: web.Request) -> str:
+    """The request's path as sent (percent-encoding kept); for ``CONNECT``, whose target
+    aiohttp reads as an authority (an empty path), the raw request target."""
+    return request.rel_url.raw_path if request.path else request.raw_path
+
+
+def edge_target(request: web.Request) -> str:
+    """The target a path under ``/proxy/`` or ``/mcp/`` names (its second segment,
+    percent-decoded), also when the route did not match it; "" for none."""
+    path = request.path or request.raw_path.partition("?")[0]
+    parts = path.split("/", 3)
+    return unquote(parts[2]) if len(parts) > 2 else ""
+
+
 def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
     """The id headers of an answer: the call's ids, else those the request claimed."""
     return id_headers(
@@ -254,14 +337,19 @@ def _answer(
 
 
 def scrubbed(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """``headers`` with each value scrubbed (:func:`gateway.redaction.scrub`). The values
-    are scrubbed one by one only when their text, joined, holds a secret's form: a form
-    inside one value is inside the whole, so a whole that scrubs to itself means that
-    every value would (one scrub per answer instead of one per header)."""
-    joined = "\n".join(value for _, value in headers)
+    """``headers`` with each value scrubbed (:func:`gateway.redaction.scrub`) and any
+    header whose name holds a secret's form left out (a name cannot be rewritten into a
+    valid one): the one scrub of every answer head the routes write, streamed or not.
+    The headers are scrubbed one by one only when their text, joined, holds a secret's
+    form: a form inside one name or value is inside the whole, so a whole that scrubs to
+    itself means that every one would (one scrub per answer instead of one per header);
+    then ``headers`` itself is returned."""
+    joined = "\n".join(f"{name}\n{value}" for name, value in headers)
     if redaction.scrub(joined) == joined:
         return headers
-    return [(name, redaction.scrub(value)) for name, value in headers]
+    return [
+        (name, redaction.scrub(value)) for name, value in headers if redaction.scrub(name) == name
+    ]
 
 
 def _replayed(

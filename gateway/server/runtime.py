@@ -1,25 +1,24 @@
 """The sidecar's resources and their lifecycle, independent of HTTP routing.
 
-:class:`Gateway` owns the outbound client, the secret resolvers, the audit log and the
-pipeline, and knows whether the sidecar is ready and whether it is draining. Resources
-are created in :meth:`Gateway.start` and closed in reverse order by :meth:`Gateway.aclose`
-(idempotent).
+:class:`Gateway` owns what the components of :mod:`gateway.server.components` build
+from the policy (the outbound client, the secret resolvers, the audit log, the pipeline
+...), and knows whether the sidecar is ready and whether it is draining. The components
+are built in list order in :meth:`Gateway.start`, take in a new policy in
+:meth:`Gateway.reload`, and their resources are closed in reverse order by
+:meth:`Gateway.aclose` (idempotent).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from gateway import audit, cost, telemetry
-from gateway.audit.schema import Fields
-from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
-from gateway.budgets import Budgets
+from gateway import audit
+from gateway.agents.identity import Agents, Identity
+from gateway.audit.schema import POLICY_RELOAD_EVENT, POLICY_START_EVENT, Fields
 from gateway.call.mcp import McpRequest
 from gateway.call.pipeline import Pipeline
 from gateway.call.proxy import ProxyRequest
@@ -27,17 +26,15 @@ from gateway.call.record import CallContext, refusal_record
 from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, ShuttingDown, error_response
-from gateway.idempotency.memory import MemoryIdempotencyStore
-from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
 from gateway.policy import PolicyError, PolicySet, load_policy
-from gateway.ratelimit import RateLimitGroups
-from gateway.secrets.factory import build_secret_resolvers, secrets_ready, start_secret_resolvers
-from gateway.upstream import Resolver, Upstream
+from gateway.secrets.factory import secrets_ready
+from gateway.server import components
+from gateway.server.components import COMPONENTS, Component, Parts
+from gateway.server.reload import applied_fields, refused_fields
+from gateway.upstream import Resolver
 
 if TYPE_CHECKING:
-    # Imported in start() only with a ``redis:`` section: redis-py is 6.7 MiB of RSS.
-    from gateway.budgets.cluster import ClusterBudgets
     from gateway.ratelimit.cluster import ClusterLimits
     from gateway.stores.redis import RedisClient
 
@@ -46,20 +43,7 @@ _log = audit.get_logger("gateway.runtime")
 
 def _server_hot_only(old: PolicySet, new: PolicySet) -> bool:
     """True if only the server keys that apply without a restart changed."""
-    hot = {"drain_s", "shutdown", "max_response_bytes", "debug"}
-    a, b = old.policy.server.model_dump(), new.policy.server.model_dump()
-    return all(a[k] == b[k] for k in a if k not in hot)
-
-
-def _labels(policy: PolicySet) -> dict[str, Any]:
-    """The metrics' model names and ``policy_info`` of ``policy`` (the digest is of its
-    content, not its file: comments and key order do not change it)."""
-    digest = hashlib.sha256(policy.policy.model_dump_json().encode()).hexdigest()[:16]
-    return {
-        "models": policy.policy.telemetry.models,
-        "agent_id": policy.policy.agent_id,
-        "digest": digest,
-    }
+    return "server" not in components.restart_needed(old, new, COMPONENTS)
 
 
 def _refusal() -> ShuttingDown:
@@ -79,8 +63,14 @@ class Gateway:
         *,
         resolver: Resolver | None = None,
         log_stream: IO[str] | None = None,
+        components: Sequence[type[Component]] = COMPONENTS,
     ) -> None:
+        """``components``: the parts to build, in order (default: the sidecar's list)."""
         self.policy = policy
+        self._component_types = tuple(components)
+        #: The components built by start() and what they built (None until then).
+        self._components: list[Component] = []
+        self._parts: Parts | None = None
         self._dns_resolver = resolver
         self._log_stream = log_stream
         self.pipeline: Pipeline | None = None
@@ -104,158 +94,111 @@ class Gateway:
         self._idle.set()
 
     async def start(self) -> None:
-        """Open every resource, in order: the log and audit sinks, the outbound client, the
-        secret resolvers (Vault login and token renewer), the Redis client and cluster
-        limits (with a ``redis:`` section), the idempotency stores; then the pipeline.
+        """Build every component of the list (:mod:`gateway.server.components`), in
+        order: the log and audit sinks, the outbound client, the secret resolvers (Vault
+        login and token renewer), the Redis client and cluster limits (with a ``redis:``
+        section), the idempotency stores, telemetry, the groups, breakers and budgets;
+        then the pipeline.
 
         A start that fails part-way closes what it had opened, in reverse order, and
         re-raises (ValueError for an unusable ``secrets.vault`` section, for example).
         """
-        policy = self.policy.policy
+        built: list[Component] = [make() for make in self._component_types]
+        parts = Parts(self.metrics, dns_resolver=self._dns_resolver, log_stream=self._log_stream)
         async with contextlib.AsyncExitStack() as stack:
-            audit.configure_logging(self._log_stream)
-            self.audit = audit.AuditLog(policy.audit, self._log_stream, agent_id=policy.agent_id)
-            stack.push_async_callback(self.audit.aclose)
-            upstream = Upstream(
-                policy.egress,
-                max_response_bytes=policy.server.max_response_bytes,
-                resolver=self._dns_resolver,
-            )
-            await upstream.start()
-            stack.push_async_callback(upstream.aclose)
-            # The price data, off the event loop: imported at the first priced call it
-            # would hold every call in flight ~0.1-0.2 s.
-            await asyncio.to_thread(cost.preload)
-            resolvers = build_secret_resolvers(policy)
-            stack.push_async_callback(resolvers.aclose)
-            await start_secret_resolvers(resolvers)
-            if policy.redis is not None:
-                from gateway.idempotency.redis import RedisIdempotencyStore
-                from gateway.ratelimit.cluster import ClusterLimits
-                from gateway.stores.redis import RedisClient
-
-                # Connects lazily: no connection until a cluster-scope group or target is
-                # used (built whenever configured, so a reload that turns on cluster scope
-                # works).
-                self.redis = RedisClient(policy.redis)
-                stack.push_async_callback(self.redis.aclose)
-                self.cluster_limits = ClusterLimits(
-                    self.redis, on_fallback=self.metrics.observe_redis_fallback
-                )
-                stack.push_async_callback(self.cluster_limits.aclose)
-            idempotency = IdempotencyStores(
-                MemoryIdempotencyStore(
-                    max_entries=policy.server.idempotency_max_entries,
-                    max_bytes=policy.server.idempotency_max_bytes,
-                ),
-                RedisIdempotencyStore(self.redis) if self.redis is not None else None,
-            )
-            stack.push_async_callback(idempotency.aclose)
-            tracer = telemetry.start(policy.telemetry, os.environ)  # NO_TELEMETRY when off
-            stack.push_async_callback(tracer.aclose)
-            self.pipeline = Pipeline(
-                self.policy,
-                resolvers=resolvers,
-                upstream=upstream,
-                audit=self.audit,
-                metrics=self.metrics,
-                groups=RateLimitGroups(
-                    policy.rate_limit_groups,
-                    cluster=self.cluster_limits.group if self.cluster_limits else None,
-                ),
-                breakers=self._breakers(),
-                idempotency=idempotency,
-                tracer=tracer,
-                budgets=Budgets(policy.budgets, cluster=self._cluster_budgets()),
-            )
+            for component in built:
+                await component.build(self.policy, parts, stack)
             self._resources = stack.pop_all()
-        self.metrics.set_known(
-            self.policy.targets, policy.rate_limit_groups, **_labels(self.policy)
-        )
-        audit_log, resolvers = self.audit, self.pipeline.resolvers
-        self.metrics.watch(
-            audit_failures=lambda: audit_log.write_failures,
-            secrets_ready=lambda: secrets_ready(resolvers),
+        self._components, self._parts = built, parts
+        self.audit, self.redis, self.cluster_limits = parts.audit, parts.redis, parts.cluster_limits
+        self.pipeline = parts.pipeline
+        self.audit.event(
+            POLICY_START_EVENT,
+            policy=self.policy.source,
+            policy_sha256=self.policy.sha256,
+            targets=sorted(self.policy.targets),
+            agents=sorted(self.policy.policy.agents),
         )
         _log.info(
             "sidecar_started",
             policy=self.policy.source,
             targets=sorted(self.policy.targets),
-            agent_id=policy.agent_id,
+            agent_id=self.policy.policy.agent_id,
         )
+
+    def apply_policy(self, policy: PolicySet) -> None:
+        """Swap ``policy`` in whole (what a reload does once the file parses): every
+        component takes it in, in list order, synchronously, so that no call starts under
+        half of it; calls already running keep the one they started with."""
+        self.policy = policy
+        if self._parts is not None:
+            for component in self._components:
+                component.apply(policy, self._parts)
 
     async def reload(self, path: str | None = None) -> bool:
         """Load the policy file again and swap it in whole. False (old policy kept) if invalid.
 
-        Calls in flight finish under the policy they started with. Listener settings
-        (``server.host``, ``port``, ``ops_*``, ``max_request_bytes``) and
-        ``secrets`` need a restart; a reload that changes them says so in the log.
+        Calls in flight finish under the policy they started with. The keys a component
+        reads at start only (listener settings ``server.host``, ``port``, ``ops_*``,
+        ``max_request_bytes``; ``secrets``; ``redis``) need a restart; a reload that
+        changes them says so in the log (:func:`~gateway.server.components.restart_needed`).
+        What a component must read before it can take the policy in (the agents' tokens:
+        ``prepare``) is read first; a failure there refuses the reload too. Applied or
+        refused, the reload is an audit record of its own (``policy_reload``).
         """
         source = path or self.policy.source
         try:
             new = await asyncio.to_thread(load_policy, source)
+            await self._prepare(new)
         except PolicyError as exc:
-            self.metrics.observe_policy_reload(ok=False)
-            _log.error(
-                "policy_reload_refused",
-                policy=source,
-                problems=exc.problems,
-                note="the previous policy stays in force",
-            )
-            return False
+            return await self._reload_refused(source, exc.problems)
+        except (GatewayError, ValueError) as exc:  # an agent token unreadable or empty
+            return await self._reload_refused(source, [f"{source}: agents: {exc}"])
         old = self.policy
-        restart_needed = [
-            key
-            for key in ("server", "secrets", "redis")
-            if getattr(old.policy, key) != getattr(new.policy, key)
-            and not (key == "server" and _server_hot_only(old, new))
-        ]
-        self.policy = new
-        if self.pipeline is not None:
-            self.pipeline.apply_policy(new)
-        self.metrics.set_known(new.targets, new.policy.rate_limit_groups, **_labels(new))
+        restart_needed = components.restart_needed(old, new, self._component_types)
+        self.apply_policy(new)
+        if self._parts is None:  # not started: the labels are set at start
+            self.metrics.set_known(
+                new.targets, new.policy.rate_limit_groups, **components.policy_labels(new)
+            )
         self.metrics.observe_policy_reload(ok=True)
         if self.audit is not None:
-            self.audit.event(
-                "policy_reload",
-                policy=source,
-                targets=sorted(new.targets),
-                changed_targets=sorted(
-                    n
-                    for n in set(old.targets) | set(new.targets)
-                    if (old.targets.get(n) and old.targets[n].spec)
-                    != (new.targets.get(n) and new.targets[n].spec)
-                ),
-                restart_needed_for=restart_needed,
-            )
+            self.audit.event(POLICY_RELOAD_EVENT, **applied_fields(old, new, restart_needed))
         return True
 
-    def _cluster_budgets(self) -> ClusterBudgets | None:
-        """The Redis side of ``scope: cluster`` budgets (with a ``redis:`` section)."""
-        if self.cluster_limits is None:
-            return None
-        from gateway.budgets.cluster import ClusterBudgets
+    async def _prepare(self, policy: PolicySet) -> None:
+        """Let each component that has a ``prepare`` read what it needs for ``policy``."""
+        if self._parts is None:
+            return
+        for component in self._components:
+            prepare = getattr(component, "prepare", None)
+            if prepare is not None:
+                await prepare(policy, self._parts)
 
-        return ClusterBudgets(self.cluster_limits)
+    async def _reload_refused(self, source: str, problems: list[str]) -> bool:
+        self.metrics.observe_policy_reload(ok=False)
+        _log.error(
+            "policy_reload_refused",
+            policy=source,
+            problems=problems,
+            note="the previous policy stays in force",
+        )
+        if self.audit is not None:
+            fields = await asyncio.to_thread(refused_fields, source, problems, self.policy)
+            self.audit.event(POLICY_RELOAD_EVENT, **fields)
+        return False
 
-    def _breakers(self) -> CircuitBreakers:
-        breakers = CircuitBreakers(breaker_specs(self.policy.policy.targets))
-
-        def on_change(target: str, old: BreakerState, new: BreakerState) -> None:
-            self.metrics.observe_breaker_transition(target, new)
-            if self.audit is not None:
-                self.audit.event(
-                    "breaker_state_change", target_system=target, old_state=old, new_state=new
-                )
-
-        breakers.on_state_change(on_change)
-        return breakers
+    @property
+    def agents(self) -> Agents:
+        """Who may call (the policy's ``agents:``, tokens read): before start, none."""
+        parts = self._parts
+        return parts.agents if parts is not None else Agents(self.policy.policy.agent_id)
 
     async def aclose(self) -> None:
         """Close every resource :meth:`start` opened, in reverse order; a part that fails
         to close does not keep the others open (its error is raised after). Idempotent."""
         resources, self._resources = self._resources, None
-        self.pipeline = None
+        self.pipeline, self._parts, self._components = None, None, []
         if resources is not None:
             await resources.aclose()
 
@@ -277,7 +220,7 @@ class Gateway:
         return pipeline is not None and secrets_ok and not self.draining, checks
 
     async def call(
-        self, body: bytes, *, relay: Relay | None = None
+        self, body: bytes, *, relay: Relay | None = None, identity: Identity | None = None
     ) -> tuple[int, ExternalCallResponse]:
         """Run one call (see :meth:`Pipeline.handle`) in the current task, tracked as in
         flight so that :meth:`drain` can wait for it and, past the drain time, cancel it.
@@ -288,11 +231,15 @@ class Gateway:
         Once draining has begun a call is answered SHUTTING_DOWN (audited), unless
         :meth:`begin_drain` was told to accept new calls and the drain has not ended.
         Raises :class:`ShuttingDown` before :meth:`start` or after :meth:`aclose`.
-        With ``relay``, a 2xx event stream is relayed to it as it arrives.
+        With ``relay``, a 2xx event stream is relayed to it as it arrives. ``identity``:
+        who called (:func:`gateway.agents.identity.identify`); its refusal, if any, is
+        the answer (audited).
         """
         return await self._tracked(
-            lambda pipeline, refuse, relay: pipeline.handle(body, refuse=refuse, relay=relay),
-            None,
+            lambda pipeline, refuse, relay: pipeline.handle(
+                body, refuse=refuse, relay=relay, identity=identity
+            ),
+            identity.refusal if identity is not None else None,
             relay,
         )
 
@@ -363,11 +310,21 @@ class Gateway:
         http_path: str,
         api: str = "envelope",
         audited: bool = True,
+        identity: Identity | None = None,
+        ids: tuple[str, str] | None = None,
     ) -> ExternalCallResponse:
         """The answer to a request refused before the pipeline (which audits its own
         answers): ``exc`` as an ExternalCallResponse, and with ``audited`` its one audit
-        record (:func:`gateway.call.record.refusal_record`, ``api`` the route's)."""
-        response = error_response(exc, latency_ms=(time.monotonic() - started) * 1000)
+        record (:func:`gateway.call.record.refusal_record`, ``api`` the route's,
+        ``identity`` who called when established); ``ids`` (trace_id, correlation_id),
+        when given, are the answer's and the record's."""
+        trace_id, correlation_id = ids if ids is not None else (None, None)
+        response = error_response(
+            exc,
+            latency_ms=(time.monotonic() - started) * 1000,
+            trace_id=trace_id,
+            correlation_id=correlation_id,
+        )
         if audited and self.audit is not None:
             record = refusal_record(
                 self.policy.policy.agent_id,
@@ -375,6 +332,8 @@ class Gateway:
                 http_method=http_method,
                 http_path=http_path,
                 http_status=exc.http_status,
+                identity=identity,
+                policy_sha256=self.policy.sha256,
             )
             record[Fields.API] = api
             self.audit.call(record)

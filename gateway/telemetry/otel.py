@@ -266,6 +266,9 @@ class OtelCallTrace(CallTrace):
             attrs["egress.correlation_id"] = record.request.correlation_id
         if record.rate_limit_group is not None:
             attrs["egress.rate_limit_group"] = record.rate_limit_group
+        if record.chain is not None and record.chain.agents:  # agents calling agents
+            span.set_attribute("egress.call_chain", list(record.chain.agents))  # a string array
+            attrs["egress.call_chain.depth"] = record.chain.depth
         if response.status_code is not None:
             attrs["egress.upstream.status_code"] = response.status_code
         stream = record.stream

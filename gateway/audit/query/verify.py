@@ -15,7 +15,9 @@ Reported as breaks, each with file and line: a line that is not JSON; a record w
 ``hash`` does not match its content (edited); a ``seq`` that skips (records missing) or
 goes back; a ``prev_hash`` that is not the previous record's ``hash`` (the previous
 record was replaced); a record of a chained sidecar without chain fields; a start that
-continues a record missing from before it (records cut before a restart). What a plain
+continues a record missing from before it (records cut before a restart); a chain first
+met past seq 1 whose ``chain_start`` (the hash its start continued) is a record given
+before it (its first records cut after a restart). What a plain
 hash chain cannot show: records cut from the very start or end of the log, or a log
 rewritten wholesale with new hashes; keep the latest ``hash`` elsewhere to catch those.
 """
@@ -117,6 +119,8 @@ def verify(sources: Iterable[str], *, stdin: IO[bytes] | None = None) -> Verific
         result.chained += 1
         if seq == 1 and record.get(Fields.EVENT) == CHAIN_CONTINUED_EVENT:
             problem = _continued_problem(record, prev, last, result, where)
+        elif last.get(sidecar) is None and seq > 1:
+            problem = _start_problem(record, seq, last, result, sidecar, where)
         else:
             problem = _link_problem(seq, prev, last.get(sidecar), result, sidecar, where)
         if problem:
@@ -129,6 +133,32 @@ def verify(sources: Iterable[str], *, stdin: IO[bytes] | None = None) -> Verific
     if result.chained == 0:
         result.notes.append("no chained records found (is audit.chain true?)")
     return result
+
+
+def _start_problem(
+    record: dict[str, Any],
+    seq: int,
+    last: dict[str, _Link],
+    result: Verification,
+    sidecar: str,
+    where: str,
+) -> str | None:
+    """A chain first met past its seq 1: its first records were rotated away, unless it
+    names (``chain_start``) a record given before it, which its start continued: then
+    they were cut after that record."""
+    result.chains += 1
+    start = record.get(Fields.CHAIN_START)
+    continued = next((link for link in last.values() if link.hash == start), None)
+    if continued is not None:
+        return (
+            f"records cut after a restart: this start continued the record at "
+            f"{continued.where}; its first {seq - 1} record(s) missing"
+        )
+    result.notes.append(
+        f"{where}: chain of {sidecar} starts at seq {seq}: "
+        "earlier records not given (rotated away?), not verified"
+    )
+    return None
 
 
 def _link_problem(

@@ -22,6 +22,7 @@ from egress_client.errors import (
     ERROR_CLASSES,
     AgentTimeout,
     BudgetExceeded,
+    CallChainRefused,
     CapacityExceeded,
     CircuitOpen,
     DependencyFailed,
@@ -46,6 +47,7 @@ from egress_client.errors import (
 )
 from egress_client.ids import bind_ids
 from egress_client.models import (
+    CallChain,
     ErrorCode,
     ErrorPayload,
     ExternalCallRequest,
@@ -63,6 +65,8 @@ __all__ = [
     "AsyncCallStream",
     "AsyncEgressClient",
     "BudgetExceeded",
+    "CallChain",
+    "CallChainRefused",
     "CallStream",
     "CapacityExceeded",
     "CircuitOpen",

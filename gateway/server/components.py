@@ -1,0 +1,481 @@
+"""The parts the policy drives, each built from the policy and rebuilt on reload.
+
+A component builds its part at start (:meth:`Component.build`, which hands every resource
+it opens to the runtime's ``AsyncExitStack``: one owner, closed in reverse order, also
+when a later part fails to start) and takes in a new policy on reload
+(:meth:`Component.apply`). Each says which policy keys it reads (:class:`Keys`).
+
+:data:`COMPONENTS` is the one list, in start order. From it come the start (each built
+in turn), the reload (each applied in turn), and which keys a reload applies at once or
+needs a restart for (:func:`hot_keys`, :func:`restart_needed`): a new part is one class
+added to the list, and cannot be left out of any of the three.
+
+Parts built, in order: the listeners' settings (read by ``server.app`` at start), the
+audit log, the outbound client, the price data, the secret resolvers, the Redis client
+and cluster limits, the idempotency stores, telemetry, the rate-limit groups, the
+circuit breakers, the budgets, the operator's controls (stop switch, repeated-call
+breaker, tool caps), the pipeline, the agents who may call, and the metrics'
+policy labels. A component that must read something before it can take in a policy
+(the agents' tokens) has an ``async prepare(policy, parts)``, which a reload awaits for
+every component before any applies the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import Iterable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Final, Protocol
+
+from gateway import audit, cost, telemetry
+from gateway.agents.caps import CallCaps
+from gateway.agents.controls import Controls, StopSwitch
+from gateway.agents.identity import Agents, build_agents
+from gateway.agents.registry import resolve_agents
+from gateway.agents.repeats import RepeatedCalls
+from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
+from gateway.budgets import Budgets
+from gateway.call.pipeline import Pipeline
+from gateway.cost import Pricing
+from gateway.idempotency.memory import MemoryIdempotencyStore
+from gateway.idempotency.scopes import IdempotencyStores
+from gateway.metrics import Metrics
+from gateway.policy import PolicySet
+from gateway.ratelimit import RateLimitGroups
+from gateway.secrets import SecretResolvers
+from gateway.secrets.factory import build_secret_resolvers, secrets_ready, start_secret_resolvers
+from gateway.upstream import Resolver, Upstream
+
+if TYPE_CHECKING:
+    # Imported at build only with a ``redis:`` section: redis-py is 6.7 MiB of RSS.
+    from gateway.ratelimit.cluster import ClusterLimits
+    from gateway.stores.redis import RedisClient
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The policy keys a component reads.
+
+    ``hot``: keys or ``section.key`` paths it takes in on reload (:meth:`Component.apply`).
+    ``restart``: top-level sections it reads at start only; a reload that changes one
+    (outside the ``hot`` paths of any component) reports it in ``restart_needed_for``.
+    ``start_only``: sections read at start only that a reload neither applies nor
+    reports (``telemetry``'s tracing settings, as docs/operations.md says; ``audit``).
+    """
+
+    hot: tuple[str, ...] = ()
+    restart: tuple[str, ...] = ()
+    start_only: tuple[str, ...] = ()
+
+
+class Parts:
+    """What the components built, for the components after them and for the runtime.
+
+    ``metrics``, ``dns_resolver`` and ``log_stream`` are given; the others are set by the
+    component that builds them (reading one before its builder ran is a programming
+    error: AttributeError).
+    """
+
+    audit: audit.AuditLog
+    upstream: Upstream
+    resolvers: SecretResolvers
+    redis: RedisClient | None
+    cluster_limits: ClusterLimits | None
+    idempotency: IdempotencyStores
+    tracer: telemetry.Telemetry
+    groups: RateLimitGroups
+    breakers: CircuitBreakers
+    budgets: Budgets
+    controls: Controls
+    pipeline: Pipeline
+    agents: Agents
+
+    def __init__(
+        self, metrics: Metrics, *, dns_resolver: Resolver | None, log_stream: IO[str] | None
+    ) -> None:
+        self.metrics = metrics
+        self.dns_resolver = dns_resolver
+        self.log_stream = log_stream
+
+
+class Component(Protocol):
+    """One part the policy drives. Built once per start; :meth:`apply` runs on the event
+    loop, synchronously, so that no call sees half a reload."""
+
+    keys: ClassVar[Keys]
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        """Build the part from ``policy`` onto ``parts``; push each resource's close onto
+        ``stack`` as soon as it is open. Raises what the part raises (ValueError for an
+        unusable section)."""
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        """Take in a new policy (its ``hot`` keys); calls in flight keep what they hold."""
+
+
+class Listeners:
+    """The listeners and the policy file watcher (``server.app.serve``: host, ports,
+    ``max_request_bytes``, ``reload_interval_s``) read the server section at start; the
+    drain reads ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force.
+    Built and closed by ``serve``, not here: this entry says what they read."""
+
+    keys: ClassVar = Keys(hot=("server.drain_s", "server.shutdown"), restart=("server",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        return None
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        return None
+
+
+class AuditSink:
+    """The operational log's stream and the audit log."""
+
+    keys: ClassVar = Keys(start_only=("audit",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        audit.configure_logging(parts.log_stream)
+        spec = policy.policy
+        parts.audit = audit.AuditLog(spec.audit, parts.log_stream, agent_id=spec.agent_id)
+        stack.push_async_callback(parts.audit.aclose)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        return None
+
+
+class Outbound:
+    """The one outbound client: egress rules and the answer size bound apply at once."""
+
+    keys: ClassVar = Keys(hot=("egress", "server.max_response_bytes"))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        spec = policy.policy
+        parts.upstream = Upstream(
+            spec.egress,
+            max_response_bytes=spec.server.max_response_bytes,
+            resolver=parts.dns_resolver,
+        )
+        await parts.upstream.start()
+        stack.push_async_callback(parts.upstream.aclose)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        parts.upstream.egress = policy.policy.egress
+        parts.upstream.max_response_bytes = policy.policy.server.max_response_bytes
+
+
+class Prices:
+    """The policy's prices (the pipeline's :class:`Pricing`) over genai-prices' data."""
+
+    keys: ClassVar = Keys(hot=("prices",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        # The price data, off the event loop: imported at the first priced call it
+        # would hold every call in flight ~0.1-0.2 s. The pipeline builds the first Pricing.
+        await asyncio.to_thread(cost.preload)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        parts.pipeline.pricing = Pricing(policy.policy.prices)
+
+
+class Secrets:
+    """The secret resolvers (the Vault login and token renewer with ``secrets.vault``)."""
+
+    keys: ClassVar = Keys(restart=("secrets",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.resolvers = build_secret_resolvers(policy.policy)
+        stack.push_async_callback(parts.resolvers.aclose)
+        await start_secret_resolvers(parts.resolvers)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        return None
+
+
+class Redis:
+    """With a ``redis:`` section, the Redis client and the cluster-scope limits' owner.
+
+    Built whenever configured (it connects lazily, at the first cluster-scope group or
+    target), so that a reload turning on cluster scope works."""
+
+    keys: ClassVar = Keys(restart=("redis",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.redis = parts.cluster_limits = None
+        if policy.policy.redis is None:
+            return
+        from gateway.ratelimit.cluster import ClusterLimits
+        from gateway.stores.redis import RedisClient
+
+        parts.redis = RedisClient(policy.policy.redis)
+        stack.push_async_callback(parts.redis.aclose)
+        parts.cluster_limits = ClusterLimits(
+            parts.redis, on_fallback=parts.metrics.observe_redis_fallback
+        )
+        stack.push_async_callback(parts.cluster_limits.aclose)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        return None
+
+
+class Idempotency:
+    """The idempotency stores: this process's memory (bounded by the server section) and,
+    with Redis, the cluster store. A target's scope is read per call."""
+
+    keys: ClassVar = Keys()
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        server = policy.policy.server
+        local = MemoryIdempotencyStore(
+            max_entries=server.idempotency_max_entries, max_bytes=server.idempotency_max_bytes
+        )
+        cluster = None
+        if parts.redis is not None:
+            from gateway.idempotency.redis import RedisIdempotencyStore
+
+            cluster = RedisIdempotencyStore(parts.redis)
+        parts.idempotency = IdempotencyStores(local, cluster)
+        stack.push_async_callback(parts.idempotency.aclose)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        return None
+
+
+class Tracing:
+    """OpenTelemetry spans (the no-op unless tracing is on); settings read at start."""
+
+    keys: ClassVar = Keys(start_only=("telemetry",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.tracer = telemetry.start(policy.policy.telemetry, os.environ)
+        stack.push_async_callback(parts.tracer.aclose)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        return None
+
+
+class Groups:
+    """The rate-limit groups: on reload unchanged groups keep their state."""
+
+    keys: ClassVar = Keys(hot=("rate_limit_groups",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        cluster = parts.cluster_limits
+        parts.groups = RateLimitGroups(
+            policy.policy.rate_limit_groups, cluster=cluster.group if cluster else None
+        )
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        parts.groups.update(policy.policy.rate_limit_groups)
+
+
+class Breakers:
+    """One circuit breaker per target that has one; a change of state is a metric and an
+    audit event."""
+
+    keys: ClassVar = Keys(hot=("targets",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.breakers = CircuitBreakers(breaker_specs(policy.policy.targets))
+        metrics, log = parts.metrics, parts.audit
+
+        def on_change(target: str, old: BreakerState, new: BreakerState) -> None:
+            metrics.observe_breaker_transition(target, new)
+            log.event("breaker_state_change", target_system=target, old_state=old, new_state=new)
+
+        parts.breakers.on_state_change(on_change)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        parts.breakers.update(breaker_specs(policy.policy.targets))
+
+
+class CostBudgets:
+    """Cost budgets: local, or shared through Redis (``scope: cluster``) with a ``redis:``
+    section. A budget keeps its spend across a reload."""
+
+    keys: ClassVar = Keys(hot=("budgets",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        cluster = None
+        if parts.cluster_limits is not None:
+            from gateway.budgets.cluster import ClusterBudgets
+
+            cluster = ClusterBudgets(parts.cluster_limits)
+        parts.budgets = Budgets(policy.policy.budgets, cluster=cluster)
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        parts.budgets.update(policy.policy.budgets)
+
+
+class AgentControls:
+    """The stop switch (its shared state watched in Redis with ``stop_switch.scope:
+    cluster``), the repeated-call breaker and the tool caps (budgets' ``max_calls``); the
+    operator token is read per request."""
+
+    keys: ClassVar = Keys(
+        hot=(
+            "controls.repeated_calls",
+            "controls.repeat_exempt",
+            "controls.operator_token_ref",
+            "budgets",
+        ),
+        restart=("controls",),
+    )
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        spec, metrics = policy.policy.controls, parts.metrics
+
+        def on_change(stops: Any) -> None:
+            counts: dict[str, int] = {}
+            for stop in stops.values():
+                counts[stop.scope] = counts.get(stop.scope, 0) + 1
+            metrics.set_agent_stops(counts)
+
+        stops = StopSwitch(spec.stop_switch, redis=parts.redis, on_change=on_change)
+        stack.push_async_callback(stops.aclose)
+        await stops.start()
+        repeats = RepeatedCalls(spec.repeated_calls, spec.repeat_exempt, redis=parts.redis)
+        cluster = parts.budgets.cluster  # tool caps count on the budgets' ledger
+        parts.controls = Controls(stops, repeats, CallCaps(policy.policy.budgets, cluster=cluster))
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        spec = policy.policy.controls
+        parts.controls.repeats.update(spec.repeated_calls, spec.repeat_exempt)
+        parts.controls.caps.update(policy.policy.budgets)
+
+
+class Calls:
+    """The pipeline, handed the parts above; each call reads the policy it started with
+    (targets, envelope rules, ``agent_id``, ``server.debug``, ``chain``...)."""
+
+    keys: ClassVar = Keys(hot=("agent_id", "envelope", "targets", "server.debug", "chain"))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.pipeline = Pipeline(
+            policy,
+            resolvers=parts.resolvers,
+            upstream=parts.upstream,
+            audit=parts.audit,
+            metrics=parts.metrics,
+            groups=parts.groups,
+            breakers=parts.breakers,
+            idempotency=parts.idempotency,
+            tracer=parts.tracer,
+            budgets=parts.budgets,
+            controls=parts.controls,
+        )
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        parts.pipeline.apply_policy(policy)
+
+
+class AgentIdentities:
+    """Who may call (:mod:`gateway.agents.identity`): the policy's ``agents:`` with each
+    token read through the secret resolvers, so a ``vault://`` token works too. Reading
+    the tokens is I/O: a reload does it in :meth:`prepare`, before any component takes
+    the policy in (a token unreadable or empty refuses the reload)."""
+
+    keys: ClassVar = Keys(hot=("agents",))
+
+    def __init__(self) -> None:
+        self._ready: tuple[PolicySet, Agents] | None = None
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.agents = await resolve_agents(policy, parts.resolvers)
+
+    async def prepare(self, policy: PolicySet, parts: Parts) -> None:
+        """Read ``policy``'s agent tokens for :meth:`apply`. Raises SecretError or
+        ValueError (an empty token)."""
+        self._ready = (policy, await resolve_agents(policy, parts.resolvers))
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] is policy:
+            parts.agents = ready[1]
+            return
+        # Not prepared (Gateway.apply_policy called directly): no token was read, so an
+        # agent known only by its token is recognised by none: refused, never a default.
+        entries = ((n, a.uid, None, a.targets) for n, a in policy.policy.agents.items())
+        parts.agents = build_agents(policy.policy.agent_id, entries)
+
+
+class MetricLabels:
+    """The metrics' known targets, groups, model names and ``policy_info``, and the
+    audit and secret health they read at each scrape."""
+
+    keys: ClassVar = Keys(hot=("telemetry.models",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        self.apply(policy, parts)
+        log, resolvers = parts.audit, parts.resolvers
+        parts.metrics.watch(
+            audit_failures=lambda: log.write_failures,
+            secrets_ready=lambda: secrets_ready(resolvers),
+        )
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        parts.metrics.set_known(
+            policy.targets, policy.policy.rate_limit_groups, **policy_labels(policy)
+        )
+
+
+#: The one list, in start order (reload applies them in the same order). Classes: each
+#: start builds fresh components (several sidecars may share a process).
+COMPONENTS: Final[tuple[type[Component], ...]] = (
+    Listeners,
+    AuditSink,
+    Outbound,
+    Prices,
+    Secrets,
+    Redis,
+    Idempotency,
+    Tracing,
+    Groups,
+    Breakers,
+    CostBudgets,
+    AgentControls,
+    Calls,
+    AgentIdentities,
+    MetricLabels,
+)
+
+
+def policy_labels(policy: PolicySet) -> dict[str, Any]:
+    """The metrics' model names and ``policy_info`` of ``policy`` (the digest is of its
+    content, not its file: comments and key order do not change it)."""
+    digest = hashlib.sha256(policy.policy.model_dump_json().encode()).hexdigest()[:16]
+    return {
+        "models": policy.policy.telemetry.models,
+        "agent_id": policy.policy.agent_id,
+        "digest": digest,
+    }
+
+
+def hot_keys(components: Iterable[type[Component]]) -> frozenset[str]:
+    """Every key or ``section.key`` path some component takes in on reload."""
+    return frozenset(key for c in components for key in c.keys.hot)
+
+
+def restart_needed(
+    old: PolicySet, new: PolicySet, components: Iterable[type[Component]]
+) -> list[str]:
+    """The sections some component reads at start only (``Keys.restart``) that differ
+    between ``old`` and ``new`` outside the paths a component takes in on reload
+    (``server.drain_s`` is, ``server.port`` is not); in list order, each once."""
+    components = list(components)
+    hot = hot_keys(components)
+    changed = []
+    for section in dict.fromkeys(key for c in components for key in c.keys.restart):
+        applied = {key.partition(".")[2] for key in hot if key.startswith(section + ".")}
+        before, after = getattr(old.policy, section), getattr(new.policy, section)
+        if _without(before, applied) != _without(after, applied):
+            changed.append(section)
+    return changed
+
+
+def _without(section: Any, keys: set[str]) -> Any:
+    """A policy section with ``keys`` left out (a section that is None stays None)."""
+    dump = getattr(section, "model_dump", None)
+    return dump(exclude=keys) if keys and dump is not None else section
