@@ -289,7 +289,8 @@ async def test_a_rate_limit_group_holds_a_database_target(lab: Any) -> None:
     assert first.success, first.error
     assert second.error.code == "CAPACITY_EXCEEDED"
     assert lab.records[-1]["rate_limit_group"] == "one-a-minute"
-    assert lab.records[-1]["db_statement"] is None  # refused before it ran
+    assert lab.records[-1]["db_statement"] == "count"
+    assert lab.records[-1]["db_pool_wait_ms"] is None  # refused before it ran
 
 
 async def test_max_bytes_truncates_rows(lab: Any) -> None:

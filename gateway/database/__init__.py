@@ -59,9 +59,6 @@ class DbLog:
     """What running a statement learned, for the audit record and metrics (never a
     value or a credential)."""
 
-    statement: str | None = None
-    sql_sha256: str | None = None
-    params_sha256: str | None = None
     user: str | None = None
     rows: int | None = None
     sqlstate: str | None = None

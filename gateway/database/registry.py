@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from gateway.audit import get_logger
 from gateway.database import DbLog, StatementCall
 from gateway.database.credentials import CredentialSource, StaticCredentials, VaultCredentials
-from gateway.errors import GatewayError, InvalidPayload
-from gateway.policy import CompiledTarget, PolicySet
+from gateway.errors import GatewayError
+from gateway.policy import PolicySet
 from gateway.policy.database import DatabaseSpec
 from gateway.secrets import SecretResolvers
 from gateway.upstream import TransportError, UpstreamResponse
@@ -35,17 +35,6 @@ def engine_class() -> type[PostgresDatabase]:
             "egress-gateway[database]"
         ) from exc
     return PostgresDatabase
-
-
-def refuse_route(target: CompiledTarget, api: str) -> None:
-    """Raises InvalidPayload unless ``api`` is the envelope: only an envelope names a
-    statement (the drop-in and MCP routes have no meaning for a database)."""
-    if api != "envelope":
-        raise InvalidPayload(
-            f"target {target.name!r} is a database: call it with an envelope naming a "
-            "statement (POST /v1/calls), not through a drop-in or MCP route",
-            details={"reason": "not_for_database", "target": target.name},
-        )
 
 
 class Databases:
@@ -118,11 +107,6 @@ class Databases:
         Attempts`): ``call`` run on ``target``'s engine."""
         engine = self.get(target)
         assert engine is not None
-        log.statement, log.sql_sha256, log.params_sha256 = (
-            call.name,
-            call.sql_sha256,
-            call.params_sha256,
-        )
         return await engine.run(call, timeout_s=timeout_s, log=log)
 
     async def aclose(self) -> None:

@@ -21,6 +21,7 @@ from gateway.policy import defaults as d
 from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 from gateway.policy.chain import ChainSpec, chain_problems
+from gateway.policy.controls import ControlsSpec, controls_problems
 from gateway.policy.database import DatabaseSpec, database_problems
 from gateway.policy.database import check_target as check_database_target
 
@@ -39,7 +40,6 @@ from gateway.urls import URL
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
-
 
 _KINDS: Final = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
 _RETRY_CONDITIONS: Final = ("timeout", "connect")
@@ -444,6 +444,7 @@ class Policy(_Strict):
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
     chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
     agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
+    controls: ControlsSpec = Field(default_factory=ControlsSpec)  # gateway.policy.controls
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
@@ -494,6 +495,7 @@ class Policy(_Strict):
         has_vault = self.secrets.vault is not None
         problems += chain_problems(self.chain, has_vault)
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
+        problems += controls_problems(self.controls, has_redis, has_vault)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",
