@@ -39,6 +39,7 @@ from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.server import ops
+from gateway.server.admission import COPIES, ByteBudget, Charge, held_bytes
 from gateway.server.eventloop import loop_name
 from gateway.server.listeners import calls_sites, start_sites
 from gateway.server.mcp import McpRoute
@@ -65,6 +66,9 @@ KEEPALIVE_TIMEOUT_S: Final = 75.0
 #: (INVALID_PAYLOAD, ``details.reason: body_timeout``) and the connection is closed.
 BODY_TIMEOUT_S: Final = 30.0
 BODY_TIMEOUT_KEY: Final = web.AppKey("body_timeout_s", float)
+#: The memory request bodies in flight may hold (:mod:`gateway.server.admission`).
+BUDGET_KEY: Final = web.AppKey("request_budget", ByteBudget)
+_CHARGE_KEY: Final = web.RequestKey("request_charge", Charge)
 #: After an answer sent before its body was read whole (413, 404, 408...), aiohttp reads
 #: and drops what more of the body comes for at most this long, so that the agent gets
 #: the answer rather than a reset, then closes (aiohttp's default, made explicit).
@@ -114,6 +118,15 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     """Turn aiohttp's own HTTP errors (404, 405, 413...) into JSON answers; write a large
     answer within ``body_timeout_s`` (:func:`gateway.server.proxy.send_bounded`)."""
     started = time.monotonic()
+    try:
+        return await _answered(request, handler, started)
+    finally:
+        charge = request.get(_CHARGE_KEY)
+        if charge is not None:  # the answer is written: its body's bytes are free again
+            charge.release()
+
+
+async def _answered(request: web.Request, handler: Handler, started: float) -> web.StreamResponse:
     try:
         response = await handler(request)
     except web.HTTPException as exc:
@@ -222,7 +235,10 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     framing broke part-way (``framing``: a bad chunk or a connection closed early); 408
     when it does not arrive in time (``body_timeout``). After any of these but the first
     the connection is closed once the answer is sent: what follows on it cannot be
-    trusted to start a request.
+    trusted to start a request. Raises :class:`~gateway.errors.CapacityExceeded` (429,
+    retryable) when the bodies in flight leave no room for this one, and
+    :class:`InvalidPayload` 413 (``too_large_in_memory``) when it alone would hold more
+    than ``server.max_inflight_request_bytes`` (:mod:`gateway.server.admission`).
     """
     encodings = request.headers.getall("Content-Encoding", [])
     if not _decoded(encodings):
@@ -240,9 +256,7 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
     try:
         async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large(None, limit) from None
+            return await _read_admitted(request, limit)
     except TimeoutError:
         _close_after_answer(request)
         raise InvalidPayload(
@@ -269,6 +283,39 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
             "the connection closed before the whole envelope arrived",
             details={"reason": "framing"},
         ) from None
+
+
+async def _read_admitted(request: web.Request, limit: int) -> bytes:
+    """The body, each byte charged to the app's :class:`ByteBudget` before it is held:
+    Content-Length x :data:`~gateway.server.admission.COPIES` before the first read, the
+    bytes as they arrive (chunked or coded bodies), :func:`~gateway.server.admission.
+    held_bytes` once whole. Raises the refusal of :meth:`Charge.grow_to` as soon as a
+    charge does not fit (the rest is not read), :class:`InvalidPayload` 413 past
+    ``limit`` bytes; the charge is given back by the middleware once answered."""
+    charge = request.get(_CHARGE_KEY)
+    if charge is None:
+        budget = request.app.get(BUDGET_KEY)
+        if budget is None:  # an app without a budget (the ops listener reads no bodies)
+            return await request.read()
+        budget.limit_bytes = request.app[
+            GATEWAY_KEY
+        ].policy.policy.server.max_inflight_request_bytes
+        charge = request[_CHARGE_KEY] = budget.charge()
+    if request.content_length:
+        charge.grow_to(COPIES * request.content_length)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(None, limit)
+        charge.grow_to(COPIES * size)
+        chunks.append(chunk)
+    # One copy while joining, as aiohttp's own read makes; the pieces go right after.
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    del chunks
+    charge.grow_to(held_bytes(body))
+    return body
 
 
 def _decoded(encodings: list[str]) -> bool:
@@ -343,6 +390,7 @@ def create_app(
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
     app[BODY_TIMEOUT_KEY] = body_timeout_s
+    app[BUDGET_KEY] = ByteBudget(gateway.policy.policy.server.max_inflight_request_bytes)
     app.on_response_prepare.append(_close_if_asked)
     app.router.add_post(CALLS_PATH, _calls)
     for route in (ProxyRoute(gateway, _read_body), McpRoute(gateway, _read_body)):
