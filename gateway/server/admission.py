@@ -26,15 +26,17 @@ from typing import Final
 from gateway.errors import CapacityExceeded, InvalidPayload
 
 #: How many times a body's bytes may be held at once while its call runs, measured on
-#: the envelope, drop-in and MCP routes with one long string (docs/performance.md,
-#: "Request bodies in flight"): the bytes read, the parsed text, the JSON re-encoded for
-#: the upstream and a transient copy (token estimate, idempotency fingerprint).
-COPIES: Final = 4
+#: the envelope, drop-in and MCP routes with one long string (README, "Memory ceiling":
+#: 3.3x on the envelope and drop-in routes, 4.5x on the MCP route, whose body also goes
+#: through base64): the bytes read, the parsed text, the JSON re-encoded for the
+#: upstream and a transient copy (token estimate, idempotency fingerprint).
+COPIES: Final = 5
 #: Bytes charged per JSON value beyond its text (each ``,``, ``[`` and ``{`` of the
 #: body: an upper bound on the values it holds): a Python object and the list or dict
 #: slot that points at it (an empty dict is 64 bytes, an int 28, a float 24, a short
-#: string ~50, a slot 8 to ~100 in a dict), measured at 50-100 bytes per value.
-VALUE_BYTES: Final = 112
+#: string ~50, a slot 8 to ~100 in a dict), measured at 49-79 bytes per count (arrays
+#: of empty objects, of integers, of short distinct strings).
+VALUE_BYTES: Final = 96
 #: The wait suggested to a refused agent, seconds: about the time an 8 MiB call in
 #: flight takes to be read, forwarded and answered on loopback.
 RETRY_AFTER_S: Final = 1.0
