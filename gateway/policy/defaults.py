@@ -22,6 +22,9 @@ DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
 DEFAULT_MAX_INFLIGHT_REQUEST_BYTES: Final = 160 * 1024 * 1024
 #: Below this, a few ordinary calls at once would already be refused.
 MIN_INFLIGHT_REQUEST_BYTES: Final = 1024 * 1024
+#: Bound of server.max_inflight_request_bytes (gateway.server.admission): sixteen bodies
+#: of the largest max_request_bytes (1 GiB) at once.
+MAX_INFLIGHT_BYTES: Final = 16 * 1024 * 1024 * 1024
 DEFAULT_DRAIN_S: Final = 20.0
 #: SIGTERM beside a live agent: keep serving new calls while draining (the chart's
 #: regular-container mode, where the agent gets SIGTERM at the same moment).
