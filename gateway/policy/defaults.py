@@ -16,7 +16,7 @@ DEFAULT_OPS_PORT: Final = 8182
 DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
 #: What the request bodies in flight may hold in memory, in bytes of their charge
-#: (gateway.server.admission.held_bytes: 5x a body's bytes, more for dense JSON): four
+#: (gateway.server.admission.held_bytes: 6x a body's bytes, more for dense JSON): three
 #: 8 MiB prompts at once. With the idle RSS (~64 MiB) it makes the ceiling the Helm
 #: chart's memory limit is drawn from (README, "Memory ceiling").
 DEFAULT_MAX_INFLIGHT_REQUEST_BYTES: Final = 160 * 1024 * 1024

@@ -27,10 +27,11 @@ from gateway.errors import CapacityExceeded, InvalidPayload
 
 #: How many times a body's bytes may be held at once while its call runs, measured on
 #: the envelope, drop-in and MCP routes with one long string (README, "Memory ceiling":
-#: 3.3x on the envelope and drop-in routes, 4.5x on the MCP route, whose body also goes
-#: through base64): the bytes read, the parsed text, the JSON re-encoded for the
-#: upstream and a transient copy (token estimate, idempotency fingerprint).
-COPIES: Final = 5
+#: 3.3x on the envelope and drop-in routes, up to 4.7x on the MCP route, whose body also
+#: goes through base64), with room for the allocator's slack: the bytes read, the parsed
+#: text, the JSON re-encoded for the upstream and a transient copy (token estimate,
+#: idempotency fingerprint).
+COPIES: Final = 6
 #: Bytes charged per JSON value beyond its text (each ``,``, ``[`` and ``{`` of the
 #: body: an upper bound on the values it holds): a Python object and the list or dict
 #: slot that points at it (an empty dict is 64 bytes, an int 28, a float 24, a short
