@@ -27,9 +27,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
+from gateway.api.admission import COPIES, VALUE_BYTES, ByteBudget, held_bytes
+from gateway.api.http import BUDGET_KEY
 from gateway.errors import CapacityExceeded, InvalidPayload
-from gateway.server.admission import COPIES, VALUE_BYTES, ByteBudget, held_bytes
-from gateway.server.app import BUDGET_KEY
 from tests.conftest import FakeUpstream, Sidecar, compile_policy, policy_yaml, wait_for
 from tests.processes import Process
 

@@ -120,7 +120,7 @@ class Listeners:
     """The listeners and the policy file watcher (``server.app.serve``: host, ports,
     ``max_request_bytes``, ``reload_interval_s``) read the server section at start; the
     drain reads ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force;
-    the body reader ``max_inflight_request_bytes`` at each request (``server.admission``).
+    the body reader (``api.http``) ``max_inflight_request_bytes`` at each request.
     Built and closed by ``serve``, not here: this entry says what they read."""
 
     keys: ClassVar = Keys(
