@@ -15,6 +15,16 @@ DEFAULT_PORT: Final = 8181
 DEFAULT_OPS_PORT: Final = 8182
 DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
+#: What the request bodies in flight may hold in memory, in bytes of their charge
+#: (gateway.api.admission.held_bytes: 6x a body's bytes, more for dense JSON): three
+#: 8 MiB prompts at once. With the idle RSS (~64 MiB) it makes the ceiling the Helm
+#: chart's memory limit is drawn from (README, "Memory ceiling").
+DEFAULT_MAX_INFLIGHT_REQUEST_BYTES: Final = 160 * 1024 * 1024
+#: Below this, a few ordinary calls at once would already be refused.
+MIN_INFLIGHT_REQUEST_BYTES: Final = 1024 * 1024
+#: Bound of server.max_inflight_request_bytes (gateway.api.admission): sixteen bodies
+#: of the largest max_request_bytes (1 GiB) at once.
+MAX_INFLIGHT_BYTES: Final = 16 * 1024 * 1024 * 1024
 DEFAULT_DRAIN_S: Final = 20.0
 #: SIGTERM beside a live agent: keep serving new calls while draining (the chart's
 #: regular-container mode, where the agent gets SIGTERM at the same moment).

@@ -38,6 +38,7 @@ from gateway.urls import URL
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
+InflightBytes = Annotated[int, Field(ge=d.MIN_INFLIGHT_REQUEST_BYTES, le=d.MAX_INFLIGHT_BYTES)]
 
 _KINDS: Final = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
 _RETRY_CONDITIONS: Final = ("timeout", "connect")
@@ -124,6 +125,7 @@ class ServerSpec(_Strict):
     ops_port: int | None = Field(d.DEFAULT_OPS_PORT, ge=0, le=65535)
     max_request_bytes: int = Field(d.DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=d.MAX_BODY_BYTES)
     max_response_bytes: int = Field(d.DEFAULT_MAX_RESPONSE_BYTES, ge=1024, le=d.MAX_BODY_BYTES)
+    max_inflight_request_bytes: InflightBytes = d.DEFAULT_MAX_INFLIGHT_REQUEST_BYTES
     drain_s: float = Field(d.DEFAULT_DRAIN_S, ge=0, le=d.MAX_WAIT_S)
     shutdown: ShutdownSpec = Field(default_factory=ShutdownSpec)
     reload_interval_s: float = Field(

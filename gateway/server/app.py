@@ -30,8 +30,9 @@ from aiohttp import web
 from gateway import openapi
 from gateway.agents.identity import identify
 from gateway.api import envelope, http, mcp, proxy
+from gateway.api.admission import ByteBudget
 from gateway.api.envelope import CALLS_PATH
-from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, Handler
+from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, BUDGET_KEY, BUDGET_LIMIT_KEY, Handler
 from gateway.audit import get_logger
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.server import ops
@@ -128,11 +129,15 @@ def create_app(
     ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
-        middlewares=[_json_errors, http.edge_errors],
+        middlewares=[http.give_back_charge, _json_errors, http.edge_errors],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
     app[BODY_TIMEOUT_KEY] = body_timeout_s
+    # The memory request bodies in flight may hold, its limit read at each request from
+    # the policy then in force (a hot key: server.components.Listeners).
+    app[BUDGET_KEY] = ByteBudget(gateway.policy.policy.server.max_inflight_request_bytes)
+    app[BUDGET_LIMIT_KEY] = lambda: gateway.policy.policy.server.max_inflight_request_bytes
     app.on_response_prepare.append(http.close_if_asked)
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
     app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))

@@ -119,10 +119,14 @@ class Component(Protocol):
 class Listeners:
     """The listeners and the policy file watcher (``server.app.serve``: host, ports,
     ``max_request_bytes``, ``reload_interval_s``) read the server section at start; the
-    drain reads ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force.
+    drain reads ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force;
+    the body reader (``api.http``) ``max_inflight_request_bytes`` at each request.
     Built and closed by ``serve``, not here: this entry says what they read."""
 
-    keys: ClassVar = Keys(hot=("server.drain_s", "server.shutdown"), restart=("server",))
+    keys: ClassVar = Keys(
+        hot=("server.drain_s", "server.shutdown", "server.max_inflight_request_bytes"),
+        restart=("server",),
+    )
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         return None
