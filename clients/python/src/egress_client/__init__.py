@@ -21,6 +21,8 @@ from egress_client.client import CallStream, EgressClient
 from egress_client.errors import (
     ERROR_CLASSES,
     AgentTimeout,
+    ApprovalDenied,
+    ApprovalPending,
     BudgetExceeded,
     CallChainRefused,
     CapacityExceeded,
@@ -62,6 +64,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ERROR_CLASSES",
     "AgentTimeout",
+    "ApprovalDenied",
+    "ApprovalPending",
     "AsyncCallStream",
     "AsyncEgressClient",
     "BudgetExceeded",
