@@ -28,6 +28,8 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/server/app.py",
             "gateway/server/proxy.py",
             "gateway/server/mcp.py",
+            "gateway/server/desk.py",
+            "gateway/console/server.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
@@ -42,6 +44,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/stores.py",
             "gateway/policy/budgets.py",
             "gateway/policy/chain.py",
+            "gateway/policy/desk.py",
             "gateway/policy/mcp.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from gateway import telemetry
 from gateway.agents import chain
+from gateway.agents.approvals import Approvals, MemoryApprovalStore
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
@@ -42,6 +43,7 @@ from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, audit_record, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
+from gateway.deadletters import DeadLetters
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     CapacityExceeded,
@@ -107,6 +109,9 @@ class Pipeline:
         self.tracer = tracer
         #: Set by the runtime when it cancels calls that outlived the drain time.
         self.aborting = False
+        #: The operator's desk (agents/approvals.py, deadletters/): replaced by the runtime's.
+        self.approvals = Approvals(MemoryApprovalStore(), audit)
+        self.dead_letters = DeadLetters(max_count=1000, max_bytes=16 << 20, audit=audit)
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with.
@@ -197,6 +202,10 @@ class Pipeline:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
+            spec, name = decision.target.spec, decision.target.name  # held for a person's yes:
+            await self.approvals.check(
+                spec.approval, name, request, ctx.mcp, ctx.agent_id, deadline
+            )
             status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = mcp.read_answer(ctx, response)
         except GatewayError as exc:
@@ -231,6 +240,7 @@ class Pipeline:
                 )
         finally:
             if response is not None:
+                self.dead_letters.after(ctx, response)  # kept when it failed for good
                 self._write_audit(ctx, response)
                 trace.end(ctx, status, response)
         return status, response

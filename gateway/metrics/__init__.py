@@ -34,6 +34,10 @@ policy_info                            gauge      agent_id, digest (always 1)
 mcp_requests_total                     counter    target, method, tool, outcome
 call_chain_refusals_total              counter    reason (circular_call_detected|max_depth_
                                                   exceeded|ttl_expired|invalid_chain)
+dead_letters_total                     counter    target
+dead_letters_dropped_total             counter    (none)
+approvals_total                        counter    event (approval_requested|approval_
+                                                  decided|approval_used)
 =====================================  =========  ======================================
 
 The OpenTelemetry GenAI client metrics (semantic conventions 1.44.0, "Development"; see
@@ -368,6 +372,18 @@ class Metrics(Series):
     def observe_chain_refusal(self, reason: str) -> None:
         """Count one call refused for its call chain (``details.reason``: one of four)."""
         self._child(self.chain_refusals, reason).inc()
+
+    def observe_dead_letter(self, target: str) -> None:
+        """Count one call kept as a dead letter (its target's policy name)."""
+        self._child(self.dead_letters, self._target(target)).inc()
+
+    def observe_dead_letters_dropped(self, count: int = 1) -> None:
+        """Count dead letters dropped to stay within the bounds."""
+        self.dead_letters_dropped.inc(count)
+
+    def observe_approval(self, event: str) -> None:
+        """Count one approval event (``approval_requested``, ``_decided``, ``_used``)."""
+        self._child(self.approvals, event).inc()
 
     def observe_shadow_denial(self, kind: str, rule: str) -> None:
         """Count one "would deny" of a shadow rule: kind ``endpoint`` (its path pattern),

@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
+from gateway.policy import desk
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 from gateway.policy.chain import ChainSpec, chain_problems
 
@@ -35,7 +36,7 @@ from gateway.policy.defaults import (
     DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
 )
 from gateway.policy.mcp import McpSpec, check_target
-from gateway.policy.refs import InvalidSecretRef, parse_ref
+from gateway.policy.refs import check_ref as _check_ref
 from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec
 from gateway.policy.stores import StrictModel as _Strict
 from gateway.urls import URL
@@ -312,6 +313,8 @@ class TargetSpec(_Strict):
     forward_headers: list[str] = Field(default_factory=list)
     static_headers: dict[str, str] = Field(default_factory=dict)
     mcp: McpSpec | None = None  # an MCP server (gateway.policy.mcp)
+    approval: desk.ApprovalSpec | None = None  # calls held for a person's yes
+    dead_letter: bool = False  # keep calls that failed for good (gateway.policy.desk)
     _mcp = model_validator(mode="after")(check_target)
 
     @field_validator("base_url")
@@ -433,6 +436,9 @@ class Policy(_Strict):
     budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
     chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
+    operators: dict[Name, desk.OperatorSpec] = Field(default_factory=dict)  # gateway.policy.desk
+    approvals: desk.ApprovalsSpec = Field(default_factory=desk.ApprovalsSpec)
+    dead_letters: desk.DeadLettersSpec = Field(default_factory=desk.DeadLettersSpec)
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
@@ -478,6 +484,7 @@ class Policy(_Strict):
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
         problems += chain_problems(self.chain, self.secrets.vault is not None)
+        problems += desk.problems(self.operators, self.approvals, self.targets, has_redis)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",
@@ -488,10 +495,3 @@ class Policy(_Strict):
                 },
             )
         return self
-
-
-def _check_ref(ref: str) -> None:
-    try:
-        parse_ref(ref)
-    except InvalidSecretRef as exc:
-        raise ValueError(str(exc)) from None

@@ -13,7 +13,8 @@ added to the list, and cannot be left out of any of the three.
 Parts built, in order: the listeners' settings (read by ``server.app`` at start), the
 audit log, the outbound client, the price data, the secret resolvers, the Redis client
 and cluster limits, the idempotency stores, telemetry, the rate-limit groups, the
-circuit breakers, the budgets, the pipeline, and the metrics' policy labels.
+circuit breakers, the budgets, the pipeline, the operator's desk (approvals, dead
+letters), and the metrics' policy labels.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from gateway import audit, cost, telemetry
+from gateway.agents.approvals import Approvals, ApprovalStore, MemoryApprovalStore
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
 from gateway.cost import Pricing
+from gateway.deadletters import DeadLetters
 from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
@@ -322,6 +325,36 @@ class Calls:
         parts.pipeline.apply_policy(policy)
 
 
+class Desk:
+    """The operator's desk, handed to the pipeline: approvals (this process's memory, or
+    Redis with ``approvals.scope: cluster``) and dead letters (bounds hot on reload);
+    ``operators`` are read by the ops routes on each request (gateway.server.desk)."""
+
+    keys: ClassVar = Keys(hot=("operators", "dead_letters"), restart=("approvals",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        store: ApprovalStore = MemoryApprovalStore()
+        if policy.policy.approvals.scope == "cluster" and parts.redis is not None:
+            from gateway.agents.approvals_redis import RedisApprovalStore
+
+            store = RedisApprovalStore(parts.redis)
+        approvals = Approvals(store, parts.audit, on_change=parts.metrics.observe_approval)
+        stack.push_async_callback(approvals.aclose)
+        bounds = policy.policy.dead_letters
+        letters = DeadLetters(
+            max_count=bounds.max_count,
+            max_bytes=bounds.max_bytes,
+            audit=parts.audit,
+            on_kept=parts.metrics.observe_dead_letter,
+            on_dropped=parts.metrics.observe_dead_letters_dropped,
+        )
+        parts.pipeline.approvals, parts.pipeline.dead_letters = approvals, letters
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        bounds = policy.policy.dead_letters
+        parts.pipeline.dead_letters.update(bounds.max_count, bounds.max_bytes)
+
+
 class MetricLabels:
     """The metrics' known targets, groups, model names and ``policy_info``, and the
     audit and secret health they read at each scrape."""
@@ -357,6 +390,7 @@ COMPONENTS: Final[tuple[type[Component], ...]] = (
     Breakers,
     CostBudgets,
     Calls,
+    Desk,
     MetricLabels,
 )
 
