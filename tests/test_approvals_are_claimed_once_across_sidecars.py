@@ -60,7 +60,7 @@ async def test_two_sidecars_share_requests_and_run_an_approved_call_once(
 async def test_a_thousand_approvals_across_two_sidecars_and_a_restart_never_run_twice(
     redis_prefix: str,
 ) -> None:
-    rng = random.Random(20261201)  # noqa: S311 - a test's schedule
+    rng = random.Random(20261201)
     spec = RedisSpec(key_prefix=redis_prefix)
     clients = [RedisClient(spec, url=SHARED_URL), RedisClient(spec, url=SHARED_URL)]
     sidecars = [Approvals(RedisApprovalStore(c)) for c in clients]

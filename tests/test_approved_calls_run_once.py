@@ -61,13 +61,16 @@ async def test_an_approved_call_runs_once_and_a_second_send_asks_again(
     assert upstream.hits == 1
     # Single-use: the same call again is a new request, and is not sent.
     again = await pending_id(sc, env)
-    assert again != approval_id and upstream.hits == 1
+    assert again != approval_id
+    assert upstream.hits == 1
     events = [r for r in sc.lines() if r.get("event", "").startswith("approval_")]
     assert [e["event"] for e in events] == [
         "approval_requested", "approval_decided", "approval_used", "approval_requested",
     ]  # fmt: skip
-    assert events[1]["by"] == "alice" and events[1]["verdict"] == "approved"
-    assert events[0]["approval_id"] == approval_id and events[0]["trace_id"] == "tr-test-0001"
+    assert events[1]["by"] == "alice"
+    assert events[1]["verdict"] == "approved"
+    assert events[0]["approval_id"] == approval_id
+    assert events[0]["trace_id"] == "tr-test-0001"
 
 
 async def test_a_held_call_runs_when_approved_while_it_waits(
@@ -85,15 +88,14 @@ async def test_a_held_call_runs_when_approved_while_it_waits(
             await asyncio.sleep(0.005)
 
     await asyncio.wait_for(requested(), 10)
-    assert upstream.hits == 0 and not call.done()
+    assert upstream.hits == 0
+    assert not call.done()
     await approvals.decide(rows[0]["id"], "approved", "bob")
     status, answer = await asyncio.wait_for(call, 10)
     assert (status, answer["success"], upstream.hits) == (200, True, 1)
 
 
-async def test_denied_changed_and_expired(
-    upstream: FakeUpstream, sidecar_factory: Factory
-) -> None:
+async def test_denied_changed_and_expired(upstream: FakeUpstream, sidecar_factory: Factory) -> None:
     policy = compile_policy(
         {"fake-openai": held_target(upstream.url, approvers=["alice"])}, operators=OPERATORS
     )
@@ -114,10 +116,12 @@ async def test_denied_changed_and_expired(
     # Other arguments: not covered by the approval of the first.
     changed = envelope(timeout=0.05, parameters={"model": "fake-model-1", "messages": []})
     other = await pending_id(sc, changed)
-    assert other != approval_id and upstream.hits == 0
+    assert other != approval_id
+    assert upstream.hits == 0
     await approvals.decide(other, "denied", "alice")
     status, answer = await sc.call(changed)
-    assert status == 403 and answer["error"]["code"] == "APPROVAL_DENIED"
+    assert status == 403
+    assert answer["error"]["code"] == "APPROVAL_DENIED"
     assert answer["error"]["retryable"] is False
     assert answer["error"]["details"] == {"approval_id": other, "decided_by": "alice"}
     assert upstream.hits == 0
