@@ -12,11 +12,10 @@ Routes of the calls listener (loopback by default):
 * ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
 * ``GET /openapi.json``: this API as an OpenAPI 3.1 document (both listeners).
 
-The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
-``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
-the calls API.
-Any other path or method gets a JSON error answer too, never an HTML page (under
-``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.server.proxy.edge_errors`).
+The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
+``/metrics``, ``/openapi.json`` and operators' routes (:mod:`gateway.server.desk`), never the
+calls API. Other paths and methods get JSON errors, never HTML (in the route's shape under
+``/proxy`` and ``/mcp``: :func:`gateway.server.proxy.edge_errors`).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from gateway.call.idempotent import rendered
 from gateway.call.relay import AGENT_STALLED, AgentGone
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
+from gateway.server import desk
 from gateway.server.eventloop import loop_name
 from gateway.server.mcp import McpRoute
 from gateway.server.proxy import (
@@ -356,14 +356,14 @@ def create_app(
 
 
 def create_ops_app(gateway: Gateway) -> web.Application:
-    """Health, readiness and metrics only: safe to bind on the pod IP."""
+    """Health, readiness, metrics, this document; the operator's routes need a token."""
     app = web.Application(middlewares=[_json_errors])
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
-    return app
+    return desk.install(app, gateway)  # the operator's routes: a token, else 401
 
 
 def make_runner(
