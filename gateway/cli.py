@@ -1,4 +1,5 @@
-"""Command line: ``egress-gateway serve | validate | call | demo``.
+"""Command line: ``egress-gateway serve | validate | call | demo`` (and ``audit``,
+``approvals``, ``dead-letters``, ``console``).
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
@@ -26,6 +27,7 @@ from typing import IO, TYPE_CHECKING, Final
 
 from gateway import __version__
 from gateway.audit.query import cli as audit_cli
+from gateway.console import cli as desk_cli
 
 if TYPE_CHECKING:
     from gateway.policy import PolicySet
@@ -283,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_call)
 
     audit_cli.register(sub)
+    desk_cli.register(sub)  # approvals, dead-letters, console
 
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
     p.add_argument("--policy", default="policies/demo.yaml")
