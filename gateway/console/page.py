@@ -218,7 +218,8 @@ def _calls(calls: Mapping[str, Any], agent: str, trace: str) -> str:
     rows = [
         f"<tr><td>{_t(c.get('timestamp'))}</td><td>{_t(c.get('agent_id'))}</td>"
         f'<td class="mono">{_t(c.get("trace_id"))}</td><td>{_t(c.get("target_system"))}</td>'
-        f"<td>{_t(c.get('method'))} <code>{_t(c.get('endpoint'))}</code></td>"
+        f"<td>{_t(c.get('method'))} <code>{_t(c.get('endpoint'))}</code> "
+        f"{_t(c.get('mcp_method') or '')} <code>{_t(c.get('mcp_tool') or '')}</code></td>"
         f"<td>{_t(c.get('status_code'))}</td>"
         f'<td class="{"" if c.get("success") else "err"}">{_t(c.get("error_code") or "OK")}</td>'
         f"<td>{_t(c.get('latency_ms'))}</td></tr>"
