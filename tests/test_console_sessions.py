@@ -113,7 +113,7 @@ def test_every_value_on_the_page_is_escaped() -> None:
             "breakers": {evil: "open"},
             "budgets": [],
             "stops": None,
-        },  # fmt: skip
+        },
         "approvals": [{"id": evil, "state": "pending", "arguments": {evil: evil}, "name": evil}],
         "dead_letters": [{"id": evil, "request": {"endpoint": evil}, "error": {"code": evil}}],
         "calls": {"calls": [{"trace_id": evil}]},
