@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from gateway.agents.approvals import (
+    MAX_REOPENS,
     Approvals,
     MemoryApprovalStore,
     effective_state,
@@ -73,21 +74,31 @@ async def test_an_approved_call_runs_once_and_a_second_send_asks_again(
     assert events[0]["trace_id"] == "tr-test-0001"
 
 
+class CountingStore(MemoryApprovalStore):
+    """The memory store, counting the held call's waits for a decision."""
+
+    waits = 0
+
+    async def wait(self, approval_id: str, timeout_s: float) -> None:
+        self.waits += 1
+        await super().wait(approval_id, timeout_s)
+
+
 async def test_a_held_call_runs_when_approved_while_it_waits(
     upstream: FakeUpstream, sidecar_factory: Factory
 ) -> None:
     policy = compile_policy({"fake-openai": held_target(upstream.url)}, operators=OPERATORS)
     sc: Sidecar = await sidecar_factory(policy)
     approvals = sc.gateway.pipeline.approvals
+    approvals.store = store = CountingStore()
     call = asyncio.create_task(sc.call(envelope(timeout=30)))
-    rows: list[dict[str, str]] = []
 
-    async def requested() -> None:
-        while not rows:
-            rows.extend(await approvals.store.recent(10))
+    async def polled_many_times() -> None:  # a wait longer than any retry count
+        while store.waits <= 3 * MAX_REOPENS:
             await asyncio.sleep(0.005)
 
-    await asyncio.wait_for(requested(), 10)
+    await asyncio.wait_for(polled_many_times(), 20)
+    rows = await store.recent(10)
     assert upstream.hits == 0
     assert not call.done()
     await approvals.decide(rows[0]["id"], "approved", "bob")

@@ -275,23 +275,22 @@ class Approvals:
         (``details.approval_id``, ``retry_after_s``: ``spec.retry_after_s``), or
         DependencyFailed when the store cannot be reached."""
         try:
-            record = await self._open(spec, call)
-            for _ in range(MAX_REOPENS):
+            record, reopens = await self._open(spec, call), 0
+            while True:
                 state = effective_state(record, self._clock())
                 if state == "approved" and await self.store.claim(record["id"], self._clock()):
                     self._event("approval_used", record, by=record.get("decided_by"))
                     return record["id"]
                 if state == "denied":
                     raise _denied(record)
-                if state != "pending":  # used, expired, or the claim was lost: ask anew
-                    record = await self._open(spec, call)
+                if state != "pending" and reopens < MAX_REOPENS:  # used, expired, claim lost
+                    record, reopens = await self._open(spec, call), reopens + 1
                     continue
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or state != "pending":
                     raise _pending(record, spec)
                 await self.store.wait(record["id"], min(remaining, POLL_S))
                 record = await self.store.get(record["id"]) or record
-            raise _pending(record, spec)
         except StoreUnavailable as exc:
             raise DependencyFailed(
                 f"the approval store is unavailable ({exc}); the call needs an approval and "
