@@ -202,10 +202,9 @@ class Pipeline:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
-            spec, name = decision.target.spec, decision.target.name  # held for a person's yes:
-            await self.approvals.check(
-                spec.approval, name, request, ctx.mcp, ctx.agent_id, deadline
-            )
+            if (held := decision.target.spec.approval) is not None:  # a person's yes first
+                name, agent = decision.target.name, ctx.agent_id
+                await self.approvals.check(held, name, request, ctx.mcp, agent, deadline)
             status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = mcp.read_answer(ctx, response)
         except GatewayError as exc:
