@@ -3,7 +3,8 @@
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
-GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
+GATEWAY_UNIX_SOCKET (a path: the calls API on a Unix socket too), GATEWAY_LOOP
+(``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
 GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or ``false``, over the policy's
 ``server.shutdown.accept_new_calls``). ``call`` finds the sidecar at EGRESS_GATEWAY_URL,
 the variable the Helm chart sets in the agent's container (GATEWAY_URL, its former name,
@@ -23,7 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 from gateway import __version__
 from gateway.audit.query import cli as audit_cli
@@ -114,6 +115,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             ops_host=args.ops_host or os.environ.get("GATEWAY_OPS_HOST") or server.ops_host,
             ops_port=ops_port if ops_port is not None else server.ops_port,
             accept_new_calls=accept_new_calls,
+            unix_socket=args.unix_socket or os.environ.get("GATEWAY_UNIX_SOCKET") or None,
         ),
         os.environ.get("GATEWAY_LOOP"),
     )
@@ -233,15 +235,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(policy_path=args.policy, examples_dir=args.examples))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="egress-gateway",
-        description="Egress sidecar for AI agents: policy-checked, credential-injecting, "
-        "audited outbound calls.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_serve(sub: Any) -> None:
+    """The ``serve`` command and its flags (each also a ``GATEWAY_*`` variable)."""
     p = sub.add_parser("serve", help="run the sidecar")
     p.add_argument(
         "--policy",
@@ -253,11 +248,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="calls listener port (default 8181; env GATEWAY_PORT)")
     p.add_argument("--ops-host", help="health/metrics listener address (env GATEWAY_OPS_HOST)")
     p.add_argument(
+        "--unix-socket",
+        metavar="PATH",
+        help="also serve the calls API on this Unix socket; its callers are known by their "
+        "UID (env GATEWAY_UNIX_SOCKET)",
+    )
+    p.add_argument(
         "--ops-port",
         type=int,
         help="health/metrics listener port (default 8182; env GATEWAY_OPS_PORT)",
     )
     p.set_defaults(func=_cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="egress-gateway",
+        description="Egress sidecar for AI agents: policy-checked, credential-injecting, "
+        "audited outbound calls.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_serve(sub)
 
     p = sub.add_parser("validate", help="check policy files; print every error")
     p.add_argument("files", nargs="+", metavar="FILE")

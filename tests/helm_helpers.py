@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "egress-gateway"
 #: The newest Kubernetes version the installed kubernetes-validate bundles schemas for.
 KUBE_VERSION = kubernetes_validate.latest_version()
-#: The supported range the issue fixes (1.29: native sidecars on by default; 1.33: GA).
+#: The Kubernetes versions the chart supports (1.29: native sidecars on by default; 1.33: GA).
 KUBE_VERSIONS = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
 
 Manifests = dict[str, list[Any]]

@@ -1,4 +1,4 @@
-"""Per-call work done once and reused (issue 21): each memo gives what the uncached path
+"""Per-call work done once and reused: each memo gives what the uncached path
 gives, on its fast path and on its fallback (a new value, a long key, a full memo)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Idempotency's per-call work (issue 21): the answer stored for a key is the answer the
+"""Idempotency's per-call work: the answer stored for a key is the answer the
 agent gets, written as JSON once; a replay, a call without a key, a streamed answer and
 a secret in the answer are each still answered as before."""
 

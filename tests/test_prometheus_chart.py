@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,6 @@ ENABLED: dict[str, Any] = {
     },
     "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
 }
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[helm.Chart]:
-    helm.disable_logging()
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
 
 
 def manifests(chart: helm.Chart, values: dict[str, Any] | None) -> dict[str, dict[str, Any]]:

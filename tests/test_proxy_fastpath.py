@@ -1,4 +1,4 @@
-"""The drop-in route's one-pass intake (issue 21): for every body, the fast path
+"""The drop-in route's one-pass intake: for every body, the fast path
 (:func:`gateway.call.intake.parse_object_fast`, then :func:`gateway.call.intake.
 parse_built`) gives what the exact path (:func:`gateway.call.intake.decode_json`, then
 :func:`gateway.call.intake.parse_request`) gives: the same ``parameters`` (types, key

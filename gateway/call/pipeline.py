@@ -1,7 +1,10 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
-    intake -> egress decision -> idempotency -> rate-limit group -> circuit breaker
-    -> secret -> upstream attempts (retries, backoff, Retry-After) -> usage -> answer
+    intake -> egress decision (an MCP target's tool rules too) -> idempotency
+    -> the outbound request -> secret -> budget reservation
+    -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
+       (backoff, Retry-After)
+    -> usage -> budget settlement -> answer -> audit record
 
 Every call, whatever happens, ends with exactly one :class:`ExternalCallResponse` and
 exactly one audit record (written in a ``finally``). A bug inside the sidecar becomes an
@@ -20,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from gateway import telemetry
 from gateway.agents import chain
 from gateway.agents.approvals import Approvals, MemoryApprovalStore
+from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
@@ -120,14 +124,22 @@ class Pipeline:
         self.policy = policy
 
     async def handle(
-        self, body: bytes, *, refuse: GatewayError | None = None, relay: Relay | None = None
+        self,
+        body: bytes,
+        *,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+        identity: Identity | None = None,
     ) -> tuple[int, ExternalCallResponse]:
         """Run one call from its raw envelope bytes. Returns (HTTP status, answer).
 
         With ``refuse`` the call is answered with that error at once (still audited).
+        ``identity``: who called (:func:`gateway.agents.identity.identify`); None: the
+        policy's ``agent_id``.
         """
         policy = self.policy  # one policy for the whole call, even across a reload
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.policy.agent_id)
+        identity = identity or policy_identity(policy.policy.agent_id)
+        ctx = CallContext(started=time.monotonic(), agent_id=identity.agent_id, identity=identity)
 
         def intake() -> Intake:
             fast = parse_envelope_fast(body) if refuse is None else None
@@ -171,6 +183,7 @@ class Pipeline:
         intake: Callable[[], Intake],
         relay: Relay | None,
     ) -> tuple[int, ExternalCallResponse]:
+        ctx.policy_sha256 = policy.sha256
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
@@ -187,7 +200,10 @@ class Pipeline:
                     trace_id=request.trace_id,
                     correlation_id=request.correlation_id,
                 )
-            ctx.agent_id = request.agent_id or ctx.agent_id
+            # A claimed agent_id is checked against who called, never taken for it.
+            identity = ctx.identity or policy_identity(ctx.agent_id)
+            ctx.identity = identity = identity.with_claim(request.agent_id)
+            identity.admit(request.target_system)
             ctx.decision = "denied"
             ctx.chain = await chain_stage(policy.policy.chain, request, ctx, self._resolve)
             decision = egress_rules.decide(policy, request)

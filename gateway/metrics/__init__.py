@@ -1,4 +1,5 @@
-"""Prometheus metrics for ``GET /metrics`` (the only module that imports prometheus-client).
+"""Prometheus metrics for ``GET /metrics`` (prometheus-client: here and in
+:mod:`gateway.metrics.series`, which declares the series).
 
 Every metric lives in a :class:`Metrics` object's own ``CollectorRegistry``, not the
 process-global one, so tests and several app instances never share counters. A policy

@@ -52,7 +52,8 @@ class PriceSpec(StrictModel):
 
 class AppliesTo(StrictModel):
     """Which calls a budget counts: each key given must match (none given: every call).
-    ``agent`` is the call's ``agent_id`` (the envelope's, else the policy's)."""
+    ``agent`` is the agent who called, as the sidecar established it (its UID, its token,
+    else the policy's ``agent_id``: :mod:`gateway.agents.identity`), never a claim."""
 
     target: _Name | None = None
     rate_limit_group: _Name | None = None

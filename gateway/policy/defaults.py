@@ -119,6 +119,12 @@ MAX_USD_PER_MTOK: Final = 100_000.0
 #: every implementation (doubles: below 2**53, RFC 8259 section 6), with room to spare.
 MAX_ARGUMENT_LENGTH: Final = MAX_BODY_BYTES
 MAX_ARGUMENT_NUMBER: Final = 10.0**15
+
+#: Agents (gateway/policy/agents.py): the largest UID Linux gives a process ((uid_t)-1
+#: means "no UID"), and the agents one policy may list (a pod's few containers, with
+#: room to spare).
+MAX_AGENT_UID: Final = 2**32 - 2
+MAX_AGENTS: Final = 64
 #: The call chain (gateway/policy/chain.py, design.md "Agents calling agents"). Depth is
 #: the number of agents in the chain, this one included: 8 covers a planner, its
 #: executors and their tools' agents with room to spare; a longer chain is a loop or a

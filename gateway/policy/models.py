@@ -13,18 +13,13 @@ import ipaddress
 import re
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import (
-    Field,
-    PlainValidator,
-    StringConstraints,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, PlainValidator, StringConstraints, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
 from gateway.policy import desk
+from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 from gateway.policy.chain import ChainSpec, chain_problems
 
@@ -100,6 +95,7 @@ FORBIDDEN_FORWARD_HEADERS: Final = frozenset(
         "Expect",
         "X-Api-Key",
         "Api-Key",
+        "X-Egress-Agent-Token",  # gateway.agents.identity: the agent's, never an upstream's
     )
 )
 
@@ -436,6 +432,7 @@ class Policy(_Strict):
     budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
     chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
+    agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
     operators: dict[Name, desk.OperatorSpec] = Field(default_factory=dict)  # gateway.policy.desk
     approvals: desk.ApprovalsSpec = Field(default_factory=desk.ApprovalsSpec)
     dead_letters: desk.DeadLettersSpec = Field(default_factory=desk.DeadLettersSpec)
@@ -483,7 +480,9 @@ class Policy(_Strict):
         groups, has_redis = set(self.rate_limit_groups), self.redis is not None
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
-        problems += chain_problems(self.chain, self.secrets.vault is not None)
+        has_vault = self.secrets.vault is not None
+        problems += chain_problems(self.chain, has_vault)
+        problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
         problems += desk.problems(self.operators, self.approvals, self.targets, has_redis)
         if problems:
             raise PydanticCustomError(

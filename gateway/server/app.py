@@ -1,4 +1,6 @@
-"""The HTTP face of the sidecar: the only module that knows aiohttp.web.
+"""The HTTP face of the sidecar: the aiohttp.web application, its listeners and routes
+(the drop-in and MCP routes' handlers in :mod:`gateway.server.proxy` and
+:mod:`gateway.server.mcp`, the other owners of aiohttp.web).
 
 Routes of the calls listener (loopback by default):
 
@@ -31,6 +33,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
 from gateway import openapi, redaction
+from gateway.agents.identity import identify
 from gateway.audit import get_logger
 from gateway.call.idempotent import rendered
 from gateway.call.relay import AGENT_STALLED, AgentGone
@@ -38,6 +41,7 @@ from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.server import desk
 from gateway.server.eventloop import loop_name
+from gateway.server.listeners import calls_sites, start_sites
 from gateway.server.mcp import McpRoute
 from gateway.server.proxy import (
     WRITE_BUFFERED_BYTES,
@@ -93,12 +97,15 @@ def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
 def _error_answer(exc: GatewayError, started: float, request: web.Request) -> web.Response:
     """The answer to a request refused here, before the pipeline (which audits its own
     answers): on the calls listener it gets its one audit record."""
-    response = request.app[GATEWAY_KEY].refused_early(
+    gateway = request.app[GATEWAY_KEY]
+    audited = request.app.get(AUDITED_KEY, False)
+    response = gateway.refused_early(
         exc,
         started=started,
         http_method=request.method,
         http_path=request.rel_url.raw_path,
-        audited=request.app.get(AUDITED_KEY, False),
+        audited=audited,
+        identity=identify(request.transport, request.headers, gateway.agents) if audited else None,
     )
     return _json_answer(exc.http_status, response)
 
@@ -149,7 +156,8 @@ async def _calls(request: web.Request) -> web.StreamResponse:
             raise _too_large(request.content_length, limit)
         body = await _read_body(request, limit)
         relay = _SseRelay(request) if _wants_stream(request) else None
-        status, response = await gateway.call(body, relay=relay)
+        identity = identify(request.transport, request.headers, gateway.agents)
+        status, response = await gateway.call(body, relay=relay, identity=identity)
     except GatewayError as exc:
         return _error_answer(exc, started, request)
     except Exception:  # noqa: BLE001 - the answer must be JSON whatever broke
@@ -402,8 +410,12 @@ async def serve(
     ops_port: int | None = None,
     started: asyncio.Event | None = None,
     accept_new_calls: bool | None = None,
+    unix_socket: str | None = None,
 ) -> None:
     """Run until SIGTERM or SIGINT, then drain and stop (README, "Graceful shutdown").
+
+    With ``unix_socket`` (a path) the calls API is on that Unix socket too
+    (:mod:`gateway.server.listeners`).
 
     Readiness turns false in the signal's own callback. New calls are then served while
     draining when ``accept_new_calls`` (None: the policy's
@@ -444,20 +456,19 @@ async def serve(
     # must not cancel its call half-way (Gateway.call).
     runner = make_runner(create_app(gateway), handler_cancellation=False)
     await runner.setup()
-    sites = [web.TCPSite(runner, host, port, reuse_address=True)]
+    sites = calls_sites(runner, host, port, unix_socket)
     ops_runner = None
     if ops_port is not None:
         ops_runner = make_runner(create_ops_app(gateway))
         await ops_runner.setup()
         sites.append(web.TCPSite(ops_runner, ops_host or host, ops_port, reuse_address=True))
     try:
-        for site in sites:
-            await site.start()
-        bound = [_bound(site) for site in sites]
+        bound = await start_sites(sites, unix_socket)
         _log.info(
             "listening",
             calls=bound[0],
             ops=bound[1] if len(bound) > 1 else None,
+            unix_socket=unix_socket,
             loop=loop_name(loop),
         )
         watcher.start()
@@ -489,12 +500,3 @@ async def serve(
         if ops_runner is not None:
             await ops_runner.cleanup()
         await runner.cleanup()
-
-
-def _bound(site: web.TCPSite) -> str:
-    server = site._server  # aiohttp exposes no public accessor for the bound socket
-    sockets = getattr(server, "sockets", None) or []
-    if sockets:
-        host, port = sockets[0].getsockname()[:2]
-        return f"{host}:{port}"
-    return site.name

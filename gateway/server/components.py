@@ -13,8 +13,11 @@ added to the list, and cannot be left out of any of the three.
 Parts built, in order: the listeners' settings (read by ``server.app`` at start), the
 audit log, the outbound client, the price data, the secret resolvers, the Redis client
 and cluster limits, the idempotency stores, telemetry, the rate-limit groups, the
-circuit breakers, the budgets, the pipeline, the operator's desk (approvals, dead
-letters), and the metrics' policy labels.
+circuit breakers, the budgets, the pipeline, the agents who may call, the operator's
+desk (approvals, dead letters), and the metrics' policy labels. A component that must
+read something before it can take in a policy (the agents' tokens) has an ``async
+prepare(policy, parts)``, which a reload awaits for every component before any applies
+the policy.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from gateway import audit, cost, telemetry
 from gateway.agents.approvals import Approvals, ApprovalStore, MemoryApprovalStore
+from gateway.agents.identity import Agents, build_agents
+from gateway.agents.registry import resolve_agents
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
@@ -84,6 +89,7 @@ class Parts:
     breakers: CircuitBreakers
     budgets: Budgets
     pipeline: Pipeline
+    agents: Agents
 
     def __init__(
         self, metrics: Metrics, *, dns_resolver: Resolver | None, log_stream: IO[str] | None
@@ -325,6 +331,36 @@ class Calls:
         parts.pipeline.apply_policy(policy)
 
 
+class AgentIdentities:
+    """Who may call (:mod:`gateway.agents.identity`): the policy's ``agents:`` with each
+    token read through the secret resolvers, so a ``vault://`` token works too. Reading
+    the tokens is I/O: a reload does it in :meth:`prepare`, before any component takes
+    the policy in (a token unreadable or empty refuses the reload)."""
+
+    keys: ClassVar = Keys(hot=("agents",))
+
+    def __init__(self) -> None:
+        self._ready: tuple[PolicySet, Agents] | None = None
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.agents = await resolve_agents(policy, parts.resolvers)
+
+    async def prepare(self, policy: PolicySet, parts: Parts) -> None:
+        """Read ``policy``'s agent tokens for :meth:`apply`. Raises SecretError or
+        ValueError (an empty token)."""
+        self._ready = (policy, await resolve_agents(policy, parts.resolvers))
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] is policy:
+            parts.agents = ready[1]
+            return
+        # Not prepared (Gateway.apply_policy called directly): no token was read, so an
+        # agent known only by its token is recognised by none: refused, never a default.
+        entries = ((n, a.uid, None, a.targets) for n, a in policy.policy.agents.items())
+        parts.agents = build_agents(policy.policy.agent_id, entries)
+
+
 class Desk:
     """The operator's desk, handed to the pipeline: approvals (this process's memory, or
     Redis with ``approvals.scope: cluster``) and dead letters (bounds hot on reload);
@@ -390,6 +426,7 @@ COMPONENTS: Final[tuple[type[Component], ...]] = (
     Breakers,
     CostBudgets,
     Calls,
+    AgentIdentities,
     Desk,
     MetricLabels,
 )

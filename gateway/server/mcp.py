@@ -38,6 +38,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from gateway import fastjson, redaction
+from gateway.agents.identity import identify
 from gateway.audit import get_logger
 from gateway.call.mcp import McpRequest
 from gateway.call.proxy import (
@@ -85,11 +86,13 @@ class McpRoute:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         gateway = self._gateway
         policy = gateway.policy.policy
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
+        identity = identify(request.transport, request.headers, gateway.agents)
+        ctx = CallContext(time.monotonic(), identity.agent_id, identity=identity)
         try:
             body, refuse = await read_limited(
                 self._read_body, request, policy.server.max_request_bytes
             )
+            refuse = identity.refusal or refuse  # who calls is settled first
             http = McpRequest(
                 method=request.method,
                 target=request.match_info["target"],
@@ -135,6 +138,7 @@ class McpRoute:
             http_method=request.method,
             http_path=edge_path(request),
             api="mcp",
+            identity=ctx.identity,
             ids=request_ids(request.headers),
         )
         return _rpc_error(exc.http_status, response, ctx)

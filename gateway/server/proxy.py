@@ -30,6 +30,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
 from gateway import redaction
+from gateway.agents.identity import identify
 from gateway.audit import get_logger
 from gateway.call.proxy import (
     CORRELATION_ID_HEADER,
@@ -80,11 +81,13 @@ class ProxyRoute:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         gateway = self._gateway
         policy = gateway.policy.policy
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.agent_id)
+        identity = identify(request.transport, request.headers, gateway.agents)
+        ctx = CallContext(time.monotonic(), identity.agent_id, identity=identity)
         try:
             body, refuse = await read_limited(
                 self._read_body, request, policy.server.max_request_bytes
             )
+            refuse = identity.refusal or refuse  # who calls is settled first
             http = _proxy_request(request, body)
             relay = _ProxyRelay(request, ctx)
             status, response = await gateway.proxy(http, ctx=ctx, refuse=refuse, relay=relay)
@@ -127,6 +130,7 @@ class ProxyRoute:
             http_method=request.method,
             http_path=edge_path(request),
             api="proxy",
+            identity=ctx.identity,
             ids=request_ids(request.headers),
         )
         return _refusal(exc.http_status, response, self._dialect(ctx, request), ctx)

@@ -1,4 +1,5 @@
-"""Forwarding one attempt to the upstream: the only module that knows the aiohttp client.
+"""Forwarding one attempt to the upstream: the aiohttp client's session and requests
+(with :mod:`gateway.upstream.resolver`, which checks the addresses it connects to).
 
 One :class:`Upstream` (one ``ClientSession``) serves the whole process. For each attempt
 it builds the request from the policy's ``base_url`` plus the checked endpoint, injects
