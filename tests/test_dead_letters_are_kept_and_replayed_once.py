@@ -127,3 +127,30 @@ async def test_bounds_drop_the_oldest_and_discard_and_tokens(
     assert hits == 3
     refusals = [r for r in sc.lines() if r.get("event") == "desk_refused"]
     assert len(refusals) == 3
+
+
+async def test_an_outcome_unknown_is_kept_and_an_upstream_4xx_is_not(
+    upstream_factory: Factory, sidecar_factory: Factory, ops_factory: Factory
+) -> None:
+    answer_with = "drop"
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if answer_with == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        return web.json_response({"error": "bad request"}, status=400)
+
+    upstream: FakeUpstream = await upstream_factory(handler)
+    target = openai_target(upstream.url, dead_letter=True)  # no idempotency: never resent
+    sc: Sidecar = await sidecar_factory(compile_policy({"t": target}, operators=OPERATORS))
+    ops: Ops = await ops_factory(sc)
+    _, answer = await sc.call(envelope(target_system="t"))
+    assert answer["error"]["code"] == "OUTCOME_UNKNOWN"
+    answer_with = "400"
+    _, answer = await sc.call(envelope(target_system="t", correlation_id="corr-400"))
+    assert answer["error"]["code"] == "UPSTREAM_REJECTED"  # the agent's mistake: not kept
+    _, listed = await ops("GET", "/v1/dead-letters")
+    [letter] = listed["dead_letters"]
+    assert (letter["error"]["code"], letter["idempotency_key"]) == ("OUTCOME_UNKNOWN", None)
+    assert letter["attempts"] == 1
