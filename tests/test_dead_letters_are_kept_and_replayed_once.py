@@ -154,3 +154,32 @@ async def test_an_outcome_unknown_is_kept_and_an_upstream_4xx_is_not(
     [letter] = listed["dead_letters"]
     assert (letter["error"]["code"], letter["idempotency_key"]) == ("OUTCOME_UNKNOWN", None)
     assert letter["attempts"] == 1
+
+
+async def test_a_replay_runs_as_the_agent_whose_call_it_was(
+    upstream_factory: Factory, sidecar_factory: Factory, ops_factory: Factory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("WORKER_TOKEN", "agent-token-WORKER-0003")
+    down = True
+
+    async def handler(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"ok": not down}, status=503 if down else 200)
+
+    upstream: FakeUpstream = await upstream_factory(handler)
+    target = openai_target(upstream.url, dead_letter=True, retry={"max_retries": 0})
+    policy = compile_policy(
+        {"t": target}, operators=OPERATORS, agents={"worker": {"token_ref": "env://WORKER_TOKEN"}}
+    )
+    sc: Sidecar = await sidecar_factory(policy)
+    ops: Ops = await ops_factory(sc)
+    headers = {"x-egress-agent-token": "agent-token-WORKER-0003"}
+    body = envelope(target_system="t", agent_id="worker")
+    async with sc.session.post(sc.url + "/v1/calls", json=body, headers=headers) as resp:
+        assert (await resp.json())["error"]["code"] == "DEPENDENCY_FAILED"
+    [letter] = sc.gateway.pipeline.dead_letters.list()
+    assert letter.agent == "worker"
+    down = False
+    status, replayed = await ops("POST", f"/v1/dead-letters/{letter.id}/replay")
+    assert (status, replayed["response"]["success"]) == (200, True), replayed
+    assert sc.audit_records()[-1]["agent_id"] == "worker"

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from gateway.agents.approvals import effective_state
+from gateway.agents.identity import policy_identity
 from gateway.audit.query.filters import Filters
 from gateway.audit.query.reader import records
 from gateway.errors import GatewayError, InvalidPayload, PermissionDenied
@@ -211,7 +212,9 @@ async def _replay_letter(request: web.Request, who: str) -> dict[str, Any]:
         )
     if pipeline.dead_letters.take(letter_id, who) is None:  # another replay took it
         raise _unknown_letter(letter_id)
-    status, response = await _gw(request).call(letter.replay_envelope())
+    # As the agent whose call it was (its claim in the kept envelope then matches).
+    identity = policy_identity(letter.agent)
+    status, response = await _gw(request).call(letter.replay_envelope(), identity=identity)
     return {
         "dead_letter": letter_id,
         "status": status,
