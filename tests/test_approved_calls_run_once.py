@@ -19,7 +19,7 @@ from gateway.agents.approvals import (
     held_call,
 )
 from gateway.envelope import ExternalCallRequest
-from gateway.errors import InvalidPayload, PermissionDenied
+from gateway.errors import ApprovalDenied, ApprovalPending, InvalidPayload, PermissionDenied
 from gateway.policy.desk import ApprovalSpec
 from tests.conftest import FakeUpstream, Sidecar, compile_policy, envelope, openai_target
 
@@ -171,4 +171,12 @@ async def test_requests_and_approvals_expire() -> None:
     now[0] += 61  # the approval itself expires unused
     with pytest.raises(Exception, match="waits for an operator"):
         await approvals.hold(spec, call, deadline=0.0)
-    assert (await store.recent(1))[0]["id"] not in (first["id"], second["id"])
+    third = (await store.recent(1))[0]
+    assert third["id"] not in (first["id"], second["id"])
+    await approvals.decide(third["id"], "denied", "alice")
+    with pytest.raises(ApprovalDenied):
+        await approvals.hold(spec, call, deadline=0.0)
+    now[0] += 61  # a denial holds ttl_s, then the same call asks anew
+    with pytest.raises(ApprovalPending):
+        await approvals.hold(spec, call, deadline=0.0)
+    assert (await store.recent(1))[0]["id"] != third["id"]

@@ -20,8 +20,8 @@ and holds the call::
 
 A request's states: ``pending`` -> ``approved`` | ``denied`` (an operator) ->
 ``used`` (approved, claimed by its call); ``expired`` when ``ttl_s`` passed (pending:
-from the request; approved or denied: from the decision). A store that cannot be
-reached ends the call with DEPENDENCY_FAILED (``details.reason:
+from the request; approved or denied: from the decision; the same call then asks
+anew). A store that cannot be reached ends the call with DEPENDENCY_FAILED (``details.reason:
 approval_store_unavailable``): a held call never runs unapproved. Every request,
 decision and claim is an audit event (``approval_requested``, ``approval_decided``,
 ``approval_used``: who, when, what).
@@ -164,10 +164,10 @@ class ApprovalStore(Protocol):
 
 
 def effective_state(record: dict[str, str], now: float) -> str:
-    """The state as of ``now``: ``expired`` once a pending or approved request is past
-    its ``expires_at``."""
+    """The state as of ``now``: ``expired`` once a pending, approved or denied request is
+    past its ``expires_at`` (a denial, too, holds only ``ttl_s``)."""
     state = record.get("state", "unknown")
-    if state in ("pending", "approved") and float(record.get("expires_at", "0")) <= now:
+    if state in ("pending", "approved", "denied") and float(record.get("expires_at", "0")) <= now:
         return "expired"
     return state
 
@@ -193,9 +193,10 @@ class MemoryApprovalStore:
         if known is not None and effective_state(known, now) not in ("used", "expired"):
             return dict(known), False
         while len(self._records) >= self._max:
-            oldest = next(iter(self._records))
-            self._records.pop(oldest)
-            self._changed.pop(oldest, None)
+            oldest = self._records.pop(next(iter(self._records)))
+            self._changed.pop(oldest["id"], None)
+            if self._bindings.get(oldest["binding"]) == oldest["id"]:
+                del self._bindings[oldest["binding"]]
         self._records[record["id"]] = dict(record)
         self._bindings[binding] = record["id"]
         return dict(record), True

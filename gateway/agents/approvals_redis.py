@@ -6,7 +6,9 @@ Keys (under ``redis.key_prefix``): ``approval:{id}``, a hash of the request's fi
 (kept for twice its ``ttl_s``, so that a late decision is told "expired", not
 "unknown"); ``approval-binding:{sha256}``, the id of the live request of a call (for
 ``ttl_s``; deleted when its approval is used); ``approvals``, a sorted set of ids by
-request time for the list (pruned of ids whose hash is gone). Every change is one Lua
+request time for the list (the newest 10,000; pruned of ids whose hash is gone). The
+hash keys are named in ARGV, not KEYS: one Redis server (or a primary), not a Redis
+Cluster. Every change is one Lua
 script, atomic on the server: two sidecars opening the same call get one request, and
 two claims of one approval give one True. Waiting polls the hash every
 :data:`gateway.agents.approvals.POLL_S`.
@@ -35,6 +37,7 @@ redis.call('HSET', h, 'binding_key', KEYS[1], unpack(ARGV, 5))
 redis.call('PEXPIRE', h, math.ceil(tonumber(ARGV[3]) * 2000))
 redis.call('SET', KEYS[1], ARGV[1], 'PX', math.ceil(tonumber(ARGV[3]) * 1000))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -10001)
 return {ARGV[1], 1}
 """
 #: KEYS: hash; ARGV: verdict, who, now.
