@@ -1,5 +1,5 @@
-"""Command line: ``egress-gateway serve | validate | call | demo`` (and ``audit``,
-``approvals``, ``dead-letters``, ``console``).
+"""Command line: ``egress-gateway serve | validate | call | demo | audit | stop | resume``
+(and ``approvals``, ``dead-letters``, ``console``).
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
 from gateway import __version__
+from gateway.agents import cli as controls_cli
 from gateway.audit.query import cli as audit_cli
 from gateway.console import cli as desk_cli
 
@@ -162,6 +163,7 @@ def _env_warnings(path: str, policy: PolicySet) -> list[str]:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
+    from gateway.policy.controls import tool_cap_warnings
 
     failed = False
     for path in args.files:
@@ -184,6 +186,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if args.env_check:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
+            for loc, message in tool_cap_warnings(policy.policy):
+                print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -298,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_call)
 
     audit_cli.register(sub)
+    controls_cli.register(sub)  # stop, resume
     desk_cli.register(sub)  # approvals, dead-letters, console
 
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")

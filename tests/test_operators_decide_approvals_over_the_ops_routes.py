@@ -97,3 +97,31 @@ async def test_a_decision_after_expiry_is_refused(
     status, late = await ops("POST", f"/v1/approvals/{approval_id}/approve")
     assert (status, late["error"]["details"]["reason"]) == (410, "approval_expired")
     assert upstream.hits == 0
+
+
+async def test_the_stop_switch_token_is_an_operator_and_stops_are_shown(
+    upstream: FakeUpstream, sidecar_factory: Factory, ops_factory: Factory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("SHARED_OPS_TOKEN", TOKEN)
+    approval = {"endpoints": [{"path": "/v1/*", "methods": ["POST"]}]}
+    policy = compile_policy(
+        {"fake-openai": openai_target(upstream.url, approval=approval)},
+        controls={"operator_token_ref": "env://SHARED_OPS_TOKEN"},
+    )  # no operators: section; the stop switch's token decides
+    sc: Sidecar = await sidecar_factory(policy)
+    ops: Ops = await ops_factory(sc)
+    _, answer = await sc.call(envelope(timeout=0.05))
+    approval_id = answer["error"]["details"]["approval_id"]
+    status, decided = await ops("POST", f"/v1/approvals/{approval_id}/approve")
+    assert (status, decided["decided_by"]) == (200, "operator")
+    status, overview = await ops("GET", "/v1/desk/overview")
+    assert (status, overview["stops"]) == (200, [])
+    stop = {"scope": "agent", "name": "test-agent", "reason": "looping", "by": "alice"}
+    url = f"http://127.0.0.1:{ops.server.port}/v1/controls/stop"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with ops.session.post(url, json=stop, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+    status, overview = await ops("GET", "/v1/desk/overview")
+    [shown] = overview["stops"]
+    assert (shown["scope"], shown["name"], shown["reason"]) == ("agent", "test-agent", "looping")

@@ -4,7 +4,8 @@ letters and the operator console"; README, "Approvals and dead letters").
 
 ```yaml
 operators:                         # who may use the ops routes, the CLI and the console
-  alice: {token_ref: env:ALICE_OPERATOR_TOKEN}
+  alice: {token_ref: env://ALICE_OPERATOR_TOKEN}   # (the stop switch's controls.
+                                   # operator_token_ref counts too, as operator "operator")
 approvals: {scope: cluster}        # local (default) or cluster (shared through redis:)
 dead_letters: {max_count: 1000, max_bytes: 16777216}
 targets:
@@ -21,7 +22,7 @@ targets:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import Field, StringConstraints, field_validator
 
@@ -83,8 +84,24 @@ class DeadLettersSpec(StrictModel):
     )
 
 
+#: The operator a ``controls.operator_token_ref`` token (the stop switch's) stands for.
+SHARED_OPERATOR: Final = "operator"
+
+
+def all_operators(
+    operators: Mapping[str, OperatorSpec], shared_token_ref: str | None
+) -> dict[str, OperatorSpec]:
+    """Every operator: ``operators:``, and with the stop switch's
+    ``controls.operator_token_ref``, :data:`SHARED_OPERATOR` holding that token (unless
+    ``operators`` names one so)."""
+    found = dict(operators)
+    if shared_token_ref is not None:
+        found.setdefault(SHARED_OPERATOR, OperatorSpec(token_ref=shared_token_ref))
+    return found
+
+
 def problems(
-    operators: dict[str, OperatorSpec],
+    operators: Mapping[str, OperatorSpec],
     approvals: ApprovalsSpec,
     targets: Mapping[str, Any],
     has_redis: bool,

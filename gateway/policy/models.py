@@ -22,6 +22,7 @@ from gateway.policy import desk
 from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 from gateway.policy.chain import ChainSpec, chain_problems
+from gateway.policy.controls import ControlsSpec, controls_problems
 
 # Re-exported: gateway.idempotency.memory imports them from here.
 from gateway.policy.defaults import (
@@ -38,7 +39,6 @@ from gateway.urls import URL
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
-
 
 _KINDS: Final = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
 _RETRY_CONDITIONS: Final = ("timeout", "connect")
@@ -433,6 +433,7 @@ class Policy(_Strict):
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
     chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
     agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
+    controls: ControlsSpec = Field(default_factory=ControlsSpec)  # gateway.policy.controls
     operators: dict[Name, desk.OperatorSpec] = Field(default_factory=dict)  # gateway.policy.desk
     approvals: desk.ApprovalsSpec = Field(default_factory=desk.ApprovalsSpec)
     dead_letters: desk.DeadLettersSpec = Field(default_factory=desk.DeadLettersSpec)
@@ -483,7 +484,9 @@ class Policy(_Strict):
         has_vault = self.secrets.vault is not None
         problems += chain_problems(self.chain, has_vault)
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
-        problems += desk.problems(self.operators, self.approvals, self.targets, has_redis)
+        problems += controls_problems(self.controls, has_redis, has_vault)
+        operators = desk.all_operators(self.operators, self.controls.operator_token_ref)
+        problems += desk.problems(operators, self.approvals, self.targets, has_redis)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",

@@ -13,6 +13,11 @@ added to the list, and cannot be left out of any of the three.
 Parts built, in order: the listeners' settings (read by ``server.app`` at start), the
 audit log, the outbound client, the price data, the secret resolvers, the Redis client
 and cluster limits, the idempotency stores, telemetry, the rate-limit groups, the
+circuit breakers, the budgets, the operator's controls (stop switch, repeated-call
+breaker, tool caps), the pipeline, the agents who may call, and the metrics'
+policy labels. A component that must read something before it can take in a policy
+(the agents' tokens) has an ``async prepare(policy, parts)``, which a reload awaits for
+every component before any applies the policy.
 circuit breakers, the budgets, the pipeline, the agents who may call, the operator's
 desk (approvals, dead letters), and the metrics' policy labels. A component that must
 read something before it can take in a policy (the agents' tokens) has an ``async
@@ -32,8 +37,11 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from gateway import audit, cost, telemetry
 from gateway.agents.approvals import Approvals, ApprovalStore, MemoryApprovalStore
+from gateway.agents.caps import CallCaps
+from gateway.agents.controls import Controls, StopSwitch
 from gateway.agents.identity import Agents, build_agents
 from gateway.agents.registry import resolve_agents
+from gateway.agents.repeats import RepeatedCalls
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
@@ -88,6 +96,7 @@ class Parts:
     groups: RateLimitGroups
     breakers: CircuitBreakers
     budgets: Budgets
+    controls: Controls
     pipeline: Pipeline
     agents: Agents
 
@@ -307,6 +316,43 @@ class CostBudgets:
         parts.budgets.update(policy.policy.budgets)
 
 
+class AgentControls:
+    """The stop switch (its shared state watched in Redis with ``stop_switch.scope:
+    cluster``), the repeated-call breaker and the tool caps (budgets' ``max_calls``); the
+    operator token is read per request."""
+
+    keys: ClassVar = Keys(
+        hot=(
+            "controls.repeated_calls",
+            "controls.repeat_exempt",
+            "controls.operator_token_ref",
+            "budgets",
+        ),
+        restart=("controls",),
+    )
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        spec, metrics = policy.policy.controls, parts.metrics
+
+        def on_change(stops: Any) -> None:
+            counts: dict[str, int] = {}
+            for stop in stops.values():
+                counts[stop.scope] = counts.get(stop.scope, 0) + 1
+            metrics.set_agent_stops(counts)
+
+        stops = StopSwitch(spec.stop_switch, redis=parts.redis, on_change=on_change)
+        stack.push_async_callback(stops.aclose)
+        await stops.start()
+        repeats = RepeatedCalls(spec.repeated_calls, spec.repeat_exempt, redis=parts.redis)
+        cluster = parts.budgets.cluster  # tool caps count on the budgets' ledger
+        parts.controls = Controls(stops, repeats, CallCaps(policy.policy.budgets, cluster=cluster))
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        spec = policy.policy.controls
+        parts.controls.repeats.update(spec.repeated_calls, spec.repeat_exempt)
+        parts.controls.caps.update(policy.policy.budgets)
+
+
 class Calls:
     """The pipeline, handed the parts above; each call reads the policy it started with
     (targets, envelope rules, ``agent_id``, ``server.debug``, ``chain``...)."""
@@ -325,6 +371,7 @@ class Calls:
             idempotency=parts.idempotency,
             tracer=parts.tracer,
             budgets=parts.budgets,
+            controls=parts.controls,
         )
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
@@ -425,6 +472,7 @@ COMPONENTS: Final[tuple[type[Component], ...]] = (
     Groups,
     Breakers,
     CostBudgets,
+    AgentControls,
     Calls,
     AgentIdentities,
     Desk,

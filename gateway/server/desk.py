@@ -19,7 +19,8 @@ GET     /v1/desk/calls                        recent call records from the audit
 ======  ====================================  =================================================
 
 Every route needs ``Authorization: Bearer TOKEN``, the token of one of the policy's
-``operators`` (read from its secret reference, compared in constant time): the agent
+``operators`` or the stop switch's ``controls.operator_token_ref`` (operator
+``operator``), read from its secret reference and compared in constant time: the agent
 shares the pod's loopback but holds no operator token, so it cannot approve its own
 calls. No token, a wrong one, or no ``operators`` in the policy: 401, audited
 (``desk_refused``). Errors are ``{"error": ErrorPayload}``. Decisions, replays and
@@ -40,6 +41,7 @@ from gateway.agents.identity import policy_identity
 from gateway.audit.query.filters import Filters
 from gateway.audit.query.reader import records
 from gateway.errors import GatewayError, InvalidPayload, PermissionDenied
+from gateway.policy.desk import all_operators
 from gateway.policy.refs import parse_ref
 
 if TYPE_CHECKING:
@@ -93,8 +95,9 @@ def _unauthorized(message: str, reason: str) -> PermissionDenied:
 async def operator(request: web.Request) -> str:
     """The name of the operator whose token the request carries. Raises 401."""
     policy = _gw(request).policy.policy
+    operators = all_operators(policy.operators, policy.controls.operator_token_ref)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if not policy.operators:
+    if not operators:
         raise _unauthorized(
             "the operator routes are off: the policy names no operators", "no_operators"
         )
@@ -103,7 +106,7 @@ async def operator(request: web.Request) -> str:
             "an operator token is required (Authorization: Bearer ...)", "operator_token_missing"
         )
     resolvers, given, found = _pipeline(request).resolvers, token.strip().encode(), None
-    for name, spec in sorted(policy.operators.items()):  # every one compared: constant time
+    for name, spec in sorted(operators.items()):  # every one compared: constant time
         expected = (await resolvers.resolve(parse_ref(spec.token_ref))).secret.reveal()
         if hmac.compare_digest(given, expected.encode()) and found is None:
             found = name

@@ -20,6 +20,7 @@ from egress_client.async_client import AsyncCallStream, AsyncEgressClient
 from egress_client.client import CallStream, EgressClient
 from egress_client.errors import (
     ERROR_CLASSES,
+    AgentStopped,
     AgentTimeout,
     ApprovalDenied,
     ApprovalPending,
@@ -36,6 +37,7 @@ from egress_client.errors import (
     OutcomeUnknown,
     PermissionDenied,
     QuotaExhausted,
+    RepeatedCall,
     ResponseTooLarge,
     SchemaMismatch,
     SecretAccessDenied,
@@ -63,6 +65,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ERROR_CLASSES",
+    "AgentStopped",
     "AgentTimeout",
     "ApprovalDenied",
     "ApprovalPending",
@@ -88,6 +91,7 @@ __all__ = [
     "OutcomeUnknown",
     "PermissionDenied",
     "QuotaExhausted",
+    "RepeatedCall",
     "RequestBody",
     "ResponseTooLarge",
     "RetryPolicy",
