@@ -165,3 +165,15 @@ MAX_REPEAT_EXEMPT: Final = 200
 #: A tool cap (a budget's ``max_calls``) is counted like spend, in integer nano-units
 #: inside Redis's Lua (exact below 2**53): the same bound as MAX_BUDGET_USD.
 MAX_BUDGET_CALLS: Final = 1_000_000
+
+# -- the operator's desk: approvals and dead letters (gateway.policy.desk) --------------
+#: How long an approval request waits for a decision, and an approval for its call, s.
+DEFAULT_APPROVAL_TTL_S: Final = 900.0
+MAX_APPROVAL_TTL_S: Final = 7 * 86400.0
+#: ``suggested_retry_after`` of APPROVAL_PENDING, seconds.
+DEFAULT_APPROVAL_RETRY_AFTER_S: Final = 5.0
+#: Dead letters kept per sidecar (count, and bytes of their stored requests).
+DEFAULT_DEAD_LETTERS_MAX_COUNT: Final = 1000
+MAX_DEAD_LETTERS_MAX_COUNT: Final = 100_000
+DEFAULT_DEAD_LETTERS_MAX_BYTES: Final = 16 * 1024 * 1024
+MAX_DEAD_LETTERS_MAX_BYTES: Final = 1024 * 1024 * 1024

@@ -12,7 +12,8 @@ Routes of the calls listener (loopback by default):
 * ``GET /healthz`` (alive), ``/readyz`` (ready), ``/openapi.json`` (both listeners).
 
 The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
-``/metrics``, ``/openapi.json`` and the stop switch (:mod:`gateway.server.ops`).
+``/metrics``, ``/openapi.json``, the stop switch (:mod:`gateway.server.ops`) and the
+approvals and dead letters (:mod:`gateway.server.desk`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
 ``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.api.http.edge_errors`).
 """
@@ -35,7 +36,7 @@ from gateway.api.envelope import CALLS_PATH
 from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, BUDGET_KEY, BUDGET_LIMIT_KEY, Handler
 from gateway.audit import get_logger
 from gateway.errors import GatewayError, InvalidPayload
-from gateway.server import ops
+from gateway.server import desk, ops
 from gateway.server.eventloop import loop_name
 from gateway.server.listeners import calls_sites, start_sites
 from gateway.server.reload import PolicyWatcher
@@ -163,7 +164,7 @@ def create_app(
 
 
 def create_ops_app(gateway: Gateway) -> web.Application:
-    """Health, readiness, metrics, the stop switch (operator token): safe on the pod IP."""
+    """Health, readiness, metrics, the operator's routes (operator token): safe on the pod IP."""
     app = web.Application(middlewares=[_json_errors])
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)
@@ -171,7 +172,7 @@ def create_ops_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
     ops.install(app, gateway)  # the stop switch's routes (operator token)
-    return app
+    return desk.install(app, gateway)  # approvals and dead letters (operator token)
 
 
 def make_runner(
