@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit fuzz bench bench-quick bench-stream bench-peers clean
+.PHONY: demo test lint typecheck docs unit fuzz bench bench-quick bench-stream bench-peers clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,13 @@ $(VENV)/.dev: $(VENV)/.runtime clients/python/pyproject.toml
 demo: $(VENV)/.runtime
 	$(BIN)/egress-gateway demo
 
-test: lint typecheck unit
+test: lint typecheck docs unit
+
+# The documentation site (mkdocs.yml, docs/): the policy reference is regenerated from the
+# policy models, then the site is built strictly, so a broken link or anchor fails.
+docs: $(VENV)/.dev
+	$(BIN)/python docs/gen_policy_reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .
@@ -62,4 +68,4 @@ bench-peers: $(VENV)/.fast
 	$(BIN)/python bench/peers.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage demo-audit.jsonl
+	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache .coverage demo-audit.jsonl

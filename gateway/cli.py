@@ -1,4 +1,4 @@
-"""Command line: ``egress-gateway serve | validate | call | demo``.
+"""Command line: ``egress-gateway serve | validate | call | init | demo | audit``.
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
@@ -225,6 +225,28 @@ def _print_stream(resp: IO[bytes]) -> int:
     return 0 if final is not None and final.get("success") else 1
 
 
+def _cmd_init(args: argparse.Namespace) -> int:
+    """Write a starter policy for the named providers (validated first); refuse to
+    replace an existing file without --force."""
+    from gateway.policy.starters import UnknownProvider, starter_policy
+
+    try:
+        text = starter_policy(args.providers or ["openai"], agent_id=args.agent_id)
+    except UnknownProvider as exc:
+        print(f"egress-gateway init: {exc}", file=sys.stderr)
+        return 2
+    if args.output == "-":
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        print(f"egress-gateway init: {out} exists (--force replaces it)", file=sys.stderr)
+        return 1
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}; next: egress-gateway serve --policy {out}", file=sys.stderr)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
@@ -283,6 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_call)
 
     audit_cli.register(sub)
+
+    p = sub.add_parser("init", help="write a starter policy for real providers")
+    p.add_argument(
+        "providers", nargs="*", metavar="PROVIDER", help="openai, anthropic, gemini (default openai)"
+    )
+    p.add_argument("-o", "--output", default="policy.yaml", help="file to write, - for stdout")
+    p.add_argument("--agent-id", default="my-agent", help="the policy's agent_id")
+    p.add_argument("--force", action="store_true", help="replace the file if it exists")
+    p.set_defaults(func=_cmd_init)
 
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
     p.add_argument("--policy", default="policies/demo.yaml")
