@@ -308,7 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init", help="write a starter policy for real providers")
     p.add_argument(
-        "providers", nargs="*", metavar="PROVIDER", help="openai, anthropic, gemini (default openai)"
+        "providers",
+        nargs="*",
+        metavar="PROVIDER",
+        help="openai, anthropic, gemini (default openai)",
     )
     p.add_argument("-o", "--output", default="policy.yaml", help="file to write, - for stdout")
     p.add_argument("--agent-id", default="my-agent", help="the policy's agent_id")
