@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
         if current != page:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run make docs", file=sys.stderr)
+            print(f"{PAGE} is stale: run make docs", file=sys.stderr)
             return 1
         return 0
     PAGE.parent.mkdir(parents=True, exist_ok=True)

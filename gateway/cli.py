@@ -253,6 +253,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(policy_path=args.policy, examples_dir=args.examples))
 
 
+def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("init", help="write a starter policy for real providers")
+    p.add_argument(
+        "providers",
+        nargs="*",
+        metavar="PROVIDER",
+        help="openai, anthropic, gemini (default openai)",
+    )
+    p.add_argument("-o", "--output", default="policy.yaml", help="file to write, - for stdout")
+    p.add_argument("--agent-id", default="my-agent", help="the policy's agent_id")
+    p.add_argument("--force", action="store_true", help="replace the file if it exists")
+    p.set_defaults(func=_cmd_init)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="egress-gateway",
@@ -306,17 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit_cli.register(sub)
 
-    p = sub.add_parser("init", help="write a starter policy for real providers")
-    p.add_argument(
-        "providers",
-        nargs="*",
-        metavar="PROVIDER",
-        help="openai, anthropic, gemini (default openai)",
-    )
-    p.add_argument("-o", "--output", default="policy.yaml", help="file to write, - for stdout")
-    p.add_argument("--agent-id", default="my-agent", help="the policy's agent_id")
-    p.add_argument("--force", action="store_true", help="replace the file if it exists")
-    p.set_defaults(func=_cmd_init)
+    _add_init(sub)
 
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
     p.add_argument("--policy", default="policies/demo.yaml")
