@@ -66,7 +66,11 @@ PROVIDERS: Final[dict[str, tuple[str, str]]] = {
       header: x-goog-api-key
       default_ref: env://GEMINI_API_KEY
     endpoints:
-      - {path: /v1beta/models/*, methods: [POST]}   # every model:method (generateContent, ...)
+      # Every model:method (generateContent, streamGenerateContent, ...); google-genai
+      # calls v1 by default, older SDKs and the REST examples v1beta.
+      - {path: /v1/models/*, methods: [POST]}
+      - {path: /v1beta/models/*, methods: [POST]}
+      - {path: /v1/models, methods: [GET]}
       - {path: /v1beta/models, methods: [GET]}
     usage: gemini
     rate_limit_group: gemini
