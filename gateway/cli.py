@@ -3,6 +3,7 @@
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
 GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
+GATEWAY_LOG_FORMAT (``json`` or ``console``; default console when stdout is a terminal),
 GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or ``false``, over the policy's
 ``server.shutdown.accept_new_calls``). ``call`` finds the sidecar at EGRESS_GATEWAY_URL,
 the variable the Helm chart sets in the agent's container (GATEWAY_URL, its former name,
@@ -75,6 +76,16 @@ def _sidecar_url(flag: str | None) -> str:
 GC_THRESHOLDS: Final = (50_000, 20, 20)
 
 
+def _set_log_format(chosen: str | None) -> None:
+    """``--log-format``, else GATEWAY_LOG_FORMAT, else ``console`` when stdout is a
+    terminal (a person is reading) and ``json`` otherwise (a collector is). Raises
+    ValueError for an unknown format."""
+    from gateway.audit import set_log_format
+
+    tty = sys.stdout.isatty()
+    set_log_format(chosen or ("console" if tty else "json"), colors=tty)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
     from gateway.server import Gateway, eventloop, serve
@@ -82,6 +93,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         eventloop.loop_factory(os.environ.get("GATEWAY_LOOP"))
         accept_new_calls = _env_bool("GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS")
+        _set_log_format(args.log_format or os.environ.get("GATEWAY_LOG_FORMAT"))
     except ValueError as exc:
         print(f"egress-gateway serve: {exc}", file=sys.stderr)
         return 2
@@ -290,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--ops-port",
         type=int,
         help="health/metrics listener port (default 8182; env GATEWAY_OPS_PORT)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=("json", "console"),
+        help="json lines, or one readable line per call (default: console on a terminal, "
+        "json otherwise; env GATEWAY_LOG_FORMAT)",
     )
     p.set_defaults(func=_cmd_serve)
 

@@ -425,6 +425,9 @@ async def serve(
             accept = gateway.policy.policy.server.shutdown.accept_new_calls
         gateway.begin_drain(accept_new_calls=accept)  # only the first signal counts
         stop.set()
+        # A person's second Ctrl-C means "now": Python's own SIGINT handler is back, so
+        # it raises KeyboardInterrupt (exit 130) instead of waiting out the drain.
+        loop.remove_signal_handler(signal.SIGINT)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
@@ -474,6 +477,8 @@ async def serve(
             drain_s=server.drain_s,
             accept_new_calls=bool(accept),
             quiet_s=server.shutdown.quiet_s,
+            waiting_for=f"{gateway.inflight} calls in flight, at most {server.drain_s:g} s "
+            "(a second Ctrl-C exits at once)",
         )
         cancelled = await gateway.drain(
             server.drain_s, accept_new_calls=bool(accept), quiet_s=server.shutdown.quiet_s
