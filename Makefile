@@ -32,7 +32,7 @@ test: lint typecheck docs unit
 # policy models, then the site is built strictly, so a broken link or anchor fails.
 docs: $(VENV)/.dev
 	$(BIN)/python docs/gen_policy_reference.py
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site  # not --quiet: it hides warnings from --strict
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .
@@ -41,7 +41,16 @@ lint: $(VENV)/.dev
 typecheck: $(VENV)/.dev
 	$(BIN)/mypy
 
+# Tests that need a system tool skip without it (the reasons are in pytest's summary);
+# .ci/run installs the tools and makes a missing one a failure. Say so before they run.
 unit: $(VENV)/.dev
+	@command -v nft >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || echo "make test:" \
+		"no nft or ip (Debian nftables, iproute2): tests/test_enforce.py will be skipped"
+	@command -v promtool >/dev/null 2>&1 || echo "make test: no promtool (Debian prometheus):" \
+		"tests/test_prometheus*.py will be skipped"
+	@$(BIN)/python -c "import socket; socket.create_connection(('127.0.0.1', 6379), 1)" \
+		2>/dev/null || echo "make test: no Redis on" \
+		"127.0.0.1:6379: the cluster-scope tests will be skipped"
 	$(BIN)/python -m pytest
 
 # The property-based tests of tests/test_fuzz.py with FUZZ_EXAMPLES random examples each
@@ -68,4 +77,4 @@ bench-peers: $(VENV)/.fast
 	$(BIN)/python bench/peers.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache .coverage demo-audit.jsonl
+	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache .coverage demo-audit.jsonl demo-serve-audit.jsonl

@@ -215,9 +215,18 @@ def _cmd_call(args: argparse.Namespace) -> int:
         print(f"cannot reach the sidecar at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
         return 1
     try:
-        print(json.dumps(json.loads(body), indent=2, ensure_ascii=False))
+        answer = json.loads(body)
     except ValueError:
         print(body.decode("utf-8", errors="replace"))
+    else:
+        print(json.dumps(answer, indent=2, ensure_ascii=False))
+        if isinstance(answer, dict) and answer.get("replayed") is True:
+            # Without this a re-run example looks like a fresh call: it is not one.
+            print(
+                "egress-gateway call: replayed the stored answer of this idempotency key; "
+                "the upstream was not called again",
+                file=sys.stderr,
+            )
     return 0 if status == 200 else 1
 
 
@@ -234,6 +243,9 @@ def _print_stream(resp: IO[bytes]) -> int:
             last_event = text[6:].strip()
         elif text.startswith("data:") and last_event == "egress.response":
             final = json.loads(text[5:])
+    if final is not None and final.get("replayed") is True:
+        print("egress-gateway call: replayed the stored stream of this idempotency key; "
+              "the upstream was not called again", file=sys.stderr)  # fmt: skip
     return 0 if final is not None and final.get("success") else 1
 
 
@@ -353,6 +365,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader has gone (``egress-gateway call ... | head``): stop quietly, as cat
+        # does. Python's flush of stdout at exit would fail again and print a traceback,
+        # so stdout points at /dev/null from here on.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by it
     except OSError as exc:
         print(f"egress-gateway {args.command}: {exc}", file=sys.stderr)
         return 1
