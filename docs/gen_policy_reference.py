@@ -199,12 +199,28 @@ DESCRIPTIONS: Final[dict[str, str]] = {
 }
 
 
+def _class_source(model: type[BaseModel]) -> str:
+    """The text of ``class Model(...):`` and its body, from its module's file. Not
+    inspect.getsource: it parses the module with ``ast``, which CPython 3.11 refuses
+    ("AST constructor recursion depth mismatch") in a process that once hit a
+    RecursionError, as the test suite's deep-nesting tests do."""
+    path = inspect.getsourcefile(model)
+    if path is None:
+        return ""
+    lines = Path(path).read_text(encoding="utf-8").splitlines(keepends=True)
+    start = next((i for i, t in enumerate(lines) if t.startswith(f"class {model.__name__}(")), None)
+    if start is None:
+        return ""
+    end = next(
+        (i for i in range(start + 1, len(lines)) if lines[i].strip() and lines[i][0] not in " \t#"),
+        len(lines),
+    )
+    return "".join(lines[start:end])
+
+
 def _comments(model: type[BaseModel]) -> dict[str, str]:
     """The comment written after each field of ``model``'s class body, by field name."""
-    try:
-        source = inspect.getsource(model)
-    except (OSError, TypeError):
-        return {}
+    source = _class_source(model)
     found: dict[str, str] = {}
     last_name = ""
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)

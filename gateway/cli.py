@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 from gateway import __version__
 from gateway.audit.query import cli as audit_cli
@@ -277,29 +277,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(policy_path=args.policy, examples_dir=args.examples))
 
 
-def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("init", help="write a starter policy for real providers")
-    p.add_argument(
-        "providers",
-        nargs="*",
-        metavar="PROVIDER",
-        help="openai, anthropic, gemini (default openai)",
-    )
-    p.add_argument("-o", "--output", default="policy.yaml", help="file to write, - for stdout")
-    p.add_argument("--agent-id", default="my-agent", help="the policy's agent_id")
-    p.add_argument("--force", action="store_true", help="replace the file if it exists")
-    p.set_defaults(func=_cmd_init)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="egress-gateway",
-        description="Egress sidecar for AI agents: policy-checked, credential-injecting, "
-        "audited outbound calls.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_serve(sub: Any) -> None:
+    """The ``serve`` command and its flags (each also a ``GATEWAY_*`` variable)."""
     p = sub.add_parser("serve", help="run the sidecar")
     p.add_argument(
         "--policy",
@@ -322,6 +301,32 @@ def build_parser() -> argparse.ArgumentParser:
         "json otherwise; env GATEWAY_LOG_FORMAT)",
     )
     p.set_defaults(func=_cmd_serve)
+
+
+def _add_init(sub: Any) -> None:
+    p = sub.add_parser("init", help="write a starter policy for real providers")
+    p.add_argument(
+        "providers",
+        nargs="*",
+        metavar="PROVIDER",
+        help="openai, anthropic, gemini (default openai)",
+    )
+    p.add_argument("-o", "--output", default="policy.yaml", help="file to write, - for stdout")
+    p.add_argument("--agent-id", default="my-agent", help="the policy's agent_id")
+    p.add_argument("--force", action="store_true", help="replace the file if it exists")
+    p.set_defaults(func=_cmd_init)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="egress-gateway",
+        description="Egress sidecar for AI agents: policy-checked, credential-injecting, "
+        "audited outbound calls.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_serve(sub)
 
     p = sub.add_parser("validate", help="check policy files; print every error")
     p.add_argument("files", nargs="+", metavar="FILE")

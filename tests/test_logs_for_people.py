@@ -237,6 +237,8 @@ async def test_a_second_ctrl_c_exits_at_once_while_a_call_waits(
         )
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 20) == 130  # not the 600 s drain
+        interrupted = json.loads(await _line_with(proc, '"interrupted"', seen))
+        assert interrupted["reason"] == "second SIGINT during the drain"
         release.set()
         with pytest.raises(aiohttp.ClientError):
             await call

@@ -98,24 +98,9 @@ _ANTHROPIC_USAGE = {
 }
 
 
-async def _anthropic(request: web.Request) -> web.StreamResponse:
-    if request.headers.get("x-api-key") != DEMO_SECRETS["DEMO_ANTHROPIC_KEY"]:
-        return _unauthorized("anthropic")
-    body = await request.json()
-    message = {
-        "id": "msg_demo_01",
-        "type": "message",
-        "role": "assistant",
-        "model": body.get("model"),
-        "content": [{"type": "text", "text": "".join(_ANTHROPIC_TEXT)}],
-        "stop_reason": "end_turn",
-        "stop_sequence": None,
-        "usage": _ANTHROPIC_USAGE,
-    }
-    if not body.get("stream"):
-        return web.json_response(message)
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
+def _anthropic_events(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``message`` as Anthropic streams it: (event name, data) from ``message_start`` to
+    ``message_stop``, the text in _ANTHROPIC_TEXT's pieces."""
     start = message | {
         "content": [],
         "stop_reason": None,
@@ -155,6 +140,28 @@ async def _anthropic(request: web.Request) -> web.StreamResponse:
         ),
         ("message_stop", {"type": "message_stop"}),
     ]
+    return events
+
+
+async def _anthropic(request: web.Request) -> web.StreamResponse:
+    if request.headers.get("x-api-key") != DEMO_SECRETS["DEMO_ANTHROPIC_KEY"]:
+        return _unauthorized("anthropic")
+    body = await request.json()
+    message = {
+        "id": "msg_demo_01",
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model"),
+        "content": [{"type": "text", "text": "".join(_ANTHROPIC_TEXT)}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": _ANTHROPIC_USAGE,
+    }
+    if not body.get("stream"):
+        return web.json_response(message)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    events = _anthropic_events(message)
     for name, data in events:
         await resp.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
         if name == "content_block_delta":

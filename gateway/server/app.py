@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
@@ -425,9 +427,8 @@ async def serve(
             accept = gateway.policy.policy.server.shutdown.accept_new_calls
         gateway.begin_drain(accept_new_calls=accept)  # only the first signal counts
         stop.set()
-        # A person's second Ctrl-C means "now": Python's own SIGINT handler is back, so
-        # it raises KeyboardInterrupt (exit 130) instead of waiting out the drain.
-        loop.remove_signal_handler(signal.SIGINT)
+        # A person's second Ctrl-C means "now", not after the drain.
+        loop.add_signal_handler(signal.SIGINT, _exit_now)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
@@ -496,6 +497,17 @@ async def serve(
         if ops_runner is not None:
             await ops_runner.cleanup()
         await runner.cleanup()
+
+
+def _exit_now() -> None:
+    """A second Ctrl-C: exit at once (130, as for SIGINT), the calls in flight unanswered.
+
+    Not by raising KeyboardInterrupt: the loop's shutdown would then wait for every task,
+    and a call waiting on its upstream keeps the process for as long as the upstream
+    takes. Audit lines are flushed as they are written; stdout is flushed here."""
+    _log.warning("interrupted", reason="second SIGINT during the drain")
+    sys.stdout.flush()
+    os._exit(130)
 
 
 def _bound(site: web.TCPSite) -> str:
