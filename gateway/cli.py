@@ -1,8 +1,10 @@
-"""Command line: ``egress-gateway serve | validate | call | init | demo | audit``.
+"""Command line: ``egress-gateway serve | validate | call | init | demo | audit | stop |
+resume``.
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
-GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
+GATEWAY_UNIX_SOCKET (a path: the calls API on a Unix socket too), GATEWAY_LOOP
+(``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
 GATEWAY_LOG_FORMAT (``json`` or ``console``; default console when stdout is a terminal),
 GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or ``false``, over the policy's
 ``server.shutdown.accept_new_calls``). ``call`` finds the sidecar at EGRESS_GATEWAY_URL,
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
 from gateway import __version__
+from gateway.agents import cli as controls_cli
 from gateway.audit.query import cli as audit_cli
 
 if TYPE_CHECKING:
@@ -124,6 +127,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             ops_host=args.ops_host or os.environ.get("GATEWAY_OPS_HOST") or server.ops_host,
             ops_port=ops_port if ops_port is not None else server.ops_port,
             accept_new_calls=accept_new_calls,
+            unix_socket=args.unix_socket or os.environ.get("GATEWAY_UNIX_SOCKET") or None,
         ),
         os.environ.get("GATEWAY_LOOP"),
     )
@@ -170,6 +174,7 @@ def _env_warnings(path: str, policy: PolicySet) -> list[str]:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
+    from gateway.policy.controls import tool_cap_warnings
 
     failed = False
     for path in args.files:
@@ -192,6 +197,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if args.env_check:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
+            for loc, message in tool_cap_warnings(policy.policy):
+                print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -290,6 +297,12 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--port", type=int, help="calls listener port (default 8181; env GATEWAY_PORT)")
     p.add_argument("--ops-host", help="health/metrics listener address (env GATEWAY_OPS_HOST)")
     p.add_argument(
+        "--unix-socket",
+        metavar="PATH",
+        help="also serve the calls API on this Unix socket; its callers are known by their "
+        "UID (env GATEWAY_UNIX_SOCKET)",
+    )
+    p.add_argument(
         "--ops-port",
         type=int,
         help="health/metrics listener port (default 8182; env GATEWAY_OPS_PORT)",
@@ -354,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_call)
 
     audit_cli.register(sub)
+    controls_cli.register(sub)  # stop, resume
 
     _add_init(sub)
 

@@ -85,6 +85,8 @@ class ErrorCode(StrEnum):
     RESPONSE_TOO_LARGE = "RESPONSE_TOO_LARGE"
     STREAM_INTERRUPTED = "STREAM_INTERRUPTED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    AGENT_STOPPED = "AGENT_STOPPED"
+    REPEATED_CALL = "REPEATED_CALL"
     UNKNOWN = "UNKNOWN"
 
 
@@ -139,6 +141,8 @@ class ExternalCallRequest(BaseModel):
     # Optional additions, all defaulted so that older agents keep working.
     idempotency_key: IdempotencyKey | None = None
     protocol_version: VersionText = PROTOCOL_VERSION
+    #: A claim, checked against who calls as the sidecar established it (design.md, "Who
+    #: is calling"): a different id is refused (PERMISSION_DENIED, agent_mismatch).
     agent_id: Identifier | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)

@@ -25,6 +25,8 @@ its error code, the HTTP status of the sidecar's answer and whether retrying can
     ├── ResponseTooLarge        RESPONSE_TOO_LARGE   502  no
     ├── StreamInterrupted       STREAM_INTERRUPTED   502  yes
     ├── ShuttingDown            SHUTTING_DOWN        503  yes
+    ├── AgentStopped            AGENT_STOPPED        423  no
+    ├── RepeatedCall            REPEATED_CALL        429  no
     └── InternalError           UNKNOWN              500  no
 
 Foreign exceptions are translated where they enter (the module that owns the library).
@@ -212,6 +214,23 @@ class ShuttingDown(GatewayError):
     code = ErrorCode.SHUTTING_DOWN
     http_status = 503
     retryable = True
+
+
+class AgentStopped(GatewayError):
+    """An operator's stop switch holds this agent, target or the whole fleet
+    (``details.scope``, ``details.reason``): nothing is sent until someone resumes it."""
+
+    code = ErrorCode.AGENT_STOPPED
+    http_status = 423
+
+
+class RepeatedCall(GatewayError):
+    """The repeated-call breaker: the same call (agent, target, endpoint or tool and
+    canonical arguments) more than ``max_repeats`` times within ``window_s``
+    (``details.count``, ``details.window_s``). Not retryable with the same arguments."""
+
+    code = ErrorCode.REPEATED_CALL
+    http_status = 429
 
 
 class InternalError(GatewayError):

@@ -72,6 +72,7 @@ def correlations(text: str) -> list[str]:
         (["--code", "CAPACITY_EXCEEDED"], lambda c: c["error_code"] == "CAPACITY_EXCEEDED"),
         (["--failed"], lambda c: not c["success"]),
         (["--min-latency", "150"], lambda c: c["latency_ms"] >= 150),
+        (["--policy", "bbbb*"], lambda c: c["policy_sha256"] == "b" * 64),
         (
             ["--failed", "--target", "anthropic", "--min-latency", "20"],
             lambda c: (
@@ -88,6 +89,7 @@ def correlations(text: str) -> list[str]:
         "code",
         "failed",
         "min-latency",
+        "policy-digest",
         "combined",
     ],
 )

@@ -118,6 +118,9 @@ NOT_POLICIES = {
         '{{- $gw := dict "root" $ "gateway" (index $.Values "egress-gateway") }}',
     ): "a Helm template",
     ("kubernetes.md", "egress:"): "the chart's values (egress.enforce)",
+    ("kubernetes.md", "# the Deployment's pod spec (with the includes of the previous section)"): (
+        "a Kubernetes pod spec"
+    ),
     ("operations.md", "sidecar:"): "the chart's values",
     ("operations.md", "grafanaDashboard:"): "the chart's values",
 }
@@ -171,11 +174,23 @@ def _as_policy(block: Block) -> str:
         return block.text
     fragment = yaml.safe_load(block.text.replace(", ...}", "}"))
     policy = _merged(CONTEXT, fragment)
+    for name in _named_targets(policy):
+        policy["targets"].setdefault(name, {"usage": "openai"})
     for name, target in policy["targets"].items():
         target.setdefault("base_url", f"https://{name}.example")
         if "mcp" not in target:
             target.setdefault("endpoints", [{"path": "/**", "methods": ["POST"]}])
     return yaml.safe_dump(policy, sort_keys=False)
+
+
+def _named_targets(policy: dict[str, Any]) -> set[str]:
+    """The targets a fragment's agents and budgets name, which it may not define."""
+    names = {t for agent in (policy.get("agents") or {}).values() for t in agent.get("targets", [])}
+    for budget in (policy.get("budgets") or {}).values():
+        target = (budget.get("applies_to") or {}).get("target")
+        if target:
+            names.add(target)
+    return names
 
 
 def _policy_blocks() -> list[Block]:
@@ -193,7 +208,12 @@ def test_each_policy_block_validates(
     block: Block, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "policy.yaml"
-    path.write_text(_as_policy(block), encoding="utf-8")
+    text = _as_policy(block)
+    # An agent's token file is read when the policy loads: here, a file that exists.
+    token = tmp_path / "agent-token"
+    token.write_text("docs-token-0001\n")
+    text = re.sub(r"(token_ref: )file:///[^\s'\"]+", rf"\g<1>file://{token}", text)
+    path.write_text(text, encoding="utf-8")
     code = main(["validate", "--no-env-check", str(path)])
     assert code == 0, (str(block), capsys.readouterr().err)
 
@@ -238,7 +258,7 @@ async def test_the_audit_block_runs_on_the_demos_audit_file(
     assert "DEPENDENCY_FAILED" in out  # show --failed
     assert '"trace_id":"tr-demo-0007"' in out  # show --target openai --code ... --format json
     assert "trace tr-demo-0001: 1 calls" in out  # trace
-    assert "OK: 13 chained record(s) in 1 chain(s) verified" in out  # verify
+    assert re.search(r"OK: \d+ chained record\(s\) in 1 chain\(s\) verified", out)  # verify
 
 
 @pytest.fixture

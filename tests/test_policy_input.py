@@ -157,6 +157,10 @@ FLOAT_KEYS = {
     "telemetry.tracing.sample_ratio": "telemetry: {tracing: {sample_ratio: @}}",
     "budgets.b.limit_usd": "budgets: {b: {window: daily, limit_usd: @}}",
     "budgets.b.per_hours": "budgets: {b: {limit_usd: 1, window: rolling, per_hours: @}}",
+    "controls.stop_switch.poll_interval_s": "controls: {stop_switch: {poll_interval_s: @}}",
+    "controls.repeated_calls.window_s": (
+        "controls: {repeated_calls: {max_repeats: 1, window_s: @}}"
+    ),
     "prices.m.input_usd_per_mtok": "prices: {m: {output_usd_per_mtok: 1, input_usd_per_mtok: @}}",
     "prices.m.output_usd_per_mtok": "prices: {m: {input_usd_per_mtok: 1, output_usd_per_mtok: @}}",
     "prices.m.cached_usd_per_mtok": (
@@ -194,11 +198,16 @@ UPPER_BOUNDS = {
     "telemetry.tracing.sample_ratio": d.MAX_TRACE_SAMPLE_RATIO,
     "budgets.b.limit_usd": d.MAX_BUDGET_USD,
     "budgets.b.per_hours": d.MAX_BUDGET_PER_HOURS,
+    "controls.stop_switch.poll_interval_s": d.MAX_STOP_POLL_INTERVAL_S,
+    "controls.repeated_calls.window_s": d.MAX_REPEAT_WINDOW_S,
+    "controls.repeated_calls.max_repeats": d.MAX_REPEATS,
+    "budgets.b.max_calls": d.MAX_BUDGET_CALLS,
     "prices.m.input_usd_per_mtok": d.MAX_USD_PER_MTOK,
     "prices.m.output_usd_per_mtok": d.MAX_USD_PER_MTOK,
     "prices.m.cached_usd_per_mtok": d.MAX_USD_PER_MTOK,
     "prices.m.cache_write_usd_per_mtok": d.MAX_USD_PER_MTOK,
     "budgets.b.max_output_tokens": d.MAX_TOKENS_PER_MINUTE,
+    "agents.a.uid": d.MAX_AGENT_UID,
     "server.max_request_bytes": d.MAX_BODY_BYTES,
     "server.max_response_bytes": d.MAX_BODY_BYTES,
     "server.idempotency_max_entries": d.MAX_IDEMPOTENCY_ENTRIES,
@@ -233,7 +242,12 @@ INT_KEYS = {
     "budgets.b.max_output_tokens": (
         "budgets: {b: {limit_usd: 1, window: daily, max_output_tokens: @}}"
     ),
+    "agents.a.uid": "agents: {a: {uid: @}}",
     "chain.max_depth": "chain: {max_depth: @}",
+    "controls.repeated_calls.max_repeats": (
+        "controls: {repeated_calls: {window_s: 1, max_repeats: @}}"
+    ),
+    "budgets.b.max_calls": "budgets: {b: {window: daily, max_calls: @}}",
 }
 
 

@@ -22,14 +22,18 @@ from collections.abc import Awaitable, Callable
 
 from gateway import telemetry
 from gateway.agents import chain
+from gateway.agents.controls import Controls
+from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
+from gateway.call import hooks as api_hooks
 from gateway.call import mcp, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.chain import chain_stage
+from gateway.call.hooks import CallHooks
 from gateway.call.idempotent import answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
@@ -88,8 +92,11 @@ class Pipeline:
         rng: random.Random | None = None,
         tracer: telemetry.Telemetry = telemetry.NO_TELEMETRY,
         budgets: Budgets | None = None,
+        controls: Controls | None = None,
     ) -> None:
         self.groups = groups
+        #: The stop switch and the repeated-call breaker (gateway.agents.controls).
+        self.controls = controls if controls is not None else Controls()
         #: Cost budgets (local unless built with a cluster) and the policy's prices.
         self.budgets = budgets if budgets is not None else Budgets(policy.policy.budgets)
         self.pricing = Pricing(policy.policy.prices)
@@ -118,20 +125,28 @@ class Pipeline:
         self.policy = policy
 
     async def handle(
-        self, body: bytes, *, refuse: GatewayError | None = None, relay: Relay | None = None
+        self,
+        body: bytes,
+        *,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+        identity: Identity | None = None,
     ) -> tuple[int, ExternalCallResponse]:
         """Run one call from its raw envelope bytes. Returns (HTTP status, answer).
 
         With ``refuse`` the call is answered with that error at once (still audited).
+        ``identity``: who called (:func:`gateway.agents.identity.identify`); None: the
+        policy's ``agent_id``.
         """
         policy = self.policy  # one policy for the whole call, even across a reload
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.policy.agent_id)
+        identity = identity or policy_identity(policy.policy.agent_id)
+        ctx = CallContext(started=time.monotonic(), agent_id=identity.agent_id, identity=identity)
 
         def intake() -> Intake:
             fast = parse_envelope_fast(body) if refuse is None else None
             return Intake(fast) if fast is not None else self._intake(body, ctx, refuse, policy)
 
-        return await self._run(policy, ctx, intake, relay)
+        return await self._run(policy, ctx, intake, relay, api_hooks.ENVELOPE)
 
     async def handle_proxy(
         self,
@@ -145,7 +160,9 @@ class Pipeline:
         request from ``http``): the same stages as an envelope. ``ctx`` is the caller's,
         so that it can write back the upstream's own answer (``ctx.attempt_log.answer``)."""
         policy = self.policy
-        return await self._run(policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay)
+        return await self._run(
+            policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay, api_hooks.DROP_IN
+        )
 
     async def handle_mcp(
         self,
@@ -159,7 +176,7 @@ class Pipeline:
         same stages; ``ctx`` is the caller's (the upstream's answer, ``ctx.mcp``)."""
         policy = self.policy
         return await self._run(
-            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay
+            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay, api_hooks.ROUTE
         )
 
     async def _run(
@@ -168,7 +185,11 @@ class Pipeline:
         ctx: CallContext,
         intake: Callable[[], Intake],
         relay: Relay | None,
+        hooks: CallHooks,
     ) -> tuple[int, ExternalCallResponse]:
+        """The stages of one call, the same for every API: ``intake`` gives its request,
+        ``hooks`` are its API's part (:class:`gateway.call.hooks.CallHooks`)."""
+        ctx.policy_sha256 = policy.sha256
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
@@ -176,32 +197,29 @@ class Pipeline:
             request = ctx.request = taken.request
             ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
             if taken.unknown_fields:
-                ctx.warnings.append(
-                    "unknown envelope fields ignored: " + ", ".join(taken.unknown_fields)
-                )
-                _log.warning(
-                    "unknown_envelope_fields",
-                    fields=list(taken.unknown_fields),
-                    trace_id=request.trace_id,
-                    correlation_id=request.correlation_id,
-                )
-            ctx.agent_id = request.agent_id or ctx.agent_id
+                _unknown_fields(ctx, request, taken.unknown_fields)
+            # A claimed agent_id is checked against who called, never taken for it.
+            identity = ctx.identity or policy_identity(ctx.agent_id)
+            ctx.identity = identity = identity.with_claim(request.agent_id)
+            identity.admit(request.target_system)
             ctx.decision = "denied"
             ctx.chain = await chain_stage(policy.policy.chain, request, ctx, self._resolve)
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
-            if decision.target.spec.mcp is not None:  # tool and argument rules (call/mcp.py)
-                request = ctx.request = mcp.check_envelope(request, decision.target, ctx)
-                relay = (
-                    relay if ctx.api == "mcp" else None
-                )  # an envelope's answer is filtered whole
+            request, relay = hooks.checked(request, decision.target, ctx, relay)
+            ctx.request = request
+            # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
+            ctx.shadow_denied += await self.controls.check(
+                ctx.agent_id, decision.target.name, request, ctx.mcp
+            )
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
-            status, response = await self._call(policy, request, decision, ctx, deadline, relay)
-            response = mcp.read_answer(ctx, response)
+            with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+                status, response = await self._call(policy, request, decision, ctx, deadline, relay)
+            response = hooks.answered(ctx, response)
         except GatewayError as exc:
             status = answer_status(exc)
             response = self._failure(exc, ctx)
@@ -215,28 +233,33 @@ class Pipeline:
             # Cancelled by our own shutdown (drain time over): answer instead of vanishing.
             task.uncancel()
         except Exception as exc:  # noqa: BLE001 - a bug must still get an answer
-            _log.exception("internal_error", trace_id=_trace(ctx), correlation_id=_corr(ctx))
-            err = InternalError(
-                "the sidecar failed unexpectedly; the audit log has the details under this "
-                "call's trace_id and correlation_id",
-                details={"exception": type(exc).__name__},
-            )
-            status = 500
-            response = self._failure(err, ctx)
-            if policy.policy.server.debug:
-                assert response.error is not None
-                response = response.model_copy(
-                    update={
-                        "error": response.error.model_copy(
-                            update={"stack_trace": traceback.format_exc()}
-                        )
-                    }
-                )
+            status, response = 500, self._crashed(exc, ctx, policy)
         finally:
             if response is not None:
-                self._write_audit(ctx, response)
+                self._write_audit(ctx, response, hooks)
                 trace.end(ctx, status, response)
         return status, response
+
+    def _crashed(self, exc: Exception, ctx: CallContext, policy: PolicySet) -> ExternalCallResponse:
+        """The answer to a bug inside the sidecar (logged with its traceback): UNKNOWN,
+        pointing at the audit record; with ``server.debug`` the stack trace too."""
+        _log.exception("internal_error", trace_id=_trace(ctx), correlation_id=_corr(ctx))
+        err = InternalError(
+            "the sidecar failed unexpectedly; the audit log has the details under this "
+            "call's trace_id and correlation_id",
+            details={"exception": type(exc).__name__},
+        )
+        response = self._failure(err, ctx)
+        if policy.policy.server.debug:
+            assert response.error is not None
+            response = response.model_copy(
+                update={
+                    "error": response.error.model_copy(
+                        update={"stack_trace": traceback.format_exc()}
+                    )
+                }
+            )
+        return response
 
     @staticmethod
     def _intake(
@@ -450,14 +473,28 @@ class Pipeline:
             ),
         )
 
-    def _write_audit(self, ctx: CallContext, response: ExternalCallResponse) -> None:
-        for record in mcp.audit_records(ctx, audit_record(ctx, response)):
+    def _write_audit(
+        self, ctx: CallContext, response: ExternalCallResponse, hooks: CallHooks
+    ) -> None:
+        for record in hooks.records(ctx, audit_record(ctx, response)):
             self.audit.call(record)
-            if ctx.mcp is not None:
-                self.metrics.observe_mcp(
-                    record[Fields.TARGET_SYSTEM], *mcp.metric_labels(ctx, record)
-                )
+            labels = hooks.labels(ctx, record)
+            if labels is not None:
+                self.metrics.observe_mcp(record[Fields.TARGET_SYSTEM], *labels)
         observe(self.metrics, ctx, response)
+
+
+def _unknown_fields(
+    ctx: CallContext, request: ExternalCallRequest, fields: tuple[str, ...]
+) -> None:
+    """Warn (in the answer and the log) of the envelope's fields this sidecar ignored."""
+    ctx.warnings.append("unknown envelope fields ignored: " + ", ".join(fields))
+    _log.warning(
+        "unknown_envelope_fields",
+        fields=list(fields),
+        trace_id=request.trace_id,
+        correlation_id=request.correlation_id,
+    )
 
 
 def _interrupted_error(ctx: CallContext) -> GatewayError:

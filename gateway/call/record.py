@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from gateway.agents.chain import ChainDecision
+from gateway.agents.identity import Identity
 from gateway.audit.schema import Fields as F
 from gateway.call.attempts import AttemptLog
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
@@ -77,6 +78,10 @@ class CallContext:
     shadow_denied: list[str] = field(default_factory=list)
     #: An exchange with an MCP target: its JSON-RPC messages and their outcomes.
     mcp: McpExchange | None = None
+    #: Who called, as the sidecar established it (gateway.agents.identity); the SHA-256
+    #: of the policy file the call ran under.
+    identity: Identity | None = None
+    policy_sha256: str | None = None
     #: The call chain headers the request came with (drop-in and MCP routes; None: none
     #: or an envelope, whose ``call_chain`` says), and what the chain stage decided.
     chain_seen: dict[str, str] | None = None
@@ -97,7 +102,7 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         target_system, endpoint, method = request.target_system, request.endpoint, request.method
     else:  # an envelope that failed validation: the ids it claimed, if any
         claimed = ctx.claimed
-        agent_id = claimed.get(F.AGENT_ID) or ctx.agent_id
+        agent_id = ctx.agent_id  # a claimed agent_id is never who called
         trace_id, correlation_id = claimed.get(F.TRACE_ID), claimed.get(F.CORRELATION_ID)
         target_system, endpoint = claimed.get(F.TARGET_SYSTEM), claimed.get(F.ENDPOINT)
         method = claimed.get(F.METHOD)
@@ -169,6 +174,20 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         F.MCP_ERROR_CODE: None,
         F.CALL_CHAIN: list(ctx.chain.agents) if ctx.chain and ctx.chain.agents else None,
         F.CALL_CHAIN_DEPTH: ctx.chain.depth if ctx.chain and ctx.chain.agents else None,
+        **_caller(ctx, agent_id),
+    }
+
+
+def _caller(ctx: CallContext, agent_id: str) -> dict[str, Any]:
+    """Who called (:class:`gateway.agents.identity.Identity`) and under which policy."""
+    identity = ctx.identity
+    claim = ctx.claimed.get(F.AGENT_ID) if ctx.request is None else None
+    claimed = identity.claimed if identity is not None else None
+    return {
+        F.AGENT_AUTH: identity.agent_auth if identity is not None else None,
+        F.AGENT_CLAIMED: claimed or (claim if claim is not None and claim != agent_id else None),
+        F.PEER_UID: identity.peer_uid if identity is not None else None,
+        F.POLICY_SHA256: ctx.policy_sha256,
     }
 
 
@@ -187,15 +206,25 @@ def refusal_record(
     http_method: str,
     http_path: str,
     http_status: int,
+    identity: Identity | None = None,
+    policy_sha256: str | None = None,
 ) -> dict[str, Any]:
     """The audit record of an answer given before the envelope was read (an unknown
     route, a method not allowed, a body too large or unreadable): decision ``invalid``,
     the answer's error code, the sidecar's own request line (``http_path`` without its
     query, both cut to 256 characters) and ``http_status``, and the answer's ids when it
-    has them; nothing of the body."""
+    has them; nothing of the body. ``identity``, when established, is who called (its
+    ``agent_id`` wins)."""
     ids = {F.TRACE_ID: response.trace_id, F.CORRELATION_ID: response.correlation_id}
     claimed = {k: v for k, v in ids.items() if v is not None}
-    record = audit_record(CallContext(started=0.0, agent_id=agent_id, claimed=claimed), response)
+    ctx = CallContext(
+        started=0.0,
+        agent_id=identity.agent_id if identity is not None else agent_id,
+        claimed=claimed,
+        identity=identity,
+        policy_sha256=policy_sha256,
+    )
+    record = audit_record(ctx, response)
     record[F.HTTP_METHOD] = http_method[:CLAIM_LIMIT]
     record[F.HTTP_PATH] = http_path[:CLAIM_LIMIT]
     record[F.HTTP_STATUS] = http_status

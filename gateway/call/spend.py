@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from gateway.agents.repeats import call_names
 from gateway.budgets import Applied, Booking, Budgets
 from gateway.call.record import CallContext
 from gateway.cost import CallPrice, Pricing
@@ -70,7 +71,10 @@ async def reserve(
     """Price the call and reserve it against the budgets that apply. Raises
     BudgetExceeded, PermissionDenied (cost cannot be bounded) or CapacityExceeded (a
     fail-closed cluster budget without Redis)."""
-    applying = budgets.applying(target.name, ctx.rate_limit_group, ctx.agent_id) if budgets else []
+    tools = call_names(request, ctx.mcp) if budgets else []
+    applying = (
+        budgets.applying(target.name, ctx.rate_limit_group, ctx.agent_id, tools) if budgets else []
+    )
     price = pricing.price(
         target.spec.usage, request.endpoint, request.parameters, measure=bool(applying)
     )

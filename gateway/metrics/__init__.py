@@ -35,6 +35,8 @@ policy_info                            gauge      agent_id, digest (always 1)
 mcp_requests_total                     counter    target, method, tool, outcome
 call_chain_refusals_total              counter    reason (circular_call_detected|max_depth_
                                                   exceeded|ttl_expired|invalid_chain)
+agent_stops                            gauge      scope (agent|target|all): stops in force
+agent_stop_changes_total               counter    action (stop|resume), scope
 =====================================  =========  ======================================
 
 The OpenTelemetry GenAI client metrics (semantic conventions 1.44.0, "Development"; see
@@ -165,6 +167,7 @@ class Metrics(Series):
             self._child(self.secret_cache, result)
         for ok in ("ok", "error"):
             self._child(self.policy_reloads, ok)
+        self.set_agent_stops({})
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -369,6 +372,15 @@ class Metrics(Series):
     def observe_chain_refusal(self, reason: str) -> None:
         """Count one call refused for its call chain (``details.reason``: one of four)."""
         self._child(self.chain_refusals, reason).inc()
+
+    def set_agent_stops(self, counts: dict[str, int]) -> None:
+        """The stop switches in force, by scope (``agent``, ``target``, ``all``)."""
+        for scope in ("agent", "target", "all"):
+            self.agent_stops.labels(scope).set(counts.get(scope, 0))
+
+    def observe_agent_stop_change(self, action: str, scope: str) -> None:
+        """Count one ``stop`` or ``resume`` an operator asked for, by its scope."""
+        self._child(self.agent_stop_changes, action, scope).inc()
 
     def observe_shadow_denial(self, kind: str, rule: str) -> None:
         """Count one "would deny" of a shadow rule: kind ``endpoint`` (its path pattern),

@@ -136,3 +136,12 @@ class Series:
             "shadow_denials", "Calls a mode: shadow rule would have refused, by kind and rule.",
             ["kind", "rule"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        # Stopping a runaway agent (README, "Stopping an agent").
+        self.agent_stops = Gauge(
+            "agent_stops", "Stop switches in force on this sidecar, by scope (agent, target, all).",
+            ["scope"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.agent_stop_changes = Counter(
+            "agent_stop_changes", "Stops and resumes asked through this sidecar's ops API.",
+            ["action", "scope"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip

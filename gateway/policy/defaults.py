@@ -119,6 +119,12 @@ MAX_USD_PER_MTOK: Final = 100_000.0
 #: every implementation (doubles: below 2**53, RFC 8259 section 6), with room to spare.
 MAX_ARGUMENT_LENGTH: Final = MAX_BODY_BYTES
 MAX_ARGUMENT_NUMBER: Final = 10.0**15
+
+#: Agents (gateway/policy/agents.py): the largest UID Linux gives a process ((uid_t)-1
+#: means "no UID"), and the agents one policy may list (a pod's few containers, with
+#: room to spare).
+MAX_AGENT_UID: Final = 2**32 - 2
+MAX_AGENTS: Final = 64
 #: The call chain (gateway/policy/chain.py, design.md "Agents calling agents"). Depth is
 #: the number of agents in the chain, this one included: 8 covers a planner, its
 #: executors and their tools' agents with room to spare; a longer chain is a loop or a
@@ -134,3 +140,18 @@ MAX_CHAIN_TTL_S: Final = 86400.0
 #: is refused as far future.
 DEFAULT_CHAIN_CLOCK_SKEW_S: Final = 5.0
 MAX_CHAIN_CLOCK_SKEW_S: Final = 300.0
+#: Stopping a runaway agent (gateway/policy/controls.py). A cluster stop is read from
+#: Redis at least this often (seconds) besides its published notice, so that a sidecar
+#: that missed the notice (a dropped subscription) still obeys within the 2 s the README
+#: promises; faster than 0.05 s is load on Redis, slower than 1.5 s breaks the promise.
+DEFAULT_STOP_POLL_INTERVAL_S: Final = 0.5
+MIN_STOP_POLL_INTERVAL_S: Final = 0.05
+MAX_STOP_POLL_INTERVAL_S: Final = 1.5
+#: The repeated-call breaker keeps one timestamp per repeat: a bound on memory and on
+#: the Redis list; a window past a day is a budget's job.
+MAX_REPEATS: Final = 10_000
+MAX_REPEAT_WINDOW_S: Final = 86_400.0
+MAX_REPEAT_EXEMPT: Final = 200
+#: A tool cap (a budget's ``max_calls``) is counted like spend, in integer nano-units
+#: inside Redis's Lua (exact below 2**53): the same bound as MAX_BUDGET_USD.
+MAX_BUDGET_CALLS: Final = 1_000_000

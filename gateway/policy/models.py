@@ -13,19 +13,15 @@ import ipaddress
 import re
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import (
-    Field,
-    PlainValidator,
-    StringConstraints,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, PlainValidator, StringConstraints, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
+from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 from gateway.policy.chain import ChainSpec, chain_problems
+from gateway.policy.controls import ControlsSpec, controls_problems
 
 # Re-exported: gateway.idempotency.memory imports them from here.
 from gateway.policy.defaults import (
@@ -42,7 +38,6 @@ from gateway.urls import URL
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
-
 
 _KINDS: Final = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
 _RETRY_CONDITIONS: Final = ("timeout", "connect")
@@ -99,6 +94,7 @@ FORBIDDEN_FORWARD_HEADERS: Final = frozenset(
         "Expect",
         "X-Api-Key",
         "Api-Key",
+        "X-Egress-Agent-Token",  # gateway.agents.identity: the agent's, never an upstream's
     )
 )
 
@@ -433,6 +429,8 @@ class Policy(_Strict):
     budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
     chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
+    agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
+    controls: ControlsSpec = Field(default_factory=ControlsSpec)  # gateway.policy.controls
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
@@ -477,7 +475,10 @@ class Policy(_Strict):
         groups, has_redis = set(self.rate_limit_groups), self.redis is not None
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
-        problems += chain_problems(self.chain, self.secrets.vault is not None)
+        has_vault = self.secrets.vault is not None
+        problems += chain_problems(self.chain, has_vault)
+        problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
+        problems += controls_problems(self.controls, has_redis, has_vault)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",

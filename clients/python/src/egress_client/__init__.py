@@ -20,6 +20,7 @@ from egress_client.async_client import AsyncCallStream, AsyncEgressClient
 from egress_client.client import CallStream, EgressClient
 from egress_client.errors import (
     ERROR_CLASSES,
+    AgentStopped,
     AgentTimeout,
     BudgetExceeded,
     CallChainRefused,
@@ -34,6 +35,7 @@ from egress_client.errors import (
     OutcomeUnknown,
     PermissionDenied,
     QuotaExhausted,
+    RepeatedCall,
     ResponseTooLarge,
     SchemaMismatch,
     SecretAccessDenied,
@@ -61,6 +63,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ERROR_CLASSES",
+    "AgentStopped",
     "AgentTimeout",
     "AsyncCallStream",
     "AsyncEgressClient",
@@ -84,6 +87,7 @@ __all__ = [
     "OutcomeUnknown",
     "PermissionDenied",
     "QuotaExhausted",
+    "RepeatedCall",
     "RequestBody",
     "ResponseTooLarge",
     "RetryPolicy",

@@ -26,6 +26,8 @@ the code, so that ``except CapacityExceeded`` reads like the README's table::
     ├── ResponseTooLarge        RESPONSE_TOO_LARGE    502  no
     ├── StreamInterrupted       STREAM_INTERRUPTED    502  yes
     ├── ShuttingDown            SHUTTING_DOWN         503  yes
+    ├── AgentStopped            AGENT_STOPPED         423  no
+    ├── RepeatedCall            REPEATED_CALL         429  no
     └── UnknownError            UNKNOWN               500  no
         └── NotAnEnvelope       (client side) the answer was not an ExternalCallResponse
 
@@ -199,6 +201,20 @@ class ShuttingDown(EgressError):
     default_retryable = True
 
 
+class AgentStopped(EgressError):
+    """An operator stopped this agent, its target or the fleet (``details.scope``,
+    ``details.reason``): do not retry until someone resumes it."""
+
+    default_code = ErrorCode.AGENT_STOPPED
+
+
+class RepeatedCall(EgressError):
+    """The same call was repeated too often (``details.count`` within
+    ``details.window_s``): change the arguments or stop looping."""
+
+    default_code = ErrorCode.REPEATED_CALL
+
+
 class UnknownError(EgressError):
     default_code = ErrorCode.UNKNOWN
 
@@ -231,6 +247,8 @@ ERROR_CLASSES: dict[str, type[EgressError]] = {
         ResponseTooLarge,
         StreamInterrupted,
         ShuttingDown,
+        AgentStopped,
+        RepeatedCall,
         UnknownError,
     )
 }
