@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any
@@ -53,17 +52,6 @@ def _refusal() -> ShuttingDown:
         "(another replica, or this one after its restart)",
         retry_after_s=1.0,
     )
-
-
-def _file_digest(path: str) -> str | None:
-    """The first 16 hex digits of the SHA-256 of the policy file as it is on disk now
-    (``sha256sum`` shows the same), so that a person can tell which version is loaded;
-    None for a policy that is not a readable file."""
-    try:
-        with open(path, "rb") as file:
-            return hashlib.sha256(file.read()).hexdigest()[:16]
-    except OSError:
-        return None
 
 
 class Gateway:
@@ -134,7 +122,7 @@ class Gateway:
         _log.info(
             "sidecar_started",
             policy=self.policy.source,
-            policy_sha256=_file_digest(self.policy.source),
+            policy_sha256=self.policy.sha256[:16],  # for a person; records carry it whole
             targets=sorted(self.policy.targets),
             agent_id=self.policy.policy.agent_id,
         )
