@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck docs unit fuzz bench bench-quick bench-stream bench-peers clean
+.PHONY: demo test lint typecheck docs docs-check unit fuzz bench bench-quick bench-stream bench-peers clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,13 +26,20 @@ $(VENV)/.dev: $(VENV)/.runtime clients/python/pyproject.toml
 demo: $(VENV)/.runtime
 	$(BIN)/egress-gateway demo
 
-test: lint typecheck docs unit
+test: lint typecheck docs-check unit
 
-# The documentation site (mkdocs.yml, docs/): the policy reference is regenerated from the
-# policy models, then the site is built strictly, so a broken link or anchor fails.
+# The documentation site (mkdocs.yml, docs/) into .site/: `make docs` regenerates the policy
+# reference from the policy models, then builds the site strictly (a broken link or anchor
+# is an error; not --quiet, which hides the warnings --strict counts).
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site
 docs: $(VENV)/.dev
 	$(BIN)/python docs/gen_policy_reference.py
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site  # not --quiet: it hides warnings from --strict
+	$(MKDOCS)
+
+# What `make test` runs: the same build, but a stale policy reference fails (run make docs).
+docs-check: $(VENV)/.dev
+	$(BIN)/python docs/gen_policy_reference.py --check
+	$(MKDOCS)
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .
