@@ -6,9 +6,10 @@ and an example taken from a shipped policy (policies/*.yaml).
     python docs/gen_policy_reference.py --check    # exit 1 if the page is not current
 
 Run by ``make docs`` before ``mkdocs build``; ``make test`` runs ``--check`` (make
-docs-check), and tests/test_policy_reference_is_current.py regenerates it and compares. A key's description is, in this order: its ``description=``
-in the model, DESCRIPTIONS below, or the comment written after it in the model's source;
-a key with none of them fails the test, so a new key comes with its words.
+docs-check), and tests/test_policy_reference_is_current.py regenerates it and compares.
+A key's description is, in this order: its ``description=`` in the model, DESCRIPTIONS
+below, or the comment written after it in the model's source; a key with none of them
+fails the test, so a new key comes with its words.
 """
 
 from __future__ import annotations
