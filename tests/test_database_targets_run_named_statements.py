@@ -77,7 +77,16 @@ agent_id: db-agent
 egress: {{allow_cidrs: ["127.0.0.0/8"]}}
 rate_limit_groups:
   one-a-minute: {{requests_per_second: 0.017, burst: 1, max_queue_s: 0}}
+  watched: {{requests_per_second: 0.017, burst: 1, max_queue_s: 0, mode: shadow}}
 targets:
+  shadowed:
+    rate_limit_group: watched
+    database:
+      engine: postgresql
+      dsn: postgresql://127.0.0.1:5432/test
+      credential: {{user_ref: "env://EGW_TEST_DB_USER", password_ref: "env://EGW_TEST_DB_PW"}}
+      statements:
+        count: {{mode: read, sql: SELECT count(*) FROM {schema}.items}}
   limited:
     rate_limit_group: one-a-minute
     database:
@@ -291,6 +300,16 @@ async def test_a_rate_limit_group_holds_a_database_target(lab: Any) -> None:
     assert lab.records[-1]["rate_limit_group"] == "one-a-minute"
     assert lab.records[-1]["db_statement"] == "count"
     assert lab.records[-1]["db_pool_wait_ms"] is None  # refused before it ran
+
+
+async def test_a_shadow_mode_group_records_what_it_would_refuse(lab: Any) -> None:
+    first = await lab.call_target("shadowed", "count")
+    second = await lab.call_target("shadowed", "count")
+    assert first.success, first.error
+    assert second.success, second.error  # shadow mode: recorded, never refused
+    assert lab.records[-1]["shadow_denied"] == ["rate_limit_group:watched"]
+    assert lab.records[-1]["decision"] == "shadow_denied"
+    assert lab.records[-1]["db_rows"] == 1
 
 
 async def test_max_bytes_truncates_rows(lab: Any) -> None:
@@ -592,11 +611,13 @@ async def test_a_reload_replaces_only_a_changed_database_section(
 
     try:
         shop, limited = databases.get("shop"), databases.get("limited")
-        assert await connections(2) == 2  # each pool's first connection
+        pools = len([t for t in first.targets.values() if t.spec.database is not None])
+        assert await connections(pools) == pools  # each pool's first connection
         databases.apply(changed)  # shop's statements changed, limited's did not
         assert databases.get("limited") is limited
         assert databases.get("shop") is not shop
-        assert await connections(1) == 1  # the old pool closed (its calls were done)
+        # The old pool closed (its calls were done); the new one opens at its first call.
+        assert await connections(pools - 1) == pools - 1
     finally:
         await databases.aclose()
     assert await connections(0) == 0
