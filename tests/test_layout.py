@@ -49,6 +49,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/chain.py",
             "gateway/policy/controls.py",
             "gateway/policy/mcp.py",
+            "gateway/policy/modelrules.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }

@@ -31,6 +31,7 @@ from gateway.policy.defaults import (
     DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
 )
 from gateway.policy.mcp import McpSpec, check_target
+from gateway.policy.modelrules import ModelsSpec, model_problems
 from gateway.policy.refs import InvalidSecretRef, parse_ref
 from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec
 from gateway.policy.stores import StrictModel as _Strict
@@ -308,6 +309,7 @@ class TargetSpec(_Strict):
     forward_headers: list[str] = Field(default_factory=list)
     static_headers: dict[str, str] = Field(default_factory=dict)
     mcp: McpSpec | None = None  # an MCP server (gateway.policy.mcp)
+    models: ModelsSpec | None = None  # allow, pin, on_drift (gateway.policy.modelrules)
     _mcp = model_validator(mode="after")(check_target)
 
     @field_validator("base_url")
@@ -479,6 +481,7 @@ class Policy(_Strict):
         problems += chain_problems(self.chain, has_vault)
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
         problems += controls_problems(self.controls, has_redis, has_vault)
+        problems += model_problems(self.targets, self.agents)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",
