@@ -1,9 +1,10 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
     intake -> call chain -> egress decision (an MCP target's tool rules too)
-    -> stop switch and repeated-call breaker -> idempotency -> [send: outbound request
-    -> secret -> budget reservation -> attempts, each: rate-limit group -> circuit
-    breaker -> send -> retry decision (backoff, Retry-After: :mod:`gateway.call.retry`)
+    -> models (allow, pin: :mod:`gateway.call.models`) -> stop switch and repeated-call
+    breaker -> idempotency -> [send: outbound request -> secret -> budget reservation
+    -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
+    (backoff, Retry-After: :mod:`gateway.call.retry`)
     -> usage -> budget settlement] -> answer -> record
 
 The send stage is :mod:`gateway.call.send`; the record is one frozen
@@ -34,6 +35,7 @@ from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
 from gateway.call import hooks as api_hooks
 from gateway.call import mcp, send
+from gateway.call import models as model_rules
 from gateway.call.chain import chain_stage
 from gateway.call.hooks import CallHooks
 from gateway.call.idempotent import Learned, Rendered, answer_status, once_per_key
@@ -213,6 +215,10 @@ class Pipeline:
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             request, relay = hooks.checked(request, decision.target, ctx, relay)
+            # The model asked for: allowed, and pinned before anything reads the request.
+            models = model_rules.checked(policy, request, decision, ctx.agent_id)
+            request, decision, ctx.model = models.request, models.decision, models.choice
+            ctx.shadow_denied += model_rules.shadow_rules(ctx.model)
             ctx.request = request
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
             ctx.shadow_denied += await self.controls.check(

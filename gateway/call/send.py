@@ -12,6 +12,7 @@ only thing written: the stages it calls return their results.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -19,19 +20,19 @@ from typing import TYPE_CHECKING
 from gateway import telemetry
 from gateway.agents import chain
 from gateway.agents.repeats import call_names
-from gateway.call import spend
+from gateway.call import models, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.outbound import Draft, with_credential
 from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
-from gateway.envelope import ExternalCallRequest, ExternalCallResponse
+from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames
 from gateway.errors import CapacityExceeded
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.egress import Decision
 from gateway.policy.refs import SecretRef
-from gateway.providers import estimate_tokens, extract_usage
+from gateway.providers import estimate_tokens, extract_usage, response_model
 from gateway.secrets import ResolvedSecret
 from gateway.upstream import Credential, UpstreamResponse
 
@@ -74,6 +75,11 @@ async def forward(
         refresh_credential=(
             refresher(pipe, decision, ctx, deadline)
             if resolved is not None and resolved.from_cache
+            else None
+        ),
+        model_gate=(
+            functools.partial(models.drift, ctx.model, target=target.name)
+            if ctx.model is not None
             else None
         ),
     )
@@ -187,6 +193,12 @@ def _answered(
         # Unknown usage keeps the reservation: the upstream answered, so tokens were
         # spent, and a refund would let the group overspend (design.md).
         group.reconcile(attempts.tokens_reserved, ctx.usage.total)
+    choice = ctx.model
+    if choice is not None and relayed is None:  # a relayed stream was judged as it came
+        ctx.answered_model = response_model(target.spec.usage, data)
+        refused = models.drift(choice, ctx.answered_model, target.name)
+        if refused is not None:
+            raise refused  # spent and settled: only the answer is withheld
     return ExternalCallResponse(
         success=True,
         status_code=answer.status,
@@ -195,6 +207,7 @@ def _answered(
         tokens_used=ctx.usage.total if ctx.usage else None,
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
+        model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
     )
 
 
