@@ -121,6 +121,8 @@ class Attempts:
     #: The drift check of a relayed stream (:attr:`gateway.call.relay.Relayed.gate`):
     #: its events are held until one names a model, and refused by it.
     model_gate: Callable[[str], GatewayError | None] | None = None
+    #: Read the model a relayed stream names (the judge's ``model``), for the record.
+    watch_model: bool = False
     log: AttemptLog = field(default_factory=AttemptLog)
     #: A 401 made the credential be resolved again (once per call).
     refreshed: bool = field(default=False, init=False)
@@ -289,7 +291,7 @@ class Attempts:
             kept=bytearray() if self.has_idempotency_key else None,
             gate=self.model_gate,
         )
-        relayed.judge.watch_model = self.model_gate is not None
+        relayed.judge.watch_model = self.watch_model or self.model_gate is not None
         try:
             await relay_stream(
                 answer.stream,

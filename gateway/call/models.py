@@ -35,12 +35,13 @@ from gateway.policy.modelrules import ModelChoice, ModelsSpec, choose
 @dataclass(frozen=True, slots=True)
 class Checked:
     """What :func:`checked` gives: the request to send, its egress decision (decided
-    again when a pin changed the path) and the models decision (None: no rule applies,
-    or the request names no model)."""
+    again when a pin changed the path), the models decision (None: no rule applies, or
+    the request names no model) and the refusal to answer with (None: send it)."""
 
     request: ExternalCallRequest
     decision: Decision
     choice: ModelChoice | None
+    refusal: GatewayError | None = None
 
 
 def rules_for(policy: PolicySet, decision: Decision, agent_id: str) -> list[tuple[str, ModelsSpec]]:
@@ -59,9 +60,10 @@ def rules_for(policy: PolicySet, decision: Decision, agent_id: str) -> list[tupl
 def checked(
     policy: PolicySet, request: ExternalCallRequest, decision: Decision, agent_id: str
 ) -> Checked:
-    """Apply the models rules to ``request`` (see the module docstring). Raises
-    PermissionDenied (``model_not_allowed``, nothing sent) or what the egress decision
-    raises for a pinned Gemini path the endpoint rules refuse."""
+    """Apply the models rules to ``request`` (see the module docstring). A model outside
+    ``allow`` gives ``refusal``, PermissionDenied (``model_not_allowed``: nothing is to
+    be sent); raises what the egress decision raises for a pinned Gemini path that the
+    endpoint rules refuse."""
     rules = rules_for(policy, decision, agent_id)
     if not rules:
         return Checked(request, decision, None)
@@ -72,7 +74,7 @@ def checked(
     choice = choose(rules, requested)
     if choice.denied_by:
         shown = requested if choice.sent == requested else f"{requested} (pinned to {choice.sent})"
-        raise PermissionDenied(
+        refusal = PermissionDenied(
             f"model {shown!r} is not allowed on target {decision.target.name!r} "
             f"(models.allow of {', '.join(choice.denied_by)})",
             details={
@@ -82,6 +84,7 @@ def checked(
                 "rules": list(choice.denied_by),
             },
         )
+        return Checked(request, decision, choice, refusal)
     if choice.sent != requested:
         endpoint, parameters = providers.with_model(
             usage, request.endpoint, request.parameters, choice.sent

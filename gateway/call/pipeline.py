@@ -218,6 +218,8 @@ class Pipeline:
             # The model asked for: allowed, and pinned before anything reads the request.
             models = model_rules.checked(policy, request, decision, ctx.agent_id)
             request, decision, ctx.model = models.request, models.decision, models.choice
+            if models.refusal is not None:
+                raise models.refusal
             ctx.shadow_denied += model_rules.shadow_rules(ctx.model)
             ctx.request = request
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).

@@ -77,11 +77,14 @@ async def forward(
             if resolved is not None and resolved.from_cache
             else None
         ),
+        # Under on_drift: refuse a stream is held until its model is judged; under
+        # record it is only read.
         model_gate=(
             functools.partial(models.drift, ctx.model, target=target.name)
-            if ctx.model is not None
+            if ctx.model is not None and ctx.model.refuse_drift
             else None
         ),
+        watch_model=ctx.model is not None,
     )
     ctx.attempt_log = attempts.log
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
