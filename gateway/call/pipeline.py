@@ -27,6 +27,7 @@ import traceback
 from collections.abc import Callable
 
 from gateway import telemetry
+from gateway.agents.approvals import Approvals, MemoryApprovalStore
 from gateway.agents.controls import Controls
 from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
@@ -52,6 +53,7 @@ from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
+from gateway.deadletters import DeadLetters
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     GatewayError,
@@ -122,6 +124,9 @@ class Pipeline:
         self.credentials = Credentials()
         #: The JSON of the answer an idempotent call stored last, for the server to send.
         self.rendered = Rendered()
+        #: The operator's desk (agents/approvals.py, deadletters/): replaced by the runtime's.
+        self.approvals = Approvals(MemoryApprovalStore(), audit)
+        self.dead_letters = DeadLetters(max_count=1000, max_bytes=16 << 20, audit=audit)
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with.
@@ -215,12 +220,7 @@ class Pipeline:
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             request, relay = hooks.checked(request, decision.target, ctx, relay)
-            # The model asked for: allowed, and pinned before anything reads the request.
-            models = model_rules.checked(policy, request, decision, ctx.agent_id)
-            request, decision, ctx.model = models.request, models.decision, models.choice
-            if models.refusal is not None:
-                raise models.refusal
-            ctx.shadow_denied += model_rules.shadow_rules(ctx.model)
+            request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
             ctx.request = request
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
             ctx.shadow_denied += await self.controls.check(
@@ -232,6 +232,9 @@ class Pipeline:
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
             with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+                if (held := decision.target.spec.approval) is not None:  # a person's yes first
+                    name, agent = decision.target.name, ctx.agent_id
+                    await self.approvals.check(held, name, request, ctx.mcp, agent, deadline)
                 status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = hooks.answered(ctx, response)
         except GatewayError as exc:
@@ -250,6 +253,7 @@ class Pipeline:
             status, response = 500, self._crashed(exc, ctx, policy)
         finally:
             if response is not None:
+                self.dead_letters.after(ctx, response)  # kept when it failed for good
                 trace.end(self._write_audit(ctx, response, hooks), status, response)
         return status, response
 
@@ -384,6 +388,20 @@ class Pipeline:
                 self.metrics.observe_mcp(record[Fields.TARGET_SYSTEM], *labels)
         observe(self.metrics, call, response)
         return call
+
+
+def _models(
+    policy: PolicySet, request: ExternalCallRequest, decision: Decision, ctx: CallContext
+) -> tuple[ExternalCallRequest, Decision]:
+    """The models stage (:func:`gateway.call.models.checked`): the request as it is to be
+    sent (an alias pinned) and its decision; its choice and shadow denials into the
+    record. Raises its refusal (``model_not_allowed``), nothing sent."""
+    models = model_rules.checked(policy, request, decision, ctx.agent_id)
+    ctx.model = models.choice
+    if models.refusal is not None:
+        raise models.refusal
+    ctx.shadow_denied += model_rules.shadow_rules(models.choice)
+    return models.request, models.decision
 
 
 def _unknown_fields(
