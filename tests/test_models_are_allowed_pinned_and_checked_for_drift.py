@@ -519,3 +519,30 @@ async def test_a_stream_of_the_pinned_model_passes_under_refuse(make_stack) -> N
     assert [r["model_drift"] for r in records] == [None, None]
     assert [r["model_sent"] for r in records] == [CLAUDE, GEMINI]
     assert up.seen[1].path == f"/gemini/v1beta/models/{GEMINI}:streamGenerateContent"
+
+
+async def test_an_envelope_stream_is_refused_before_its_first_event(make_stack) -> None:
+    up, standin, sc = await make_stack(on_drift="refuse")
+    standin.answer_as = OTHER
+    env = envelope(
+        target_system="openai",
+        endpoint="/v1/chat/completions",
+        parameters={"model": "gpt-4o", "messages": MESSAGES, "stream": True},
+    )
+    async with sc.session.post(
+        sc.url + "/v1/calls", json=env, headers={"Accept": "text/event-stream"}
+    ) as resp:
+        status, content_type, body = resp.status, resp.content_type, await resp.read()
+    assert (status, content_type) == (502, "application/json")
+    answer = json.loads(body)
+    assert answer["error"]["details"] == {
+        "reason": "model_drift",
+        "sent": SNAPSHOT,
+        "answered": OTHER,
+    }
+    assert b"chat.completion.chunk" not in body
+    # Without the Accept header the stream is assembled, and judged whole.
+    status, answer = await sc.call(env)
+    assert status == 502
+    assert answer["error"]["details"]["reason"] == "model_drift"
+    assert up.hits == 2
