@@ -158,11 +158,12 @@ def model_warnings(
     specs = [(("targets", n), t.usage, t.models) for n, t in targets.items()]
     specs += [(("agents", n), "*", a.models) for n, a in agents.items()]
     for where, usage, spec in specs:
-        if spec is None or spec.allow is None:
+        globs = [(i, g) for i, g in enumerate(spec.allow or ()) if is_glob(g)] if spec else []
+        if not globs:
             continue
-        names = list(known(usage))
-        for i, glob in enumerate(spec.allow):
-            if is_glob(glob) and not any(fnmatch.fnmatchcase(n, glob) for n in names):
+        names = list(known(usage))  # the price table is read only for a glob to check
+        for i, glob in globs:
+            if not any(fnmatch.fnmatchcase(n, glob) for n in names):
                 message = f"{glob!r} matches no model the price table knows"
                 warnings.append(((*where, "models", "allow", str(i)), message))
     return warnings
