@@ -262,7 +262,7 @@ def _keep_model(
     return endpoint, parameters
 
 
-def body_with_model(
+def body_model(
     endpoint: str, parameters: Mapping[str, Any], model: str
 ) -> tuple[str, dict[str, Any]]:
     """``(endpoint, parameters)`` with the body's ``model`` set to ``model`` (a shallow
