@@ -113,3 +113,19 @@ def test_models_on_a_target_without_a_dialect_is_an_error(
     assert main(["validate", "--no-env-check", str(path)]) == 1
     _, err = capsys.readouterr()
     assert f"{path}:8: targets.openai.models: needs 'usage'" in err
+
+
+def test_drift_is_judged_against_the_model_the_request_sends() -> None:
+    from gateway.call.models import as_sent
+    from gateway.envelope import ExternalCallRequest
+    from tests.conftest import envelope
+
+    choice = choose([("target:t", ModelsSpec(on_drift="refuse"))], "gpt-4o")
+    # A fallback that names another model: its answer is judged against that model.
+    request = ExternalCallRequest.model_validate(
+        envelope(parameters={"model": "claude-x", "messages": []})
+    )
+    moved = as_sent(choice, "anthropic", request)
+    assert (moved.requested, moved.sent, moved.refuse_drift) == ("gpt-4o", "claude-x", True)
+    assert drift(moved, "claude-x", "t") is None
+    assert as_sent(choice, "none", request) is choice  # no dialect: nothing read

@@ -21,6 +21,7 @@ a model, before any byte of it reaches the agent (:class:`gateway.call.relay.Rel
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from gateway import providers
@@ -94,6 +95,15 @@ def checked(
         if moved:
             decision = egress_rules.decide(policy, request)
     return Checked(request, decision, choice)
+
+
+def as_sent(choice: ModelChoice, usage: str, request: ExternalCallRequest) -> ModelChoice:
+    """``choice`` with ``sent`` the model ``request`` names as it goes out (a fallback
+    may name another than the pinned one: drift is judged against the model sent)."""
+    sent = providers.request_model(usage, request.endpoint, request.parameters)
+    if sent is None or sent == choice.sent:
+        return choice
+    return dataclasses.replace(choice, sent=sent)
 
 
 def shadow_rules(choice: ModelChoice | None) -> list[str]:

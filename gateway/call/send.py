@@ -52,6 +52,8 @@ async def forward(
     """Send the call: its request, its secret, its reservations, its attempts; answer
     with the upstream's 2xx answer. Raises the GatewayError that ended the attempts."""
     target = decision.target
+    if ctx.model is not None:  # drift is judged against what this request names
+        ctx.model = models.as_sent(ctx.model, target.spec.usage, request)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
     reserved = 0
