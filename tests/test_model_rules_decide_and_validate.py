@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.call.models import drift
+from gateway.call.models import as_sent, drift
 from gateway.cli import main
+from gateway.envelope import ExternalCallRequest
 from gateway.policy.modelrules import ModelsSpec, choose, pinned
+from tests.conftest import envelope
 
 POLICY = """\
 version: 1
@@ -116,10 +118,6 @@ def test_models_on_a_target_without_a_dialect_is_an_error(
 
 
 def test_drift_is_judged_against_the_model_the_request_sends() -> None:
-    from gateway.call.models import as_sent
-    from gateway.envelope import ExternalCallRequest
-    from tests.conftest import envelope
-
     choice = choose([("target:t", ModelsSpec(on_drift="refuse"))], "gpt-4o")
     # A fallback that names another model: its answer is judged against that model.
     request = ExternalCallRequest.model_validate(
