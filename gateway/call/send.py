@@ -28,7 +28,7 @@ from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames
-from gateway.errors import CapacityExceeded
+from gateway.errors import CapacityExceeded, GatewayError
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.egress import Decision
 from gateway.policy.refs import SecretRef
@@ -52,8 +52,7 @@ async def forward(
     """Send the call: its request, its secret, its reservations, its attempts; answer
     with the upstream's 2xx answer. Raises the GatewayError that ended the attempts."""
     target = decision.target
-    if ctx.model is not None:  # drift is judged against what this request names
-        ctx.model = models.as_sent(ctx.model, target.spec.usage, request)
+    gate = _model_gate(ctx, target, request)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
     reserved = 0
@@ -79,13 +78,7 @@ async def forward(
             if resolved is not None and resolved.from_cache
             else None
         ),
-        # Under on_drift: refuse a stream is held until its model is judged; under
-        # record it is only read.
-        model_gate=(
-            functools.partial(models.drift, ctx.model, target=target.name)
-            if ctx.model is not None and ctx.model.refuse_drift
-            else None
-        ),
+        model_gate=gate,
         watch_model=ctx.model is not None,
     )
     ctx.attempt_log = attempts.log
@@ -113,6 +106,21 @@ async def forward(
         if group is not None:
             pipe.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
     return _answered(pipe, answer, attempts, cost, ctx)
+
+
+def _model_gate(
+    ctx: CallContext, target: CompiledTarget, request: ExternalCallRequest
+) -> Callable[[str], GatewayError | None] | None:
+    """Under ``models:`` rules, the model sent is the one ``request`` names (drift is
+    judged against it: :func:`gateway.call.models.as_sent`); under ``on_drift: refuse``
+    the drift check a relayed stream is held for until its model is judged (under
+    ``record`` the stream is only read)."""
+    if ctx.model is None:
+        return None
+    choice = ctx.model = models.as_sent(ctx.model, target.spec.usage, request)
+    return (
+        functools.partial(models.drift, choice, target=target.name) if choice.refuse_drift else None
+    )
 
 
 def _outbound(
