@@ -42,7 +42,7 @@ class AgentSpec(StrictModel):
     uid: int | None = Field(None, ge=0, le=d.MAX_AGENT_UID)
     token_ref: str | None = None
     targets: list[_Name] | None = None
-    models: ModelsSpec | None = None
+    models: ModelsSpec | None = None  # the models it may ask for, with every target's rules
 
     @field_validator("token_ref")
     @classmethod

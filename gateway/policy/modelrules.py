@@ -48,10 +48,14 @@ class ModelsSpec(StrictModel):
     """``allow`` (None: any model), ``pin`` (alias -> snapshot), ``on_drift`` and
     ``mode`` (``shadow``: a model outside ``allow`` is recorded, not refused)."""
 
-    allow: list[ModelGlob] | None = Field(None, max_length=d.MAX_MODEL_RULES)
-    pin: dict[ModelName, ModelName] = Field(default_factory=dict, max_length=d.MAX_MODEL_RULES)
-    on_drift: OnDrift = "record"
-    mode: Mode = "enforce"
+    allow: list[ModelGlob] | None = Field(
+        None, max_length=d.MAX_MODEL_RULES
+    )  # models a call may send (names, globs); absent: any; another is PERMISSION_DENIED
+    pin: dict[ModelName, ModelName] = Field(
+        default_factory=dict, max_length=d.MAX_MODEL_RULES
+    )  # alias -> snapshot: the request names the snapshot before it is sent
+    on_drift: OnDrift = "record"  # an answer naming another model: record it, or refuse it
+    mode: Mode = "enforce"  # shadow: a model outside allow is recorded, not refused
 
     def allows(self, model: str) -> bool:
         """Whether ``model`` is in ``allow`` (every model when ``allow`` is absent)."""
