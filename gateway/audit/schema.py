@@ -127,6 +127,12 @@ class AuditRecord(BaseModel):
     # its depth; null when the call ended before its chain was read, or it was unreadable.
     call_chain: list[str] | None = None
     call_chain_depth: int | None = None
+    # Models under control (added in 1.x; the target's or the agent's ``models:``): the
+    # model the request asked for, the one sent (after a pin), and ``{sent, answered}``
+    # when the answer named another model than the one sent; null without a models rule.
+    model_requested: str | None = None
+    model_sent: str | None = None
+    model_drift: dict[str, str] | None = None
     # Database targets (added in 1.x; ``api: database``): the statement's name, the
     # SHA-256 of its SQL and of its parameters as canonical JSON (never their values),
     # the database user, the rows answered, the SQLSTATE of an error, the wait for a
@@ -213,6 +219,9 @@ class Fields:
     POLICY_SHA256: Final = "policy_sha256"
     CALL_CHAIN: Final = "call_chain"
     CALL_CHAIN_DEPTH: Final = "call_chain_depth"
+    MODEL_REQUESTED: Final = "model_requested"
+    MODEL_SENT: Final = "model_sent"
+    MODEL_DRIFT: Final = "model_drift"
     DB_STATEMENT: Final = "db_statement"
     DB_SQL_SHA256: Final = "db_sql_sha256"
     DB_PARAMS_SHA256: Final = "db_params_sha256"
