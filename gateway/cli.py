@@ -1,4 +1,4 @@
-"""Command line: ``egress-gateway serve | validate | call | demo``.
+"""Command line: ``egress-gateway serve | validate | call | inject | audit | demo``.
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
@@ -225,6 +225,19 @@ def _print_stream(resp: IO[bytes]) -> int:
     return 0 if final is not None and final.get("success") else 1
 
 
+def _cmd_inject(args: argparse.Namespace) -> int:
+    from gateway.inject import InjectionError, load_template
+    from gateway.inject.server import run
+
+    try:
+        template = load_template(args.template)
+    except InjectionError as exc:
+        print(f"egress-gateway inject: {exc}", file=sys.stderr)
+        return 1
+    asyncio.run(run(template, host=args.host, port=args.port, cert=args.tls_cert, key=args.tls_key))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
@@ -283,6 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_call)
 
     audit_cli.register(sub)
+
+    p = sub.add_parser("inject", help="serve the sidecar injection webhook (HTTPS)")
+    p.add_argument("--template", required=True, help="injection template JSON (the chart's)")
+    p.add_argument("--tls-cert", required=True, help="PEM certificate (chain) file")
+    p.add_argument("--tls-key", required=True, help="PEM private key file")
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")  # noqa: S104
+    p.add_argument("--port", type=int, default=8443, help="listen port (default 8443)")
+    p.set_defaults(func=_cmd_inject)
 
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
     p.add_argument("--policy", default="policies/demo.yaml")

@@ -28,6 +28,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/server/app.py",
             "gateway/server/proxy.py",
             "gateway/server/mcp.py",
+            "gateway/inject/server.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),

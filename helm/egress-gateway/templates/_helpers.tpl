@@ -495,3 +495,32 @@ policy, with their defaults 8200 and 6379), and networkPolicy.extraPorts.
 {{- end }}
 {{- $ports | uniq | sortAlpha | toJson }}
 {{- end }}
+
+{{/* The injector's name, and the labels of its pods (which the webhook never injects). */}}
+{{- define "egress-gateway.injectorName" -}}
+{{- printf "%s-injector" (include "egress-gateway.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "egress-gateway.injectorSelectorLabels" -}}
+{{ include "egress-gateway.selectorLabels" . }}
+app.kubernetes.io/component: injector
+egress-gateway.io/injector: "true"
+{{- end }}
+
+{{/*
+The injection template (JSON, the shape gateway/inject/patch.py reads): what the named
+templates above give a hand-written agent pod, with the sidecar always native.
+*/}}
+{{- define "egress-gateway.injectionTemplate" -}}
+{{- $values := deepCopy .gateway }}
+{{- $_ := set $values.sidecar "native" true }}
+{{- $ctx := dict "root" .root "gateway" $values }}
+{{- $tpl := dict
+  "initContainers" (include "egress-gateway.initContainers" $ctx | fromYamlArray)
+  "containers" list
+  "volumes" (include "egress-gateway.volumes" $ctx | fromYamlArray)
+  "labels" (include "egress-gateway.podLabels" $ctx | fromYaml)
+  "agentEnv" (include "egress-gateway.agentEnv" $ctx | fromYamlArray)
+  "policyVolume" "egress-gateway-policy" }}
+{{- toJson $tpl }}
+{{- end }}
