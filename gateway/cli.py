@@ -4,7 +4,8 @@ Process settings come from flags, or ``GATEWAY_*`` environment variables read on
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
 GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
 GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or ``false``, over the policy's
-``server.shutdown.accept_new_calls``). ``call`` finds the sidecar at EGRESS_GATEWAY_URL,
+``server.shutdown.accept_new_calls``), GATEWAY_BUDGET_JOURNAL (a file that keeps local
+budget spend across a restart: :mod:`gateway.budgets.journal`). ``call`` finds the sidecar at EGRESS_GATEWAY_URL,
 the variable the Helm chart sets in the agent's container (GATEWAY_URL, its former name,
 still works with a deprecation note). Exit codes: 0 success, 1 a failed check or call, 2
 usage; ``validate``'s warnings (stderr) leave the exit code 0.
@@ -156,6 +157,21 @@ def _env_warnings(path: str, policy: PolicySet) -> list[str]:
     return warnings
 
 
+def _replica_warnings(path: str, policy: PolicySet, replicas: int | None) -> list[str]:
+    """One warning per ``scope: local`` budget when ``replicas`` (``--replicas``, what the
+    chart knows of the agent's Deployment) is more than one: each replica counts alone,
+    so together they may spend ``replicas`` times the limit."""
+    if not replicas or replicas < 2:
+        return []
+    return [
+        f"{path}: budgets.{name}.scope: warning: local budget with {replicas} replicas: each "
+        f"counts alone, so together they may spend {replicas} x {spec.limit_usd:g} USD; use "
+        "scope: cluster (Redis) to share one limit"
+        for name, spec in policy.policy.budgets.items()
+        if spec.scope == "local"
+    ]
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
 
@@ -180,6 +196,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if args.env_check:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
+            for warning in _replica_warnings(path, policy, args.replicas):
+                print(warning, file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -277,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="env_check",
         action="store_false",
         help="do not warn about env:// references whose variable is not set here",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="replicas of the agent's Deployment, when known: warn about local budgets",
     )
     p.set_defaults(func=_cmd_validate)
 

@@ -287,15 +287,18 @@ def test_policy_checksum_rolls_pods_on_change(chart: helm.Chart) -> None:
         found: dict[str, str] = deployment["spec"]["template"]["metadata"].get("annotations", {})
         return found
 
-    default = annotations(None)
+    roll = {"rollOnChange": True}
+    rolled = annotations({"policy": roll})
     changed_text = chart.values["policy"]["content"].replace("drain_s: 20", "drain_s: 15")
-    changed = annotations({"policy": {"content": changed_text}})
-    assert len(default["checksum/policy"]) == 64
-    assert default["checksum/policy"] != changed["checksum/policy"]
-    assert default["prometheus.io/port"] == "8182"
+    changed = annotations({"policy": {**roll, "content": changed_text}})
+    assert len(rolled["checksum/policy"]) == 64
+    assert rolled["checksum/policy"] != changed["checksum/policy"]
+    assert rolled["prometheus.io/port"] == "8182"
 
-    hot_reload_only = annotations({"policy": {"rollOnChange": False}})
+    # Off by default: hot reload takes a changed policy in without a restart.
+    hot_reload_only = annotations(None)
     assert "checksum/policy" not in hot_reload_only
+    assert hot_reload_only["prometheus.io/port"] == "8182"
     assert "prometheus.io/scrape" not in annotations({"metrics": {"prometheusAnnotations": False}})
 
 

@@ -38,6 +38,7 @@ from gateway.policy.budgets import BudgetSpec
 
 if TYPE_CHECKING:
     from gateway.budgets.cluster import ClusterBudgets
+    from gateway.budgets.journal import BudgetJournal
 
 __all__ = ["NANO_USD", "Applied", "Booking", "Budgets", "LocalLedger", "to_nano"]
 
@@ -77,10 +78,19 @@ class Booking:
 
 
 class LocalLedger:
-    """Spend per budget and bucket, in this process."""
+    """Spend per budget and bucket, in this process; with a ``journal``, starting from
+    what it recorded and recording every change to it before the call goes out (spend
+    kept across a restart: :mod:`gateway.budgets.journal`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, journal: BudgetJournal | None = None) -> None:
+        self._journal = journal
         self._spent: dict[str, dict[int, int]] = {}
+        if journal is not None:
+            self._spent = {name: dict(b) for name, b in journal.totals.items()}
+
+    def _record(self, changes: list[tuple[str, int, int]]) -> None:
+        if self._journal is not None and self._journal.record(changes):
+            self._journal.compact(self._spent)
 
     def spent(self, budget: Applied, now_s: float) -> int:
         """The budget's spend in its current window (nano-USD)."""
@@ -116,6 +126,7 @@ class LocalLedger:
             buckets[bucket] = buckets.get(bucket, 0) + amount
             self._forget(budget, buckets, bucket)
             booked.append((budget, bucket))
+        self._record([(b.name, k, self._spent[b.name][k]) for b, k in booked])
         return None, booked, shadow
 
     def adjust(self, name: str, bucket: int, delta: int) -> None:
@@ -123,10 +134,14 @@ class LocalLedger:
         if buckets is None or bucket not in buckets:
             return  # the bucket has left its window
         buckets[bucket] = max(buckets[bucket] + delta, 0)
+        self._record([(name, bucket, buckets[bucket])])
 
     def keep_only(self, names: set[str]) -> None:
-        for name in set(self._spent) - names:
+        gone = set(self._spent) - names
+        for name in gone:
             del self._spent[name]
+        if gone and self._journal is not None:
+            self._journal.compact(self._spent)
 
     @staticmethod
     def _forget(budget: Applied, buckets: dict[int, int], current: int) -> None:
@@ -174,7 +189,8 @@ def _window_words(spec: BudgetSpec) -> str:
 
 class Budgets:
     """The budgets of a policy, by name. ``cluster`` books the ``scope: cluster`` ones
-    in Redis (without it they are counted per process); ``clock`` gives epoch seconds."""
+    in Redis (without it they are counted per process); ``journal`` keeps the local
+    spend across a restart; ``clock`` gives epoch seconds."""
 
     def __init__(
         self,
@@ -182,9 +198,10 @@ class Budgets:
         *,
         cluster: ClusterBudgets | None = None,
         clock: Callable[[], float] = time.time,
+        journal: BudgetJournal | None = None,
     ) -> None:
         self.cluster = cluster
-        self.ledger = LocalLedger()
+        self.ledger = LocalLedger(journal)
         self._clock = clock
         self.update(specs)
 

@@ -292,7 +292,13 @@ class CostBudgets:
             from gateway.budgets.cluster import ClusterBudgets
 
             cluster = ClusterBudgets(parts.cluster_limits)
-        parts.budgets = Budgets(policy.policy.budgets, cluster=cluster)
+        journal = None
+        if path := os.environ.get("GATEWAY_BUDGET_JOURNAL"):  # the chart sets it
+            from gateway.budgets.journal import BudgetJournal
+
+            journal = BudgetJournal(path)
+            stack.callback(journal.close)
+        parts.budgets = Budgets(policy.policy.budgets, cluster=cluster, journal=journal)
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
         parts.budgets.update(policy.policy.budgets)

@@ -7,6 +7,9 @@ own root context and this chart's values:
   in this chart:                         (dict "root" $ "gateway" $.Values)
   in an agent chart depending on it:     (dict "root" $ "gateway" (index $.Values "egress-gateway"))
 
+An optional "replicas" key (the Deployment's replicas) lets the policy check warn about
+local budgets that each replica counts alone.
+
 What an agent's pod needs, in two includes (three with sidecar.native false):
 
   egress-gateway.initContainers           list items for initContainers: the policy check
@@ -222,6 +225,9 @@ API binds 127.0.0.1 only and gets no containerPort; only the ops port is declare
       value: "0.0.0.0"
     - name: GATEWAY_OPS_PORT
       value: {{ $g.sidecar.opsPort | int | quote }}
+    {{- /* Local budget spend kept across a restart of the sidecar, on the pod's /tmp. */}}
+    - name: GATEWAY_BUDGET_JOURNAL
+      value: /tmp/egress-gateway/budgets.journal
     {{- if $g.sidecar.native }}
     {{- /* Stopped only after the agent has exited: no one is left to send a new call,
     so the drain refuses them and ends as soon as nothing is in flight. As a regular
@@ -360,7 +366,9 @@ message; env:// variables that sidecar.extraEnv does not set are warnings (exit 
 - name: egress-gateway-validate
   image: {{ include "egress-gateway.image" . | quote }}
   imagePullPolicy: {{ $g.image.pullPolicy }}
-  args: ["validate", "/etc/egress-gateway/policy.yaml"]
+  {{- /* .replicas: the agent Deployment's replicas, when the caller knows them; past
+  one, local budgets are warned about (each replica counts alone). */}}
+  args: ["validate", "/etc/egress-gateway/policy.yaml"{{ if gt (int (default 0 .replicas)) 1 }}, "--replicas", {{ .replicas | int | quote }}{{ end }}]
   {{- with $g.sidecar.extraEnv }}
   env:
     {{- toYaml . | nindent 4 }}
