@@ -5,10 +5,11 @@ start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_
 GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
 GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or ``false``, over the policy's
 ``server.shutdown.accept_new_calls``), GATEWAY_BUDGET_JOURNAL (a file that keeps local
-budget spend across a restart: :mod:`gateway.budgets.journal`). ``call`` finds the sidecar at EGRESS_GATEWAY_URL,
-the variable the Helm chart sets in the agent's container (GATEWAY_URL, its former name,
-still works with a deprecation note). Exit codes: 0 success, 1 a failed check or call, 2
-usage; ``validate``'s warnings (stderr) leave the exit code 0.
+budget spend across a restart: :mod:`gateway.budgets.journal`). ``call`` finds the
+sidecar at EGRESS_GATEWAY_URL, the variable the Helm chart sets in the agent's container
+(GATEWAY_URL, its former name, still works with a deprecation note). Exit codes: 0
+success, 1 a failed check or call, 2 usage; ``validate``'s warnings (stderr) leave the
+exit code 0.
 """
 
 from __future__ import annotations
