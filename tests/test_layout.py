@@ -61,8 +61,9 @@ OWNERS: dict[str, frozenset[str]] = {
     "orjson": frozenset({"gateway/fastjson.py"}),
     "uvloop": frozenset({"gateway/server/eventloop.py"}),
     "rich": frozenset({"gateway/audit/query/render.py"}),
-    # The SDK, the OTLP/HTTP exporter and the API: imported only when tracing is on.
-    "opentelemetry": frozenset({"gateway/telemetry/otel.py"}),
+    # The SDK, the OTLP/HTTP exporters and the API: imported only when tracing is on
+    # (otel.py) or audit lines are shipped over OTLP (otlp.py).
+    "opentelemetry": frozenset({"gateway/telemetry/otel.py", "gateway/audit/otlp.py"}),
     # MCP's SDK: the tests' server and client only; the sidecar speaks MCP itself.
     "mcp": frozenset(),
 }

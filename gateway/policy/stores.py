@@ -68,8 +68,20 @@ class RedisSpec(StrictModel):
     connect_timeout_s: float = Field(d.DEFAULT_REDIS_TIMEOUT_S, gt=0, le=d.MAX_REDIS_TIMEOUT_S)
 
 
+class AuditOtlpSpec(StrictModel):
+    """``audit.otlp``: ship every audit line to an OpenTelemetry collector (OTLP/HTTP
+    logs), beside the file or stdout sink, through a bounded on-disk spool. Headers
+    (a collector's token) come from OTEL_EXPORTER_OTLP_LOGS_HEADERS, never the policy."""
+
+    endpoint: str = Field(pattern=r"^https?://[^\s]+$")  # e.g. http://otel-collector:4318/v1/logs
+    timeout_s: float = Field(10.0, gt=0, le=60)
+    spool_path: str = "/tmp/egress-gateway/audit-spool"  # noqa: S108 - the pod's own /tmp
+    spool_max_bytes: int = Field(32 * 1024 * 1024, ge=1024 * 1024)
+
+
 class AuditSpec(StrictModel):
     sink: Literal["stdout", "file"] = "stdout"
+    otlp: AuditOtlpSpec | None = None
     path: str | None = None
     payloads: Literal["none", "summary"] = "summary"
     chain: bool = False
