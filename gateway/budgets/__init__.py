@@ -216,6 +216,24 @@ class Budgets:
     def __bool__(self) -> bool:
         return bool(self._budgets)
 
+    def levels(self) -> list[tuple[str, str, float | None, float]]:
+        """Each budget as (name, scope, spent USD in its current window or None, limit
+        USD), for the metrics. Spent is None for a cluster budget (its spend is in Redis,
+        read only by admissions); a cluster budget counted here because this sidecar runs
+        without Redis reports this sidecar's spend."""
+        now = self._clock()
+        return [
+            (
+                b.name,
+                b.spec.scope,
+                None
+                if b.spec.scope == "cluster" and self.cluster is not None
+                else self.ledger.spent(b, now) / NANO_USD,
+                b.spec.limit_usd,
+            )
+            for b in self._budgets
+        ]
+
     def applying(self, target: str, group: str | None, agent: str) -> list[Applied]:
         """The budgets whose ``applies_to`` matches a call (every key given must match)."""
         found = []

@@ -32,6 +32,9 @@ secrets_ready                          gauge      (none): 1 usable, 0 Vault with
 build_info                             gauge      version, python (always 1)
 policy_info                            gauge      agent_id, digest (always 1)
 mcp_requests_total                     counter    target, method, tool, outcome
+budget_spent_usd                       gauge      budget, scope (local budgets: this
+                                                  sidecar's spend in the current window)
+budget_limit_usd                       gauge      budget, scope (every budget's limit)
 =====================================  =========  ======================================
 
 The OpenTelemetry GenAI client metrics (semantic conventions 1.44.0, "Development"; see
@@ -105,6 +108,8 @@ MAX_PREFIXED_MODELS: Final = 50
 Outcome = Literal["success", "error", "replay"]
 CacheResult = Literal["hit", "miss", "stale"]
 ReloadResult = Literal["ok", "error"]
+#: A budget at a scrape: (name, scope, spent USD or None where not counted here, limit USD).
+BudgetLevel = tuple[str, str, float | None, float]
 
 _OUTCOMES: Final = frozenset({"success", "error", "replay"})
 _CACHE_RESULTS: Final = frozenset({"hit", "miss", "stale"})
@@ -207,6 +212,7 @@ class Metrics(Series):
         for group in self._groups:
             self._child(self.ratelimit_rejections, group)
             self._child(self.ratelimit_wait, group)
+            self._child(self.redis_fallbacks, group)
 
     def _child(self, metric: Counter | Histogram, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: prometheus-client validates the values
@@ -415,12 +421,18 @@ class Metrics(Series):
         self._child(self.policy_reloads, result).inc()
 
     def watch(
-        self, *, audit_failures: Callable[[], int], secrets_ready: Callable[[], bool]
+        self,
+        *,
+        audit_failures: Callable[[], int],
+        secrets_ready: Callable[[], bool],
+        budgets: Callable[[], Iterable[BudgetLevel]] = tuple,
     ) -> None:
-        """Read, at each scrape, the audit sink's write failures so far and whether the
-        secret store is usable (``/readyz``'s ``secrets`` check)."""
+        """Read, at each scrape, the audit sink's write failures so far, whether the
+        secret store is usable (``/readyz``'s ``secrets`` check), and each budget's
+        (name, scope, spent USD or None when not known here, limit USD)."""
         self._watched.audit_failures = audit_failures
         self._watched.secrets_ready = secrets_ready
+        self._watched.budgets = budgets
 
     # --- exposition -----------------------------------------------------------------------
 
@@ -440,6 +452,7 @@ class _Watched(Collector):
     def __init__(self) -> None:
         self.audit_failures: Callable[[], int] = lambda: 0
         self.secrets_ready: Callable[[], bool] = lambda: True
+        self.budgets: Callable[[], Iterable[BudgetLevel]] = tuple
 
     def collect(self) -> Iterator[Metric]:
         failures = CounterMetricFamily(
@@ -453,3 +466,19 @@ class _Watched(Collector):
             "1 when the secret store is usable (no Vault, or Vault with a valid token), else 0.",
             value=1 if self.secrets_ready() else 0,
         )
+        spent = GaugeMetricFamily(
+            f"{NAMESPACE}_budget_spent_usd",
+            "Spend (booked and reserved) of a local budget in its current window, in USD.",
+            labels=["budget", "scope"],
+        )
+        limit = GaugeMetricFamily(
+            f"{NAMESPACE}_budget_limit_usd",
+            "A budget's limit per window, in USD.",
+            labels=["budget", "scope"],
+        )
+        for name, scope, spent_usd, limit_usd in self.budgets():
+            limit.add_metric([name, scope], limit_usd)
+            if spent_usd is not None:
+                spent.add_metric([name, scope], spent_usd)
+        yield spent
+        yield limit

@@ -336,10 +336,11 @@ class MetricLabels:
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         self.apply(policy, parts)
-        log, resolvers = parts.audit, parts.resolvers
+        log, resolvers, budgets = parts.audit, parts.resolvers, parts.budgets
         parts.metrics.watch(
             audit_failures=lambda: log.write_failures,
             secrets_ready=lambda: secrets_ready(resolvers),
+            budgets=budgets.levels,
         )
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
