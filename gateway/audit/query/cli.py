@@ -54,6 +54,7 @@ def _add_filters(parser: argparse.ArgumentParser, *, with_trace: bool = True) ->
         ("--target", "target_system"),
         ("--endpoint", "endpoint (path)"),
         ("--code", "error code, e.g. CAPACITY_EXCEEDED"),
+        ("--decision", "allowed, denied, invalid, replayed or shadow_denied"),
     ]
     if with_trace:
         texts.insert(0, ("--trace", "trace_id"))
@@ -168,6 +169,7 @@ def _filters(args: argparse.Namespace, trace: tuple[str, ...] | None = None) -> 
         target=values("target"),
         endpoint=values("endpoint"),
         code=values("code"),
+        decision=values("decision"),
         failed=args.failed,
         since=args.since,
         until=args.until,

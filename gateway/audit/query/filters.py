@@ -83,6 +83,7 @@ class Filters:
     target: tuple[str, ...] = ()
     endpoint: tuple[str, ...] = ()
     code: tuple[str, ...] = ()
+    decision: tuple[str, ...] = ()
     failed: bool = False
     since: datetime | None = None
     until: datetime | None = None
@@ -127,6 +128,7 @@ class Filters:
             ("correlation_id", self.correlation),
             ("endpoint", self.endpoint),
             ("error_code", self.code),
+            ("decision", self.decision),
         ):
             if values:
                 checks.append(_text_match(field, values))
