@@ -1,5 +1,5 @@
 """The chart's audit volume (``audit.volume``) for the policy's file sink: each kind
-renders strictly valid for Kubernetes 1.29-1.34 (also through the injector), and the
+renders strictly valid for Kubernetes 1.29-1.37 (also through the injector), and the
 chart refuses a rotation larger than the volume the file is on, an unbounded file, and
 an audit path on no writable volume."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from tests.helm_helpers import CHART, KUBE_VERSIONS, pod_spec, render, sidecar
 
-VERSIONS = (*KUBE_VERSIONS, "1.34.0")
+VERSIONS = KUBE_VERSIONS
 
 
 def _policy(path: str, max_bytes: int | None, backup_count: int = 5, otlp: bool = False) -> str:

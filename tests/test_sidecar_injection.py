@@ -1,7 +1,7 @@
 """Sidecar injection: the chart's injector (``injector.enabled``) rendered offline, its
 webhook (``gateway.inject``) served over TLS on loopback with the certificate the chart
 made, AdmissionReview v1 requests answered with JSON Patches whose result validates
-strictly (kubernetes-validate) for Kubernetes 1.29-1.34; re-invocation adds nothing."""
+strictly (kubernetes-validate) for Kubernetes 1.29-1.37; re-invocation adds nothing."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from gateway.inject import InjectionError, injection_patch, load_template
 from gateway.inject.server import ReloadingTLS, build_app
 from tests.helm_helpers import CHART, KUBE_VERSIONS
 
-#: The range the injected pods are checked against (the chart's kubeVersion and up).
-POD_VERSIONS = (*KUBE_VERSIONS, "1.34.0")
+#: The range the injected pods are checked against (1.29-1.37).
+POD_VERSIONS = KUBE_VERSIONS
 HOST = "demo-egress-gateway-injector.agents.svc"
 
 K8S_AUTH_POLICY = """\
@@ -58,7 +58,7 @@ def chart() -> Iterator[helm.Chart]:
 
 
 def _render(chart: helm.Chart, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """{kind/name: manifest}; every core manifest strictly valid for 1.29-1.34 (cert-manager's
+    """{kind/name: manifest}; every core manifest strictly valid for 1.29-1.37 (cert-manager's
     kinds are custom resources, whose schemas kubernetes-validate does not carry)."""
     out = chart.render(values, name="demo", namespace="agents")
     docs = [d for p, t in out.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
