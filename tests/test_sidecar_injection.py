@@ -6,7 +6,9 @@ strictly (kubernetes-validate) for Kubernetes 1.29-1.37; re-invocation adds noth
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
+import io
 import json
 import os
 import ssl
@@ -21,6 +23,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from gateway.cli import main
 from gateway.inject import InjectionError, injection_patch, load_template
 from gateway.inject.server import ReloadingTLS, build_app
 from tests.helm_helpers import CHART, KUBE_VERSIONS
@@ -372,3 +375,13 @@ async def test_a_renewed_certificate_is_served_without_a_restart(
             assert not await served_by(ca)
     finally:
         await runner.cleanup()
+
+
+def test_the_inject_command_refuses_a_broken_template(tmp_path: Path) -> None:
+    path = tmp_path / "template.json"
+    path.write_text("not json")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["inject", "--template", str(path), "--tls-cert", "c", "--tls-key", "k"])
+    assert code == 1
+    assert err.getvalue().startswith(f"egress-gateway inject: {path}: not JSON")
