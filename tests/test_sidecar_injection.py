@@ -294,7 +294,7 @@ def test_a_broken_template_is_refused_by_name(tmp_path: Path) -> None:
 
 def test_the_webhook_fails_closed_in_labelled_namespaces_only(chart: helm.Chart) -> None:
     manifests = _render(chart, {"injector": {"enabled": True}})
-    config = manifests["MutatingWebhookConfiguration/agents-demo-egress-gateway-injector"]
+    config = manifests["MutatingWebhookConfiguration/demo-egress-gateway-injector-agents"]
     (hook,) = config["webhooks"]
     assert hook["failurePolicy"] == "Fail"
     assert hook["reinvocationPolicy"] == "IfNeeded"
@@ -324,7 +324,7 @@ def test_cert_manager_makes_the_certificate(chart: helm.Chart) -> None:
     assert HOST in cert["spec"]["dnsNames"]
     assert cert["spec"]["issuerRef"]["name"] == "demo-egress-gateway-injector"
     assert manifests["Issuer/demo-egress-gateway-injector"]["spec"] == {"selfSigned": {}}
-    config = manifests["MutatingWebhookConfiguration/agents-demo-egress-gateway-injector"]
+    config = manifests["MutatingWebhookConfiguration/demo-egress-gateway-injector-agents"]
     annotation = config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
     assert annotation == "agents/demo-egress-gateway-injector"
     assert "caBundle" not in config["webhooks"][0]["clientConfig"]
@@ -385,3 +385,11 @@ def test_the_inject_command_refuses_a_broken_template(tmp_path: Path) -> None:
         code = main(["inject", "--template", str(path), "--tls-cert", "c", "--tls-key", "k"])
     assert code == 1
     assert err.getvalue().startswith(f"egress-gateway inject: {path}: not JSON")
+
+
+@pytest.mark.parametrize("source", ["helm", "cert-manager"])
+def test_lint_passes_strict_with_the_injector(source: str) -> None:
+    values = {**ENFORCED, "injector": {"enabled": True, "certificate": {"source": source}}}
+    report = helm.lint(CHART, values, strict=True, kube_version="v1.29.0")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
