@@ -20,6 +20,7 @@ from gateway.audit.query.verify import verify
 from gateway.audit.spool import SEGMENT_BYTES, Spool
 from gateway.call.record import CallContext, audit_record
 from gateway.envelope import ExternalCallResponse
+from gateway.metrics import Metrics
 from gateway.policy import AuditOtlpSpec, AuditSpec, parse_policy
 from tests.conftest import wait_for
 
@@ -97,6 +98,18 @@ async def test_a_collector_outage_loses_no_record(receiver: Receiver, tmp_path: 
         _calls(log, 20)
         assert len(receiver.bodies) == 5
         assert shipper.spool.pending_bytes > 0
+        metrics = Metrics()
+        metrics.watch(
+            audit_failures=lambda: 0,
+            secrets_ready=lambda: True,
+            audit_shipping=lambda: log.shipping,
+        )
+        exposed = metrics.render()[0].decode()
+        assert "egress_gateway_audit_shipping_dropped_total 0.0" in exposed
+        assert (
+            f"egress_gateway_audit_shipping_pending_bytes {float(shipper.spool.pending_bytes)}"
+            in (exposed)
+        )
 
         await receiver.start()  # back, on the same port
         await wait_for(lambda: len(receiver.bodies) == 46, 30)
@@ -109,6 +122,7 @@ async def test_a_collector_outage_loses_no_record(receiver: Receiver, tmp_path: 
     assert result.chained == 46
     assert shipper.spool.dropped == 0
     assert shipper.spool.pending_bytes == 0
+    assert log.shipping is None  # closed
 
 
 async def test_a_restart_ships_what_the_last_start_spooled(

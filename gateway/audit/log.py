@@ -355,6 +355,15 @@ class AuditLog:
             self._log.info(name, **record)
 
     @property
+    def shipping(self) -> tuple[int, int] | None:
+        """With ``audit.otlp``: (lines dropped from the full spool so far, bytes spooled
+        and not yet accepted by the collector); None without it."""
+        otlp = self._otlp
+        if otlp is None:
+            return None
+        return otlp.spool.dropped, otlp.spool.pending_bytes
+
+    @property
     def write_failures(self) -> int:
         """Audit lines the file sink could not write so far (0 for stdout)."""
         handler = self._sink.handler

@@ -35,6 +35,8 @@ mcp_requests_total                     counter    target, method, tool, outcome
 budget_spent_usd                       gauge      budget, scope (local budgets: this
                                                   sidecar's spend in the current window)
 budget_limit_usd                       gauge      budget, scope (every budget's limit)
+audit_shipping_dropped_total           counter    (none; with audit.otlp) spool overflow
+audit_shipping_pending_bytes           gauge      (none; with audit.otlp) not yet shipped
 =====================================  =========  ======================================
 
 The OpenTelemetry GenAI client metrics (semantic conventions 1.44.0, "Development"; see
@@ -70,7 +72,7 @@ base units, ``_total`` for counters, ``_seconds`` for durations.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from prometheus_client import (
@@ -82,12 +84,10 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.registry import Collector
 
 from gateway.envelope import ErrorCode
-from gateway.metrics.series import NAMESPACE, Series
+from gateway.metrics.series import BudgetLevel, Series, Watched
 
 if TYPE_CHECKING:
     from gateway.breaker import BreakerState
@@ -108,8 +108,6 @@ MAX_PREFIXED_MODELS: Final = 50
 Outcome = Literal["success", "error", "replay"]
 CacheResult = Literal["hit", "miss", "stale"]
 ReloadResult = Literal["ok", "error"]
-#: A budget at a scrape: (name, scope, spent USD or None where not counted here, limit USD).
-BudgetLevel = tuple[str, str, float | None, float]
 
 _OUTCOMES: Final = frozenset({"success", "error", "replay"})
 _CACHE_RESULTS: Final = frozenset({"hit", "miss", "stale"})
@@ -159,7 +157,7 @@ class Metrics(Series):
         self._cost_by_named: dict[tuple[str, str | None], Any] = {}
         Series.__init__(self, self.registry)
         r = self.registry
-        self._watched = _Watched()
+        self._watched = Watched()
         r.register(self._watched)
         # Label values known in advance start at 0, so that rate() and alerts see a series
         # before the first event (Prometheus "avoid missing metrics").
@@ -426,13 +424,16 @@ class Metrics(Series):
         audit_failures: Callable[[], int],
         secrets_ready: Callable[[], bool],
         budgets: Callable[[], Iterable[BudgetLevel]] = tuple,
+        audit_shipping: Callable[[], tuple[int, int] | None] = lambda: None,
     ) -> None:
         """Read, at each scrape, the audit sink's write failures so far, whether the
-        secret store is usable (``/readyz``'s ``secrets`` check), and each budget's
-        (name, scope, spent USD or None when not known here, limit USD)."""
+        secret store is usable (``/readyz``'s ``secrets`` check), each budget's (name,
+        scope, spent USD or None when not known here, limit USD), and with ``audit.otlp``
+        the spool's (lines dropped, bytes not yet shipped)."""
         self._watched.audit_failures = audit_failures
         self._watched.secrets_ready = secrets_ready
         self._watched.budgets = budgets
+        self._watched.audit_shipping = audit_shipping
 
     # --- exposition -----------------------------------------------------------------------
 
@@ -444,41 +445,3 @@ class Metrics(Series):
         """
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
-
-
-class _Watched(Collector):
-    """Values the sidecar holds elsewhere, read when scraped."""
-
-    def __init__(self) -> None:
-        self.audit_failures: Callable[[], int] = lambda: 0
-        self.secrets_ready: Callable[[], bool] = lambda: True
-        self.budgets: Callable[[], Iterable[BudgetLevel]] = tuple
-
-    def collect(self) -> Iterator[Metric]:
-        failures = CounterMetricFamily(
-            f"{NAMESPACE}_audit_write_failures",
-            "Audit lines the audit file sink could not write (disk full, unwritable path).",
-        )
-        failures.add_metric([], self.audit_failures())
-        yield failures
-        yield GaugeMetricFamily(
-            f"{NAMESPACE}_secrets_ready",
-            "1 when the secret store is usable (no Vault, or Vault with a valid token), else 0.",
-            value=1 if self.secrets_ready() else 0,
-        )
-        spent = GaugeMetricFamily(
-            f"{NAMESPACE}_budget_spent_usd",
-            "Spend (booked and reserved) of a local budget in its current window, in USD.",
-            labels=["budget", "scope"],
-        )
-        limit = GaugeMetricFamily(
-            f"{NAMESPACE}_budget_limit_usd",
-            "A budget's limit per window, in USD.",
-            labels=["budget", "scope"],
-        )
-        for name, scope, spent_usd, limit_usd in self.budgets():
-            limit.add_metric([name, scope], limit_usd)
-            if spent_usd is not None:
-                spent.add_metric([name, scope], spent_usd)
-        yield spent
-        yield limit

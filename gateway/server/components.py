@@ -341,6 +341,7 @@ class MetricLabels:
             audit_failures=lambda: log.write_failures,
             secrets_ready=lambda: secrets_ready(resolvers),
             budgets=budgets.levels,
+            audit_shipping=lambda: log.shipping,
         )
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
