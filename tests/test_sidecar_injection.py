@@ -5,13 +5,17 @@ strictly (kubernetes-validate) for Kubernetes 1.29-1.37; re-invocation adds noth
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import copy
 import io
 import json
 import os
+import signal
+import socket
 import ssl
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +30,7 @@ from aiohttp import web
 from gateway.cli import main
 from gateway.inject import InjectionError, injection_patch, load_template
 from gateway.inject.server import ReloadingTLS, build_app
-from tests.helm_helpers import CHART, KUBE_VERSIONS
+from tests.helm_helpers import CHART, KUBE_VERSIONS, ROOT
 
 #: The range the injected pods are checked against (1.29-1.37).
 POD_VERSIONS = KUBE_VERSIONS
@@ -393,3 +397,45 @@ def test_lint_passes_strict_with_the_injector(source: str) -> None:
     report = helm.lint(CHART, values, strict=True, kube_version="v1.29.0")
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+async def test_the_inject_command_serves_and_stops_on_sigterm(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
+    manifests = _render(chart, {"injector": {"enabled": True}})
+    cert, key, ca = _tls_files(manifests, tmp_path)
+    template = tmp_path / "template.json"
+    template.write_text(json.dumps(_template(manifests, tmp_path)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "inject", "--template", str(template),
+        "--tls-cert", str(cert), "--tls-key", str(key), "--host", "127.0.0.1",
+        "--port", str(port), cwd=ROOT,
+    )  # fmt: skip
+    trust = ssl.create_default_context(cafile=str(ca))
+    try:
+        async with aiohttp.ClientSession() as client:
+
+            async def healthy() -> bool:
+                try:
+                    url = f"https://127.0.0.1:{port}/healthz"
+                    async with client.get(url, ssl=trust, server_hostname=HOST) as resp:
+                        return resp.status == 200
+                except aiohttp.ClientConnectionError:
+                    return False
+
+            for _ in range(400):  # bounded: the process imports and binds
+                if await healthy() or proc.returncode is not None:
+                    break
+                await asyncio.sleep(0.025)
+            assert await healthy()
+            hook = Webhook(f"https://127.0.0.1:{port}", client, trust)
+            pod = agent_pod()
+            assert _patch_of(await hook.send(review(pod)))  # injected
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 15)
+    assert code == 0  # a clean stop on SIGTERM

@@ -110,6 +110,8 @@ class OtlpShipper:
         self._until = time.monotonic() + CLOSE_DRAIN_S
         self._closing.set()
         self._wake.set()
-        self._thread.join(CLOSE_DRAIN_S + BACKOFF_MAX_S + 1)
+        # Bounded: an export in progress may outlast it (the thread is a daemon; what it
+        # had not shipped is still spooled), and the pod's grace period is short.
+        self._thread.join(CLOSE_DRAIN_S)
         self._exporter.shutdown()  # type: ignore[no-untyped-call]
         self.spool.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import signal
 import ssl
 from pathlib import Path
 from typing import Any, Final
@@ -97,12 +98,20 @@ class ReloadingTLS:
 
 
 async def run(template: dict[str, Any], *, host: str, port: int, cert: str, key: str) -> None:
-    """Serve the webhook on ``host:port`` over TLS until cancelled."""
-    runner = web.AppRunner(build_app(template), access_log=None)
+    """Serve the webhook on ``host:port`` over TLS until SIGTERM or SIGINT (or until
+    cancelled); reviews in flight are answered before it returns (a rollout of the
+    injector must not fail pod admissions, with failurePolicy Fail)."""
+    runner = web.AppRunner(build_app(template), access_log=None, shutdown_timeout=10.0)
     await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
         tls = ReloadingTLS(cert, key)
         await web.TCPSite(runner, host, port, ssl_context=tls.context).start()
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         await runner.cleanup()
