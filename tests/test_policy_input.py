@@ -130,6 +130,7 @@ FLOAT_KEYS = {
     "targets.t.mcp.arguments.x.a.minimum": MCP + "minimum: @}}}}}}",
     "targets.t.mcp.arguments.x.a.maximum": MCP + "maximum: @}}}}}}",
     "server.drain_s": "server: {drain_s: @}",
+    "audit.otlp.timeout_s": "audit: {otlp: {endpoint: 'http://otel:4318', timeout_s: @}}",
     "server.reload_interval_s": "server: {reload_interval_s: @}",
     "targets.t.timeout_s": T + ", timeout_s: @}}",
     "targets.t.stream_idle_timeout_s": T + ", stream_idle_timeout_s: @}}",
@@ -201,6 +202,8 @@ UPPER_BOUNDS = {
     "redis.pool_size": d.MAX_REDIS_POOL_SIZE,
     "audit.max_bytes": d.MAX_AUDIT_FILE_BYTES,
     "audit.backup_count": d.MAX_AUDIT_BACKUPS,
+    "audit.otlp.timeout_s": d.MAX_AUDIT_OTLP_TIMEOUT_S,
+    "audit.otlp.spool_max_bytes": d.MAX_AUDIT_SPOOL_BYTES,
 }
 INT_KEYS = {
     "targets.t.mcp.arguments.x.a.min_length": MCP + "min_length: @}}}}}}",
@@ -218,6 +221,9 @@ INT_KEYS = {
     "redis.pool_size": "redis: {pool_size: @}",
     "audit.max_bytes": "audit: {max_bytes: @}",
     "audit.backup_count": "audit: {backup_count: @}",
+    "audit.otlp.spool_max_bytes": (
+        "audit: {otlp: {endpoint: 'http://otel:4318', spool_max_bytes: @}}"
+    ),
     "budgets.b.max_output_tokens": (
         "budgets: {b: {limit_usd: 1, window: daily, max_output_tokens: @}}"
     ),

@@ -74,9 +74,11 @@ class AuditOtlpSpec(StrictModel):
     (a collector's token) come from OTEL_EXPORTER_OTLP_LOGS_HEADERS, never the policy."""
 
     endpoint: str = Field(pattern=r"^https?://[^\s]+$")  # e.g. http://otel-collector:4318/v1/logs
-    timeout_s: float = Field(10.0, gt=0, le=60)
-    spool_path: str = "/tmp/egress-gateway/audit-spool"  # noqa: S108 - the pod's own /tmp
-    spool_max_bytes: int = Field(32 * 1024 * 1024, ge=1024 * 1024)
+    timeout_s: float = Field(d.DEFAULT_AUDIT_OTLP_TIMEOUT_S, gt=0, le=d.MAX_AUDIT_OTLP_TIMEOUT_S)
+    spool_path: str = d.DEFAULT_AUDIT_SPOOL_PATH
+    spool_max_bytes: int = Field(
+        d.DEFAULT_AUDIT_SPOOL_BYTES, ge=d.MIN_AUDIT_SPOOL_BYTES, le=d.MAX_AUDIT_SPOOL_BYTES
+    )
 
 
 class AuditSpec(StrictModel):
