@@ -1,8 +1,10 @@
-"""Command line: ``egress-gateway serve | validate | call | inject | audit | demo``.
+"""Command line: ``egress-gateway serve | validate | call | inject | demo | audit | stop |
+resume`` (and ``approvals``, ``dead-letters``, ``console``).
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
-GATEWAY_LOOP (``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
+GATEWAY_UNIX_SOCKET (a path: the calls API on a Unix socket too), GATEWAY_LOOP
+(``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
 GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or ``false``, over the policy's
 ``server.shutdown.accept_new_calls``), GATEWAY_BUDGET_JOURNAL (a file that keeps local
 budget spend across a restart: :mod:`gateway.budgets.journal`). ``call`` finds the
@@ -24,10 +26,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 from gateway import __version__
+from gateway.agents import cli as controls_cli
 from gateway.audit.query import cli as audit_cli
+from gateway.console import cli as desk_cli
 
 if TYPE_CHECKING:
     from gateway.policy import PolicySet
@@ -114,6 +118,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             ops_host=args.ops_host or os.environ.get("GATEWAY_OPS_HOST") or server.ops_host,
             ops_port=ops_port if ops_port is not None else server.ops_port,
             accept_new_calls=accept_new_calls,
+            unix_socket=args.unix_socket or os.environ.get("GATEWAY_UNIX_SOCKET") or None,
         ),
         os.environ.get("GATEWAY_LOOP"),
     )
@@ -169,12 +174,13 @@ def _replica_warnings(path: str, policy: PolicySet, replicas: int | None) -> lis
         f"counts alone, so together they may spend {replicas} x {spec.limit_usd:g} USD; use "
         "scope: cluster (Redis) to share one limit"
         for name, spec in policy.policy.budgets.items()
-        if spec.scope == "local"
+        if spec.scope == "local" and spec.limit_usd is not None  # max_calls only: no USD
     ]
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
+    from gateway.policy.controls import tool_cap_warnings
 
     failed = False
     for path in args.files:
@@ -199,6 +205,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                     print(warning, file=sys.stderr)
             for warning in _replica_warnings(path, policy, args.replicas):
                 print(warning, file=sys.stderr)
+            for loc, message in tool_cap_warnings(policy.policy):
+                print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -263,15 +271,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(policy_path=args.policy, examples_dir=args.examples))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="egress-gateway",
-        description="Egress sidecar for AI agents: policy-checked, credential-injecting, "
-        "audited outbound calls.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_serve(sub: Any) -> None:
+    """The ``serve`` command and its flags (each also a ``GATEWAY_*`` variable)."""
     p = sub.add_parser("serve", help="run the sidecar")
     p.add_argument(
         "--policy",
@@ -283,11 +284,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="calls listener port (default 8181; env GATEWAY_PORT)")
     p.add_argument("--ops-host", help="health/metrics listener address (env GATEWAY_OPS_HOST)")
     p.add_argument(
+        "--unix-socket",
+        metavar="PATH",
+        help="also serve the calls API on this Unix socket; its callers are known by their "
+        "UID (env GATEWAY_UNIX_SOCKET)",
+    )
+    p.add_argument(
         "--ops-port",
         type=int,
         help="health/metrics listener port (default 8182; env GATEWAY_OPS_PORT)",
     )
     p.set_defaults(func=_cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="egress-gateway",
+        description="Egress sidecar for AI agents: policy-checked, credential-injecting, "
+        "audited outbound calls.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_serve(sub)
 
     p = sub.add_parser("validate", help="check policy files; print every error")
     p.add_argument("files", nargs="+", metavar="FILE")
@@ -321,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_call)
 
     audit_cli.register(sub)
+    controls_cli.register(sub)  # stop, resume
+    desk_cli.register(sub)  # approvals, dead-letters, console
 
     p = sub.add_parser("inject", help="serve the sidecar injection webhook (HTTPS)")
     p.add_argument("--template", required=True, help="injection template JSON (the chart's)")

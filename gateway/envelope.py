@@ -75,6 +75,9 @@ class ErrorCode(StrEnum):
     CAPACITY_EXCEEDED = "CAPACITY_EXCEEDED"
     QUOTA_EXHAUSTED = "QUOTA_EXHAUSTED"
     BUDGET_EXCEEDED = "BUDGET_EXCEEDED"
+    CALL_CHAIN_REFUSED = "CALL_CHAIN_REFUSED"
+    APPROVAL_PENDING = "APPROVAL_PENDING"
+    APPROVAL_DENIED = "APPROVAL_DENIED"
     CIRCUIT_OPEN = "CIRCUIT_OPEN"
     DEPENDENCY_FAILED = "DEPENDENCY_FAILED"
     AGENT_TIMEOUT = "AGENT_TIMEOUT"
@@ -84,6 +87,8 @@ class ErrorCode(StrEnum):
     RESPONSE_TOO_LARGE = "RESPONSE_TOO_LARGE"
     STREAM_INTERRUPTED = "STREAM_INTERRUPTED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    AGENT_STOPPED = "AGENT_STOPPED"
+    REPEATED_CALL = "REPEATED_CALL"
     UNKNOWN = "UNKNOWN"
 
 
@@ -95,6 +100,22 @@ class RequestBody(BaseModel):
 
     content_type: Annotated[str, StringConstraints(min_length=1, max_length=256), _NoControls]
     base64: str
+
+
+class CallChain(BaseModel):
+    """The call chain an agent received with the request it is working on (agents
+    calling agents), passed on so that its sidecar can check and extend it: the values
+    of the ``x-egress-call-chain`` (``agents``: agent ids, origin first),
+    ``x-egress-deadline`` (``deadline_ms``: absolute, Unix milliseconds) and
+    ``x-egress-call-chain-sig`` (``signature``) headers. Only the types are checked
+    here; the chain's own rules (ids, length, deadline, signature) are the sidecar's, and
+    a chain breaking them is refused with CALL_CHAIN_REFUSED, as the headers would be."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    agents: list[str]
+    deadline_ms: int | None = None
+    signature: str | None = None
 
 
 class ExternalCallRequest(BaseModel):
@@ -122,6 +143,8 @@ class ExternalCallRequest(BaseModel):
     # Optional additions, all defaulted so that older agents keep working.
     idempotency_key: IdempotencyKey | None = None
     protocol_version: VersionText = PROTOCOL_VERSION
+    #: A claim, checked against who calls as the sidecar established it (design.md, "Who
+    #: is calling"): a different id is refused (PERMISSION_DENIED, agent_mismatch).
     agent_id: Identifier | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -130,6 +153,9 @@ class ExternalCallRequest(BaseModel):
     query: dict[str, Any] = Field(default_factory=dict)
     #: For POST/PUT/PATCH, a body that is not JSON, instead of ``parameters``.
     body: RequestBody | None = None
+    #: The call chain the agent received, when it works for another agent (absent: this
+    #: call starts a chain).
+    call_chain: CallChain | None = None
 
 
 class ErrorPayload(BaseModel):

@@ -15,6 +15,9 @@ its error code, the HTTP status of the sidecar's answer and whether retrying can
     ├── CapacityExceeded        CAPACITY_EXCEEDED    429  yes
     ├── QuotaExhausted          QUOTA_EXHAUSTED      429  no
     ├── BudgetExceeded          BUDGET_EXCEEDED      429  no
+    ├── CallChainRefused        CALL_CHAIN_REFUSED   409  no
+    ├── ApprovalPending         APPROVAL_PENDING     428  yes
+    ├── ApprovalDenied          APPROVAL_DENIED      403  no
     ├── CircuitOpen             CIRCUIT_OPEN         503  yes
     ├── DependencyFailed        DEPENDENCY_FAILED    502  yes
     ├── DeadlineExceeded        AGENT_TIMEOUT        504  yes
@@ -24,6 +27,8 @@ its error code, the HTTP status of the sidecar's answer and whether retrying can
     ├── ResponseTooLarge        RESPONSE_TOO_LARGE   502  no
     ├── StreamInterrupted       STREAM_INTERRUPTED   502  yes
     ├── ShuttingDown            SHUTTING_DOWN        503  yes
+    ├── AgentStopped            AGENT_STOPPED        423  no
+    ├── RepeatedCall            REPEATED_CALL        429  no
     └── InternalError           UNKNOWN              500  no
 
 Foreign exceptions are translated where they enter (the module that owns the library).
@@ -149,6 +154,36 @@ class BudgetExceeded(GatewayError):
     http_status = 429
 
 
+class CallChainRefused(GatewayError):
+    """The call chain the call came with is refused before any upstream contact:
+    ``details.reason`` is ``circular_call_detected``, ``max_depth_exceeded``,
+    ``ttl_expired`` or ``invalid_chain``; ``details.call_chain`` the chain as received
+    (agent ids, origin first; null when it could not be read) (:mod:`gateway.agents.chain`).
+    Not retryable: the same call with the same chain is refused again."""
+
+    code = ErrorCode.CALL_CHAIN_REFUSED
+    http_status = 409
+
+
+class ApprovalPending(GatewayError):
+    """The call needs a person's approval (the target's ``approval:``) and none was given
+    within the call's deadline: nothing was sent. ``details.approval_id`` names the
+    request an operator decides (:mod:`gateway.agents.approvals`); the same call sent
+    again after the approval runs once. Retryable: ``retry_after_s`` says when to ask."""
+
+    code = ErrorCode.APPROVAL_PENDING
+    http_status = 428
+    retryable = True
+
+
+class ApprovalDenied(GatewayError):
+    """A person refused this call (``details.approval_id``, ``details.decided_by``):
+    nothing was sent. Not retryable: the same call is refused again."""
+
+    code = ErrorCode.APPROVAL_DENIED
+    http_status = 403
+
+
 class CircuitOpen(GatewayError):
     code = ErrorCode.CIRCUIT_OPEN
     http_status = 503
@@ -200,6 +235,23 @@ class ShuttingDown(GatewayError):
     code = ErrorCode.SHUTTING_DOWN
     http_status = 503
     retryable = True
+
+
+class AgentStopped(GatewayError):
+    """An operator's stop switch holds this agent, target or the whole fleet
+    (``details.scope``, ``details.reason``): nothing is sent until someone resumes it."""
+
+    code = ErrorCode.AGENT_STOPPED
+    http_status = 423
+
+
+class RepeatedCall(GatewayError):
+    """The repeated-call breaker: the same call (agent, target, endpoint or tool and
+    canonical arguments) more than ``max_repeats`` times within ``window_s``
+    (``details.count``, ``details.window_s``). Not retryable with the same arguments."""
+
+    code = ErrorCode.REPEATED_CALL
+    http_status = 429
 
 
 class InternalError(GatewayError):

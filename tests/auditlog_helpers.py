@@ -18,6 +18,8 @@ from gateway.audit.schema import CALL_EVENT
 from gateway.policy import AuditSpec
 
 AGENTS = ("planner-01", "coder-02", "reviewer-03")
+#: The digests of the two policies the calls ran under (even and odd call numbers).
+POLICY_DIGESTS = ("a" * 64, "b" * 64)
 TARGETS = {
     "openai": ("https://api.openai.com:443", ["/v1/chat/completions", "/v1/embeddings"]),
     "anthropic": ("https://api.anthropic.com:443", ["/v1/messages"]),
@@ -94,6 +96,12 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "mcp_request_id": None,
         "mcp_is_error": None,
         "mcp_error_code": None,
+        "agent_auth": "uid",
+        "agent_claimed": None,
+        "peer_uid": 1000 + AGENTS.index(agent) if agent in AGENTS else None,
+        "policy_sha256": POLICY_DIGESTS[number % 2],
+        "call_chain": [agent],
+        "call_chain_depth": 1,
     }
     return record
 

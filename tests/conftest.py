@@ -4,6 +4,13 @@
 it receives (arrival time, method, path, query, headers, body) and answers with a
 handler the test gives. ``Sidecar`` runs the real application (``gateway.server``) on a
 loopback port and captures everything the sidecar writes (audit records and logs).
+
+Fixtures every test module may ask for by name, defined once: ``upstream_factory``,
+``sidecar_factory``; ``switcher`` (an upstream answering 101); ``json_server`` (the MCP
+SDK's server, stateless, answering JSON; one per session); ``chart`` (the Helm chart,
+loaded once per session); ``redis_prefix`` and ``private_redis``
+(:mod:`tests.redis_fixtures`); ``vault_lab`` (OpenBao, one per session:
+:mod:`tests.vault_fixtures`).
 """
 
 from __future__ import annotations
@@ -11,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -25,6 +34,16 @@ from gateway.audit.schema import AuditRecord
 from gateway.policy import PolicySet, parse_policy
 from gateway.server import create_app
 from gateway.server.runtime import Gateway
+from tests.rawhttp import read_message
+from tests.redis_fixtures import private_redis, redis_prefix
+from tests.vault_fixtures import vault_lab
+
+if TYPE_CHECKING:
+    import helm_python as helm
+
+    from tests.mcp_server import McpTestServer
+
+__all__ = ["private_redis", "redis_prefix", "vault_lab"]  # fixtures, shared by every module
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -221,6 +240,19 @@ async def sidecar_factory() -> AsyncIterator[Callable[..., Awaitable[Sidecar]]]:
         await sidecar.server.close()
 
 
+async def openai_stack(
+    upstream_factory: Callable[..., Awaitable[FakeUpstream]],
+    sidecar_factory: Callable[..., Awaitable[Sidecar]],
+    handler: Handler | None = None,
+    **target: Any,
+) -> tuple[FakeUpstream, Sidecar]:
+    """A recording upstream (answering with ``handler``, else OK) behind a sidecar whose
+    policy has one OpenAI-style target, ``openai``, with ``target``'s overrides."""
+    up = await (upstream_factory(handler) if handler else upstream_factory())
+    sc = await sidecar_factory(compile_policy({"openai": openai_target(up.url, **target)}))
+    return up, sc
+
+
 @pytest.fixture(autouse=True)
 def _test_openai_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_OPENAI_KEY", "sk-fake-TEST-0001-NOTREAL")
@@ -233,3 +265,120 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> Non
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.005)
+
+
+SWITCH = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+
+
+class Switcher:
+    """Answers every request with a 101 and then holds the connection open, silent."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.port = 0
+        self._held: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_message(reader)
+        self.requests += 1
+        writer.write(SWITCH)
+        await writer.drain()
+        self._held.append(writer)  # never closed by us: a body read would hang
+
+
+@pytest.fixture
+async def switcher() -> AsyncIterator[Switcher]:
+    fake = Switcher()
+    server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+    fake.port = server.sockets[0].getsockname()[1]
+    yield fake
+    for writer in fake._held:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.fixture(scope="session")
+def json_server() -> Iterator[McpTestServer]:
+    """The MCP SDK's server, stateless, answering requests as JSON (tests count what it
+    received relative to what it had before, so one serves the session)."""
+    from tests.mcp_server import RunningServer  # the MCP SDK, only when asked for
+
+    running = RunningServer(stateless=True, json_response=True)
+    yield running.start()
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def chart() -> Iterator[helm.Chart]:
+    """The chart, loaded once (rendering never changes it)."""
+    import helm_python as helm  # only the chart tests load Helm's engine
+
+    from tests.helm_helpers import CHART
+
+    helm.disable_logging()
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+class CountWaits:
+    """Await ``awaitable`` through this, counting the times it suspended (waited for a
+    timer, I/O or another task) in ``waits``: "answered at once" is ``waits == 0``,
+    counted rather than timed, so a busy machine cannot fail it."""
+
+    def __init__(self, awaitable: Awaitable[Any]) -> None:
+        self._inner = awaitable
+        self.waits = 0
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        inner = self._inner.__await__()
+        sent: Any = None
+        thrown: BaseException | None = None
+        while True:
+            try:
+                yielded = inner.throw(thrown) if thrown is not None else inner.send(sent)
+            except StopIteration as done:
+                return done.value
+            self.waits += 1
+            sent, thrown = None, None
+            try:
+                sent = yield yielded
+            except BaseException as exc:  # cancellation goes in, as with await
+                thrown = exc
+
+
+async def turns_until(predicate: Callable[[], bool], most: int = 50) -> int:
+    """Let the event loop run one iteration at a time until ``predicate`` holds; the
+    iterations it took (at most ``most``, else the test fails): "at once" counted in the
+    loop's turns, not in seconds."""
+    for turn in range(most + 1):
+        if predicate():
+            return turn
+        await asyncio.sleep(0)
+    raise AssertionError(f"not within {most} turns of the event loop")
+
+
+@contextmanager
+def calls_made() -> Iterator[list[str]]:
+    """The names of the functions (Python and C, as :func:`sys.setprofile` sees them)
+    called in this thread while inside, in order: work counted, not timed."""
+    names: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            names.append(frame.f_code.co_name)
+        elif event == "c_call":
+            names.append(getattr(arg, "__name__", "?"))
+
+    sys.setprofile(profile)
+    try:
+        yield names
+    finally:
+        sys.setprofile(None)
+
+
+#: "Soon", for a test that rules out a long wait: far above what a loaded machine adds to
+#: loopback calls, far below the timer ruled out, which such a test sets to RULED_OUT_S.
+SOON_S = 10.0
+#: The timer (a deadline, a lease) that a test using SOON_S shows was not waited for.
+RULED_OUT_S = 45.0

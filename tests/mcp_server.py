@@ -4,7 +4,8 @@ receives (method, path, headers, body) before the SDK sees it.
 
 Tools: ``echo``, ``headers`` (the credential headers it got), ``create_issue`` and
 ``delete_repo`` (side effects, counted), ``progress`` (progress notifications, then the
-result, on one SSE answer), ``fail`` (a tool error: ``isError``), ``internal_admin``
+result, on one SSE answer), ``hold`` (one progress notification, then the call stays
+open for ``seconds``), ``fail`` (a tool error: ``isError``), ``internal_admin``
 (never allowed by the tests' policy).
 """
 
@@ -80,6 +81,13 @@ def _build(record: McpTestServer) -> MCPServer:
         for i in range(steps):
             await ctx.report_progress(progress=i + 1, total=steps, message=f"step {i + 1}")
         return f"done after {steps}"
+
+    @server.tool()
+    async def hold(seconds: float, ctx: Context) -> str:
+        """Report one progress step, then hold the call open (a call in flight)."""
+        await ctx.report_progress(progress=0, total=1, message="holding")
+        await asyncio.sleep(seconds)
+        return "held"
 
     @server.tool()
     def fail() -> str:

@@ -1,6 +1,6 @@
 """Real Redis for the cluster-scope tests (no fakes: the wire behaviour is the point).
 
-Import the fixtures into a test module: ``from tests.redis_fixtures import redis_prefix``.
+The fixtures are shared through ``tests/conftest.py``: a test asks for them by name.
 
 - :func:`redis_prefix`: the shared Redis on 127.0.0.1:6379, a key prefix unique to the
   test, and every key under it deleted afterwards.

@@ -4,7 +4,9 @@ aiohttp waits for a socket to drain without a bound, so an agent that sends an e
 and never reads its (large) answer would hold the handler, the answer's bytes and the
 connection for as long as it likes. The sidecar writes an answer larger than the
 transport's buffer within ``body_timeout_s``, then drops the connection and logs
-``answer_undelivered``; an agent that reads gets every byte, as before.
+``answer_undelivered``; an agent that reads gets every byte, as before. Small answers to
+pipelined requests that the agent never reads are bounded the same way once they fill
+the transport; pipelined answers that the agent reads all arrive, whole and in order.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from aiohttp import web
 
 from gateway.server.app import create_app
 from gateway.server.runtime import Gateway
-from tests.conftest import SidecarServer, compile_policy, envelope, openai_target, wait_for
+from tests.conftest import (
+    SidecarServer,
+    compile_policy,
+    envelope,
+    openai_stack,
+    openai_target,
+    wait_for,
+)
+from tests.rawhttp import read_message
 
 BIG = {"object": "blob", "text": "x" * (4 * 1024 * 1024)}  # ~4 MiB of JSON
 
@@ -110,3 +120,131 @@ async def test_an_agent_that_reads_gets_the_whole_large_answer(upstream_factory)
         assert not any(x.get("event") == "answer_undelivered" for x in _lines(log))
     finally:
         await server.close()
+
+
+MEDIUM = {"object": "blob", "text": "x" * (60 * 1024)}
+
+
+async def _medium(_: web.Request) -> web.StreamResponse:
+    return web.json_response(MEDIUM)
+
+
+async def test_small_answers_to_an_agent_that_stopped_reading_are_bounded_too(upstream_factory):
+    """An agent that sends requests on one connection (pipelined) and reads none of the
+    answers, each under 64 KiB: each is handed to the transport at once, but once the
+    earlier ones fill it the next one waits for the socket to drain, without a bound
+    (aiohttp's ``write_eof`` drains). That answer must be written within
+    ``body_timeout_s`` as a large one is, the connection dropped and ``answer_undelivered``
+    logged."""
+
+    up = await upstream_factory(_medium)
+    server, log = await _sidecar(up.url, body_timeout_s=0.5)
+    agent = socket.socket()
+    agent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        agent.connect(("127.0.0.1", server.port))
+        body = json.dumps(envelope()).encode()
+        one = (
+            b"POST /v1/calls HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        agent.sendall(one * 200)  # ~12 MiB of answers, more than any socket buffers
+        await wait_for(
+            lambda: any(x.get("event") == "answer_undelivered" for x in _lines(log)), 15.0
+        )
+        line = next(x for x in _lines(log) if x.get("event") == "answer_undelivered")
+        assert line["reason"] == "agent_stalled"
+    finally:
+        agent.close()
+        await server.close()
+
+
+async def test_pipelined_answers_to_an_agent_that_reads_all_arrive(upstream_factory):
+    """The other side of the bound above: an agent that pipelines its requests and reads
+    gets every answer whole, in order, and nothing is logged undelivered."""
+
+    up = await upstream_factory(_medium)
+    server, log = await _sidecar(up.url, body_timeout_s=5.0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        body = json.dumps(envelope()).encode()
+        one = (
+            b"POST /v1/calls HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        writer.write(one * 40)
+        await writer.drain()
+        for _ in range(40):
+            head, raw = await asyncio.wait_for(read_message(reader), 10)
+            assert head.startswith(b"HTTP/1.1 200 OK")
+            answer = json.loads(raw)
+            assert answer["data"] == MEDIUM
+        writer.close()
+        assert up.hits == 40
+        assert not any(x.get("event") == "answer_undelivered" for x in _lines(log))
+    finally:
+        await server.close()
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _endless_stream(closed: asyncio.Event) -> Any:
+    """An upstream that streams 64 KiB events until its connection is closed."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = b'data: {"choices":[{"delta":{"content":"' + b"A" * 65536 + b'"}}]}\n\n'
+        try:
+            while True:
+                await resp.write(chunk)
+        except (ConnectionError, RuntimeError):
+            pass
+        finally:
+            closed.set()
+        return resp
+
+    return handler
+
+
+@pytest.mark.parametrize("route", ["proxy", "envelope"])
+async def test_an_agent_that_stops_reading_is_cut_at_the_deadline(
+    upstream_factory, sidecar_factory, route: str
+):
+    closed = asyncio.Event()
+    _, sc = await openai_stack(upstream_factory, sidecar_factory, _endless_stream(closed))
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    if route == "proxy":
+        head = (
+            b"POST /proxy/openai/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nx-egress-timeout: 1\r\n"
+        )
+    else:
+        env = {"target_system": "openai", "endpoint": "/v1/chat/completions", "method": "POST"}
+        ids = {"trace_id": "t-1", "correlation_id": "c-1", "timeout": 1}
+        body = json.dumps({**env, **ids, "parameters": {**CHAT, "stream": True}}).encode()
+        head = (
+            b"POST /v1/calls HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Accept: text/event-stream\r\n"
+        )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", sc.server.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        status = await reader.readuntil(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 200"), status + await reader.read(2000)
+        # ...and the agent reads nothing more: the sidecar's writes block on its window.
+        await wait_for(lambda: bool(sc.audit_records()), timeout_s=8)
+        await asyncio.wait_for(closed.wait(), 5)  # the upstream request was closed
+    finally:
+        writer.close()
+    [record] = sc.audit_records()
+    assert record["success"] is False
+    assert record["error_code"] == "AGENT_TIMEOUT"
+    assert record["latency_ms"] < 5000
+    assert not [line for line in sc.lines() if line.get("level") == "error"]

@@ -22,7 +22,9 @@ import pytest
 from gateway.audit import log as audit
 from gateway.audit.query.cli import main, register
 from gateway.policy import AuditSpec
-from tests.auditlog_helpers import calls_of, read_json, write_log
+from tests.auditlog_helpers import call_record, calls_of, read_json, write_log
+from tests.conftest import FakeUpstream, Sidecar
+from tests.test_budgets import call, policy
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,7 @@ def correlations(text: str) -> list[str]:
         (["--code", "CAPACITY_EXCEEDED"], lambda c: c["error_code"] == "CAPACITY_EXCEEDED"),
         (["--failed"], lambda c: not c["success"]),
         (["--min-latency", "150"], lambda c: c["latency_ms"] >= 150),
+        (["--policy", "bbbb*"], lambda c: c["policy_sha256"] == "b" * 64),
         (
             ["--failed", "--target", "anthropic", "--min-latency", "20"],
             lambda c: (
@@ -86,6 +89,7 @@ def correlations(text: str) -> list[str]:
         "code",
         "failed",
         "min-latency",
+        "policy-digest",
         "combined",
     ],
 )
@@ -191,6 +195,27 @@ def test_trace_timeline(log_path: Path, calls: list[dict[str, Any]]) -> None:
         1,
         "no calls for trace no-such-trace\n",
     )
+
+
+def test_trace_names_the_agents_of_its_call_chains(tmp_path: Path) -> None:
+    # Only the executor's log is at hand: the planner that started the chain is named by
+    # the chain its calls carried.
+    import random
+
+    path = tmp_path / "executor.log"
+    log = audit.AuditLog(AuditSpec(sink="file", path=str(path)), agent_id="executor")
+    try:
+        for number in range(2):
+            record = call_record(random.Random(number), number, "executor", "trace-a2a")
+            record["call_chain"] = ["planner", "executor"]
+            record["call_chain_depth"] = 2
+            log.call(record)
+    finally:
+        log.close()
+    code, out, _ = run("trace", "trace-a2a", str(path))
+    assert code == 0
+    assert "(agents: executor, planner)" in out
+    assert "planner > executor" in out
 
 
 def test_verify_command(log_path: Path, tmp_path: Path) -> None:
@@ -359,3 +384,20 @@ def _call(agent: str, number: int) -> dict[str, Any]:
         "warnings": [],
         "metadata": {},
     }
+
+
+async def test_the_summary_shows_small_spends(
+    upstream_factory: Any, sidecar_factory: Any, tmp_path: Any
+) -> None:
+    """An auditor's table: a day of gpt-4o-mini calls costs cents; four decimals showed
+    a real spend of 0.000028 USD as 0.0000."""
+    upstream: FakeUpstream = await upstream_factory()
+    sc: Sidecar = await sidecar_factory(policy(upstream.url, {}))
+    await sc.call(call())
+    record = {**sc.audit_records()[-1], "cost_usd": 0.000028}
+    path = tmp_path / "audit.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    out = io.StringIO()
+    assert main(["summary", str(path)], stdout=out, stderr=io.StringIO()) == 0
+    rows = [line.split() for line in out.getvalue().splitlines() if line.strip()[:4] == "all "]
+    assert rows[0][-1] == "0.000028"

@@ -47,10 +47,12 @@ async def test_two_gateways_in_one_process_write_two_audit_streams(
         records = sidecar.audit_records()
         assert [r["trace_id"] for r in records] == [f"tr-{name}-{n}" for n in range(3)]
         assert {r["sidecar_id"] for r in records} == {sidecar.gateway.audit.sidecar_id}  # type: ignore[union-attr]
-        assert [r["seq"] for r in records] == [1, 2, 3]  # a chain of its own
+        # A chain of its own: seq 1 is its start record (the policy it started with).
+        start = [line for line in sidecar.lines() if line.get("event") == "policy_start"]
+        assert [r["seq"] for r in start + records] == [1, 2, 3, 4]
         result = verify(["-"], stdin=io.BytesIO(sidecar.log.getvalue().encode()))
         assert result.ok, result.breaks
-        assert (result.chains, result.chained) == (1, 3)
+        assert (result.chains, result.chained) == (1, 4)  # the start record and 3 calls
     assert a.gateway.audit is not b.gateway.audit
 
 

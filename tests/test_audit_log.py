@@ -350,6 +350,8 @@ FILTER_CASES = [
     ("endpoint", Filters(endpoint=("/v1/messages",)), lambda c: c["endpoint"] == "/v1/messages"),
     ("code", Filters(code=("CIRCUIT_OPEN",)), lambda c: c["error_code"] == "CIRCUIT_OPEN"),
     ("failed", Filters(failed=True), lambda c: not c["success"]),
+    ("policy", Filters(policy=("b" * 64,)), lambda c: c["policy_sha256"] == "b" * 64),
+    ("policy prefix", Filters(policy=("aaaa*",)), lambda c: c["policy_sha256"] == "a" * 64),
     ("min latency", Filters(min_latency_ms=100.0), lambda c: c["latency_ms"] >= 100.0),
     (
         "combined",

@@ -131,7 +131,7 @@ def test_invalid_json_on_an_error_status_is_truncated_too() -> None:
 def test_bytes_that_are_not_utf8_never_raise_and_are_never_decoded_lossily(
     content_type: str | None, body: bytes
 ) -> None:
-    # Issue 14: these bytes used to come back with U+FFFD in them; now they are kept whole.
+    # These bytes used to come back with U+FFFD in them; now they are kept whole.
     data, is_json = parse_body(content_type, body, 200)
     assert is_json is False
     assert "\ufffd" not in json.dumps(data, ensure_ascii=False)

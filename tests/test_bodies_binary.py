@@ -1,4 +1,4 @@
-"""Bodies that are not JSON (issue 14): uploads in the envelope's ``body``, the envelope's
+"""Bodies that are not JSON: uploads in the envelope's ``body``, the envelope's
 ``query`` for any method, and the rules that keep both honest (intake, egress, idempotency)."""
 
 from __future__ import annotations

@@ -1,17 +1,19 @@
-"""Bounded work per request (issue 13, class 5).
+"""Bounded work per request.
 
 No envelope may hold the event loop for long: what the sidecar reports about an invalid
 envelope is capped (unknown fields, header errors, metadata, lone surrogates) and a large
-body is parsed once. The heartbeat test measures the loop's longest stall while a real
-sidecar handles the worst envelopes built at the policy's ``server.max_request_bytes``.
+body is parsed once. The work a real sidecar does for the worst envelopes built at the
+policy's ``server.max_request_bytes`` is counted (Python and C function calls in the
+loop's thread, whatever the machine's speed): it stays under a budget and grows at most
+linearly with the envelope's size. Finding the end of an event in a relayed stream
+searches each byte about once. The loop's stalls are timed in ``bench/loop_stall.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
-import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -24,18 +26,23 @@ from gateway.call.intake import (
     parse_request,
     refuse_lone_surrogates,
 )
+from gateway.call.sse import EventTooLarge, SseDecoder, complete_events
 from gateway.envelope import MAX_METADATA_BYTES, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload
-from tests.conftest import compile_policy, envelope, openai_target
+from tests.conftest import calls_made, compile_policy, envelope, openai_target
 
 MiB = 1024 * 1024
-#: The policy limit of the heartbeat test: the stall of the worst envelope grows with its
-#: size (one parse at least), so it is measured at a size whose parse is well inside the
-#: bound on a loaded 2-core machine; 8 MiB figures are in the issue note.
+#: The policy limit of the counted calls (the work grows with the size; the linearity
+#: check holds it to any size).
 LIMIT = 1 * MiB
-#: The longest event-loop stall allowed while one envelope is handled (generous: the
-#: machine is shared; the real figures are a few tens of milliseconds).
-MAX_STALL_S = 0.25
+#: The most function calls (Python and C, as :func:`sys.setprofile` sees them) that one
+#: envelope of LIMIT bytes may cost the loop's thread, from the request's first byte to
+#: its answer and audit record: the worst shape today (about 87,000 header values of the
+#: wrong type) costs about 82,000, one per item; a plain envelope about 1,600.
+MAX_CALLS = 150_000
+#: Calls that vary from run to run whatever the envelope: the body arrives in as many
+#: reads as the socket gives, and timers of the loop may fire during the call.
+CALL_SLACK = 10_000
 _FILL = "__FILL__"
 
 
@@ -193,49 +200,62 @@ def test_a_large_body_nested_past_the_fast_parsers_limit_still_parses() -> None:
 # -- the event loop keeps running --------------------------------------------------------
 
 
-def _worst() -> dict[str, tuple[bytes, int, str | None]]:
-    """Envelopes of LIMIT bytes that make the sidecar work per item, with the answer's
-    expected (HTTP status, error code)."""
+@functools.cache
+def _worst(size: int = LIMIT) -> dict[str, tuple[bytes, int, str | None]]:
+    """Envelopes of ``size`` bytes that make the sidecar work per item, with the answer's
+    expected (HTTP status, error code); built once per size (they are read only)."""
     keys, ones = _key("x"), (lambda i: "1")
     top_level = json.dumps(envelope())[:-1] + ", " + json.dumps(_FILL) + "}"
-    surrogate = filled(ones, open_="[", close=',"\\udc00"]', parameters={"a": _FILL})
+    surrogate = filled(ones, open_="[", close=',"\\udc00"]', size=size, parameters={"a": _FILL})
     return {
         "unknown-fields": (
-            filled(keys, open_="{", close="}", template=json.dumps(_FILL)),
+            filled(keys, open_="{", close="}", template=json.dumps(_FILL), size=size),
             400,
             "INVALID_PAYLOAD",
         ),
-        "unknown-fields-warn": (filled(keys, open_="", close="", template=top_level), 200, None),
+        "unknown-fields-warn": (
+            filled(keys, open_="", close="", template=top_level, size=size),
+            200,
+            None,
+        ),
         "wrong-header-values": (
-            filled(keys, open_="{", close="}", headers=_FILL),
+            filled(keys, open_="{", close="}", size=size, headers=_FILL),
             400,
             "INVALID_PAYLOAD",
         ),
         "many-headers": (
-            filled(lambda i: f'"h{i:07d}":"v"', open_="{", close="}", headers=_FILL),
+            filled(lambda i: f'"h{i:07d}":"v"', open_="{", close="}", size=size, headers=_FILL),
             403,
             "PERMISSION_DENIED",
         ),
         "huge-metadata": (
-            filled(ones, open_="[", close="]", metadata={"a": _FILL}),
+            filled(ones, open_="[", close="]", size=size, metadata={"a": _FILL}),
             400,
             "INVALID_PAYLOAD",
         ),
         "metadata-keys": (
-            filled(keys, open_="{", close="}", metadata=_FILL),
+            filled(keys, open_="{", close="}", size=size, metadata=_FILL),
             400,
             "INVALID_PAYLOAD",
         ),
         "lone-surrogate-last": (surrogate, 400, "INVALID_PAYLOAD"),
         "wrong-type-list": (
-            filled(ones, open_="[", close="]", max_retries=_FILL),
+            filled(ones, open_="[", close="]", size=size, max_retries=_FILL),
             400,
             "INVALID_PAYLOAD",
         ),
-        "parameters-keys": (filled(keys, open_="{", close="}", parameters=_FILL), 200, None),
-        "parameters-ints": (filled(ones, open_="[", close="]", parameters={"a": _FILL}), 200, None),
+        "parameters-keys": (
+            filled(keys, open_="{", close="}", size=size, parameters=_FILL),
+            200,
+            None,
+        ),
+        "parameters-ints": (
+            filled(ones, open_="[", close="]", size=size, parameters={"a": _FILL}),
+            200,
+            None,
+        ),
         "parameters-escapes": (
-            filled(lambda i: '"\\u00e9"', open_="[", close="]", parameters={"a": _FILL}),
+            filled(lambda i: '"\\u00e9"', open_="[", close="]", size=size, parameters={"a": _FILL}),
             200,
             None,
         ),
@@ -261,11 +281,18 @@ def test_the_worst_cases_are_all_measured() -> None:
     assert sorted(WORST) == sorted(_worst())
 
 
+async def _counted(call: Awaitable[tuple[int, Any]]) -> tuple[int, Any, int]:
+    with calls_made() as calls:
+        status, answer = await call
+    return status, answer, len(calls)
+
+
 @pytest.mark.parametrize("case", WORST)
-async def test_the_event_loop_never_stalls_long_on_one_envelope(
+async def test_the_work_of_one_envelope_is_bounded_and_linear_in_its_size(
     case: str, upstream_factory: Any, sidecar_factory: Any
 ) -> None:
     body, status, code = _worst()[case]
+    half, _, _ = _worst(LIMIT // 2)[case]  # past LARGE_BODY_BYTES too: the same path
     assert LIMIT - 4096 < len(body) <= LIMIT
     up = await upstream_factory()
     policy = compile_policy(
@@ -276,28 +303,15 @@ async def test_the_event_loop_never_stalls_long_on_one_envelope(
     sc = await sidecar_factory(policy)
     await sc.call(envelope())  # warm: first-call imports and connections
 
-    gaps: list[float] = []
-    stop = asyncio.Event()
-
-    async def heartbeat() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    beat = asyncio.create_task(heartbeat())
-    await asyncio.sleep(0.02)
-    got_status, answer = await sc.call(body)
-    stop.set()
-    await beat
+    *_, work_half = await _counted(sc.call(half))
+    got_status, answer, work = await _counted(sc.call(body))
     response = ExternalCallResponse.model_validate(answer)
     assert got_status == status, answer
     assert (response.error.code if response.error else None) == code
-    assert len(sc.audit_records()) == 2
-    longest = max(gaps)
-    assert longest < MAX_STALL_S, f"{case}: the loop stalled {longest * 1000:.0f} ms"
+    assert len(sc.audit_records()) == 3
+    assert work < MAX_CALLS, f"{case}: {work} calls for one envelope of {len(body)} bytes"
+    # Twice the bytes may cost twice the work, not four times (quadratic).
+    assert work <= 2 * work_half + CALL_SLACK, f"{case}: {work_half} -> {work} calls"
 
 
 @pytest.mark.parametrize(
@@ -315,3 +329,47 @@ def test_a_lone_surrogate_is_named_down_to_two_levels(value: dict[str, Any], fie
     with pytest.raises(InvalidPayload) as caught:
         refuse_lone_surrogates(b"\\udc00", value)
     assert caught.value.details == {"reason": "lone_surrogate", "field": field}
+
+
+class _Counted(bytearray):
+    """A buffer that counts the bytes each ``rfind`` may look at."""
+
+    looked = 0
+
+    def rfind(self, sub: Any, start: Any = None, end: Any = None) -> int:  # type: ignore[override]
+        _Counted.looked += len(self) - (start or 0)
+        return super().rfind(sub, start, end)
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+def test_finding_whole_events_searches_each_byte_about_once(newline: bytes) -> None:
+    big = b"data: " + b"A" * 200_000 + newline + newline
+    stream = big + b"data: x" + newline + newline + big
+    chunk = 1000
+    held, cuts, sent = _Counted(), [], 0
+    _Counted.looked = 0
+    for at in range(0, len(stream), chunk):
+        searched = len(held)
+        held += stream[at : at + chunk]
+        cut = complete_events(held, searched)
+        assert cut == complete_events(bytes(held))  # the same answer as a full search
+        if cut:
+            cuts.append(sent + cut)
+            sent += cut
+            held = _Counted(held[cut:])
+    assert cuts == [len(big) + len(newline) * 2 + 7, len(stream)]
+    # 5 end marks, each searching the new bytes plus a few before: linear, not quadratic.
+    assert _Counted.looked < 5 * (len(stream) + 4 * len(stream) // chunk)
+
+
+def test_decoding_one_long_line_joins_it_once() -> None:
+    decoder = SseDecoder(10_000_000)
+    line = b"data: " + b"B" * 100_000
+    for at in range(0, len(line), 100):
+        assert decoder.feed(line[at : at + 100]) == []
+    [event] = decoder.feed(b"\n\n")
+    assert event.data == "B" * 100_000
+    bounded = SseDecoder(1000)
+    assert bounded.feed(b"data: " + b"C" * 600) == []
+    with pytest.raises(EventTooLarge):  # a line growing in pieces is still bounded
+        bounded.feed(b"C" * 600)

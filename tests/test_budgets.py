@@ -1,4 +1,4 @@
-"""Cost, budgets and shadow mode (issue 20), in one process: pure parts table-driven,
+"""Cost, budgets and shadow mode, in one process: pure parts table-driven,
 then real sidecars in front of loopback upstreams that count what reaches them.
 
 Prices in these tests come from the policy's ``prices:`` table (0.1 USD per token, so

@@ -1,4 +1,4 @@
-"""Cluster-scope budgets on real Redis (issue 20, "Done when"): the Lua script's buckets
+"""Cluster-scope budgets on real Redis: the Lua script's buckets
 and resets are the pure module's; concurrent admissions from several clients never book
 past the limit; three real sidecar processes sharing one budget let through exactly what
 fits (the upstream counts); a shadow cluster group records without waiting; a
@@ -31,9 +31,7 @@ from gateway.ratelimit.cluster import ClusterLimits
 from gateway.stores.redis import RedisClient
 from tests.conftest import compile_policy, envelope, openai_target, policy_yaml
 from tests.processes import Process
-from tests.redis_fixtures import SHARED_URL, free_port, redis_prefix
-
-__all__ = ["redis_prefix"]  # a fixture, imported for pytest
+from tests.redis_fixtures import SHARED_URL, free_port
 
 PRICES = {"fake-model-1": {"input_usd_per_mtok": 100_000, "output_usd_per_mtok": 100_000}}
 MESSAGES = [{"role": "user", "content": "ping"}]
@@ -277,3 +275,17 @@ async def test_budget_without_redis(upstream_factory, sidecar_factory, on_redis_
         assert status == 200
         assert up.hits == 1
         assert any("Redis unavailable" in w for w in sc.audit_records()[-1]["warnings"])
+
+
+def test_a_cluster_budget_without_redis_says_it_is_counted_here_alone() -> None:
+    """A reload can bring a ``scope: cluster`` budget and its ``redis:`` section to a
+    sidecar started without one (Redis needs a restart: the reload's record says so);
+    until then each sidecar counts the budget alone, and every call's record says it."""
+    budgets = Budgets({"b": BudgetSpec(limit_usd=10, window="daily", scope="cluster")})
+    booking = asyncio.run(budgets.reserve(budgets.applying("t", None, "a"), 1.0))
+    assert booking.warnings == [
+        "budget 'b' (scope: cluster) is counted by this sidecar alone: it runs without "
+        "Redis (the redis section needs a restart)"
+    ]
+    local = Budgets({"b": BudgetSpec(limit_usd=10, window="daily")})
+    assert asyncio.run(local.reserve(local.applying("t", None, "a"), 1.0)).warnings == []

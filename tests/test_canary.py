@@ -114,7 +114,7 @@ async def test_canary_never_leaves_the_outgoing_request(
     } <= codes
 
 
-# -- a query_param credential, in every form the sidecar may write it (issue 13, class 6) --
+# -- a query_param credential, in every form the sidecar may write it --
 
 #: Keys holding what percent-encoding, JSON and repr change: "+", "/", "=", a space,
 #: non-ASCII, a quote, a backslash, "%", "&", "#", "?".

@@ -188,10 +188,13 @@ def test_the_client_imports_nothing_of_the_sidecar_and_depends_on_httpx_and_pyda
 # -- round trips through a real sidecar ----------------------------------------------------
 
 
-async def _sidecar(upstream_factory, sidecar_factory, handler, **target: Any):
+async def _sidecar(
+    upstream_factory, sidecar_factory, handler, agent_id: str = "test-agent", **target: Any
+):
     up = await upstream_factory(handler)
     spec = openai_target(up.url, idempotency={"methods": ["POST"]}, **target)
-    return up, await sidecar_factory(compile_policy({"fake-openai": spec}))
+    policy = compile_policy({"fake-openai": spec}, agent_id=agent_id)
+    return up, await sidecar_factory(policy)
 
 
 PARAMS = {"model": "m", "messages": [{"role": "user", "content": "ping"}]}
@@ -201,7 +204,8 @@ async def test_a_call_round_trips(upstream_factory, sidecar_factory):
     async def completion(_: web.Request) -> web.StreamResponse:
         return web.json_response({"choices": [], "usage": {"total_tokens": 21}})
 
-    up, sc = await _sidecar(upstream_factory, sidecar_factory, completion)
+    # The client's agent_id is a claim: equal to the sidecar's agent, it is accepted.
+    up, sc = await _sidecar(upstream_factory, sidecar_factory, completion, agent_id="planner-7")
     async with AsyncEgressClient(sc.url, agent_id="planner-7") as client:
         with bind_ids(trace_id="tr-client-1"):
             answer = await client.call(

@@ -1,4 +1,4 @@
-"""Envelope strings that reach places with stricter rules (issue 13, class 2).
+"""Envelope strings that reach places with stricter rules.
 
 Ids, ``idempotency_key``, ``api_key_ref``, ``protocol_version`` and metadata keys are
 copied into headers, answers and log lines. A control character (CR/LF split a header,

@@ -25,9 +25,7 @@ import redis
 from tests.conftest import FakeUpstream, envelope, policy_yaml, wait_for
 from tests.processes import ROOT, Process
 from tests.processes import item_target as lifecycle_target
-from tests.redis_fixtures import SHARED_URL, redis_prefix
-
-__all__ = ["redis_prefix"]  # a fixture, imported for pytest
+from tests.redis_fixtures import SHARED_URL
 
 #: Top-level packages a sidecar without a ``redis:`` section and without Vault must not load.
 NOT_NEEDED = {"redis", "rich", "pygments", "hvac", "requests"}

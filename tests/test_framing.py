@@ -1,4 +1,4 @@
-"""Request framing and encoding (issue 13, class 3), over raw TCP to a real listener.
+"""Request framing and encoding, over raw TCP to a real listener.
 
 A ``Content-Encoding`` the body does not have, or one the sidecar does not decode, gets
 a JSON ExternalCallResponse with INVALID_PAYLOAD (``details.reason: content_encoding``);

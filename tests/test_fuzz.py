@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the calls listener (issue 13, "In the suite").
+"""Property-based fuzzing of the calls listener.
 
 Generated envelopes (valid ones with fields mutated, wrong types, unknown fields, huge
 strings, deep nesting, odd unicode, control characters, lone surrogates, duplicate keys,

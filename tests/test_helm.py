@@ -6,7 +6,6 @@ enforced on wrong value types. Enforced egress and the NetworkPolicy: test_helm_
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +88,6 @@ CUSTOM: dict[str, Any] = {
     "metrics": {"service": {"enabled": True, "port": 9192}},
     "agent": {"image": {"repository": "registry.example.com/planner", "tag": "1.4.2"}},
 }
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[helm.Chart]:
-    helm.disable_logging()
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
 
 
 def test_lint_passes_strict_with_default_and_custom_values() -> None:

@@ -6,7 +6,6 @@ Kubernetes 1.29-1.33. The script itself is run for real in tests/test_enforce.py
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 import helm_python as helm
@@ -49,13 +48,6 @@ ENFORCED: dict[str, Any] = {
         ],
     },
 }
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[helm.Chart]:
-    helm.disable_logging()
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
 
 
 @pytest.mark.parametrize(

@@ -496,7 +496,7 @@ def test_every_error_code_is_documented_in_the_readme():
         assert f"| `{code.value}` |" in readme, code
 
 
-# -- found by the adversarial review ------------------------------------------------------
+# -- hostile input: odd strings, ids, headers, paths, numbers; a tightened egress --------
 
 
 async def test_lone_surrogate_is_refused_and_audited(upstream_factory, sidecar_factory):
@@ -577,8 +577,8 @@ async def test_a_number_that_overflows_a_float_is_refused_not_forwarded(
 async def test_a_tightened_egress_applies_at_once_to_pooled_connections(
     upstream_factory, sidecar_factory
 ):
-    # Found by review: keep-alive connections checked under the old rules kept a now
-    # denied destination reachable for as long as calls kept them busy.
+    # Keep-alive connections checked under the old rules must not keep a now denied
+    # destination reachable for as long as calls kept them busy.
     up = await upstream_factory()
     by_name = up.url.replace("127.0.0.1", "localhost")  # checked when connecting
     sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(by_name)}))

@@ -1,4 +1,4 @@
-"""Fingerprints written faster (issue 21), never differently: the same canonical JSON
+"""Fingerprints written faster, never differently: the same canonical JSON
 bytes whoever writes them (orjson where it spells them as the stdlib does, the stdlib's
 C encoder, json.dumps), with or without orjson installed, and the same as earlier
 versions computed, so a resend across a rolling upgrade of sidecars sharing a Redis
@@ -19,9 +19,7 @@ from gateway.idempotency import Proceed, Replay, canonical_json, fingerprint, ke
 from gateway.idempotency.redis import RedisIdempotencyStore
 from gateway.policy import RedisSpec
 from gateway.stores.redis import RedisClient
-from tests.redis_fixtures import SHARED_URL, redis_prefix
-
-__all__ = ["redis_prefix"]  # a fixture, imported for pytest
+from tests.redis_fixtures import SHARED_URL
 
 # Computed by the sidecar before this change (commit b3e62be, json.dumps only): a
 # fingerprint must never change, or a resend of a key stored by an older sidecar

@@ -1,4 +1,4 @@
-"""The in-memory idempotency store's per-call work (issue 21): an entry completes in
+"""The in-memory idempotency store's per-call work: an entry completes in
 place, expiry is looked at only when something can have expired, eviction pops a
 queue's front. What it stores, replays, expires and evicts is unchanged."""
 

@@ -82,6 +82,7 @@ def test_every_documented_field_is_known() -> None:
         "metadata",
         "query",
         "body",
+        "call_chain",
     } == REQUEST_FIELDS
 
 

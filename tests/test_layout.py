@@ -1,14 +1,17 @@
-"""The house keeps itself: library owners, package cycles, module sizes (pure, reads files).
+"""The house keeps itself: library owners, package cycles, sizes (pure, reads files).
 
 Each third-party library is imported by its owner only (the same table as ruff's banned-API
 rule, TID251, in pyproject.toml, which this test also holds to the table); the contract
 (``envelope``, ``errors``) imports nothing else of the package; ``demo`` is imported by
-nothing; no cycle between the package's parts; no module over 500 lines.
+nothing; no cycle between the package's parts; no function body over 60 lines (but the
+named offenders of :data:`LONG_FUNCTIONS`); no module over 1000 lines, a backstop only:
+a module is split where a seam is, never to stay under a count.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -26,9 +29,12 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/upstream/client.py",
             "gateway/upstream/resolver.py",
             "gateway/server/app.py",
-            "gateway/server/proxy.py",
-            "gateway/server/mcp.py",
             "gateway/inject/server.py",
+            "gateway/api/http.py",
+            "gateway/server/listeners.py",
+            "gateway/server/ops.py",
+            "gateway/server/desk.py",
+            "gateway/console/server.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
@@ -42,6 +48,10 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/models.py",
             "gateway/policy/stores.py",
             "gateway/policy/budgets.py",
+            "gateway/policy/agents.py",
+            "gateway/policy/chain.py",
+            "gateway/policy/controls.py",
+            "gateway/policy/desk.py",
             "gateway/policy/mcp.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
@@ -70,7 +80,27 @@ OWNERS: dict[str, frozenset[str]] = {
 #: A program of its own beside the sidecar (its stand-in upstreams and console output):
 #: it may import what it needs, and nothing imports it.
 PROGRAMS = ("gateway/demo/",)
-MAX_MODULE_LINES = 500
+#: A backstop against a module that swallows several concerns, not a size to aim for: at
+#: 500 the cap shaped the code (eleven modules sat at 450-499 lines and three were split by
+#: size, not at a seam); twice today's largest module leaves room to split where a seam is.
+MAX_MODULE_LINES = 1000
+#: The most lines a function's body may take, its signature and docstring not counted.
+MAX_FUNCTION_LINES = 60
+#: Today's functions over :data:`MAX_FUNCTION_LINES` (``path::Class.function``), each to be
+#: cut at its seams; an entry leaves this list as soon as its function is short enough (the
+#: test says so), and nothing joins it.
+LONG_FUNCTIONS: frozenset[str] = frozenset(
+    {
+        "gateway/call/mcp.py::mcp_intake",
+        "gateway/call/proxy.py::proxy_intake",
+        "gateway/call/relay.py::relay_stream",
+        "gateway/demo/run.py::_run",
+        "gateway/metrics/series.py::Series.__init__",
+        "gateway/policy/egress.py::decide",
+        "gateway/server/app.py::serve",
+        "gateway/upstream/client.py::Upstream._send",
+    }
+)
 
 
 def _files() -> list[Path]:
@@ -88,9 +118,15 @@ def _module(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The module's syntax tree, parsed once for all the rules (read only)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _imports(path: Path) -> Iterator[tuple[str, bool]]:
     """(imported module, only for type checking) for every import in ``path``."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _tree(path)
     typing_only: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
@@ -153,13 +189,17 @@ def _unit(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def _runtime_graph() -> dict[str, set[str]]:
+def _graph(*, typing_only_too: bool = False) -> dict[str, set[str]]:
+    """Part -> the parts it imports (run-time imports; ``typing_only_too``: also those
+    under ``if TYPE_CHECKING:``)."""
     known = {_module(p) for p in _files()}
     graph: dict[str, set[str]] = {}
     for path in _files():
         source = _unit(_module(path))
         for name, typing_only in _imports(path):
-            if typing_only or not name.startswith("gateway.") or name not in known:
+            if typing_only and not typing_only_too:
+                continue
+            if not name.startswith("gateway.") or name not in known:
                 continue
             target = _unit(name)
             if target != source and target != "gateway":
@@ -167,8 +207,7 @@ def _runtime_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_cycle_between_the_parts_of_the_package() -> None:
-    graph = _runtime_graph()
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
     cycles: list[list[str]] = []
 
     def visit(node: str, path: list[str]) -> None:
@@ -180,7 +219,11 @@ def test_no_cycle_between_the_parts_of_the_package() -> None:
 
     for start in sorted(graph):
         visit(start, [start])
-    assert sorted({" -> ".join(c) for c in cycles}) == []
+    return sorted({" -> ".join(c) for c in cycles})
+
+
+def test_no_cycle_between_the_parts_of_the_package() -> None:
+    assert _cycles(_graph()) == []
 
 
 def test_the_contract_imports_nothing_else_of_the_package() -> None:
@@ -202,5 +245,61 @@ def test_nothing_imports_the_demo() -> None:
 
 
 @pytest.mark.parametrize("path", _files(), ids=_rel)
-def test_modules_stay_small(path: Path) -> None:
+def test_modules_stay_under_the_backstop(path: Path) -> None:
     assert len(path.read_text().splitlines()) <= MAX_MODULE_LINES
+
+
+def _function_lengths(path: Path, source: str | None = None) -> Iterator[tuple[str, int]]:
+    """(``path::Class.function``, lines of its body without the docstring) for every
+    function in ``path`` (or in ``source``, read as that file), nested ones included
+    (they count in their parent too)."""
+
+    def walk(node: ast.AST, prefix: str) -> Iterator[tuple[str, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                body = child.body
+                if ast.get_docstring(child, clean=False) is not None:
+                    body = body[1:]
+                end = child.end_lineno or child.lineno
+                name = f"{prefix}{child.name}"
+                yield f"{_rel(path)}::{name}", (end - body[0].lineno + 1) if body else 0
+                yield from walk(child, f"{name}.")
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, f"{prefix}{child.name}.")
+            else:
+                yield from walk(child, prefix)
+
+    yield from walk(_tree(path) if source is None else ast.parse(source, str(path)), "")
+
+
+def test_no_function_body_over_60_lines() -> None:
+    lengths = dict(pair for path in _files() for pair in _function_lengths(path))
+    long = {name for name, lines in lengths.items() if lines > MAX_FUNCTION_LINES}
+    assert sorted(long - LONG_FUNCTIONS) == [], "cut these at their seams"
+    short_now = sorted(n for n in LONG_FUNCTIONS if lengths.get(n, 0) <= MAX_FUNCTION_LINES)
+    assert short_now == [], "short enough (or gone): take them off LONG_FUNCTIONS"
+
+
+def test_the_function_length_counts_the_body_only() -> None:
+    """The rule's own arithmetic: signature and docstring do not count, nested bodies do."""
+    module = PACKAGE / "_probe_for_the_count.py"
+    source = '''def outer(
+    a: int,
+    b: int,
+) -> int:
+    """Doc.
+
+    More doc.
+    """
+    x = a
+
+    def inner() -> int:
+        return b
+
+    return x + inner()
+'''
+    lengths = dict(_function_lengths(module, source))
+    assert lengths == {
+        "gateway/_probe_for_the_count.py::outer": 6,
+        "gateway/_probe_for_the_count.py::outer.inner": 1,
+    }

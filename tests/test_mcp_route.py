@@ -1,4 +1,4 @@
-"""The MCP route's HTTP behaviour against a recording loopback upstream (issue 17): what
+"""The MCP route's HTTP behaviour against a recording loopback upstream: what
 the sidecar itself answers (JSON-RPC errors), event streams relayed and filtered event by
 event, a stream cut mid-way, GET and DELETE, rate-limit groups, metrics. The real SDK on
 both ends is tests/test_mcp_sdk.py."""

@@ -1,4 +1,4 @@
-"""MCP targets, the pure parts (issue 17): JSON-RPC parsing, the Mcp-Method / Mcp-Name
+"""MCP targets, the pure parts: JSON-RPC parsing, the Mcp-Method / Mcp-Name
 rules, tool and argument rules, tools/list filtering, batch refusals, the policy keys."""
 
 from __future__ import annotations

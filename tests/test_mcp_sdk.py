@@ -1,4 +1,4 @@
-"""MCP targets with the real ``mcp`` Python SDK (issue 17).
+"""MCP targets with the real ``mcp`` Python SDK.
 
 A real MCP server (:mod:`tests.mcp_server`: the SDK's ``MCPServer`` over streamable HTTP,
 in a thread) is the upstream; the SDK's own streamable-HTTP client talks to
@@ -38,14 +38,6 @@ ALLOWED = ["echo", "headers", "create_issue", "progress", "fail", "delete_*"]
 def sse_server() -> Iterator[McpTestServer]:
     """Stateful (sessions), answering requests as event streams (the SDK's default)."""
     running = RunningServer()
-    yield running.start()
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def json_server() -> Iterator[McpTestServer]:
-    """Stateless, answering requests as JSON."""
-    running = RunningServer(stateless=True, json_response=True)
     yield running.start()
     running.stop()
 

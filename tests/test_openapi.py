@@ -1,4 +1,4 @@
-"""The published contract (issue 16): ``GET /openapi.json`` and ``docs/openapi.json``.
+"""The published contract: ``GET /openapi.json`` and ``docs/openapi.json``.
 
 The document is current, valid OpenAPI 3.1, agrees with the README's error-code table,
 is served by both listeners, and every answer of a real sidecar conforms to it: a set of

@@ -1,4 +1,4 @@
-"""Policy fuzzing (issue 13, "In the suite"): whatever a policy file holds, loading it
+"""Policy fuzzing: whatever a policy file holds, loading it
 gives a PolicySet or a PolicyError whose every problem is one printable line
 ``FILE:LINE: key.path: problem`` with a line inside the file; never another exception.
 

@@ -1,4 +1,4 @@
-"""The drop-in provider routes over plain HTTP (issue 15): what goes upstream (credentials
+"""The drop-in provider routes over plain HTTP: what goes upstream (credentials
 dropped and injected, headers, ids, idempotency), what comes back (the upstream's own
 answer, the sidecar's refusals in the provider's shape), and the pure parts."""
 

@@ -1,4 +1,4 @@
-"""The drop-in route's one-pass intake (issue 21): for every body, the fast path
+"""The drop-in route's one-pass intake: for every body, the fast path
 (:func:`gateway.call.intake.parse_object_fast`, then :func:`gateway.call.intake.
 parse_built`) gives what the exact path (:func:`gateway.call.intake.decode_json`, then
 :func:`gateway.call.intake.parse_request`) gives: the same ``parameters`` (types, key
@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from gateway import fastjson, redaction
+from gateway.api.http import scrubbed
 from gateway.call.intake import (
     LARGE_BODY_BYTES,
     Intake,
@@ -29,15 +30,16 @@ from gateway.call.intake import (
 from gateway.call.proxy import (
     ProxyRequest,
     _claim,
-    _ids,
     _timeout,
     _uuid4_hex_pair,
     proxy_intake,
 )
+from gateway.call.proxy import (
+    request_ids as _ids,
+)
 from gateway.call.record import CLAIM_LIMIT, CallContext
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.idempotency.keys import fingerprint
-from gateway.server.proxy import scrubbed
 from tests.conftest import compile_policy, openai_target
 
 POLICY = compile_policy({"openai": openai_target("http://127.0.0.1:9")})

@@ -1,4 +1,4 @@
-"""The drop-in provider routes with the providers' real SDKs (issue 15).
+"""The drop-in provider routes with the providers' real SDKs.
 
 The OpenAI, Anthropic and Google Gen AI SDKs are pointed at a real sidecar on loopback
 (``base_url=.../proxy/{target}``) with a placeholder key; loopback stand-ins answer as the

@@ -360,7 +360,7 @@ def test_a_secret_cut_by_truncation_is_still_masked() -> None:
         assert secret[:6] not in data["text"]
 
 
-# --- sensitive keys (found by review: name variants and deep nesting) ------------------------
+# --- sensitive keys: name variants and deep nesting ------------------------------------------
 
 
 @pytest.mark.parametrize(

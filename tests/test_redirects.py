@@ -1,4 +1,4 @@
-"""Upstream-controlled redirect Locations (issue 13, class 4).
+"""Upstream-controlled redirect Locations.
 
 A raw TCP upstream on loopback answers 301/302/307 with a Location written byte for
 byte (aiohttp.web would refuse to send some of them), then 200 to a followed hop. Every

@@ -1,4 +1,4 @@
-"""SIGTERM beside a live agent (issue 13, class 10), with real ``gateway serve`` processes.
+"""SIGTERM beside a live agent, with real ``gateway serve`` processes.
 
 In the chart's regular-container mode the agent and the sidecar get SIGTERM at the same
 moment: the sidecar keeps serving new calls while it drains (readiness false all the

@@ -1,4 +1,4 @@
-"""Streaming to the agent (issue 14): ``Accept: text/event-stream`` on ``POST /v1/calls``.
+"""Streaming to the agent: ``Accept: text/event-stream`` on ``POST /v1/calls``.
 
 A real sidecar and a loopback upstream that streams with real pauses, synchronised by
 events (the upstream waits for the test before sending its rest), never by sleeps.
@@ -315,7 +315,7 @@ async def test_an_assembled_stream_is_replayed_as_a_stream_when_one_is_asked(
     assert up.hits == 1
 
 
-# -- found by review: the final event never runs into an upstream's half event -----------
+# -- the final event never runs into an upstream's half event ---------------------------
 
 
 def _raw_upstream(*pieces: bytes, pause: asyncio.Event | None = None):
@@ -437,7 +437,7 @@ class _Recorder:
 
 async def test_whole_events_are_relayed_before_the_judge_reads_them():
     # A fast upstream's first read often holds the whole stream: the agent's first byte
-    # must not wait for every event of it to be parsed (issue 21, time to first byte).
+    # must not wait for every event of it to be parsed (time to first byte).
     body = sse(*[chat("tok")] * 50, chat(finish="stop"), CHAT_USAGE, "[DONE]")
     judge = StreamJudge("openai", "t")
     relay, stream = _Recorder(judge), _Chunks(body)

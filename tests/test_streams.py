@@ -1,4 +1,4 @@
-"""Streams judged by the stream itself (issue 14): terminal markers, error events inside
+"""Streams judged by the stream itself: terminal markers, error events inside
 200 streams, usage of every streamed shape, the SSE grammar (pure), and the assembled
 path through a real sidecar (a loopback upstream that streams)."""
 
@@ -362,7 +362,8 @@ def test_gemini_json_array_streams_are_judged_too(items: list[Any], code: str | 
 async def test_a_stream_whose_connection_breaks_is_stream_interrupted(
     upstream_factory, sidecar_factory
 ):
-    """Found by review: a reset mid-stream was DEPENDENCY_FAILED, 'could not be reached'."""
+    """A reset mid-stream is an interrupted stream, not DEPENDENCY_FAILED's 'could not be
+    reached': the upstream was reached and had started answering."""
 
     async def reset(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -194,6 +194,8 @@ async def test_a_call_is_one_server_span_with_a_client_span_per_attempt(
     assert s["http.response.status_code"] == 200
     assert s["egress.target"] == "fake-openai"
     assert s["egress.attempts"] == 2
+    assert [v.string_value for v in s["egress.call_chain"].values] == ["test-agent"]
+    assert s["egress.call_chain.depth"] == 1
     assert "error.type" not in s
 
     # One CLIENT span per attempt, children of the SERVER span; the retry is visible and

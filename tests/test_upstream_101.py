@@ -10,44 +10,9 @@ did reach the upstream), one audit record.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
 
-import pytest
-
-from tests.conftest import compile_policy, envelope, openai_target
-from tests.rawhttp import read_message
-
-SWITCH = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
-
-
-class Switcher:
-    """Answers every request with a 101 and then holds the connection open, silent."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.port = 0
-        self._held: list[asyncio.StreamWriter] = []
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_message(reader)
-        self.requests += 1
-        writer.write(SWITCH)
-        await writer.drain()
-        self._held.append(writer)  # never closed by us: a body read would hang
-
-
-@pytest.fixture
-async def switcher() -> AsyncIterator[Switcher]:
-    fake = Switcher()
-    server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
-    fake.port = server.sockets[0].getsockname()[1]
-    yield fake
-    for writer in fake._held:
-        writer.close()
-    server.close()
-    await server.wait_closed()
+from tests.conftest import RULED_OUT_S, SOON_S, compile_policy, envelope, openai_target
 
 
 async def test_envelope_call_gets_502_at_once(switcher, sidecar_factory):
@@ -55,8 +20,8 @@ async def test_envelope_call_gets_502_at_once(switcher, sidecar_factory):
         compile_policy({"fake-openai": openai_target(f"http://127.0.0.1:{switcher.port}")})
     )
     started = time.monotonic()
-    status, answer = await sc.call(envelope(timeout=5, max_retries=2))
-    assert time.monotonic() - started < 2.5  # not the 5 s deadline: nothing was read
+    status, answer = await sc.call(envelope(timeout=RULED_OUT_S, max_retries=2))
+    assert time.monotonic() - started < SOON_S  # not the deadline: nothing was read
     assert status == 502
     assert answer["success"] is False
     assert answer["status_code"] == 101

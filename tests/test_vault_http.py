@@ -9,9 +9,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import compile_policy, envelope
-from tests.vault_fixtures import B12_OPENAI, VaultLab, free_port, vault_lab
-
-__all__ = ["vault_lab"]
+from tests.vault_fixtures import B12_OPENAI, VaultLab, free_port
 
 
 @pytest.fixture(autouse=True)

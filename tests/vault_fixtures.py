@@ -1,6 +1,7 @@
 """A real OpenBao dev server (and a fake Kubernetes TokenReview API) for the Vault tests.
 
-Import the fixtures into a test module: ``from tests.vault_fixtures import vault_lab``.
+The fixture is shared through ``tests/conftest.py`` (one OpenBao for the whole session):
+a test asks for ``vault_lab`` by name.
 
 - :class:`BaoServer` runs ``bao server -dev`` on a free loopback port with a file audit
   device (OpenBao only accepts audit devices from its config file), so tests can count

@@ -24,6 +24,8 @@ AUDIT_SCHEMA_VERSION: Final = 1
 CALL_EVENT: Final = "egress_call"
 BREAKER_EVENT: Final = "breaker_state_change"
 POLICY_RELOAD_EVENT: Final = "policy_reload"
+#: A sidecar's start: the policy it started with (``policy_sha256``, its targets).
+POLICY_START_EVENT: Final = "policy_start"
 
 #: ``prev_hash`` of the first record of a chain (``seq`` 1): 64 zero hex digits.
 GENESIS_HASH: Final = "0" * 64
@@ -110,6 +112,21 @@ class AuditRecord(BaseModel):
     mcp_request_id: str | None = None
     mcp_is_error: bool | None = None
     mcp_error_code: int | None = None
+    # Who called (added in 1.x): how ``agent_id`` was established (``uid``: the kernel's
+    # word about the calling process; ``token``: the agent's token; ``policy``: the
+    # policy's agent_id; null: not established, the call refused ``unknown_agent``), a
+    # claimed id that differed (``agent_mismatch``), and the caller's UID as the kernel
+    # gave it (null: not asked, or unreadable). The SHA-256 of the policy file that
+    # decided the call.
+    agent_auth: Literal["uid", "token", "policy"] | None = None
+    agent_claimed: str | None = None
+    peer_uid: int | None = None
+    policy_sha256: str | None = None
+    # Agents calling agents (added in 1.x; gateway.agents.chain): the call chain the call
+    # went out with, or was refused with (agent ids, origin first, this agent last), and
+    # its depth; null when the call ended before its chain was read, or it was unreadable.
+    call_chain: list[str] | None = None
+    call_chain_depth: int | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -178,6 +195,12 @@ class Fields:
     MCP_REQUEST_ID: Final = "mcp_request_id"
     MCP_IS_ERROR: Final = "mcp_is_error"
     MCP_ERROR_CODE: Final = "mcp_error_code"
+    AGENT_AUTH: Final = "agent_auth"
+    AGENT_CLAIMED: Final = "agent_claimed"
+    PEER_UID: Final = "peer_uid"
+    POLICY_SHA256: Final = "policy_sha256"
+    CALL_CHAIN: Final = "call_chain"
+    CALL_CHAIN_DEPTH: Final = "call_chain_depth"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

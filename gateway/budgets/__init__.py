@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any, Final
 
 from gateway.budgets.windows import Window
 from gateway.errors import BudgetExceeded
@@ -153,7 +154,7 @@ class LocalLedger:
 
 def exceeded(budget: Applied, spent: int, amount: int, wait_s: float | None) -> BudgetExceeded:
     """The refusal of a call whose ``amount`` does not fit ``budget`` (spent so far)."""
-    limit_usd = budget.spec.limit_usd
+    limit_usd = budget.spec.limit_usd or 0.0
     if wait_s is None:
         message = (
             f"the call's cost estimate ({amount / NANO_USD:.6f} USD) is more than budget "
@@ -206,10 +207,13 @@ class Budgets:
         self.update(specs)
 
     def update(self, specs: Mapping[str, BudgetSpec]) -> None:
-        """Hot reload: a budget keeps its spend under its name (spend is spend)."""
+        """Hot reload: a budget keeps its spend under its name (spend is spend). Budgets
+        without ``limit_usd`` (only ``max_calls``: :mod:`gateway.agents.caps`) book no
+        USD."""
         self._budgets = [
             Applied(name, spec, Window(spec.window, spec.per_hours), to_nano(spec.limit_usd))
             for name, spec in sorted(specs.items())
+            if spec.limit_usd is not None
         ]
         self.ledger.keep_only({b.name for b in self._budgets})
 
@@ -229,13 +233,33 @@ class Budgets:
                 None
                 if b.spec.scope == "cluster" and self.cluster is not None
                 else self.ledger.spent(b, now) / NANO_USD,
-                b.spec.limit_usd,
+                b.limit / NANO_USD,
             )
             for b in self._budgets
         ]
 
-    def applying(self, target: str, group: str | None, agent: str) -> list[Applied]:
-        """The budgets whose ``applies_to`` matches a call (every key given must match)."""
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each budget as the operator's console shows it: ``name``, ``limit_usd``,
+        ``spent_usd`` (booked in this process in the current window; a ``cluster``
+        budget's shared spend is in Redis), ``window``, ``scope``."""
+        now = self._clock()
+        return [
+            {
+                "name": b.name,
+                "limit_usd": b.spec.limit_usd,
+                "spent_usd": round(self.ledger.spent(b, now) / NANO_USD, 6),
+                "window": b.spec.window,
+                "scope": b.spec.scope,
+            }
+            for b in self._budgets
+        ]
+
+    def applying(
+        self, target: str, group: str | None, agent: str, tools: Sequence[str] = ()
+    ) -> list[Applied]:
+        """The budgets whose ``applies_to`` matches a call (every key given must match;
+        ``tool`` matches when one of ``tools``, the call's MCP tools or its endpoint
+        path, matches its glob)."""
         found = []
         for budget in self._budgets:
             where = budget.spec.applies_to
@@ -243,6 +267,7 @@ class Budgets:
                 (where.target is None or where.target == target)
                 and (where.rate_limit_group is None or where.rate_limit_group == group)
                 and (where.agent is None or where.agent == agent)
+                and (where.tool is None or any(fnmatchcase(t, where.tool) for t in tools))
             ):
                 found.append(budget)
         return found

@@ -1,4 +1,16 @@
-"""One call's stages: ``intake`` (envelope bytes -> request), ``outbound`` (the request
-the upstream gets), ``attempts`` (admission, breaker, send, retry) with ``retry`` (pure
-retry decisions), ``bodies`` (upstream bodies -> ``data``), ``record`` (the audit record)
-and ``pipeline`` (the stages in order)."""
+"""One call's stages, shared by every API (envelope, drop-in, MCP).
+
+* ``pipeline``: the stages in order, inside the call's deadline; one answer and one audit
+  record per call, whatever happens.
+* The request: ``intake`` (envelope bytes -> request) with ``fastpath`` (what the one-pass
+  parsers may read), ``proxy`` (a drop-in SDK request -> request, and its answer's
+  headers) and ``mcp`` (an MCP client's JSON-RPC -> request, the tool and argument rules,
+  the answers read); ``outbound`` (the request the upstream gets).
+* Around the upstream: ``idempotent`` (one upstream effect per idempotency key),
+  ``spend`` (budget reservation before, settlement after), ``attempts`` (rate-limit
+  admission, circuit breaker, send, retry) with ``retry`` (pure retry decisions).
+* The answer: ``bodies`` (upstream bodies -> ``data``), ``sse`` (server-sent events,
+  decoded incrementally), ``stream`` (a stream judged by its own events), ``relay`` (a
+  stream passed to the agent as it arrives), ``record`` (the call's context, its audit
+  record and metrics).
+"""

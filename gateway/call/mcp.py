@@ -35,10 +35,11 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gateway import fastjson
+from gateway.agents import chain
 from gateway.audit.schema import Fields as F
 from gateway.call.bodies import is_stream_form
 from gateway.call.intake import Intake, decode_json, parse_request, printable
-from gateway.call.proxy import _ids, egress_timeout, header_map
+from gateway.call.proxy import egress_timeout, header_map, request_ids
 from gateway.call.record import CLAIM_LIMIT, CallContext
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload, PermissionDenied, StreamInterrupted
@@ -83,7 +84,8 @@ def mcp_intake(
     and DELETE; a body that is not JSON-RPC; headers that do not match the body)."""
     ctx.api = "mcp"
     headers = header_map(http.headers)
-    trace_id, correlation_id = _ids(headers)
+    ctx.chain_seen = chain.seen_in(headers)
+    trace_id, correlation_id = request_ids(headers)
     target = policy.targets.get(http.target)
     endpoint = mcp_endpoint(target) if target is not None and target.spec.mcp else "/"
     ctx.claimed = {
@@ -242,15 +244,7 @@ def check_envelope(
     checked as on ``/mcp/{target}``, and ``Accept`` is what an MCP client sends. Returns
     the request, in ``mcp.tools_rate_limit_group`` for a ``tools/call`` when the envelope
     names no group. Raises as :func:`mcp_intake`, and PermissionDenied for an envelope
-    with a ``body`` or a drop-in route's call (``/proxy/...``: only ``/mcp/{target}`` and
-    envelopes are read). A no-op on the MCP route (checked at intake)."""
-    if ctx.mcp is not None or ctx.api == "mcp":
-        return request
-    if ctx.api != "envelope":  # a drop-in route would pass batches and lists unread
-        raise PermissionDenied(
-            f"target {target.name!r} is an MCP server: point the MCP client at /mcp/{target.name}",
-            details={"reason": "mcp_route_only"},
-        )
+    with a ``body`` (bytes the rules cannot read)."""
     if request.body is not None:  # bytes the rules cannot read
         raise PermissionDenied(
             f"an envelope to MCP target {target.name!r} carries its JSON-RPC request in "
@@ -270,11 +264,10 @@ def check_envelope(
     return request.model_copy(update=update) if update else request
 
 
-def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
-    """Read a successful answer of an MCP exchange: each request's outcome into
-    ``ctx.mcp``, ``tools/list`` filtered. On the MCP route the upstream's JSON body is
-    read (a rewritten one kept in ``ctx.mcp.body``; a stream was read by the relay); an
-    envelope's ``data`` is filtered in place (its assembled events too).
+def read_route_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+    """Read a successful answer of the MCP route: each request's outcome into ``ctx.mcp``,
+    ``tools/list`` filtered; the upstream's JSON body is read (a rewritten one kept in
+    ``ctx.mcp.body``; a stream was read by the relay). Returns ``response``.
 
     Raises :class:`StreamInterrupted` (``details.reason: ended_without_answer``) when an
     event stream ended, however it ended, with a request of the body unanswered: the
@@ -284,19 +277,27 @@ def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCal
     exchange = ctx.mcp
     if exchange is None or not response.success:
         return response
-    if ctx.api == "mcp":
-        answer = ctx.attempt_log.answer
-        if answer is not None and answer.stream is not None:
-            _check_answered(exchange, ctx)
-        if answer is None or answer.stream is not None or not answer.body:
-            return response
-        try:
-            value = json.loads(answer.body)
-        except (ValueError, RecursionError):
-            return response
-        value, changed = exchange.read(value)
-        if changed:
-            exchange.body = fastjson.compact(value)
+    answer = ctx.attempt_log.answer
+    if answer is not None and answer.stream is not None:
+        _check_answered(exchange, ctx)
+    if answer is None or answer.stream is not None or not answer.body:
+        return response
+    try:
+        value = json.loads(answer.body)
+    except (ValueError, RecursionError):
+        return response
+    value, changed = exchange.read(value)
+    if changed:
+        exchange.body = fastjson.compact(value)
+    return response
+
+
+def read_envelope_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+    """Read a successful answer of an envelope to an MCP target: each request's outcome
+    into ``ctx.mcp``; its ``data`` filtered in place (its assembled events too). Raises
+    as :func:`read_route_answer` when its events lack the answer to a request."""
+    exchange = ctx.mcp
+    if exchange is None or not response.success:
         return response
     data = response.data
     if is_stream_form(data):
@@ -308,7 +309,7 @@ def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCal
 
 def _check_answered(exchange: rpc.McpExchange, ctx: CallContext) -> None:
     """Raise :class:`StreamInterrupted` if a request of ``exchange`` got no answer on
-    the stream that ended (:func:`read_answer`)."""
+    the stream that ended (:func:`read_route_answer`, :func:`read_envelope_answer`)."""
     pending = [m for m in exchange.requests if m.id not in exchange.outcomes]
     if not pending:
         return

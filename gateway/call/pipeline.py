@@ -1,7 +1,14 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
-    intake -> egress decision -> idempotency -> rate-limit group -> circuit breaker
-    -> secret -> upstream attempts (retries, backoff, Retry-After) -> usage -> answer
+    intake -> call chain -> egress decision (an MCP target's tool rules too)
+    -> stop switch and repeated-call breaker -> idempotency -> [send: outbound request
+    -> secret -> budget reservation -> attempts, each: rate-limit group -> circuit
+    breaker -> send -> retry decision (backoff, Retry-After: :mod:`gateway.call.retry`)
+    -> usage -> budget settlement] -> answer -> record
+
+The send stage is :mod:`gateway.call.send`; the record is one frozen
+:class:`gateway.record.CallRecord`, from which the audit record, the metrics and the
+call's span are written.
 
 Every call, whatever happens, ends with exactly one :class:`ExternalCallResponse` and
 exactly one audit record (written in a ``finally``). A bug inside the sidecar becomes an
@@ -12,20 +19,25 @@ UNKNOWN answer that points at the audit record, never a stack trace on the wire 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from gateway import telemetry
+from gateway.agents.approvals import Approvals, MemoryApprovalStore
+from gateway.agents.controls import Controls
+from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
-from gateway.call import mcp, spend
-from gateway.call.attempts import Attempts, deadline_error
-from gateway.call.bodies import is_stream_form, parse_body
-from gateway.call.idempotent import answer_status, once_per_key
+from gateway.call import hooks as api_hooks
+from gateway.call import mcp, send
+from gateway.call.chain import chain_stage
+from gateway.call.hooks import CallHooks
+from gateway.call.idempotent import Learned, Rendered, answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
     decode_json,
@@ -34,15 +46,14 @@ from gateway.call.intake import (
     printable,
     refuse_lone_surrogates,
 )
-from gateway.call.outbound import build as build_outbound
-from gateway.call.outbound import credential, with_credential
+from gateway.call.outbound import Credentials
 from gateway.call.proxy import ProxyRequest, proxy_intake
-from gateway.call.record import CLAIMED, CallContext, audit_record, observe
+from gateway.call.record import CLAIMED, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
+from gateway.deadletters import DeadLetters
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
-    CapacityExceeded,
     GatewayError,
     InternalError,
     InvalidPayload,
@@ -57,11 +68,10 @@ from gateway.metrics import Metrics
 from gateway.policy import IdempotencySpec, PolicySet
 from gateway.policy import egress as egress_rules
 from gateway.policy.egress import Decision
-from gateway.policy.refs import SecretRef
-from gateway.providers import estimate_tokens, extract_usage
 from gateway.ratelimit import RateLimitGroups
-from gateway.secrets import ResolvedSecret, SecretResolvers
-from gateway.upstream import Credential, Upstream
+from gateway.record import CallRecord, audit_record
+from gateway.secrets import SecretResolvers
+from gateway.upstream import Upstream
 
 _log = get_logger("gateway.pipeline")
 
@@ -83,8 +93,11 @@ class Pipeline:
         rng: random.Random | None = None,
         tracer: telemetry.Telemetry = telemetry.NO_TELEMETRY,
         budgets: Budgets | None = None,
+        controls: Controls | None = None,
     ) -> None:
         self.groups = groups
+        #: The stop switch and the repeated-call breaker (gateway.agents.controls).
+        self.controls = controls if controls is not None else Controls()
         #: Cost budgets (local unless built with a cluster) and the policy's prices.
         self.budgets = budgets if budgets is not None else Budgets(policy.policy.budgets)
         self.pricing = Pricing(policy.policy.prices)
@@ -100,33 +113,49 @@ class Pipeline:
         self.upstream = upstream
         self.audit = audit
         self.metrics = metrics
-        self._rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
+        self.rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
         #: Traces of the calls (gateway.telemetry); the no-op unless tracing is on.
         self.tracer = tracer
         #: Set by the runtime when it cancels calls that outlived the drain time.
         self.aborting = False
+        #: Each target's credential, per secret (rebuilt on reload, gone with the pipeline).
+        self.credentials = Credentials()
+        #: The JSON of the answer an idempotent call stored last, for the server to send.
+        self.rendered = Rendered()
+        #: The operator's desk (agents/approvals.py, deadletters/): replaced by the runtime's.
+        self.approvals = Approvals(MemoryApprovalStore(), audit)
+        self.dead_letters = DeadLetters(max_count=1000, max_bytes=16 << 20, audit=audit)
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with.
         The parts this pipeline was handed take the policy in themselves (the runtime's
         components: :meth:`gateway.server.runtime.Gateway.apply_policy`)."""
         self.policy = policy
+        self.credentials = Credentials()  # the old targets' secrets are not kept
 
     async def handle(
-        self, body: bytes, *, refuse: GatewayError | None = None, relay: Relay | None = None
+        self,
+        body: bytes,
+        *,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+        identity: Identity | None = None,
     ) -> tuple[int, ExternalCallResponse]:
         """Run one call from its raw envelope bytes. Returns (HTTP status, answer).
 
         With ``refuse`` the call is answered with that error at once (still audited).
+        ``identity``: who called (:func:`gateway.agents.identity.identify`); None: the
+        policy's ``agent_id``.
         """
         policy = self.policy  # one policy for the whole call, even across a reload
-        ctx = CallContext(started=time.monotonic(), agent_id=policy.policy.agent_id)
+        identity = identity or policy_identity(policy.policy.agent_id)
+        ctx = CallContext(started=time.monotonic(), agent_id=identity.agent_id, identity=identity)
 
         def intake() -> Intake:
             fast = parse_envelope_fast(body) if refuse is None else None
             return Intake(fast) if fast is not None else self._intake(body, ctx, refuse, policy)
 
-        return await self._run(policy, ctx, intake, relay)
+        return await self._run(policy, ctx, intake, relay, api_hooks.ENVELOPE)
 
     async def handle_proxy(
         self,
@@ -140,7 +169,9 @@ class Pipeline:
         request from ``http``): the same stages as an envelope. ``ctx`` is the caller's,
         so that it can write back the upstream's own answer (``ctx.attempt_log.answer``)."""
         policy = self.policy
-        return await self._run(policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay)
+        return await self._run(
+            policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay, api_hooks.DROP_IN
+        )
 
     async def handle_mcp(
         self,
@@ -154,7 +185,7 @@ class Pipeline:
         same stages; ``ctx`` is the caller's (the upstream's answer, ``ctx.mcp``)."""
         policy = self.policy
         return await self._run(
-            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay
+            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay, api_hooks.ROUTE
         )
 
     async def _run(
@@ -163,7 +194,11 @@ class Pipeline:
         ctx: CallContext,
         intake: Callable[[], Intake],
         relay: Relay | None,
+        hooks: CallHooks,
     ) -> tuple[int, ExternalCallResponse]:
+        """The stages of one call, the same for every API: ``intake`` gives its request,
+        ``hooks`` are its API's part (:class:`gateway.call.hooks.CallHooks`)."""
+        ctx.policy_sha256 = policy.sha256
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
@@ -171,30 +206,34 @@ class Pipeline:
             request = ctx.request = taken.request
             ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
             if taken.unknown_fields:
-                ctx.warnings.append(
-                    "unknown envelope fields ignored: " + ", ".join(taken.unknown_fields)
-                )
-                _log.warning(
-                    "unknown_envelope_fields",
-                    fields=list(taken.unknown_fields),
-                    trace_id=request.trace_id,
-                    correlation_id=request.correlation_id,
-                )
-            ctx.agent_id = request.agent_id or ctx.agent_id
+                _unknown_fields(ctx, request, taken.unknown_fields)
+            # A claimed agent_id is checked against who called, never taken for it.
+            identity = ctx.identity or policy_identity(ctx.agent_id)
+            ctx.identity = identity = identity.with_claim(request.agent_id)
+            identity.admit(request.target_system)
             ctx.decision = "denied"
+            ctx.chain = await chain_stage(
+                policy.policy.chain, request, ctx, functools.partial(send.resolve, self)
+            )
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
-            if decision.target.spec.mcp is not None:  # tool and argument rules (call/mcp.py)
-                request = ctx.request = mcp.check_envelope(request, decision.target, ctx)
-                relay = (
-                    relay if ctx.api == "mcp" else None
-                )  # an envelope's answer is filtered whole
+            request, relay = hooks.checked(request, decision.target, ctx, relay)
+            ctx.request = request
+            # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
+            ctx.shadow_denied += await self.controls.check(
+                ctx.agent_id, decision.target.name, request, ctx.mcp
+            )
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
-            deadline = ctx.started + request.timeout
-            status, response = await self._call(policy, request, decision, ctx, deadline, relay)
-            response = mcp.read_answer(ctx, response)
+            # The envelope's timeout, or the chain's deadline when that comes first.
+            deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
+            with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+                if (held := decision.target.spec.approval) is not None:  # a person's yes first
+                    name, agent = decision.target.name, ctx.agent_id
+                    await self.approvals.check(held, name, request, ctx.mcp, agent, deadline)
+                status, response = await self._call(policy, request, decision, ctx, deadline, relay)
+            response = hooks.answered(ctx, response)
         except GatewayError as exc:
             status = answer_status(exc)
             response = self._failure(exc, ctx)
@@ -208,28 +247,33 @@ class Pipeline:
             # Cancelled by our own shutdown (drain time over): answer instead of vanishing.
             task.uncancel()
         except Exception as exc:  # noqa: BLE001 - a bug must still get an answer
-            _log.exception("internal_error", trace_id=_trace(ctx), correlation_id=_corr(ctx))
-            err = InternalError(
-                "the sidecar failed unexpectedly; the audit log has the details under this "
-                "call's trace_id and correlation_id",
-                details={"exception": type(exc).__name__},
-            )
-            status = 500
-            response = self._failure(err, ctx)
-            if policy.policy.server.debug:
-                assert response.error is not None
-                response = response.model_copy(
-                    update={
-                        "error": response.error.model_copy(
-                            update={"stack_trace": traceback.format_exc()}
-                        )
-                    }
-                )
+            status, response = 500, self._crashed(exc, ctx, policy)
         finally:
             if response is not None:
-                self._write_audit(ctx, response)
-                trace.end(ctx, status, response)
+                self.dead_letters.after(ctx, response)  # kept when it failed for good
+                trace.end(self._write_audit(ctx, response, hooks), status, response)
         return status, response
+
+    def _crashed(self, exc: Exception, ctx: CallContext, policy: PolicySet) -> ExternalCallResponse:
+        """The answer to a bug inside the sidecar (logged with its traceback): UNKNOWN,
+        pointing at the audit record; with ``server.debug`` the stack trace too."""
+        _log.exception("internal_error", trace_id=_trace(ctx), correlation_id=_corr(ctx))
+        err = InternalError(
+            "the sidecar failed unexpectedly; the audit log has the details under this "
+            "call's trace_id and correlation_id",
+            details={"exception": type(exc).__name__},
+        )
+        response = self._failure(err, ctx)
+        if policy.policy.server.debug:
+            assert response.error is not None
+            response = response.model_copy(
+                update={
+                    "error": response.error.model_copy(
+                        update={"stack_trace": traceback.format_exc()}
+                    )
+                }
+            )
+        return response
 
     @staticmethod
     def _intake(
@@ -278,7 +322,7 @@ class Pipeline:
             return await self._idempotent(
                 policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
-        return 200, await self._forward(policy, request, decision, ctx, deadline, relay)
+        return 200, await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
         self,
@@ -292,139 +336,26 @@ class Pipeline:
     ) -> tuple[int, ExternalCallResponse]:
         """One upstream call per idempotency key (:func:`gateway.call.idempotent.
         once_per_key`), in the store of the target's ``idempotency.scope``."""
-        return await once_per_key(
-            self.idempotency.for_scope(idempotency.scope),
-            request,
-            decision.target.name,
-            ctx,
-            deadline=deadline,
-            ttl_s=idempotency.ttl_s,
-            forward=lambda: self._forward(policy, request, decision, ctx, deadline, relay),
-            failure=lambda exc: self._failure(exc, ctx),
-            relay=relay,
-        )
-
-    async def _forward(
-        self,
-        policy: PolicySet,
-        request: ExternalCallRequest,
-        decision: Decision,
-        ctx: CallContext,
-        deadline: float,
-        relay: Relay | None = None,
-    ) -> ExternalCallResponse:
-        target = decision.target
-        draft, digest = build_outbound(
-            request,
-            target,
-            idempotency_key=ctx.idempotency_key,
-            digest=policy.policy.audit.payloads == "summary",  # "none": no hash either
-        )
-        if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
-            draft.headers = {**ctx.passthrough_headers, **draft.headers}
-        ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
-        ctx.traceparent = draft.headers["traceparent"]
-        group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
-        reserved = 0
-        if group is not None and group.spec.tokens_per_minute:
-            reserved = estimate_tokens(request.parameters)
-        resolved = await self._resolve(decision.ref, ctx, deadline)
-        attempts = Attempts(
-            upstream=self.upstream,
-            target=target,
-            request=request,
-            outbound=with_credential(draft, target, resolved),
-            deadline=deadline,
-            has_idempotency_key=ctx.idempotency_key is not None,
-            rng=self._rng,
-            relay=relay,
-            started=ctx.started,
-            max_response_bytes=policy.policy.server.max_response_bytes,
-            group=group,
-            tokens_reserved=reserved,
-            breaker=self.breakers.get(target.name),
-            refresh_credential=(
-                self._refresher(decision, ctx, deadline)
-                if resolved is not None and resolved.from_cache
-                else None
-            ),
-        )
-        ctx.attempt_log = attempts.log
-        # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
-        cost = await spend.reserve(self.budgets, self.pricing, request, target, ctx)
-        attempts.before_resend = lambda: spend.rebook(self.budgets, cost, ctx)
+        learned = Learned()
         try:
-            answer = await attempts.run()
-        except BaseException as exc:
-            log = attempts.log
-            spend.settle_failed(self.budgets, cost, ctx, sent=log.sent, billed=log.billed)
-            if group is not None:
-                if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
-                    self.metrics.observe_ratelimit_rejection(group.name)
-                if attempts.log.admitted:
-                    group.reconcile(reserved, 0)  # no answer, no usage: refund the estimate
-            raise
-        finally:
-            if group is not None:
-                self.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
-        relayed = attempts.log.relayed
-        if relayed is not None:
-            data, ctx.usage = None, relayed.judge.usage()  # the agent has had the events
-            if relayed.kept is not None:
-                ctx.stream_body = bytes(relayed.kept)
-        else:
-            data, _ = parse_body(answer.content_type, answer.body, answer.status)
-            ctx.usage = extract_usage(target.spec.usage, data)
-            if ctx.idempotency_key is not None and is_stream_form(data):
-                ctx.stream_body = answer.body
-        spend.settle(self.budgets, cost, ctx)
-        if group is not None and ctx.usage is not None:
-            # Unknown usage keeps the reservation: the upstream answered, so tokens were
-            # spent, and a refund would let the group overspend (design.md).
-            group.reconcile(reserved, ctx.usage.total)
-        return ExternalCallResponse(
-            success=True,
-            status_code=answer.status,
-            data=data,
-            latency_ms=round((time.monotonic() - ctx.started) * 1000, 3),
-            tokens_used=ctx.usage.total if ctx.usage else None,
-            trace_id=request.trace_id,
-            correlation_id=request.correlation_id,
-        )
-
-    def _refresher(
-        self, decision: Decision, ctx: CallContext, deadline: float
-    ) -> Callable[[], Awaitable[Credential | None]]:
-        async def refresh() -> Credential | None:
-            assert decision.ref is not None
-            self.resolvers.invalidate(decision.ref)
-            return credential(decision.target, await self._resolve(decision.ref, ctx, deadline))
-
-        return refresh
-
-    async def _resolve(
-        self, ref: SecretRef | None, ctx: CallContext, deadline: float
-    ) -> ResolvedSecret | None:
-        if ref is None:
-            return None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise deadline_error("resolving the secret")
-        with telemetry.current().span(telemetry.CREDENTIAL_RESOLVE, ref.scheme):
-            if self.resolvers.is_local(ref.scheme):
-                resolved = await self.resolvers.resolve(ref)  # a file or the environment
-            else:
-                try:
-                    async with asyncio.timeout(remaining):
-                        resolved = await self.resolvers.resolve(ref)
-                except TimeoutError:
-                    raise deadline_error("resolving the secret") from None
-        ctx.warnings.extend(resolved.warnings)
-        if ref.scheme == "vault":  # the only cached scheme
-            self.metrics.observe_secret_cache(
-                "stale" if resolved.warnings else "hit" if resolved.from_cache else "miss"
+            return await once_per_key(
+                self.idempotency.for_scope(idempotency.scope),
+                request,
+                decision.target.name,
+                ctx,
+                deadline=deadline,
+                ttl_s=idempotency.ttl_s,
+                forward=lambda: send.forward(self, policy, request, decision, ctx, deadline, relay),
+                failure=lambda exc: self._failure(exc, ctx),
+                relay=relay,
+                rendered=self.rendered,
+                learned=learned,
             )
-        return resolved
+        finally:
+            if learned.replayed:
+                ctx.replayed = True
+            if learned.warnings:  # after the send stage's: the order the call met them
+                ctx.warnings.extend(learned.warnings)
 
     # -- answers and audit ----------------------------------------------------------------
 
@@ -441,14 +372,32 @@ class Pipeline:
             ),
         )
 
-    def _write_audit(self, ctx: CallContext, response: ExternalCallResponse) -> None:
-        for record in mcp.audit_records(ctx, audit_record(ctx, response)):
+    def _write_audit(
+        self, ctx: CallContext, response: ExternalCallResponse, hooks: CallHooks
+    ) -> CallRecord:
+        """Freeze the call into its record; write its audit record(s) (the API's hooks
+        may make one per JSON-RPC request) and metrics."""
+        call = ctx.record()
+        for record in hooks.records(ctx, audit_record(call, response)):
             self.audit.call(record)
-            if ctx.mcp is not None:
-                self.metrics.observe_mcp(
-                    record[Fields.TARGET_SYSTEM], *mcp.metric_labels(ctx, record)
-                )
-        observe(self.metrics, ctx, response)
+            labels = hooks.labels(ctx, record)
+            if labels is not None:
+                self.metrics.observe_mcp(record[Fields.TARGET_SYSTEM], *labels)
+        observe(self.metrics, call, response)
+        return call
+
+
+def _unknown_fields(
+    ctx: CallContext, request: ExternalCallRequest, fields: tuple[str, ...]
+) -> None:
+    """Warn (in the answer and the log) of the envelope's fields this sidecar ignored."""
+    ctx.warnings.append("unknown envelope fields ignored: " + ", ".join(fields))
+    _log.warning(
+        "unknown_envelope_fields",
+        fields=list(fields),
+        trace_id=request.trace_id,
+        correlation_id=request.correlation_id,
+    )
 
 
 def _interrupted_error(ctx: CallContext) -> GatewayError:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gateway import fastjson
+from gateway.agents import chain
 from gateway.call.bodies import is_json_type, media_type
 from gateway.call.intake import Intake, decode_json, parse_built, parse_object_fast, printable
 from gateway.call.record import CLAIM_LIMIT, CallContext
@@ -156,7 +157,8 @@ def proxy_intake(
     does not forward, a body on GET/HEAD/DELETE/OPTIONS, a bad header value)."""
     ctx.api = "proxy"
     headers = header_map(http.headers)
-    trace_id, correlation_id = _ids(headers)
+    ctx.chain_seen = chain.seen_in(headers)
+    trace_id, correlation_id = request_ids(headers)
     ctx.claimed = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
@@ -247,13 +249,6 @@ def _not_utf8(name: str) -> InvalidPayload:
 
 
 def request_ids(headers: Mapping[str, str]) -> tuple[str, str]:
-    """(trace_id, correlation_id) of a drop-in or MCP request answered before its call
-    was read (an unmatched path, a refusal before the pipeline), as :func:`_ids` gives
-    them to a call: its audit record and ``x-egress-*`` headers carry them."""
-    return _ids(headers)
-
-
-def _ids(headers: Mapping[str, str]) -> tuple[str, str]:
     """(trace_id, correlation_id): the ``x-egress-*`` headers, else the trace-id of a
     valid ``traceparent`` (W3C Trace Context 3.2), else generated (UUID4 hex)."""
     trace = headers.get(TRACE_ID_HEADER, "").strip()
@@ -478,6 +473,15 @@ def id_headers(trace_id: str | None, correlation_id: str | None) -> dict[str, st
     if correlation_id:
         out[CORRELATION_ID_HEADER] = correlation_id
     return out
+
+
+def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
+    """The id headers of a drop-in or MCP answer: the call's ids, else those the request
+    claimed."""
+    return id_headers(
+        response.trace_id or ctx.claimed.get("trace_id"),
+        response.correlation_id or ctx.claimed.get("correlation_id"),
+    )
 
 
 def replayed_body(response: ExternalCallResponse) -> tuple[str | None, bytes] | None:

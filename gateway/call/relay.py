@@ -7,7 +7,7 @@ half event for the final one to run into, and each event is scrubbed whole); the
 stream is read at the same time by :class:`gateway.call.stream.StreamJudge`, which keeps
 the verdict and the usage. Memory is bounded whatever the stream's length: one chunk in
 hand, one event's text in the decoder, the usage-bearing events; a slow agent slows the
-relay (the server's write waits for the agent's socket to drain), and
+relay (the write to the agent waits for its socket to drain), and
 ``server.max_response_bytes`` bounds the total.
 
 Time: each gap between two chunks is bounded by the target's ``stream_idle_timeout_s``
@@ -17,7 +17,8 @@ window shut, the write waiting for it to drain) is cut at the deadline with reas
 ``agent_stalled``, and its connection is dropped rather than written to again. The agent
 hanging up closes the upstream request at once.
 
-The HTTP side is the server's: it hands in a :class:`Relay`.
+The HTTP side is :class:`gateway.api.http.Stream`, framed by the call's API: it hands in
+a :class:`Relay`.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ AGENT_STALLED = "agent_stalled"
 
 
 class Relay(Protocol):
-    """Where a streamed answer goes: the server's ``text/event-stream`` answer.
+    """Where a streamed answer goes: the agent's answer, framed by its API
+    (:class:`gateway.api.http.Stream`).
 
     ``start`` sends the agent its 200 and headers (once); ``send`` writes one chunk and
     returns when the agent's connection can take more (backpressure); both raise

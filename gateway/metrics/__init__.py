@@ -1,4 +1,5 @@
-"""Prometheus metrics for ``GET /metrics`` (the only module that imports prometheus-client).
+"""Prometheus metrics for ``GET /metrics`` (prometheus-client: here and in
+:mod:`gateway.metrics.series`, which declares the series).
 
 Every metric lives in a :class:`Metrics` object's own ``CollectorRegistry``, not the
 process-global one, so tests and several app instances never share counters. A policy
@@ -37,6 +38,14 @@ budget_spent_usd                       gauge      budget, scope (local budgets: 
 budget_limit_usd                       gauge      budget, scope (every budget's limit)
 audit_shipping_dropped_total           counter    (none; with audit.otlp) spool overflow
 audit_shipping_pending_bytes           gauge      (none; with audit.otlp) not yet shipped
+call_chain_refusals_total              counter    reason (circular_call_detected|max_depth_
+                                                  exceeded|ttl_expired|invalid_chain)
+agent_stops                            gauge      scope (agent|target|all): stops in force
+agent_stop_changes_total               counter    action (stop|resume), scope
+dead_letters_total                     counter    target
+dead_letters_dropped_total             counter    (none)
+approvals_total                        counter    event (approval_requested|approval_
+                                                  decided|approval_used)
 =====================================  =========  ======================================
 
 The OpenTelemetry GenAI client metrics (semantic conventions 1.44.0, "Development"; see
@@ -165,6 +174,7 @@ class Metrics(Series):
             self._child(self.secret_cache, result)
         for ok in ("ok", "error"):
             self._child(self.policy_reloads, ok)
+        self.set_agent_stops({})
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -366,6 +376,31 @@ class Metrics(Series):
     def observe_budget_rejection(self, budget: str) -> None:
         """Count one call a budget refused (the budget's policy name)."""
         self._child(self.budget_rejections, budget).inc()
+
+    def observe_chain_refusal(self, reason: str) -> None:
+        """Count one call refused for its call chain (``details.reason``: one of four)."""
+        self._child(self.chain_refusals, reason).inc()
+
+    def set_agent_stops(self, counts: dict[str, int]) -> None:
+        """The stop switches in force, by scope (``agent``, ``target``, ``all``)."""
+        for scope in ("agent", "target", "all"):
+            self.agent_stops.labels(scope).set(counts.get(scope, 0))
+
+    def observe_agent_stop_change(self, action: str, scope: str) -> None:
+        """Count one ``stop`` or ``resume`` an operator asked for, by its scope."""
+        self._child(self.agent_stop_changes, action, scope).inc()
+
+    def observe_dead_letter(self, target: str) -> None:
+        """Count one call kept as a dead letter (its target's policy name)."""
+        self._child(self.dead_letters, self._target(target)).inc()
+
+    def observe_dead_letters_dropped(self, count: int = 1) -> None:
+        """Count dead letters dropped to stay within the bounds."""
+        self.dead_letters_dropped.inc(count)
+
+    def observe_approval(self, event: str) -> None:
+        """Count one approval event (``approval_requested``, ``_decided``, ``_used``)."""
+        self._child(self.approvals, event).inc()
 
     def observe_shadow_denial(self, kind: str, rule: str) -> None:
         """Count one "would deny" of a shadow rule: kind ``endpoint`` (its path pattern),

@@ -132,9 +132,36 @@ class Series:
             "budget_rejections", "Calls refused by a cost budget (BUDGET_EXCEEDED).",
             ["budget"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        self.chain_refusals = Counter(
+            "call_chain_refusals", "Calls refused for their call chain (CALL_CHAIN_REFUSED), "
+            "by reason: circular_call_detected, max_depth_exceeded, ttl_expired, invalid_chain.",
+            ["reason"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        # The operator's desk (README, "Approvals and dead letters").
+        self.dead_letters = Counter(
+            "dead_letters", "Calls kept as dead letters (retries exhausted, OUTCOME_UNKNOWN), "
+            "by target.", ["target"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.dead_letters_dropped = Counter(
+            "dead_letters_dropped", "Dead letters dropped (oldest first) to stay within "
+            "dead_letters.max_count or max_bytes.", namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.approvals = Counter(
+            "approvals", "Approval events, by event: requested, decided, used.",
+            ["event"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
         self.shadow_denials = Counter(
             "shadow_denials", "Calls a mode: shadow rule would have refused, by kind and rule.",
             ["kind", "rule"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        # Stopping a runaway agent (README, "Stopping an agent").
+        self.agent_stops = Gauge(
+            "agent_stops", "Stop switches in force on this sidecar, by scope (agent, target, all).",
+            ["scope"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.agent_stop_changes = Counter(
+            "agent_stop_changes", "Stops and resumes asked through this sidecar's ops API.",
+            ["action", "scope"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
 
 

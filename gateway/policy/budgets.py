@@ -8,15 +8,22 @@ budgets:
   llm-daily:
     limit_usd: 50
     window: daily               # daily | monthly (UTC calendar) | rolling (with per_hours)
-    applies_to: {target: openai} # target, rate_limit_group, agent (all given must match)
+    applies_to: {target: openai} # target, rate_limit_group, agent, tool (all given must match)
     scope: cluster              # local | cluster (Redis)
     mode: enforce               # or shadow: evaluated and recorded, never refuses
+  search-calls:                 # a tool cap: calls, not dollars
+    max_calls: 200
+    window: daily
+    applies_to: {target: tools, tool: "search_*"}   # an MCP tool name or an endpoint path glob
 ```
 
 Semantics (README, "Cost and budgets"): a budget applies to a call when every key of its
 ``applies_to`` matches (an empty ``applies_to`` matches every call). Before sending, the
 call's upper cost estimate is reserved against every budget that applies; a call an
-enforced budget cannot cover is refused with BUDGET_EXCEEDED.
+enforced budget cannot cover is refused with BUDGET_EXCEEDED. A budget with
+``max_calls`` (a tool cap, README "Stopping an agent") also counts the calls it applies
+to, one per call at admission (:mod:`gateway.agents.caps`); it may have no
+``limit_usd``.
 """
 
 from __future__ import annotations
@@ -50,13 +57,22 @@ class PriceSpec(StrictModel):
     cache_write_usd_per_mtok: float | None = Field(None, ge=0, le=d.MAX_USD_PER_MTOK)
 
 
+#: An MCP tool name or an endpoint path (starts with ``/``), ``*`` matching any run of
+#: characters.
+ToolGlob = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./*\-:@]{1,256}$")]
+
+
 class AppliesTo(StrictModel):
     """Which calls a budget counts: each key given must match (none given: every call).
-    ``agent`` is the call's ``agent_id`` (the envelope's, else the policy's)."""
+    ``agent`` is the agent who called, as the sidecar established it (its UID, its token,
+    else the policy's ``agent_id``: :mod:`gateway.agents.identity`), never a claim;
+    ``tool`` a glob over the MCP tool a ``tools/call`` names, or the endpoint path of any
+    other call."""
 
     target: _Name | None = None
     rate_limit_group: _Name | None = None
     agent: _Name | None = None
+    tool: ToolGlob | None = None
 
 
 class BudgetSpec(StrictModel):
@@ -75,7 +91,8 @@ class BudgetSpec(StrictModel):
     spend N times the limit).
     """
 
-    limit_usd: float = Field(gt=0, le=d.MAX_BUDGET_USD)
+    limit_usd: float | None = Field(None, gt=0, le=d.MAX_BUDGET_USD)
+    max_calls: int | None = Field(None, ge=1, le=d.MAX_BUDGET_CALLS)
     window: Literal["daily", "monthly", "rolling"]
     per_hours: float | None = Field(None, ge=d.MIN_BUDGET_PER_HOURS, le=d.MAX_BUDGET_PER_HOURS)
     applies_to: AppliesTo = Field(default_factory=AppliesTo)
@@ -89,6 +106,8 @@ class BudgetSpec(StrictModel):
     def _rolling(self) -> BudgetSpec:
         if (self.window == "rolling") != (self.per_hours is not None):
             raise ValueError("'per_hours' is required with window: rolling, and only there")
+        if self.limit_usd is None and self.max_calls is None:
+            raise ValueError("set 'limit_usd' (USD per window) or 'max_calls' (calls per window)")
         return self
 
 
@@ -112,7 +131,7 @@ def budget_problems(
                     f"no target {where.target!r} (known: {known})",
                 )
             )
-        elif where.target is not None and targets[where.target] == "none":
+        elif where.target is not None and targets[where.target] == "none" and spec.limit_usd:
             problems.append(
                 (
                     ("budgets", name, "applies_to", "target"),

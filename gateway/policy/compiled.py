@@ -6,6 +6,7 @@ reload, never mutated.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -154,11 +155,19 @@ class PolicySet:
     policy: Policy
     source: str
     targets: dict[str, CompiledTarget]
+    #: SHA-256 (hex) of the policy file's text (``policy_sha256`` in audit records); of
+    #: the policy's JSON for a policy that came from no file.
+    sha256: str = ""
 
     @classmethod
-    def compile(cls, policy: Policy, source: str = "<memory>") -> PolicySet:
+    def compile(
+        cls, policy: Policy, source: str = "<memory>", *, sha256: str | None = None
+    ) -> PolicySet:
+        if sha256 is None:
+            sha256 = hashlib.sha256(policy.model_dump_json().encode()).hexdigest()
         return cls(
             policy=policy,
             source=source,
             targets={n: _compile_target(n, t) for n, t in policy.targets.items()},
+            sha256=sha256,
         )

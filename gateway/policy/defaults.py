@@ -15,6 +15,16 @@ DEFAULT_PORT: Final = 8181
 DEFAULT_OPS_PORT: Final = 8182
 DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
+#: What the request bodies in flight may hold in memory, in bytes of their charge
+#: (gateway.api.admission.held_bytes: 6x a body's bytes, more for dense JSON): three
+#: 8 MiB prompts at once. With the idle RSS (~64 MiB) it makes the ceiling the Helm
+#: chart's memory limit is drawn from (README, "Memory ceiling").
+DEFAULT_MAX_INFLIGHT_REQUEST_BYTES: Final = 160 * 1024 * 1024
+#: Below this, a few ordinary calls at once would already be refused.
+MIN_INFLIGHT_REQUEST_BYTES: Final = 1024 * 1024
+#: Bound of server.max_inflight_request_bytes (gateway.api.admission): sixteen bodies
+#: of the largest max_request_bytes (1 GiB) at once.
+MAX_INFLIGHT_BYTES: Final = 16 * 1024 * 1024 * 1024
 DEFAULT_DRAIN_S: Final = 20.0
 #: SIGTERM beside a live agent: keep serving new calls while draining (the chart's
 #: regular-container mode, where the agent gets SIGTERM at the same moment).
@@ -128,3 +138,51 @@ MAX_USD_PER_MTOK: Final = 100_000.0
 #: every implementation (doubles: below 2**53, RFC 8259 section 6), with room to spare.
 MAX_ARGUMENT_LENGTH: Final = MAX_BODY_BYTES
 MAX_ARGUMENT_NUMBER: Final = 10.0**15
+
+#: Agents (gateway/policy/agents.py): the largest UID Linux gives a process ((uid_t)-1
+#: means "no UID"), and the agents one policy may list (a pod's few containers, with
+#: room to spare).
+MAX_AGENT_UID: Final = 2**32 - 2
+MAX_AGENTS: Final = 64
+#: The call chain (gateway/policy/chain.py, design.md "Agents calling agents"). Depth is
+#: the number of agents in the chain, this one included: 8 covers a planner, its
+#: executors and their tools' agents with room to spare; a longer chain is a loop or a
+#: runaway. The chain header carries at most 64 ids (``gateway.agents.chain``).
+DEFAULT_CHAIN_MAX_DEPTH: Final = 8
+MAX_CHAIN_MAX_DEPTH: Final = 64
+#: A chain's life from its origin: 15 minutes covers a multi-step task of LLM calls
+#: (each call at most ``MAX_TIMEOUT_S``); past a day a chain is no longer one piece of work.
+DEFAULT_CHAIN_TTL_S: Final = 900.0
+MAX_CHAIN_TTL_S: Final = 86400.0
+#: How far a received ``x-egress-deadline`` may lie beyond this sidecar's own
+#: ``now + ttl_s`` (clocks of two hosts differ by that much at most under NTP) before it
+#: is refused as far future.
+DEFAULT_CHAIN_CLOCK_SKEW_S: Final = 5.0
+MAX_CHAIN_CLOCK_SKEW_S: Final = 300.0
+#: Stopping a runaway agent (gateway/policy/controls.py). A cluster stop is read from
+#: Redis at least this often (seconds) besides its published notice, so that a sidecar
+#: that missed the notice (a dropped subscription) still obeys within the 2 s the README
+#: promises; faster than 0.05 s is load on Redis, slower than 1.5 s breaks the promise.
+DEFAULT_STOP_POLL_INTERVAL_S: Final = 0.5
+MIN_STOP_POLL_INTERVAL_S: Final = 0.05
+MAX_STOP_POLL_INTERVAL_S: Final = 1.5
+#: The repeated-call breaker keeps one timestamp per repeat: a bound on memory and on
+#: the Redis list; a window past a day is a budget's job.
+MAX_REPEATS: Final = 10_000
+MAX_REPEAT_WINDOW_S: Final = 86_400.0
+MAX_REPEAT_EXEMPT: Final = 200
+#: A tool cap (a budget's ``max_calls``) is counted like spend, in integer nano-units
+#: inside Redis's Lua (exact below 2**53): the same bound as MAX_BUDGET_USD.
+MAX_BUDGET_CALLS: Final = 1_000_000
+
+# -- the operator's desk: approvals and dead letters (gateway.policy.desk) --------------
+#: How long an approval request waits for a decision, and an approval for its call, s.
+DEFAULT_APPROVAL_TTL_S: Final = 900.0
+MAX_APPROVAL_TTL_S: Final = 7 * 86400.0
+#: ``suggested_retry_after`` of APPROVAL_PENDING, seconds.
+DEFAULT_APPROVAL_RETRY_AFTER_S: Final = 5.0
+#: Dead letters kept per sidecar (count, and bytes of their stored requests).
+DEFAULT_DEAD_LETTERS_MAX_COUNT: Final = 1000
+MAX_DEAD_LETTERS_MAX_COUNT: Final = 100_000
+DEFAULT_DEAD_LETTERS_MAX_BYTES: Final = 16 * 1024 * 1024
+MAX_DEAD_LETTERS_MAX_BYTES: Final = 1024 * 1024 * 1024

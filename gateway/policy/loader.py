@@ -21,8 +21,10 @@ and values reported at once. The YAML is read by PyYAML's safe loader, changed s
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import re
+from collections.abc import Mapping
 from typing import Any, Final
 
 import yaml
@@ -30,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.policy.compiled import PolicySet
 from gateway.policy.models import Policy
+from gateway.policy.refs import parse_ref
 
 #: The largest policy file read. PyYAML's pure-Python parser reads about 100-250 kB a
 #: second; the shipped example is 4 kB for 4 targets, so a MiB is ~1,000 targets.
@@ -44,6 +47,8 @@ MAX_NODES: Final = 100_000
 _MAX_KEY_CHARS: Final = 64
 _MAX_LINE_CHARS: Final = 1000
 TOP_LEVEL: Final = "(top level)"
+#: An agent token read at load is read this far (a token is a few dozen bytes).
+MAX_TOKEN_BYTES: Final = 4096
 
 KeyPath = tuple[int | str, ...]
 
@@ -408,14 +413,42 @@ def _format_errors(
 def parse_policy(text: str, source: str = "<memory>") -> Policy:
     """Parse and validate policy YAML text. Raises :class:`PolicyError` (and nothing
     else, whatever ``text`` holds)."""
+    return _parse(text, source)[0]
+
+
+def _parse(text: str, source: str) -> tuple[Policy, yaml.Node, _Document]:
     try:
         root, document, data = _read_yaml(text)
     except _Problem as p:
         raise PolicyError(source, [_problem_line(source, p.line, p.path, p.message)]) from None
     try:
-        return Policy.model_validate(data)
+        return Policy.model_validate(data), root, document
     except ValidationError as exc:
         raise PolicyError(source, _format_errors(source, root, document, exc)) from None
+
+
+def _token_problems(policy: Policy, environ: Mapping[str, str]) -> list[tuple[KeyPath, str]]:
+    """The agents' tokens that cannot be read now (``file://`` unreadable or empty,
+    ``env://`` unset or empty): (key path, message). Never shows a value."""
+    problems: list[tuple[KeyPath, str]] = []
+    for name, agent in policy.agents.items():
+        if agent.token_ref is None:
+            continue
+        ref, where = parse_ref(agent.token_ref), ("agents", name, "token_ref")
+        if ref.scheme == "file":
+            try:
+                with open(ref.path, "rb") as file:
+                    empty = not file.read(MAX_TOKEN_BYTES).strip()
+            except OSError as exc:
+                problems.append((where, f"cannot read the agent token: {exc.strerror or exc}"))
+                continue
+        elif ref.scheme == "env":
+            empty = not environ.get(ref.path, "").strip()
+        else:
+            continue  # vault:// is read at start, by the secret resolvers
+        if empty:
+            problems.append((where, f"the agent token {agent.token_ref!r} is empty"))
+    return problems
 
 
 def _read_text(path: str | os.PathLike[str]) -> str:
@@ -441,7 +474,16 @@ def _read_text(path: str | os.PathLike[str]) -> str:
 
 
 def load_policy(path: str | os.PathLike[str]) -> PolicySet:
-    """Read, validate and compile the policy at ``path``. Raises :class:`PolicyError`
-    (and nothing else, whatever the file holds)."""
+    """Read, validate and compile the policy at ``path``, with the SHA-256 of its text
+    (``PolicySet.sha256``); the agents' ``file://`` and ``env://`` tokens must be
+    readable and not empty. Raises :class:`PolicyError` (and nothing else, whatever the
+    file holds)."""
     source = str(path)
-    return PolicySet.compile(parse_policy(_read_text(path), source), source)
+    text = _read_text(path)
+    policy, root, document = _parse(text, source)
+    problems = _token_problems(policy, os.environ)
+    if problems:
+        lines = [_problem_line(source, document.line_of(root, k), k, m) for k, m in problems]
+        raise PolicyError(source, lines)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return PolicySet.compile(policy, source, sha256=digest)

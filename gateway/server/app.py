@@ -1,4 +1,4 @@
-"""The HTTP face of the sidecar: the only module that knows aiohttp.web.
+"""The sidecar's listeners: one handler per API (:mod:`gateway.api`), probes, metrics.
 
 Routes of the calls listener (loopback by default):
 
@@ -6,107 +6,60 @@ Routes of the calls listener (loopback by default):
   ExternalCallResponse JSON, whatever happened, with an HTTP status that mirrors the
   outcome (README, "Error codes").
 * ``ANY /proxy/{target}/{path}``: a provider SDK's own request, the same call as an
-  envelope, answered as the provider would (:mod:`gateway.server.proxy`).
+  envelope, answered as the provider would (:mod:`gateway.api.proxy`).
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
-  target's ``mcp`` rules (:mod:`gateway.server.mcp`).
-* ``GET /healthz`` (process alive) and ``GET /readyz`` (ready to forward).
-* ``GET /openapi.json``: this API as an OpenAPI 3.1 document (both listeners).
+  target's ``mcp`` rules (:mod:`gateway.api.mcp`).
+* ``GET /healthz`` (alive), ``/readyz`` (ready), ``/openapi.json`` (both listeners).
 
-The ops listener (``server.ops_host``/``ops_port``) serves only ``/healthz``, ``/readyz``,
-``/metrics`` and ``/openapi.json`` so probes and scrapers can reach it without exposing
-the calls API.
+The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
+``/metrics``, ``/openapi.json``, the stop switch (:mod:`gateway.server.ops`) and the
+approvals and dead letters (:mod:`gateway.server.desk`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
-``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.server.proxy.edge_errors`).
+``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.api.http.edge_errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Final
 
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
 
-from gateway import openapi, redaction
+from gateway import openapi
+from gateway.agents.identity import identify
+from gateway.api import envelope, http, mcp, proxy
+from gateway.api.admission import ByteBudget
+from gateway.api.envelope import CALLS_PATH
+from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, BUDGET_KEY, BUDGET_LIMIT_KEY, Handler
 from gateway.audit import get_logger
-from gateway.call.idempotent import rendered
-from gateway.call.relay import AGENT_STALLED, AgentGone
-from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError, InternalError, InvalidPayload
+from gateway.errors import GatewayError, InvalidPayload
+from gateway.server import desk, ops
 from gateway.server.eventloop import loop_name
-from gateway.server.mcp import McpRoute
-from gateway.server.proxy import (
-    WRITE_BUFFERED_BYTES,
-    ProxyRoute,
-    RelayResponse,
-    drop_connection,
-    edge_errors,
-    send_bounded,
-)
+from gateway.server.listeners import calls_sites, start_sites
 from gateway.server.reload import PolicyWatcher
 from gateway.server.runtime import Gateway
 
 GATEWAY_KEY: Final = web.AppKey("gateway", Gateway)
 #: Set on the calls application: its refusals are audited (the ops listener's are not).
 AUDITED_KEY: Final = web.AppKey("audited", bool)
-CALLS_PATH: Final = "/v1/calls"
 #: Slow and idle clients (README, "Running it"). aiohttp closes a connection that has
 #: been idle this long: from its opening, and again from each answer, until a request's
 #: headers are complete. So it bounds slow headers as well as idle keep-alive.
 KEEPALIVE_TIMEOUT_S: Final = 75.0
-#: The whole envelope must arrive within this long of its headers, or the answer is 408
-#: (INVALID_PAYLOAD, ``details.reason: body_timeout``) and the connection is closed.
-BODY_TIMEOUT_S: Final = 30.0
-BODY_TIMEOUT_KEY: Final = web.AppKey("body_timeout_s", float)
 #: After an answer sent before its body was read whole (413, 404, 408...), aiohttp reads
 #: and drops what more of the body comes for at most this long, so that the agent gets
 #: the answer rather than a reset, then closes (aiohttp's default, made explicit).
 LINGERING_TIME_S: Final = 10.0
-#: The Content-Encodings of an envelope that aiohttp decodes before the handler reads it
-#: (its ``http_parser``: one coding, ASCII, any case). ``br`` and ``zstd`` need the
-#: optional Brotli and backports.zstd packages; without them aiohttp's parser refuses
-#: the request itself (400, text) before any handler runs.
-_DECODED_ENCODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
 _log = get_logger("gateway.server")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _json_answer(status: int, response: ExternalCallResponse) -> web.Response:
-    # An answer just stored for its idempotency key was written as JSON for the store:
-    # the same bytes, not a second serialisation.
-    raw = rendered(response)
-    if raw is None:
-        try:
-            raw = response.model_dump_json().encode()
-        except ValueError as exc:  # the pipeline rules this out; if not, still an envelope
-            _log.error("answer_not_writable", error=str(exc)[:200], trace_id=response.trace_id)
-            note = {"content_type": None, "text": "the answer's data could not be written as JSON"}
-            raw = response.model_copy(update={"data": note}).model_dump_json().encode()
-    body = redaction.scrub_bytes(raw)
-    return web.Response(status=status, body=body, content_type="application/json")
-
-
-def _error_answer(exc: GatewayError, started: float, request: web.Request) -> web.Response:
-    """The answer to a request refused here, before the pipeline (which audits its own
-    answers): on the calls listener it gets its one audit record."""
-    response = request.app[GATEWAY_KEY].refused_early(
-        exc,
-        started=started,
-        http_method=request.method,
-        http_path=request.rel_url.raw_path,
-        audited=request.app.get(AUDITED_KEY, False),
-    )
-    return _json_answer(exc.http_status, response)
 
 
 @web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn aiohttp's own HTTP errors (404, 405, 413...) into JSON answers; write a large
-    answer within ``body_timeout_s`` (:func:`gateway.server.proxy.send_bounded`)."""
+    answer within ``body_timeout_s`` (:func:`gateway.api.http.send_bounded`)."""
     started = time.monotonic()
     try:
         response = await handler(request)
@@ -119,186 +72,32 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
             details={"reason": "route", "http_status": exc.status},
             http_status=exc.status,
         )
-        answer = _error_answer(code_exc, started, request)
+        gateway = request.app[GATEWAY_KEY]
+        audited = request.app.get(AUDITED_KEY, False)
+        answer = http.respond(
+            envelope.refusal(
+                gateway,
+                code_exc,
+                started=started,
+                method=request.method,
+                path=request.rel_url.raw_path,
+                audited=audited,
+                identity=(
+                    identify(request.transport, request.headers, gateway.agents)
+                    if audited
+                    else None
+                ),
+            )
+        )
         if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110, 15.5.6)
             answer.headers["Allow"] = exc.headers["Allow"]
         return answer
-    if (
-        isinstance(response, web.Response)
-        and not response.prepared
-        and ((response.content_length or 0) > WRITE_BUFFERED_BYTES or _unsent(request))
-    ):
-        await send_bounded(request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S))
+    if http.needs_bounded_write(request, response):
+        assert isinstance(response, web.Response)
+        await http.send_bounded(
+            request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+        )
     return response
-
-
-def _unsent(request: web.Request) -> bool:
-    """Whether the agent has not yet taken an earlier answer on this connection (bytes
-    still in the transport's buffer): even a small answer may then wait for the socket to
-    drain (aiohttp's ``write_eof``), so it is written within the bound too."""
-    transport = request.transport
-    return transport is not None and transport.get_write_buffer_size() > 0
-
-
-async def _calls(request: web.Request) -> web.StreamResponse:
-    started = time.monotonic()
-    gateway = request.app[GATEWAY_KEY]
-    limit = gateway.policy.policy.server.max_request_bytes
-    try:
-        if request.content_length is not None and request.content_length > limit:
-            raise _too_large(request.content_length, limit)
-        body = await _read_body(request, limit)
-        relay = _SseRelay(request) if _wants_stream(request) else None
-        status, response = await gateway.call(body, relay=relay)
-    except GatewayError as exc:
-        return _error_answer(exc, started, request)
-    except Exception:  # noqa: BLE001 - the answer must be JSON whatever broke
-        _log.exception("handler_error")
-        return _error_answer(InternalError("the sidecar failed unexpectedly"), started, request)
-    if relay is not None and relay.started:
-        return await relay.finish(response)
-    return _json_answer(status, response)
-
-
-def _wants_stream(request: web.Request) -> bool:
-    """``Accept: text/event-stream`` (design.md, "Streaming to the agent")."""
-    return "text/event-stream" in request.headers.get("Accept", "")
-
-
-class _SseRelay:
-    """The agent's ``200 text/event-stream`` answer, opened at the first upstream chunk
-    (:class:`gateway.call.relay.Relay`); ends with one ``event: egress.response`` whose
-    data is the ExternalCallResponse (``data`` null: the agent has had the events)."""
-
-    def __init__(self, request: web.Request) -> None:
-        self._request = request
-        self._response = RelayResponse(
-            status=200,
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
-        )
-        self.started = False
-
-    async def start(self) -> None:
-        try:
-            await self._response.prepare(self._request)
-        except (ConnectionError, RuntimeError) as exc:
-            raise AgentGone from exc
-        self.started = True
-
-    async def send(self, chunk: bytes) -> None:
-        # The answer's bytes are the upstream's, scrubbed like every answer we write.
-        try:
-            await self._response.write(redaction.scrub_bytes(chunk))
-        except (ConnectionError, RuntimeError) as exc:
-            raise AgentGone from exc
-
-    async def finish(self, response: ExternalCallResponse) -> web.StreamResponse:
-        if response.error is not None and response.error.details.get("reason") == AGENT_STALLED:
-            drop_connection(self._request)  # it reads nothing: the final event would hang
-            return self._response
-        final = response.model_copy(update={"data": None}).model_dump_json().encode()
-        with contextlib.suppress(ConnectionError, RuntimeError):  # the agent may be gone
-            await self._response.write(
-                b"event: egress.response\ndata: " + redaction.scrub_bytes(final) + b"\n\n"
-            )
-            await self._response.write_eof()
-        return self._response
-
-
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """The envelope's bytes, as aiohttp decoded them from their Content-Encoding, read
-    within the app's body timeout.
-
-    Raises :class:`InvalidPayload`: 413 past ``limit`` bytes (decoded); 415 for a
-    Content-Encoding aiohttp does not decode (``details.reason: content_encoding``);
-    400 for a body that is not what its Content-Encoding says (same reason) or whose
-    framing broke part-way (``framing``: a bad chunk or a connection closed early); 408
-    when it does not arrive in time (``body_timeout``). After any of these but the first
-    the connection is closed once the answer is sent: what follows on it cannot be
-    trusted to start a request.
-    """
-    encodings = request.headers.getall("Content-Encoding", [])
-    if not _decoded(encodings):
-        _close_after_answer(request)
-        raise InvalidPayload(
-            f"Content-Encoding {', '.join(encodings)!r} is not supported: send the "
-            "envelope as is, or encoded with one of gzip or deflate",
-            details={
-                "reason": "content_encoding",
-                "content_encoding": ", ".join(encodings)[:128],
-                "supported": ["identity", "gzip", "deflate"],
-            },
-            http_status=415,
-        )
-    timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large(None, limit) from None
-    except TimeoutError:
-        _close_after_answer(request)
-        raise InvalidPayload(
-            f"the envelope did not arrive within {timeout_s:g} s of its headers; "
-            "send the whole body at once",
-            details={"reason": "body_timeout", "timeout_s": timeout_s},
-            http_status=408,
-        ) from None
-    except web.RequestPayloadError as exc:
-        _close_after_answer(request)
-        if isinstance(exc.__cause__, ContentEncodingError):
-            raise InvalidPayload(
-                f"the body is not {', '.join(encodings)}-encoded data, as its "
-                "Content-Encoding says; send it as is, without the header, or encode it",
-                details={"reason": "content_encoding", "content_encoding": encodings[0]},
-            ) from None
-        raise InvalidPayload(
-            "the request body could not be read: its framing broke part-way "
-            "(Transfer-Encoding chunks or Content-Length)",
-            details={"reason": "framing"},
-        ) from None
-    except ConnectionError:  # the agent hung up part-way: nobody reads this answer
-        raise InvalidPayload(
-            "the connection closed before the whole envelope arrived",
-            details={"reason": "framing"},
-        ) from None
-
-
-def _decoded(encodings: list[str]) -> bool:
-    """True if aiohttp has decoded a body sent with these Content-Encoding values (or
-    there is nothing to decode: none, empty, or ``identity``)."""
-    if not encodings:
-        return True
-    if len(encodings) > 1:
-        return False
-    encoding = encodings[0]
-    return encoding.isascii() and encoding.lower() in _DECODED_ENCODINGS | {"", "identity"}
-
-
-_CLOSE_KEY: Final = web.RequestKey("close_after_answer", bool)
-
-
-def _close_after_answer(request: web.Request) -> None:
-    request[_CLOSE_KEY] = True
-
-
-async def _close_if_asked(request: web.Request, response: web.StreamResponse) -> None:
-    """Send ``Connection: close`` and close after this answer, when its request's body
-    could not be read whole: nothing more on that connection is read as a request."""
-    if request.get(_CLOSE_KEY):
-        response.force_close()
-        # This hook runs after aiohttp has chosen the headers, before it writes them.
-        response.headers["Connection"] = "close"
-
-
-def _too_large(size: int | None, limit: int) -> InvalidPayload:
-    said = f"{size} bytes" if size is not None else "larger than the limit"
-    return InvalidPayload(
-        f"the envelope is {said}; this sidecar accepts at most {limit} bytes "
-        "(server.max_request_bytes in the policy)",
-        details={"reason": "too_large", "limit_bytes": limit},
-        http_status=413,
-    )
 
 
 async def _healthz(_: web.Request) -> web.Response:
@@ -331,15 +130,24 @@ def create_app(
     ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
-        middlewares=[_json_errors, edge_errors],
+        middlewares=[http.give_back_charge, _json_errors, http.edge_errors],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
     app[BODY_TIMEOUT_KEY] = body_timeout_s
-    app.on_response_prepare.append(_close_if_asked)
-    app.router.add_post(CALLS_PATH, _calls)
-    for route in (ProxyRoute(gateway, _read_body), McpRoute(gateway, _read_body)):
-        route.install(app)  # its route, and its answer to paths under it that miss it
+    # The memory request bodies in flight may hold, its limit read at each request from
+    # the policy then in force (a hot key: server.components.Listeners).
+    app[BUDGET_KEY] = ByteBudget(gateway.policy.policy.server.max_inflight_request_bytes)
+    app[BUDGET_LIMIT_KEY] = lambda: gateway.policy.policy.server.max_inflight_request_bytes
+    app.on_response_prepare.append(http.close_if_asked)
+    app.router.add_post(CALLS_PATH, envelope.handler(gateway))
+    app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))
+    app.router.add_route("*", mcp.MCP_ROUTE, mcp.handler(gateway))
+    # The answer of each route family to the paths under it that its route misses.
+    app[http.EDGES_KEY] = {
+        proxy.PREFIX: proxy.unmatched(gateway),
+        mcp.PREFIX: mcp.unmatched(gateway),
+    }
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
@@ -356,14 +164,15 @@ def create_app(
 
 
 def create_ops_app(gateway: Gateway) -> web.Application:
-    """Health, readiness and metrics only: safe to bind on the pod IP."""
+    """Health, readiness, metrics, the operator's routes (operator token): safe on the pod IP."""
     app = web.Application(middlewares=[_json_errors])
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
-    return app
+    ops.install(app, gateway)  # the stop switch's routes (operator token)
+    return desk.install(app, gateway)  # approvals and dead letters (operator token)
 
 
 def make_runner(
@@ -402,8 +211,12 @@ async def serve(
     ops_port: int | None = None,
     started: asyncio.Event | None = None,
     accept_new_calls: bool | None = None,
+    unix_socket: str | None = None,
 ) -> None:
     """Run until SIGTERM or SIGINT, then drain and stop (README, "Graceful shutdown").
+
+    With ``unix_socket`` (a path) the calls API is on that Unix socket too
+    (:mod:`gateway.server.listeners`).
 
     Readiness turns false in the signal's own callback. New calls are then served while
     draining when ``accept_new_calls`` (None: the policy's
@@ -444,20 +257,19 @@ async def serve(
     # must not cancel its call half-way (Gateway.call).
     runner = make_runner(create_app(gateway), handler_cancellation=False)
     await runner.setup()
-    sites = [web.TCPSite(runner, host, port, reuse_address=True)]
+    sites = calls_sites(runner, host, port, unix_socket)
     ops_runner = None
     if ops_port is not None:
         ops_runner = make_runner(create_ops_app(gateway))
         await ops_runner.setup()
         sites.append(web.TCPSite(ops_runner, ops_host or host, ops_port, reuse_address=True))
     try:
-        for site in sites:
-            await site.start()
-        bound = [_bound(site) for site in sites]
+        bound = await start_sites(sites, unix_socket)
         _log.info(
             "listening",
             calls=bound[0],
             ops=bound[1] if len(bound) > 1 else None,
+            unix_socket=unix_socket,
             loop=loop_name(loop),
         )
         watcher.start()
@@ -489,12 +301,3 @@ async def serve(
         if ops_runner is not None:
             await ops_runner.cleanup()
         await runner.cleanup()
-
-
-def _bound(site: web.TCPSite) -> str:
-    server = site._server  # aiohttp exposes no public accessor for the bound socket
-    sockets = getattr(server, "sockets", None) or []
-    if sockets:
-        host, port = sockets[0].getsockname()[:2]
-        return f"{host}:{port}"
-    return site.name

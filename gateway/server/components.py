@@ -13,7 +13,16 @@ added to the list, and cannot be left out of any of the three.
 Parts built, in order: the listeners' settings (read by ``server.app`` at start), the
 audit log, the outbound client, the price data, the secret resolvers, the Redis client
 and cluster limits, the idempotency stores, telemetry, the rate-limit groups, the
-circuit breakers, the budgets, the pipeline, and the metrics' policy labels.
+circuit breakers, the budgets, the operator's controls (stop switch, repeated-call
+breaker, tool caps), the pipeline, the agents who may call, and the metrics'
+policy labels. A component that must read something before it can take in a policy
+(the agents' tokens) has an ``async prepare(policy, parts)``, which a reload awaits for
+every component before any applies the policy.
+circuit breakers, the budgets, the pipeline, the agents who may call, the operator's
+desk (approvals, dead letters), and the metrics' policy labels. A component that must
+read something before it can take in a policy (the agents' tokens) has an ``async
+prepare(policy, parts)``, which a reload awaits for every component before any applies
+the policy.
 """
 
 from __future__ import annotations
@@ -27,10 +36,17 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from gateway import audit, cost, telemetry
+from gateway.agents.approvals import Approvals, ApprovalStore, MemoryApprovalStore
+from gateway.agents.caps import CallCaps
+from gateway.agents.controls import Controls, StopSwitch
+from gateway.agents.identity import Agents, build_agents
+from gateway.agents.registry import resolve_agents
+from gateway.agents.repeats import RepeatedCalls
 from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
 from gateway.cost import Pricing
+from gateway.deadletters import DeadLetters
 from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
@@ -80,7 +96,9 @@ class Parts:
     groups: RateLimitGroups
     breakers: CircuitBreakers
     budgets: Budgets
+    controls: Controls
     pipeline: Pipeline
+    agents: Agents
 
     def __init__(
         self, metrics: Metrics, *, dns_resolver: Resolver | None, log_stream: IO[str] | None
@@ -108,10 +126,14 @@ class Component(Protocol):
 class Listeners:
     """The listeners and the policy file watcher (``server.app.serve``: host, ports,
     ``max_request_bytes``, ``reload_interval_s``) read the server section at start; the
-    drain reads ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force.
+    drain reads ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force;
+    the body reader (``api.http``) ``max_inflight_request_bytes`` at each request.
     Built and closed by ``serve``, not here: this entry says what they read."""
 
-    keys: ClassVar = Keys(hot=("server.drain_s", "server.shutdown"), restart=("server",))
+    keys: ClassVar = Keys(
+        hot=("server.drain_s", "server.shutdown", "server.max_inflight_request_bytes"),
+        restart=("server",),
+    )
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         return None
@@ -304,11 +326,48 @@ class CostBudgets:
         parts.budgets.update(policy.policy.budgets)
 
 
+class AgentControls:
+    """The stop switch (its shared state watched in Redis with ``stop_switch.scope:
+    cluster``), the repeated-call breaker and the tool caps (budgets' ``max_calls``); the
+    operator token is read per request."""
+
+    keys: ClassVar = Keys(
+        hot=(
+            "controls.repeated_calls",
+            "controls.repeat_exempt",
+            "controls.operator_token_ref",
+            "budgets",
+        ),
+        restart=("controls",),
+    )
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        spec, metrics = policy.policy.controls, parts.metrics
+
+        def on_change(stops: Any) -> None:
+            counts: dict[str, int] = {}
+            for stop in stops.values():
+                counts[stop.scope] = counts.get(stop.scope, 0) + 1
+            metrics.set_agent_stops(counts)
+
+        stops = StopSwitch(spec.stop_switch, redis=parts.redis, on_change=on_change)
+        stack.push_async_callback(stops.aclose)
+        await stops.start()
+        repeats = RepeatedCalls(spec.repeated_calls, spec.repeat_exempt, redis=parts.redis)
+        cluster = parts.budgets.cluster  # tool caps count on the budgets' ledger
+        parts.controls = Controls(stops, repeats, CallCaps(policy.policy.budgets, cluster=cluster))
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        spec = policy.policy.controls
+        parts.controls.repeats.update(spec.repeated_calls, spec.repeat_exempt)
+        parts.controls.caps.update(policy.policy.budgets)
+
+
 class Calls:
     """The pipeline, handed the parts above; each call reads the policy it started with
-    (targets, envelope rules, ``agent_id``, ``server.debug``...)."""
+    (targets, envelope rules, ``agent_id``, ``server.debug``, ``chain``...)."""
 
-    keys: ClassVar = Keys(hot=("agent_id", "envelope", "targets", "server.debug"))
+    keys: ClassVar = Keys(hot=("agent_id", "envelope", "targets", "server.debug", "chain"))
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         parts.pipeline = Pipeline(
@@ -322,10 +381,71 @@ class Calls:
             idempotency=parts.idempotency,
             tracer=parts.tracer,
             budgets=parts.budgets,
+            controls=parts.controls,
         )
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
         parts.pipeline.apply_policy(policy)
+
+
+class AgentIdentities:
+    """Who may call (:mod:`gateway.agents.identity`): the policy's ``agents:`` with each
+    token read through the secret resolvers, so a ``vault://`` token works too. Reading
+    the tokens is I/O: a reload does it in :meth:`prepare`, before any component takes
+    the policy in (a token unreadable or empty refuses the reload)."""
+
+    keys: ClassVar = Keys(hot=("agents",))
+
+    def __init__(self) -> None:
+        self._ready: tuple[PolicySet, Agents] | None = None
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.agents = await resolve_agents(policy, parts.resolvers)
+
+    async def prepare(self, policy: PolicySet, parts: Parts) -> None:
+        """Read ``policy``'s agent tokens for :meth:`apply`. Raises SecretError or
+        ValueError (an empty token)."""
+        self._ready = (policy, await resolve_agents(policy, parts.resolvers))
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] is policy:
+            parts.agents = ready[1]
+            return
+        # Not prepared (Gateway.apply_policy called directly): no token was read, so an
+        # agent known only by its token is recognised by none: refused, never a default.
+        entries = ((n, a.uid, None, a.targets) for n, a in policy.policy.agents.items())
+        parts.agents = build_agents(policy.policy.agent_id, entries)
+
+
+class Desk:
+    """The operator's desk, handed to the pipeline: approvals (this process's memory, or
+    Redis with ``approvals.scope: cluster``) and dead letters (bounds hot on reload);
+    ``operators`` are read by the ops routes on each request (gateway.server.desk)."""
+
+    keys: ClassVar = Keys(hot=("operators", "dead_letters"), restart=("approvals",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        store: ApprovalStore = MemoryApprovalStore()
+        if policy.policy.approvals.scope == "cluster" and parts.redis is not None:
+            from gateway.agents.approvals_redis import RedisApprovalStore
+
+            store = RedisApprovalStore(parts.redis)
+        approvals = Approvals(store, parts.audit, on_change=parts.metrics.observe_approval)
+        stack.push_async_callback(approvals.aclose)
+        bounds = policy.policy.dead_letters
+        letters = DeadLetters(
+            max_count=bounds.max_count,
+            max_bytes=bounds.max_bytes,
+            audit=parts.audit,
+            on_kept=parts.metrics.observe_dead_letter,
+            on_dropped=parts.metrics.observe_dead_letters_dropped,
+        )
+        parts.pipeline.approvals, parts.pipeline.dead_letters = approvals, letters
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        bounds = policy.policy.dead_letters
+        parts.pipeline.dead_letters.update(bounds.max_count, bounds.max_bytes)
 
 
 class MetricLabels:
@@ -364,7 +484,10 @@ COMPONENTS: Final[tuple[type[Component], ...]] = (
     Groups,
     Breakers,
     CostBudgets,
+    AgentControls,
     Calls,
+    AgentIdentities,
+    Desk,
     MetricLabels,
 )
 

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from gateway import audit
-from gateway.audit.schema import Fields
+from gateway.agents.identity import Agents, Identity
+from gateway.audit.schema import POLICY_RELOAD_EVENT, POLICY_START_EVENT, Fields
 from gateway.call.mcp import McpRequest
 from gateway.call.pipeline import Pipeline
 from gateway.call.proxy import ProxyRequest
@@ -30,6 +31,7 @@ from gateway.policy import PolicyError, PolicySet, load_policy
 from gateway.secrets.factory import secrets_ready
 from gateway.server import components
 from gateway.server.components import COMPONENTS, Component, Parts
+from gateway.server.reload import applied_fields, refused_fields
 from gateway.upstream import Resolver
 
 if TYPE_CHECKING:
@@ -110,6 +112,13 @@ class Gateway:
         self._components, self._parts = built, parts
         self.audit, self.redis, self.cluster_limits = parts.audit, parts.redis, parts.cluster_limits
         self.pipeline = parts.pipeline
+        self.audit.event(
+            POLICY_START_EVENT,
+            policy=self.policy.source,
+            policy_sha256=self.policy.sha256,
+            targets=sorted(self.policy.targets),
+            agents=sorted(self.policy.policy.agents),
+        )
         _log.info(
             "sidecar_started",
             policy=self.policy.source,
@@ -133,19 +142,18 @@ class Gateway:
         reads at start only (listener settings ``server.host``, ``port``, ``ops_*``,
         ``max_request_bytes``; ``secrets``; ``redis``) need a restart; a reload that
         changes them says so in the log (:func:`~gateway.server.components.restart_needed`).
+        What a component must read before it can take the policy in (the agents' tokens:
+        ``prepare``) is read first; a failure there refuses the reload too. Applied or
+        refused, the reload is an audit record of its own (``policy_reload``).
         """
         source = path or self.policy.source
         try:
             new = await asyncio.to_thread(load_policy, source)
+            await self._prepare(new)
         except PolicyError as exc:
-            self.metrics.observe_policy_reload(ok=False)
-            _log.error(
-                "policy_reload_refused",
-                policy=source,
-                problems=exc.problems,
-                note="the previous policy stays in force",
-            )
-            return False
+            return await self._reload_refused(source, exc.problems)
+        except (GatewayError, ValueError) as exc:  # an agent token unreadable or empty
+            return await self._reload_refused(source, [f"{source}: agents: {exc}"])
         old = self.policy
         restart_needed = components.restart_needed(old, new, self._component_types)
         self.apply_policy(new)
@@ -155,19 +163,43 @@ class Gateway:
             )
         self.metrics.observe_policy_reload(ok=True)
         if self.audit is not None:
-            self.audit.event(
-                "policy_reload",
-                policy=source,
-                targets=sorted(new.targets),
-                changed_targets=sorted(
-                    n
-                    for n in set(old.targets) | set(new.targets)
-                    if (old.targets.get(n) and old.targets[n].spec)
-                    != (new.targets.get(n) and new.targets[n].spec)
-                ),
-                restart_needed_for=restart_needed,
-            )
+            self.audit.event(POLICY_RELOAD_EVENT, **applied_fields(old, new, restart_needed))
         return True
+
+    async def _prepare(self, policy: PolicySet) -> None:
+        """Let each component that has a ``prepare`` read what it needs for ``policy``."""
+        if self._parts is None:
+            return
+        for component in self._components:
+            prepare = getattr(component, "prepare", None)
+            if prepare is not None:
+                await prepare(policy, self._parts)
+
+    async def _reload_refused(self, source: str, problems: list[str]) -> bool:
+        self.metrics.observe_policy_reload(ok=False)
+        _log.error(
+            "policy_reload_refused",
+            policy=source,
+            problems=problems,
+            note="the previous policy stays in force",
+        )
+        if self.audit is not None:
+            fields = await asyncio.to_thread(refused_fields, source, problems, self.policy)
+            self.audit.event(POLICY_RELOAD_EVENT, **fields)
+        return False
+
+    @property
+    def agents(self) -> Agents:
+        """Who may call (the policy's ``agents:``, tokens read): before start, none."""
+        parts = self._parts
+        return parts.agents if parts is not None else Agents(self.policy.policy.agent_id)
+
+    def rendered_answer(self, response: ExternalCallResponse) -> bytes | None:
+        """The JSON bytes the pipeline stored for ``response``'s idempotency key, if it
+        is the answer just stored (taken once), else None: the answer is then written
+        with the same bytes, not serialised a second time."""
+        pipeline = self.pipeline
+        return pipeline.rendered.take(response) if pipeline is not None else None
 
     async def aclose(self) -> None:
         """Close every resource :meth:`start` opened, in reverse order; a part that fails
@@ -198,7 +230,7 @@ class Gateway:
         return pipeline is not None and not self.draining, checks
 
     async def call(
-        self, body: bytes, *, relay: Relay | None = None
+        self, body: bytes, *, relay: Relay | None = None, identity: Identity | None = None
     ) -> tuple[int, ExternalCallResponse]:
         """Run one call (see :meth:`Pipeline.handle`) in the current task, tracked as in
         flight so that :meth:`drain` can wait for it and, past the drain time, cancel it.
@@ -209,11 +241,15 @@ class Gateway:
         Once draining has begun a call is answered SHUTTING_DOWN (audited), unless
         :meth:`begin_drain` was told to accept new calls and the drain has not ended.
         Raises :class:`ShuttingDown` before :meth:`start` or after :meth:`aclose`.
-        With ``relay``, a 2xx event stream is relayed to it as it arrives.
+        With ``relay``, a 2xx event stream is relayed to it as it arrives. ``identity``:
+        who called (:func:`gateway.agents.identity.identify`); its refusal, if any, is
+        the answer (audited).
         """
         return await self._tracked(
-            lambda pipeline, refuse, relay: pipeline.handle(body, refuse=refuse, relay=relay),
-            None,
+            lambda pipeline, refuse, relay: pipeline.handle(
+                body, refuse=refuse, relay=relay, identity=identity
+            ),
+            identity.refusal if identity is not None else None,
             relay,
         )
 
@@ -284,12 +320,14 @@ class Gateway:
         http_path: str,
         api: str = "envelope",
         audited: bool = True,
+        identity: Identity | None = None,
         ids: tuple[str, str] | None = None,
     ) -> ExternalCallResponse:
         """The answer to a request refused before the pipeline (which audits its own
         answers): ``exc`` as an ExternalCallResponse, and with ``audited`` its one audit
-        record (:func:`gateway.call.record.refusal_record`, ``api`` the route's); ``ids``
-        (trace_id, correlation_id), when given, are the answer's and the record's."""
+        record (:func:`gateway.call.record.refusal_record`, ``api`` the route's,
+        ``identity`` who called when established); ``ids`` (trace_id, correlation_id),
+        when given, are the answer's and the record's."""
         trace_id, correlation_id = ids if ids is not None else (None, None)
         response = error_response(
             exc,
@@ -304,6 +342,8 @@ class Gateway:
                 http_method=http_method,
                 http_path=http_path,
                 http_status=exc.http_status,
+                identity=identity,
+                policy_sha256=self.policy.sha256,
             )
             record[Fields.API] = api
             self.audit.call(record)

@@ -26,6 +26,7 @@ tries Redis again, and the pool reconnects by itself when Redis is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Final, Literal
@@ -47,6 +48,7 @@ __all__ = [
     "RedisState",
     "RedisUnavailable",
     "Script",
+    "Subscription",
     "redis_url",
 ]
 
@@ -133,6 +135,10 @@ class RedisClient:
         """A Lua script to run on this client (see :class:`Script`)."""
         return Script(self, source)
 
+    def subscription(self, channel: str) -> Subscription:
+        """A pub/sub subscription to ``channel`` (a full key, see :meth:`key`)."""
+        return Subscription(self, channel)
+
     async def ping(self) -> None:
         """One PING. Raises :class:`RedisUnavailable`."""
         await self.run(self._redis.ping())
@@ -197,3 +203,47 @@ class Script:
         """Run the script with ``keys`` (KEYS) and ``args`` (ARGV); its reply (bytes for
         strings, int for numbers, lists). Raises :class:`RedisUnavailable`."""
         return await self._client.run(self._script(keys=list(keys), args=list(args)))
+
+
+class Subscription:
+    """A subscription to one pub/sub channel, on a connection of its own taken from the
+    pool (SUBSCRIBE holds it). Messages are notices only: a subscriber that was
+    disconnected misses what was published meanwhile, so the callers read the stored
+    state again after each wait (the stop switch polls as well)."""
+
+    def __init__(self, client: RedisClient, channel: str) -> None:
+        self._client = client
+        self._channel = channel
+        self._pubsub = client._redis.pubsub()
+        self._subscribed = False
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` seconds for a message on the channel (subscribing
+        first, once); True when one came. Raises :class:`RedisUnavailable`; the
+        subscription is then dropped and the next wait subscribes again."""
+        try:
+            if not self._subscribed:
+                await self._client.run(self._pubsub.subscribe(self._channel))
+                self._subscribed = True
+            # The wait is the timeout itself: not through run(), whose bound is shorter.
+            message = await self._pubsub.get_message(
+                ignore_subscribe_messages=True, timeout=timeout_s
+            )
+        except (RedisError, OSError) as exc:
+            await self._reset()
+            raise RedisUnavailable(f"Redis at {self._client.label}: {type(exc).__name__}") from None
+        except RedisUnavailable:
+            await self._reset()
+            raise
+        return message is not None
+
+    async def _reset(self) -> None:
+        self._subscribed = False
+        with contextlib.suppress(RedisError, OSError):  # the connection is gone already
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        self._pubsub = self._client._redis.pubsub()
+
+    async def aclose(self) -> None:
+        """Unsubscribe and give the connection back. Idempotent."""
+        with contextlib.suppress(RedisError, OSError):  # a dead connection needs no goodbye
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]

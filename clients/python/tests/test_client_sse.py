@@ -93,7 +93,7 @@ def test_one_event_is_bounded() -> None:
 
 
 def test_one_long_line_fed_in_pieces_is_one_event_and_still_bounded() -> None:
-    # A growing line is kept in pieces and scanned once it ends (review: re-joining it at
+    # A growing line is kept in pieces and scanned once it ends (re-joining it at
     # every chunk made one 16 MiB event cost over a second of the agent's CPU).
     decoder = SSEDecoder(max_event_chars=1_000_000)
     line = b"data: " + b"B" * 100_000

@@ -55,6 +55,7 @@ def _add_filters(parser: argparse.ArgumentParser, *, with_trace: bool = True) ->
         ("--endpoint", "endpoint (path)"),
         ("--code", "error code, e.g. CAPACITY_EXCEEDED"),
         ("--decision", "allowed, denied, invalid, replayed or shadow_denied"),
+        ("--policy", "policy_sha256, the digest of the policy that decided (a prefix: ab12*)"),
     ]
     if with_trace:
         texts.insert(0, ("--trace", "trace_id"))
@@ -170,6 +171,7 @@ def _filters(args: argparse.Namespace, trace: tuple[str, ...] | None = None) -> 
         endpoint=values("endpoint"),
         code=values("code"),
         decision=values("decision"),
+        policy=values("policy"),
         failed=args.failed,
         since=args.since,
         until=args.until,

@@ -3,7 +3,8 @@
 A :class:`Filters` holds what the operator asked for; :meth:`Filters.call_predicate`
 compiles it into one fast predicate over call records (``event: egress_call``) and
 :meth:`Filters.event_predicate` into one over other audit events (breaker state
-changes), which only the agent, target and time filters concern.
+changes, policy start and reload), which only the agent, target, policy and time filters
+concern.
 
 Text filters match exactly, or as a shell-style pattern (``fnmatch``: ``*``, ``?``,
 ``[...]``) when the value holds one of those characters; giving a filter several times
@@ -84,6 +85,8 @@ class Filters:
     endpoint: tuple[str, ...] = ()
     code: tuple[str, ...] = ()
     decision: tuple[str, ...] = ()
+    #: ``policy_sha256``: calls and policy records (start, reload) of these policies.
+    policy: tuple[str, ...] = ()
     failed: bool = False
     since: datetime | None = None
     until: datetime | None = None
@@ -92,7 +95,11 @@ class Filters:
     def _common(self) -> list[Predicate]:
         checks = [
             _text_match(field, values)
-            for field, values in (("agent_id", self.agent), ("target_system", self.target))
+            for field, values in (
+                ("agent_id", self.agent),
+                ("target_system", self.target),
+                ("policy_sha256", self.policy),
+            )
             if values
         ]
         if self.since is not None or self.until is not None:

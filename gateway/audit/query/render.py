@@ -259,12 +259,16 @@ def _bar(start: float, length: float, span: float) -> str:
 def print_timeline(console: Console, trace_id: str, steps: Sequence[tuple[float, Record]]) -> None:
     """The calls of one trace as a table with a bar per call on a common time axis."""
     span = max((offset + (_number(rec.get("latency_ms"))) for offset, rec in steps), default=0.0)
-    agents = sorted({_text(rec.get("agent_id")) for _, rec in steps})
+    # The agents the trace crossed: those that wrote the records, and those named in the
+    # records' call chains (agents calling agents; their own logs may be elsewhere).
+    chains = [rec.get("call_chain") for _, rec in steps]
+    named = {a for chain in chains if isinstance(chain, list) for a in chain if isinstance(a, str)}
+    agents = sorted({_text(rec.get("agent_id")) for _, rec in steps} | named)
     title = f"trace {trace_id}: {len(steps)} calls over {span:.1f} ms (agents: {', '.join(agents)})"
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for name, justify in (("start ms", "right"), ("duration ms", "right"), ("", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for name in ("target", "call", "outcome", "tries", "tokens", "correlation"):
+    for name in ("target", "call", "outcome", "tries", "tokens", "correlation", "chain"):
         table.add_column(name, no_wrap=True, overflow="ellipsis")
     for offset, rec in steps:
         duration = _number(rec.get("latency_ms"))
@@ -278,8 +282,16 @@ def print_timeline(console: Console, trace_id: str, steps: Sequence[tuple[float,
             _text(rec.get("attempts")),
             _text(rec.get("tokens_used")),
             _text(rec.get("correlation_id")),
+            _chain(rec.get("call_chain")),
         )
     console.print(table)
+
+
+def _chain(value: Any) -> str:
+    """A record's call chain as ``planner > executor`` ("-" when it has none)."""
+    if not isinstance(value, list) or not value:
+        return "-"
+    return " > ".join(_text(agent) for agent in value)
 
 
 def _number(value: Any) -> float:

@@ -109,7 +109,7 @@ chart, .root.Chart is the agent's, so the dependency's own chart is looked up.
 
 {{- define "egress-gateway.podAnnotations" -}}
 {{- if and .gateway.policy.rollOnChange (not .gateway.policy.existingConfigMap) }}
-checksum/policy: {{ .gateway.policy.content | sha256sum }}
+checksum/policy: {{ include "egress-gateway.policyContent" . | sha256sum }}
 {{- end }}
 {{- if .gateway.metrics.prometheusAnnotations }}
 prometheus.io/scrape: "true"
@@ -150,6 +150,40 @@ seccompProfile:
 {{- define "egress-gateway.agentEnv" -}}
 - name: EGRESS_GATEWAY_URL
   value: {{ printf "http://127.0.0.1:%d" (.gateway.sidecar.port | int) | quote }}
+{{- with .gateway.sidecar.unixSocket }}
+- name: EGRESS_GATEWAY_SOCKET
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+An agent container's volume mounts for the sidecar: the Unix socket's directory (with
+sidecar.unixSocket), as list items at column 0; nothing otherwise.
+*/}}
+{{- define "egress-gateway.agentVolumeMounts" -}}
+{{- with .gateway.sidecar.unixSocket }}
+- name: egress-gateway-socket
+  mountPath: {{ dir . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The policy file's text: policy.content, and with agents its agents: section rendered
+from the values (each id: {uid, targets}).
+*/}}
+{{- define "egress-gateway.policyContent" -}}
+{{- $g := .gateway -}}
+{{- if $g.agents -}}
+{{- $agents := dict -}}
+{{- range $g.agents -}}
+{{- $entry := dict "uid" (.uid | int64) -}}
+{{- if hasKey . "targets" }}{{ $_ := set $entry "targets" .targets }}{{ end -}}
+{{- $_ := set $agents .id $entry -}}
+{{- end -}}
+{{- printf "%s\n%s\n" (trimSuffix "\n" $g.policy.content) (toYaml (dict "agents" $agents)) -}}
+{{- else -}}
+{{- $g.policy.content -}}
+{{- end -}}
 {{- end }}
 
 {{/*
@@ -161,6 +195,9 @@ fails the render with a message naming the keys to fix.
 {{- if eq ($g.sidecar.port | int) ($g.sidecar.opsPort | int) }}
 {{- fail "egress-gateway: sidecar.port and sidecar.opsPort must differ" }}
 {{- end }}
+{{- if and $g.agents $g.policy.existingConfigMap }}
+{{- fail "egress-gateway: agents are rendered into policy.content; with policy.existingConfigMap write them in that policy" }}
+{{- end }}
 {{- if not $g.policy.existingConfigMap }}
 {{- if not $g.policy.content }}
 {{- fail "egress-gateway: set policy.content or policy.existingConfigMap" }}
@@ -168,6 +205,20 @@ fails the render with a message naming the keys to fix.
 {{- $policy := fromYaml $g.policy.content }}
 {{- if hasKey $policy "Error" }}
 {{- fail (printf "egress-gateway: policy.content is not a YAML mapping: %s" $policy.Error) }}
+{{- end }}
+{{- if and $g.agents (hasKey $policy "agents") }}
+{{- fail "egress-gateway: the policy.content has an agents: section and the values list agents: write them in one place" }}
+{{- end }}
+{{- $uids := dict }}
+{{- range $g.agents }}
+{{- $uid := toString (.uid | int64) }}
+{{- if eq (.uid | int64) ($g.sidecar.uid | int64) }}
+{{- fail (printf "egress-gateway: agents %s has sidecar.uid (%s): give each agent a UID of its own" .id $uid) }}
+{{- end }}
+{{- if hasKey $uids $uid }}
+{{- fail (printf "egress-gateway: agents %s and %s have one UID (%s): one UID, one agent" (get $uids $uid) .id $uid) }}
+{{- end }}
+{{- $_ := set $uids $uid .id }}
 {{- end }}
 {{- $drain := 20.0 }}
 {{- with $policy.server }}{{ if hasKey . "drain_s" }}{{ $drain = .drain_s | float64 }}{{ end }}{{ end }}
@@ -262,6 +313,10 @@ API binds 127.0.0.1 only and gets no containerPort; only the ops port is declare
     - name: REDIS_URL
       value: {{ $g.redis.url | quote }}
     {{- end }}
+    {{- with $g.sidecar.unixSocket }}
+    - name: GATEWAY_UNIX_SOCKET
+      value: {{ . | quote }}
+    {{- end }}
     {{- with $g.sidecar.extraEnv }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -314,6 +369,10 @@ API binds 127.0.0.1 only and gets no containerPort; only the ops port is declare
     - name: egress-gateway-vault-ca
       mountPath: /etc/egress-gateway-vault-ca
       readOnly: true
+    {{- end }}
+    {{- with $g.sidecar.unixSocket }}
+    - name: egress-gateway-socket
+      mountPath: {{ dir . | quote }}
     {{- end }}
     {{- with $g.sidecar.extraVolumeMounts }}
     {{- toYaml . | nindent 4 }}
@@ -381,6 +440,12 @@ mounted as a directory (no subPath) so updates arrive by the kubelet's symlink s
     items:
       - key: {{ $g.vault.caCert.key | quote }}
         path: ca.crt
+{{- end }}
+{{- if $g.sidecar.unixSocket }}
+- name: egress-gateway-socket
+  emptyDir:
+    medium: Memory
+    sizeLimit: 1Mi
 {{- end }}
 {{- with $g.sidecar.extraVolumes }}
 {{ toYaml . }}

@@ -20,8 +20,12 @@ from egress_client.async_client import AsyncCallStream, AsyncEgressClient
 from egress_client.client import CallStream, EgressClient
 from egress_client.errors import (
     ERROR_CLASSES,
+    AgentStopped,
     AgentTimeout,
+    ApprovalDenied,
+    ApprovalPending,
     BudgetExceeded,
+    CallChainRefused,
     CapacityExceeded,
     CircuitOpen,
     DependencyFailed,
@@ -33,6 +37,7 @@ from egress_client.errors import (
     OutcomeUnknown,
     PermissionDenied,
     QuotaExhausted,
+    RepeatedCall,
     ResponseTooLarge,
     SchemaMismatch,
     SecretAccessDenied,
@@ -46,6 +51,7 @@ from egress_client.errors import (
 )
 from egress_client.ids import bind_ids
 from egress_client.models import (
+    CallChain,
     ErrorCode,
     ErrorPayload,
     ExternalCallRequest,
@@ -59,10 +65,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ERROR_CLASSES",
+    "AgentStopped",
     "AgentTimeout",
+    "ApprovalDenied",
+    "ApprovalPending",
     "AsyncCallStream",
     "AsyncEgressClient",
     "BudgetExceeded",
+    "CallChain",
+    "CallChainRefused",
     "CallStream",
     "CapacityExceeded",
     "CircuitOpen",
@@ -80,6 +91,7 @@ __all__ = [
     "OutcomeUnknown",
     "PermissionDenied",
     "QuotaExhausted",
+    "RepeatedCall",
     "RequestBody",
     "ResponseTooLarge",
     "RetryPolicy",

@@ -21,8 +21,10 @@ from egress_client.sse import ServerSentEvent, SSEDecoder
 class EgressClient:
     """A client of one sidecar. ``base_url`` defaults to ``$EGRESS_GATEWAY_URL`` (or
     ``$GATEWAY_URL``) or ``http://127.0.0.1:8181``; ``agent_id`` is put in envelopes that
-    name none (the sidecar's policy ``agent_id`` applies otherwise). ``http_client`` is
-    used as given and not closed here; without it the client owns one (close it, or use ``with``).
+    name none: a claim the sidecar checks (it knows who calls; another agent's id is
+    refused PERMISSION_DENIED, ``agent_mismatch``), so leave it None or set your own.
+    ``http_client`` is used as given and not closed here; without it the client owns one
+    (close it, or use ``with``).
     The HTTP timeout of a call is its envelope ``timeout`` plus ``timeout_margin_s``;
     connecting to the sidecar is bounded by ``connect_timeout_s``.
 

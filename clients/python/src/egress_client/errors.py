@@ -15,6 +15,9 @@ the code, so that ``except CapacityExceeded`` reads like the README's table::
     ├── CapacityExceeded        CAPACITY_EXCEEDED     429  yes
     ├── QuotaExhausted          QUOTA_EXHAUSTED       429  no
     ├── BudgetExceeded          BUDGET_EXCEEDED       429  no
+    ├── CallChainRefused        CALL_CHAIN_REFUSED    409  no
+    ├── ApprovalPending         APPROVAL_PENDING      428  yes
+    ├── ApprovalDenied          APPROVAL_DENIED       403  no
     ├── CircuitOpen             CIRCUIT_OPEN          503  yes
     ├── DependencyFailed        DEPENDENCY_FAILED     502  yes
     │   └── SidecarUnavailable  (client side) the sidecar could not be reached
@@ -25,6 +28,8 @@ the code, so that ``except CapacityExceeded`` reads like the README's table::
     ├── ResponseTooLarge        RESPONSE_TOO_LARGE    502  no
     ├── StreamInterrupted       STREAM_INTERRUPTED    502  yes
     ├── ShuttingDown            SHUTTING_DOWN         503  yes
+    ├── AgentStopped            AGENT_STOPPED         423  no
+    ├── RepeatedCall            REPEATED_CALL         429  no
     └── UnknownError            UNKNOWN               500  no
         └── NotAnEnvelope       (client side) the answer was not an ExternalCallResponse
 
@@ -141,6 +146,28 @@ class BudgetExceeded(EgressError):
     default_code = ErrorCode.BUDGET_EXCEEDED
 
 
+class CallChainRefused(EgressError):
+    """The call chain (agents calling agents) is refused: ``details.reason`` is
+    ``circular_call_detected``, ``max_depth_exceeded``, ``ttl_expired`` or
+    ``invalid_chain``; ``details.call_chain`` the agent ids, origin first."""
+
+    default_code = ErrorCode.CALL_CHAIN_REFUSED
+
+
+class ApprovalPending(EgressError):
+    """The call waits for a person's approval: ``details.approval_id`` names the request;
+    send the same call again (same arguments) after ``suggested_retry_after`` seconds."""
+
+    default_code = ErrorCode.APPROVAL_PENDING
+    default_retryable = True
+
+
+class ApprovalDenied(EgressError):
+    """A person refused this call (``details.approval_id``); sending it again is refused."""
+
+    default_code = ErrorCode.APPROVAL_DENIED
+
+
 class CircuitOpen(EgressError):
     default_code = ErrorCode.CIRCUIT_OPEN
     default_retryable = True
@@ -190,6 +217,20 @@ class ShuttingDown(EgressError):
     default_retryable = True
 
 
+class AgentStopped(EgressError):
+    """An operator stopped this agent, its target or the fleet (``details.scope``,
+    ``details.reason``): do not retry until someone resumes it."""
+
+    default_code = ErrorCode.AGENT_STOPPED
+
+
+class RepeatedCall(EgressError):
+    """The same call was repeated too often (``details.count`` within
+    ``details.window_s``): change the arguments or stop looping."""
+
+    default_code = ErrorCode.REPEATED_CALL
+
+
 class UnknownError(EgressError):
     default_code = ErrorCode.UNKNOWN
 
@@ -212,6 +253,9 @@ ERROR_CLASSES: dict[str, type[EgressError]] = {
         CapacityExceeded,
         QuotaExhausted,
         BudgetExceeded,
+        CallChainRefused,
+        ApprovalPending,
+        ApprovalDenied,
         CircuitOpen,
         DependencyFailed,
         AgentTimeout,
@@ -221,6 +265,8 @@ ERROR_CLASSES: dict[str, type[EgressError]] = {
         ResponseTooLarge,
         StreamInterrupted,
         ShuttingDown,
+        AgentStopped,
+        RepeatedCall,
         UnknownError,
     )
 }

@@ -63,6 +63,9 @@ class ErrorCode(StrEnum):
     CAPACITY_EXCEEDED = "CAPACITY_EXCEEDED"
     QUOTA_EXHAUSTED = "QUOTA_EXHAUSTED"
     BUDGET_EXCEEDED = "BUDGET_EXCEEDED"
+    CALL_CHAIN_REFUSED = "CALL_CHAIN_REFUSED"
+    APPROVAL_PENDING = "APPROVAL_PENDING"
+    APPROVAL_DENIED = "APPROVAL_DENIED"
     CIRCUIT_OPEN = "CIRCUIT_OPEN"
     DEPENDENCY_FAILED = "DEPENDENCY_FAILED"
     AGENT_TIMEOUT = "AGENT_TIMEOUT"
@@ -72,6 +75,8 @@ class ErrorCode(StrEnum):
     RESPONSE_TOO_LARGE = "RESPONSE_TOO_LARGE"
     STREAM_INTERRUPTED = "STREAM_INTERRUPTED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    AGENT_STOPPED = "AGENT_STOPPED"
+    REPEATED_CALL = "REPEATED_CALL"
     UNKNOWN = "UNKNOWN"
 
 
@@ -89,6 +94,22 @@ class RequestBody(BaseModel):
     def of(cls, content_type: str, data: bytes) -> RequestBody:
         """The body for ``data`` sent with ``Content-Type: content_type``."""
         return cls(content_type=content_type, base64=base64.b64encode(data).decode("ascii"))
+
+
+class CallChain(BaseModel):
+    """The call chain an agent received with the request it is working on (agents
+    calling agents), passed on so that its sidecar can check and extend it: the values
+    of the ``x-egress-call-chain`` (``agents``: agent ids, origin first),
+    ``x-egress-deadline`` (``deadline_ms``: absolute, Unix milliseconds) and
+    ``x-egress-call-chain-sig`` (``signature``) headers. Only the types are checked
+    here; the chain's own rules (ids, length, deadline, signature) are the sidecar's, and
+    a chain breaking them is refused with CALL_CHAIN_REFUSED, as the headers would be."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    agents: list[str]
+    deadline_ms: int | None = None
+    signature: str | None = None
 
 
 class ExternalCallRequest(BaseModel):
@@ -126,6 +147,7 @@ class ExternalCallRequest(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     query: dict[str, Any] = Field(default_factory=dict)
     body: RequestBody | None = None
+    call_chain: CallChain | None = None
 
 
 class ErrorPayload(BaseModel):

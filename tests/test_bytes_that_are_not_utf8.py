@@ -1,74 +1,22 @@
-"""Review of issue 21's changes (newcomer and adversary, h-review): each test is a break
-found on main, written to fail before its fix."""
+"""Header values, status lines and content types holding bytes that are not UTF-8.
+
+HTTP allows obs-text (RFC 9110 section 5.5, RFC 9112 section 4); the sidecar's HTTP
+client and its JSON answers speak UTF-8. What the agent sends is refused rather than
+forwarded altered (a ``traceparent`` is replaced as any invalid one is); what the
+upstream sends still gets the route's own answer shape, the bytes escaped, never passed
+back altered. Real sidecar, raw sockets on both sides where an HTTP client would tidy
+the bytes up.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
-from aiohttp import web
 
-from tests.conftest import compile_policy, envelope, openai_target, wait_for
+from tests.conftest import compile_policy, envelope, openai_target
 from tests.rawhttp import read_message
-from tests.redis_fixtures import SHARED_URL, redis_prefix
-from tests.test_upstream_101 import switcher
-
-__all__ = ["redis_prefix", "switcher"]  # fixtures, imported for pytest
-
-CHAT = {"model": "fake-model-1", "messages": [{"role": "user", "content": "ping"}]}
-
-
-async def test_a_replayed_101_is_not_sent_to_the_agent_as_101(switcher, sidecar_factory):
-    """An upstream 101 on a target with idempotency: the first answer is the 502 refusal
-    and its key is completed; the resend with the same key must get that 502 again, not a
-    ``101 Switching Protocols`` of the sidecar's own (which would switch the agent's
-    connection)."""
-    target = openai_target(f"http://127.0.0.1:{switcher.port}", idempotency={"methods": ["POST"]})
-    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
-    headers = {"x-egress-timeout": "5", "Idempotency-Key": "key-101"}
-    url = sc.url + "/proxy/fake-openai/v1/chat/completions"
-    answers = []
-    for _ in range(2):
-        async with sc.session.post(url, json=CHAT, headers=headers) as resp:
-            answers.append(
-                (resp.status, resp.headers.get("x-egress-error-code"), await resp.read())
-            )
-    assert switcher.requests == 1  # the key held: the upstream saw one request
-    first, second = answers
-    assert first[0] == 502
-    assert first[1] == "UPSTREAM_REJECTED"
-    assert second[0] == 502, second
-    assert second[1] == "UPSTREAM_REJECTED"
-    assert len(sc.audit_records()) == 2
-
-
-async def test_a_replayed_redirect_is_the_refusal_the_first_answer_was(
-    upstream_factory, sidecar_factory
-):
-    """An upstream redirect (not followed) is refused with the provider's 502 error body
-    on the drop-in route; its replay must be that same refusal, not a bare 300 of the
-    sidecar's own with an empty body (nor a redirect the SDK might follow)."""
-
-    async def redirect(_: object) -> web.StreamResponse:
-        return web.Response(status=300, text="choose")  # no Location: not followed
-
-    up = await upstream_factory(redirect)
-    target = openai_target(up.url, idempotency={"methods": ["POST"]})
-    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
-    headers = {"Idempotency-Key": "key-300"}
-    url = sc.url + "/proxy/fake-openai/v1/chat/completions"
-    answers = []
-    for _ in range(2):
-        async with sc.session.post(url, json=CHAT, headers=headers, allow_redirects=False) as resp:
-            body = await resp.json(content_type=None) if resp.status == 502 else None
-            answers.append((resp.status, resp.headers.get("x-egress-error-code"), body))
-    assert up.hits == 1
-    first, second = answers
-    assert first[0] == 502
-    assert first[1] == "UPSTREAM_REJECTED"
-    assert second == first  # the same status, code and provider-shaped error body
 
 
 @pytest.mark.parametrize(
@@ -127,73 +75,6 @@ async def test_a_traceparent_that_is_not_utf8_is_replaced_as_any_invalid_one(
     sent = {k.lower(): v for k, v in up.seen[0].headers.items()}["traceparent"]
     assert sent.startswith("00-")
     assert len(sent) == 55
-
-
-#: An answer just under the bound of a large one (gateway.server.proxy.WRITE_BUFFERED_BYTES).
-MEDIUM = {"object": "blob", "text": "x" * (60 * 1024)}
-
-
-async def _medium(_: web.Request) -> web.StreamResponse:
-    return web.json_response(MEDIUM)
-
-
-async def test_small_answers_to_an_agent_that_stopped_reading_are_bounded_too(upstream_factory):
-    """An agent that sends requests on one connection (pipelined) and reads none of the
-    answers, each under 64 KiB: each is handed to the transport at once, but once the
-    earlier ones fill it the next one waits for the socket to drain, without a bound
-    (aiohttp's ``write_eof`` drains). That answer must be written within
-    ``body_timeout_s`` as a large one is, the connection dropped and ``answer_undelivered``
-    logged."""
-    from tests.test_answer_write_bound import _lines, _sidecar
-
-    up = await upstream_factory(_medium)
-    server, log = await _sidecar(up.url, body_timeout_s=0.5)
-    agent = socket.socket()
-    agent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    try:
-        agent.connect(("127.0.0.1", server.port))
-        body = json.dumps(envelope()).encode()
-        one = (
-            b"POST /v1/calls HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        agent.sendall(one * 200)  # ~12 MiB of answers, more than any socket buffers
-        await wait_for(
-            lambda: any(x.get("event") == "answer_undelivered" for x in _lines(log)), 15.0
-        )
-        line = next(x for x in _lines(log) if x.get("event") == "answer_undelivered")
-        assert line["reason"] == "agent_stalled"
-    finally:
-        agent.close()
-        await server.close()
-
-
-async def test_pipelined_answers_to_an_agent_that_reads_all_arrive(upstream_factory):
-    """The other side of the bound above: an agent that pipelines its requests and reads
-    gets every answer whole, in order, and nothing is logged undelivered."""
-    from tests.test_answer_write_bound import _lines, _sidecar
-
-    up = await upstream_factory(_medium)
-    server, log = await _sidecar(up.url, body_timeout_s=5.0)
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        body = json.dumps(envelope()).encode()
-        one = (
-            b"POST /v1/calls HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        writer.write(one * 40)
-        await writer.drain()
-        for _ in range(40):
-            head, raw = await asyncio.wait_for(read_message(reader), 10)
-            assert head.startswith(b"HTTP/1.1 200 OK")
-            answer = json.loads(raw)
-            assert answer["data"] == MEDIUM
-        writer.close()
-        assert up.hits == 40
-        assert not any(x.get("event") == "answer_undelivered" for x in _lines(log))
-    finally:
-        await server.close()
 
 
 class RawUpstream:
@@ -318,35 +199,3 @@ async def test_a_success_whose_content_type_is_not_utf8_keeps_its_data(sidecar_f
     finally:
         server.close()
         await server.wait_closed()
-
-
-@pytest.mark.parametrize("scope", ["local", "cluster"])
-async def test_concurrent_idempotent_answers_are_each_their_own(
-    upstream_factory, sidecar_factory, redis_prefix, scope
-):
-    """The answer serialised once for the store and the wire (call/idempotent.py
-    ``rendered``, one slot): under concurrency, and with the store's awaits between the
-    slot's writing and the answer (Redis, ``scope: cluster``), every call gets its own
-    answer's bytes, and every resend its own replay."""
-
-    async def echo(request: web.Request) -> web.StreamResponse:
-        sent = await request.json()
-        return web.json_response({"echo": sent["n"], "text": "x" * (sent["n"] * 97 % 5000)})
-
-    up = await upstream_factory(echo)
-    target = openai_target(up.url, idempotency={"methods": ["POST"], "scope": scope})
-    extra = {"redis": {"url": SHARED_URL, "key_prefix": redis_prefix}} if scope == "cluster" else {}
-    sc = await sidecar_factory(compile_policy({"fake-openai": target}, **extra))
-
-    def env(n: int) -> dict[str, object]:
-        return envelope(correlation_id=f"corr-{n}", parameters={"model": "m", "n": n})
-
-    for _round in range(2):  # the first: all go upstream; the second: all replayed
-        answers = await asyncio.gather(*(sc.call(env(n)) for n in range(60)))
-        for n, (status, answer) in enumerate(answers):
-            assert status == 200
-            assert answer["correlation_id"] == f"corr-{n}"
-            assert answer["data"]["echo"] == n
-            assert len(answer["data"]["text"]) == n * 97 % 5000
-            assert answer["replayed"] is (_round == 1)
-    assert up.hits == 60

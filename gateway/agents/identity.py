@@ -1,0 +1,267 @@
+"""Who is calling: the identity the sidecar establishes, never the agent's word
+(design.md, "Who is calling: agent identity"; README, "Several agents in one pod").
+
+Sources, strongest first (``agent_auth`` in the audit record):
+
+    uid     the kernel's word about the calling process: ``SO_PEERCRED`` on the Unix-socket
+            listener, or the owner of the loopback TCP socket the call came from
+            (:mod:`gateway.agents.peers`), matched against the policy's ``agents.*.uid``
+    token   header ``x-egress-agent-token`` equal, compared in constant time, to the value
+            of an agent's ``token_ref`` (a secret reference mounted only into its container)
+    policy  the policy's ``agent_id``, when the policy has no ``agents:`` (one agent per
+            sidecar)
+
+With ``agents:`` a caller recognised as none of them is refused (PERMISSION_DENIED,
+``details.reason: unknown_agent``, with the UID the kernel gave, never a token), as is a
+token that matches no agent: never a default agent. A claim (header ``x-egress-agent``,
+the envelope's ``agent_id``) equal to the established id is fine; a different one is
+PERMISSION_DENIED ``agent_mismatch`` with both ids; an agent calling a target outside its
+``targets`` is PERMISSION_DENIED ``target_not_allowed``.
+
+:func:`establish` is pure; :func:`identify` is the one hook every API calls with the
+request's socket and headers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import hmac
+import socket
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal, Protocol
+
+from gateway.agents import peers
+from gateway.errors import PermissionDenied
+
+#: The header of a per-agent token (never forwarded, never audited).
+TOKEN_HEADER: Final = "x-egress-agent-token"  # noqa: S105 - a header name
+#: The header of a claimed agent id (checked, never believed).
+CLAIM_HEADER: Final = "x-egress-agent"
+#: The ``agent_id`` of a caller recognised as no agent (not a policy name: those start
+#: with a letter or digit).
+UNKNOWN_AGENT: Final = "_unknown"
+#: A claim is kept (audit record, error details) cut to this many characters.
+_CLAIM_LIMIT: Final = 256
+
+AgentAuth = Literal["uid", "token", "policy"]
+Listener = Literal["tcp", "unix"]
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    """One entry of the policy's ``agents:``: its id, the UID and the SHA-256 of the
+    token that recognise it, and the targets it may call (None: every target)."""
+
+    agent_id: str
+    uid: int | None = None
+    token_sha256: bytes | None = None
+    targets: frozenset[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Agents:
+    """The agents a policy knows, built once per policy (start and reload). Without any
+    (``agents:`` absent) every caller is ``default``, the policy's ``agent_id``."""
+
+    default: str
+    agents: tuple[Agent, ...] = ()
+
+    @property
+    def default_identity(self) -> Identity:
+        """The identity of every caller without ``agents:`` (``agent_auth: policy``)."""
+        return policy_identity(self.default)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.agents)
+
+    @property
+    def reads_uid(self) -> bool:
+        """Whether the callers' UIDs are asked of the kernel (some agent has a ``uid``)."""
+        return any(a.uid is not None for a in self.agents)
+
+    def by_uid(self, uid: int | None) -> Agent | None:
+        return next((a for a in self.agents if uid is not None and a.uid == uid), None)
+
+    def by_token(self, token: str) -> Agent | None:
+        """The agent whose token is ``token``. Every agent's digest is compared, each in
+        constant time (``hmac.compare_digest``), so the time says nothing of which."""
+        presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        found = None
+        for agent in self.agents:
+            if agent.token_sha256 is not None and hmac.compare_digest(
+                presented, agent.token_sha256
+            ):
+                found = agent
+        return found
+
+
+def token_digest(value: str) -> bytes:
+    """The SHA-256 of a token value, as :class:`Agent` keeps it."""
+    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What the sidecar saw of a caller: the listener, the UID the kernel gave (None: not
+    asked, or the kernel could not say), and the identity headers' values."""
+
+    listener: Listener
+    peer_uid: int | None = None
+    token: str | None = None
+    claim: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who a call is from. ``agent_auth`` None: not established, and ``refusal`` is the
+    PERMISSION_DENIED the call is answered with. ``claimed``: a claim that differed."""
+
+    agent_id: str
+    agent_auth: AgentAuth | None
+    peer_uid: int | None = None
+    targets: frozenset[str] | None = None
+    claimed: str | None = None
+    refusal: PermissionDenied | None = None
+
+    def with_claim(self, claim: str | None) -> Identity:
+        """This identity, checked against ``claim`` (an envelope's ``agent_id``): a
+        different claim makes it refused with ``agent_mismatch``."""
+        if claim is None or claim == self.agent_id or self.refusal is not None:
+            return self
+        claim = claim[:_CLAIM_LIMIT]
+        return dataclasses.replace(self, claimed=claim, refusal=_mismatch(self, claim))
+
+    def admit(self, target: str) -> None:
+        """Raise the refusal, if any, or PERMISSION_DENIED (``target_not_allowed``) for a
+        ``target`` outside the agent's ``targets``."""
+        if self.refusal is not None:
+            raise self.refusal
+        if self.targets is not None and target not in self.targets:
+            raise PermissionDenied(
+                f"agent {self.agent_id!r} may not call target {target!r} "
+                "(its targets in the policy's agents: section)",
+                details={
+                    "reason": "target_not_allowed",
+                    "agent_id": self.agent_id,
+                    "target_system": target[:_CLAIM_LIMIT],
+                },
+            )
+
+
+@functools.lru_cache(maxsize=64)  # immutable, one per policy agent_id: built once, not per call
+def policy_identity(agent_id: str) -> Identity:
+    """The identity of a sidecar without ``agents:``: its policy's ``agent_id``."""
+    return Identity(agent_id, "policy")
+
+
+def establish(seen: Seen, agents: Agents) -> Identity:
+    """Who sent the call ``seen`` describes, under ``agents`` (module docstring). Never
+    raises: a caller that is not recognised, or whose claim differs, gets an
+    :class:`Identity` whose ``refusal`` says so."""
+    if not agents.enabled:
+        identity = agents.default_identity
+        if seen.peer_uid is not None:
+            identity = dataclasses.replace(identity, peer_uid=seen.peer_uid)
+    else:
+        identity = _recognise(seen, agents)
+    if seen.claim is not None and identity.agent_auth is not None:
+        return identity.with_claim(seen.claim)
+    return identity
+
+
+def _recognise(seen: Seen, agents: Agents) -> Identity:
+    by_uid = agents.by_uid(seen.peer_uid)
+    by_token = agents.by_token(seen.token) if seen.token is not None else None
+    if seen.token is not None and by_token is None:
+        return _unknown(seen, "the agent token matches no agent of the policy")
+    agent, auth = (by_uid, "uid") if by_uid is not None else (by_token, "token")
+    if agent is None:
+        return _unknown(seen, _unrecognised(seen))
+    identity = Identity(agent.agent_id, auth, seen.peer_uid, agent.targets)  # type: ignore[arg-type]
+    if by_token is not None and by_token is not agent:
+        # The UID says one agent, the token another: the token is only a claim then.
+        return identity.with_claim(by_token.agent_id)
+    return identity
+
+
+def _unrecognised(seen: Seen) -> str:
+    if seen.peer_uid is None:
+        return (
+            f"the owner of the calling {seen.listener} socket cannot be read (the process "
+            "exited, or the call did not come from this pod) and no agent token was sent"
+        )
+    return f"no agent of the policy has UID {seen.peer_uid} and no agent token was sent"
+
+
+def _unknown(seen: Seen, why: str) -> Identity:
+    refusal = PermissionDenied(
+        f"the caller is not an agent of this sidecar's policy: {why}",
+        details={"reason": "unknown_agent", "peer_uid": seen.peer_uid, "listener": seen.listener},
+    )
+    return Identity(UNKNOWN_AGENT, None, seen.peer_uid, frozenset(), refusal=refusal)
+
+
+def _mismatch(identity: Identity, claim: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"the call claims agent {claim!r} but comes from agent {identity.agent_id!r} "
+        f"(established by {identity.agent_auth}); send no agent id, or this one",
+        details={
+            "reason": "agent_mismatch",
+            "claimed": claim,
+            "agent_id": identity.agent_id,
+            "agent_auth": identity.agent_auth,
+        },
+    )
+
+
+#: A TCP connection's owner, read once per connection and kept while its transport lives
+#: (a socket's UID is fixed at its creation): /proc/net/tcp* lists every socket of the pod.
+_TCP_OWNERS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+class Transport(Protocol):
+    """What :func:`identify` needs of a connection: asyncio's ``BaseTransport``."""
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any: ...
+
+
+def identify(transport: Transport | None, headers: Mapping[str, str], agents: Agents) -> Identity:
+    """The identity of a request that came in on ``transport`` (its ``socket``) with
+    ``headers`` (a mapping whose ``get`` ignores case, as aiohttp's): the one hook of
+    every API and listener. Asks the kernel (:func:`gateway.agents.peers.peer_uid`) only
+    when the caller is on the Unix socket or some agent is recognised by UID; a TCP
+    connection's owner once per connection (``transport`` weakly referenced)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    listener: Listener = "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
+    uid = None
+    if listener == "unix" or agents.reads_uid:
+        uid = _TCP_OWNERS.get(transport) if listener == "tcp" else None
+        if uid is None:
+            uid = peers.peer_uid(sock)
+            if uid is not None and listener == "tcp":
+                _TCP_OWNERS[transport] = uid
+    seen = Seen(listener, uid, headers.get(TOKEN_HEADER), headers.get(CLAIM_HEADER))
+    return establish(seen, agents)
+
+
+def build_agents(
+    default: str, entries: Iterable[tuple[str, int | None, str | None, Iterable[str] | None]]
+) -> Agents:
+    """:class:`Agents` from ``(agent_id, uid, token value or None, targets or None)``."""
+    return Agents(
+        default,
+        tuple(
+            Agent(
+                agent_id,
+                uid,
+                token_digest(token) if token is not None else None,
+                frozenset(targets) if targets is not None else None,
+            )
+            for agent_id, uid, token, targets in entries
+        ),
+    )

@@ -1,0 +1,200 @@
+"""The repeated-call breaker (README, "Stopping an agent"): an agent that sends the same
+call again and again is looping.
+
+"The same call" is the same agent, target, operation and canonical arguments: for an
+MCP ``tools/call`` the tool's name and its ``arguments``; for any other call the method,
+endpoint, parameters, query and body, hashed as the idempotency fingerprint hashes them
+(:func:`gateway.idempotency.keys.fingerprint`, canonical JSON). MCP protocol traffic
+(``initialize``, ``tools/list``, notifications) is not counted, nor are the endpoints
+and tools ``controls.repeat_exempt`` names (polling a job's status is repeating by
+design).
+
+Every call is counted, refused ones too (an agent that keeps retrying a refused call is
+still looping); a call seen more than ``max_repeats`` times within ``window_s`` seconds
+is REPEATED_CALL (``details.count``: the calls seen in the window, this one included,
+counted up to ``max_repeats + 1``; ``details.window_s``). ``mode: shadow`` records the
+refusal (``decision: shadow_denied``, ``shadow_denials_total{kind="repeated_call"}``)
+and lets the call go. Scope ``local`` counts in this sidecar's memory (bounded:
+:data:`MAX_KEYS` calls, the oldest forgotten first); ``cluster`` in Redis (one sorted
+set per call, expiring with its window), so that N replicas of one agent share the count.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Final
+
+from gateway.errors import CapacityExceeded, RepeatedCall
+from gateway.idempotency.keys import canonical_json, fingerprint
+from gateway.policy.controls import RepeatedCallsSpec
+
+if TYPE_CHECKING:
+    from gateway.envelope import ExternalCallRequest
+    from gateway.providers.mcp import McpExchange
+    from gateway.stores.redis import RedisClient
+
+#: Distinct calls the local counter remembers (each holds up to max_repeats + 1 times).
+MAX_KEYS: Final = 10_000
+
+_COUNT: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local window = tonumber(ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+redis.call('ZADD', KEYS[1], now, ARGV[3])
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -(tonumber(ARGV[2]) + 2))
+redis.call('PEXPIRE', KEYS[1], window)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One operation of a call, as the breaker counts it: ``name`` is the endpoint path
+    or the MCP tool's name (what ``repeat_exempt`` matches); ``digest`` the SHA-256 hex
+    of the operation and its canonical arguments."""
+
+    name: str
+    digest: str
+
+
+def operations(
+    target: str, request: ExternalCallRequest, exchange: McpExchange | None
+) -> list[Operation]:
+    """The operations a call is counted as: one per ``tools/call`` of an MCP request
+    (none for protocol traffic), else one for the HTTP request."""
+    if exchange is not None:
+        found = []
+        for message in exchange.requests:
+            tool = message.tool
+            if tool is None:
+                continue
+            args = message.params.get("arguments") if isinstance(message.params, dict) else None
+            digest = hashlib.sha256(canonical_json(["tool", target, tool, args])).hexdigest()
+            found.append(Operation(tool, digest))
+        return found
+    body = request.body.model_dump() if request.body is not None else None
+    digest = fingerprint(
+        target, request.method, request.endpoint, request.parameters, query=request.query, body=body
+    )
+    return [Operation(request.endpoint, digest)]
+
+
+def call_names(request: ExternalCallRequest, exchange: McpExchange | None) -> list[str]:
+    """What a call is, by name, as ``repeat_exempt`` and a budget's ``applies_to.tool``
+    match it: the tools of an MCP request's ``tools/call`` messages (none for protocol
+    traffic), else the endpoint path."""
+    if exchange is not None:
+        return [m.tool for m in exchange.requests if m.tool is not None]
+    return [request.endpoint]
+
+
+@lru_cache(maxsize=256)  # pure function of the policy's patterns; bounded
+def _exempt(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
+
+
+def is_exempt(name: str, patterns: Sequence[str]) -> bool:
+    """Whether ``repeat_exempt`` names the endpoint or tool ``name`` (``*`` globs)."""
+    compiled = _exempt(tuple(patterns))
+    return compiled is not None and compiled.match(name) is not None
+
+
+def refusal(count: int, spec: RepeatedCallsSpec, name: str) -> RepeatedCall:
+    """The REPEATED_CALL answer for a call seen ``count`` times in the window."""
+    return RepeatedCall(
+        f"the same call ({name}) was made {count} times within {spec.window_s:g} s, more "
+        f"than the {spec.max_repeats} the policy allows: the agent looks stuck in a loop. "
+        "Do not send it again with the same arguments.",
+        details={
+            "count": count,
+            "window_s": spec.window_s,
+            "max_repeats": spec.max_repeats,
+            "operation": name,
+        },
+    )
+
+
+class RepeatedCalls:
+    """Counts calls per (agent, operation) and refuses the repeats (see the module
+    docstring). Build with ``spec`` (None: off) and, for ``scope: cluster``, a Redis
+    client."""
+
+    def __init__(
+        self,
+        spec: RepeatedCallsSpec | None,
+        exempt: Iterable[str] = (),
+        *,
+        redis: RedisClient | None = None,
+    ) -> None:
+        self._redis = redis
+        self._local: OrderedDict[str, deque[float]] = OrderedDict()
+        self._script = redis.script(_COUNT) if redis is not None else None
+        self.update(spec, exempt)
+
+    def update(self, spec: RepeatedCallsSpec | None, exempt: Iterable[str]) -> None:
+        """Take in a reloaded policy's rule; the counts so far are kept."""
+        self.spec = spec
+        self.exempt = tuple(exempt)
+
+    async def check(self, agent: str, ops: Sequence[Operation]) -> tuple[RepeatedCall, ...]:
+        """Count each operation; the refusals they earn (empty: go ahead). Raises
+        CAPACITY_EXCEEDED (retryable) when a cluster count cannot be taken and
+        ``on_redis_error`` is ``fail_closed``."""
+        spec = self.spec
+        if spec is None:
+            return ()
+        refused = []
+        for op in ops:
+            if is_exempt(op.name, self.exempt):
+                continue
+            key = hashlib.sha256(f"{agent}\n{op.digest}".encode()).hexdigest()
+            count = await self._count(key, spec)
+            if count > spec.max_repeats:
+                refused.append(refusal(count, spec, op.name))
+        return tuple(refused)
+
+    async def _count(self, key: str, spec: RepeatedCallsSpec) -> int:
+        if spec.scope == "cluster" and self._redis is not None and self._script is not None:
+            from gateway.stores.redis import RedisUnavailable
+
+            try:
+                args: list[str | int] = [
+                    round(spec.window_s * 1000),
+                    spec.max_repeats,
+                    uuid.uuid4().hex,
+                ]
+                reply = await self._script([self._redis.key("repeat", key)], args)
+                return int(reply)
+            except RedisUnavailable as exc:
+                if spec.on_redis_error == "fail_closed":
+                    raise CapacityExceeded(
+                        "the repeated-call breaker cannot count this call (Redis is "
+                        "unavailable) and its on_redis_error is fail_closed",
+                        details={"reason": "redis_unavailable"},
+                        retry_after_s=1.0,
+                    ) from exc
+        return self._count_local(key, spec)
+
+    def _count_local(self, key: str, spec: RepeatedCallsSpec) -> int:
+        now = time.monotonic()
+        seen = self._local.pop(key, None)
+        if seen is None or seen.maxlen != spec.max_repeats + 1:
+            seen = deque(seen or (), maxlen=spec.max_repeats + 1)
+        while seen and seen[0] <= now - spec.window_s:
+            seen.popleft()
+        seen.append(now)
+        self._local[key] = seen  # most recent last
+        while len(self._local) > MAX_KEYS:
+            self._local.popitem(last=False)
+        return len(seen)

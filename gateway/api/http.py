@@ -1,0 +1,533 @@
+"""The one answer writer of every API the sidecar speaks, and the interface an API module
+implements to use it (design.md, "Package layout, round two").
+
+An API module (:mod:`gateway.api.envelope`, :mod:`gateway.api.proxy`,
+:mod:`gateway.api.mcp`) turns one request into one :class:`Exchange`: it runs the call
+and describes, as data, the answer (:class:`Answer`), its refusal, and the framing of a
+relayed stream (:class:`Head`, :meth:`Exchange.frame`, :meth:`Exchange.end`). This module
+alone writes to the agent's connection (:func:`handler`), so every API gets the same
+guarantees without remembering them:
+
+* every header value (:func:`scrubbed`) and every body byte, streamed or not, is
+  scrubbed of the secrets the sidecar holds (:func:`gateway.redaction.scrub_bytes`);
+* an answer larger than the transport takes at once is written within the listener's
+  body timeout (:func:`send_bounded`), a stream within the call's deadline;
+* a stream is opened at its first whole event, its head and first bytes in one write
+  (:class:`RelayResponse`), and ends with its API's last bytes, or its connection dropped
+  when the agent stopped reading.
+
+It also reads a request's body by the listener's rules (:meth:`Incoming.read`), the same
+for every API, each byte charged to the memory budget of the bodies in flight before it
+is held (:mod:`gateway.api.admission`; given back by :func:`give_back_charge` once the
+answer is written), so that every API refuses what does not fit alike, through its own
+refusal shape. It is, with :mod:`gateway.server.app`, the only importer of aiohttp.web.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol
+from urllib.parse import unquote
+
+from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
+
+from gateway import redaction
+from gateway.api.admission import COPIES, ByteBudget, Charge, held_bytes
+from gateway.audit import get_logger
+from gateway.call.proxy import CORRELATION_ID_HEADER, TRACE_ID_HEADER
+from gateway.call.relay import AgentGone, Relay
+from gateway.envelope import ExternalCallResponse
+from gateway.errors import GatewayError, InternalError, InvalidPayload
+
+#: The whole body must arrive within this long of its headers, or the answer is 408
+#: (INVALID_PAYLOAD, ``details.reason: body_timeout``) and the connection is closed.
+BODY_TIMEOUT_S: Final = 30.0
+BODY_TIMEOUT_KEY: Final = web.AppKey("body_timeout_s", float)
+#: The memory request bodies in flight may hold (:mod:`gateway.api.admission`; the calls
+#: application's: the ops listener reads no bodies), and its limit now, in bytes (read at
+#: each request: ``server.max_inflight_request_bytes`` of the policy in force).
+BUDGET_KEY: Final = web.AppKey("request_budget", ByteBudget)
+BUDGET_LIMIT_KEY: Final = web.AppKey[Callable[[], int]]("request_budget_limit")
+_CHARGE_KEY: Final = web.RequestKey("request_charge", Charge)
+#: An answer up to this size is handed to the transport whole without waiting (asyncio's
+#: and uvloop's default write high-water mark is 64 KiB); a larger one is written within
+#: a bound (:func:`send_bounded`).
+WRITE_BUFFERED_BYTES: Final = 64 * 1024
+#: The Content-Encodings of a body that aiohttp decodes before the handler reads it
+#: (its ``http_parser``: one coding, ASCII, any case). ``br`` and ``zstd`` need the
+#: optional Brotli and backports.zstd packages; without them aiohttp's parser refuses
+#: the request itself (400, text) before any handler runs.
+_DECODED_ENCODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
+_CLOSE_KEY: Final = web.RequestKey("close_after_answer", bool)
+_log = get_logger("gateway.server")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Header lines of an answer: pairs (repeats kept, in order) or a dict.
+Headers = Sequence[tuple[str, str]] | dict[str, str]
+
+
+@dataclass(slots=True)
+class Answer:
+    """One whole answer, as its API shapes it: HTTP ``status`` (and ``reason`` phrase,
+    None for the standard one), ``headers``, ``body`` bytes and ``content_type`` (None: the
+    headers say it, or nothing does). ``length``: a Content-Length to state other than the
+    body's (a HEAD's: the length a GET would get, RFC 9110 section 9.3.2)."""
+
+    status: int
+    body: bytes
+    headers: Headers = ()
+    reason: str | None = None
+    content_type: str | None = None
+    length: str | None = None
+
+
+@dataclass(slots=True)
+class Head:
+    """The status line and headers of a relayed stream, sent with its first bytes."""
+
+    status: int
+    headers: Headers
+    reason: str | None = None
+
+
+class Exchange(Protocol):
+    """One request of one API, from its call to its answer (the interface every API module
+    implements; :func:`handler` drives it).
+
+    ``started``: ``time.monotonic()`` when the request arrived. ``streams``: whether the
+    call may relay a stream (:class:`Stream` is then handed to :meth:`call`).
+    """
+
+    @property
+    def started(self) -> float: ...
+
+    @property
+    def streams(self) -> bool: ...
+
+    async def call(self, stream: Relay | None) -> tuple[int, ExternalCallResponse]:
+        """Run the call: ``(HTTP status, answer)``; raises the GatewayError that refuses
+        the request before the pipeline (the runtime not started, shut down)."""
+
+    def answer(self, status: int, response: ExternalCallResponse) -> Answer:
+        """The whole answer of a call that relayed no stream."""
+
+    def refused(self, exc: GatewayError) -> Answer:
+        """The answer (audited) to a request refused before the pipeline."""
+
+    def head(self) -> Head:
+        """The head of a relayed stream, at its first bytes."""
+
+    def frame(self, chunk: bytes) -> bytes:
+        """What to write of a relayed chunk of whole events now (``b""``: nothing yet)."""
+
+    def end(self, status: int, response: ExternalCallResponse) -> bytes | None:
+        """The last bytes of a relayed stream, or None to drop the connection unwritten
+        (the agent stopped reading: a last write would hang too)."""
+
+
+class Incoming:
+    """The request as an API reads it (aiohttp's stays here): method, raw path, route
+    parameters, headers (every line, names in any case), query items, and the body."""
+
+    __slots__ = ("_request", "content_length", "headers", "method")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.method: str = request.method
+        self.headers: Mapping[str, str] = request.headers
+        self.content_length: int | None = request.content_length
+
+    @property
+    def raw_path(self) -> str:
+        """The path as sent (percent-encoding kept); for ``CONNECT``, whose target aiohttp
+        reads as an authority (an empty path), the raw request target."""
+        request = self._request
+        return request.rel_url.raw_path if request.path else request.raw_path
+
+    @property
+    def named_target(self) -> str:
+        """The target a path under ``/proxy/`` or ``/mcp/`` names (its second segment,
+        percent-decoded), also when the route did not match it; "" for none."""
+        request = self._request
+        path = request.path or request.raw_path.partition("?")[0]
+        parts = path.split("/", 3)
+        return unquote(parts[2]) if len(parts) > 2 else ""
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The connection the request came on (who is calling: its peer)."""
+        return self._request.transport
+
+    @property
+    def route(self) -> Mapping[str, str]:
+        return self._request.match_info
+
+    @property
+    def query(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self._request.query.items())
+
+    async def read(self, limit: int) -> bytes:
+        """The body's bytes, as aiohttp decoded them from their Content-Encoding, read
+        within the app's body timeout.
+
+        Raises :class:`InvalidPayload`: 413 past ``limit`` bytes (decoded); 415 for a
+        Content-Encoding aiohttp does not decode (``details.reason: content_encoding``);
+        400 for a body that is not what its Content-Encoding says (same reason) or whose
+        framing broke part-way (``framing``: a bad chunk or a connection closed early); 408
+        when it does not arrive in time (``body_timeout``). After any of these but the first
+        the connection is closed once the answer is sent: what follows on it cannot be
+        trusted to start a request. Raises :class:`~gateway.errors.CapacityExceeded` (429,
+        retryable) when the bodies in flight leave no room for this one, and
+        :class:`InvalidPayload` 413 (``too_large_in_memory``) when it alone would hold more
+        than ``server.max_inflight_request_bytes`` (:mod:`gateway.api.admission`).
+        """
+        request = self._request
+        encodings = request.headers.getall("Content-Encoding", [])
+        if not _decoded(encodings):
+            _close_after_answer(request)
+            raise InvalidPayload(
+                f"Content-Encoding {', '.join(encodings)!r} is not supported: send the "
+                "envelope as is, or encoded with one of gzip or deflate",
+                details={
+                    "reason": "content_encoding",
+                    "content_encoding": ", ".join(encodings)[:128],
+                    "supported": ["identity", "gzip", "deflate"],
+                },
+                http_status=415,
+            )
+        timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await _read_admitted(request, limit)
+        except web.HTTPRequestEntityTooLarge:  # aiohttp's own read, in an app with no budget
+            raise too_large(None, limit) from None
+        except TimeoutError:
+            _close_after_answer(request)
+            raise InvalidPayload(
+                f"the envelope did not arrive within {timeout_s:g} s of its headers; "
+                "send the whole body at once",
+                details={"reason": "body_timeout", "timeout_s": timeout_s},
+                http_status=408,
+            ) from None
+        except web.RequestPayloadError as exc:
+            _close_after_answer(request)
+            if isinstance(exc.__cause__, ContentEncodingError):
+                raise InvalidPayload(
+                    f"the body is not {', '.join(encodings)}-encoded data, as its "
+                    "Content-Encoding says; send it as is, without the header, or encode it",
+                    details={"reason": "content_encoding", "content_encoding": encodings[0]},
+                ) from None
+            raise InvalidPayload(
+                "the request body could not be read: its framing broke part-way "
+                "(Transfer-Encoding chunks or Content-Length)",
+                details={"reason": "framing"},
+            ) from None
+        except ConnectionError:  # the agent hung up part-way: nobody reads this answer
+            raise InvalidPayload(
+                "the connection closed before the whole envelope arrived",
+                details={"reason": "framing"},
+            ) from None
+
+    async def read_or_refusal(self, limit: int) -> tuple[bytes, GatewayError | None]:
+        """The body (at most ``limit`` bytes), or ``b""`` and the refusal of it, for an API
+        that passes the refusal to the pipeline so that it is audited as the call."""
+        size = self.content_length
+        if size is not None and size > limit:
+            return b"", body_too_large(limit)
+        try:
+            return await self.read(limit), None
+        except GatewayError as exc:
+            return b"", exc
+
+
+def handler(begin: Callable[[Incoming], Exchange], crash_event: str) -> Handler:
+    """The aiohttp handler of one API: ``begin`` makes the request's :class:`Exchange`; its
+    call runs, and its answer, refusal or stream is written here. An unexpected error is
+    logged as ``crash_event`` and answered as the API's INTERNAL refusal."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        exchange = begin(Incoming(request))
+        stream = Stream(request, exchange) if exchange.streams else None
+        try:
+            status, response = await exchange.call(stream)
+            if stream is not None and stream.started:
+                return await stream.finish(status, response)
+            return respond(exchange.answer(status, response))
+        except GatewayError as exc:  # refused before the pipeline (not started, shut down)
+            return respond(exchange.refused(exc))
+        except Exception:  # noqa: BLE001 - the answer must be the API's shape anyway
+            _log.exception(crash_event)
+            return respond(exchange.refused(InternalError("the sidecar failed unexpectedly")))
+
+    return handle
+
+
+def respond(answer: Answer) -> web.Response:
+    """``answer`` as aiohttp's response, its headers and body scrubbed."""
+    response = web.Response(
+        status=answer.status,
+        reason=answer.reason,
+        body=redaction.scrub_bytes(answer.body),
+        headers=scrubbed(answer.headers) if answer.headers else None,
+        content_type=answer.content_type,
+    )
+    if answer.length is not None:  # set after the body, which resets it
+        response.headers["Content-Length"] = answer.length
+    return response
+
+
+def scrubbed(headers: Headers) -> list[tuple[str, str]]:
+    """``headers`` as pairs, each value scrubbed (:func:`gateway.redaction.scrub`) and any
+    header whose name holds a secret's form left out (a name cannot be rewritten into a
+    valid one): the one scrub of every answer head, streamed or not. The headers are
+    scrubbed one by one only when their text, joined, holds a secret's form: a form inside
+    one name or value is inside the whole, so a whole that scrubs to itself means that
+    every one would (one scrub per answer instead of one per header)."""
+    pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
+    joined = "\n".join(f"{name}\n{value}" for name, value in pairs)
+    if redaction.scrub(joined) == joined:
+        return pairs
+    return [
+        (name, redaction.scrub(value)) for name, value in pairs if redaction.scrub(name) == name
+    ]
+
+
+#: The answer of an API to a request under its route family (``/proxy``, ``/mcp``) that
+#: none of its routes matched, given the HTTP status aiohttp chose (404, 405).
+Unmatched = Callable[[Incoming, int], Answer]
+#: Route family prefix -> its :data:`Unmatched` (the calls application only).
+EDGES_KEY: Final = web.AppKey[dict[str, Unmatched]]("edges")
+
+
+@web.middleware
+async def edge_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer a request under a route family (``/proxy``, ``/mcp``) that none of its
+    routes matched (aiohttp's 404 or 405) with that family's API (the calls application's
+    :data:`EDGES_KEY`), in its shape and written here; the path of a ``CONNECT`` (an
+    authority to aiohttp) is its raw request target. Any other error goes on to the
+    application's JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        path = request.path or request.raw_path.partition("?")[0]
+        for prefix, unmatched in request.app.get(EDGES_KEY, {}).items():
+            if exc.status >= 400 and (path == prefix or path.startswith(prefix + "/")):
+                answer = respond(unmatched(Incoming(request), exc.status))
+                if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
+                    answer.headers["Allow"] = exc.headers["Allow"]
+                return answer
+        raise
+
+
+class RelayResponse(web.StreamResponse):
+    """A relayed stream's answer whose head goes out with its first bytes, in one write:
+    aiohttp's StreamResponse sends the head alone at ``prepare`` (one more write and one
+    more wake-up of the agent before its first event). ``_send_headers_immediately`` is
+    the switch aiohttp's own ``web.Response`` uses; were it gone, the head would again go
+    out alone at ``prepare``, which is only slower."""
+
+    _send_headers_immediately = False
+
+
+class Stream:
+    """A relayed stream (:class:`gateway.call.relay.Relay`) onto the agent's connection,
+    framed by its exchange: opened at the first whole events with :meth:`Exchange.head`,
+    each chunk written as :meth:`Exchange.frame` gives it, ended by :meth:`finish`. Every
+    header and byte is scrubbed; a write to an agent that hung up raises AgentGone."""
+
+    __slots__ = ("_exchange", "_request", "_response", "started")
+
+    def __init__(self, request: web.Request, exchange: Exchange) -> None:
+        self._request = request
+        self._exchange = exchange
+        self._response: RelayResponse | None = None
+        self.started = False
+
+    async def start(self) -> None:
+        head = self._exchange.head()
+        self._response = RelayResponse(
+            status=head.status, reason=head.reason, headers=scrubbed(head.headers)
+        )
+        try:
+            await self._response.prepare(self._request)
+        except (ConnectionError, RuntimeError) as exc:
+            raise AgentGone from exc
+        self.started = True
+
+    async def send(self, chunk: bytes) -> None:
+        piece = self._exchange.frame(chunk)
+        if piece:
+            await self._write(piece)
+
+    async def _write(self, piece: bytes) -> None:
+        assert self._response is not None
+        try:
+            await self._response.write(redaction.scrub_bytes(piece))
+        except (ConnectionError, RuntimeError) as exc:
+            raise AgentGone from exc
+
+    async def finish(self, status: int, response: ExternalCallResponse) -> web.StreamResponse:
+        """End the stream with its exchange's last bytes (the agent may be gone by now),
+        or drop the connection when the exchange says so."""
+        assert self._response is not None
+        last = self._exchange.end(status, response)
+        if last is None:
+            drop_connection(self._request)
+            return self._response
+        with contextlib.suppress(AgentGone, ConnectionError, RuntimeError):
+            if last:
+                await self._write(last)
+            await self._response.write_eof()
+        return self._response
+
+
+def needs_bounded_write(request: web.Request, response: web.StreamResponse) -> bool:
+    """Whether a whole answer not yet sent is to be written within the listener's body
+    timeout (:func:`send_bounded`): when it is large, or when the agent has not taken an
+    earlier answer yet; a small one is left to aiohttp, which hands it to the transport
+    at once."""
+    return (
+        isinstance(response, web.Response)
+        and not response.prepared
+        and ((response.content_length or 0) > WRITE_BUFFERED_BYTES or _unsent(request))
+    )
+
+
+def _unsent(request: web.Request) -> bool:
+    """Whether the agent has not yet taken an earlier answer on this connection (bytes
+    still in the transport's buffer): even a small answer may then wait for the socket to
+    drain (aiohttp's ``write_eof``), so it is written within the bound too."""
+    transport = request.transport
+    return transport is not None and transport.get_write_buffer_size() > 0
+
+
+async def send_bounded(request: web.Request, response: web.Response, timeout_s: float) -> None:
+    """Write ``response`` now, within ``timeout_s`` (the calls app's ``body_timeout_s``:
+    the time an agent has to send its body is the time it has to take its answer). An agent that
+    stops reading would otherwise hold the handler, the answer's bytes and the
+    connection for as long as it likes: aiohttp waits for the socket to drain without a
+    bound. Past the bound the connection is dropped and ``answer_undelivered`` logged
+    with the answer's ids; the call's audit record was written before the answer, as
+    always. A reset by the agent is left to aiohttp, which expects it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.prepare(request)
+            await response.write_eof()
+    except TimeoutError:
+        _log.warning(
+            "answer_undelivered",
+            reason="agent_stalled",
+            timeout_s=timeout_s,
+            bytes=response.content_length,
+            path=request.rel_url.raw_path[:200],
+            trace_id=response.headers.get(TRACE_ID_HEADER),
+            correlation_id=response.headers.get(CORRELATION_ID_HEADER),
+        )
+        drop_connection(request)
+    except ConnectionError:
+        pass  # the agent hung up: aiohttp's own finish sees the closed transport
+
+
+def drop_connection(request: web.Request) -> None:
+    """Drop the agent's connection now, unsent bytes and all: an agent that stopped
+    reading would keep a closing connection (and its buffers) open as long as it likes."""
+    if request.transport is not None:
+        request.transport.abort()
+
+
+# -- reading a request's body ---------------------------------------------------------
+
+
+async def _read_admitted(request: web.Request, limit: int) -> bytes:
+    """The body, each byte charged to the app's :class:`ByteBudget` before it is held:
+    Content-Length x :data:`~gateway.api.admission.COPIES` before the first read, the
+    bytes as they arrive (chunked or coded bodies), :func:`~gateway.api.admission.
+    held_bytes` once whole. Raises the refusal of :meth:`Charge.grow_to` as soon as a
+    charge does not fit (the rest is not read), :class:`InvalidPayload` 413 past
+    ``limit`` bytes; the charge is given back by :func:`give_back_charge` once answered."""
+    charge = request.get(_CHARGE_KEY)
+    if charge is None:
+        budget = request.app.get(BUDGET_KEY)
+        if budget is None:  # an app without a budget (the ops listener reads no bodies)
+            return await request.read()
+        limit_now = request.app.get(BUDGET_LIMIT_KEY)
+        if limit_now is not None:  # the policy in force: the key is hot
+            budget.limit_bytes = limit_now()
+        charge = request[_CHARGE_KEY] = budget.charge()
+    if request.content_length:
+        charge.grow_to(COPIES * request.content_length)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(None, limit)
+        charge.grow_to(COPIES * size)
+        chunks.append(chunk)
+    # One copy while joining, as aiohttp's own read makes; the pieces go right after.
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    del chunks
+    charge.grow_to(held_bytes(body))
+    return body
+
+
+@web.middleware
+async def give_back_charge(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give a request's body charge back to the budget once its answer is written (the
+    outermost middleware of the calls application: after the bounded write of a large
+    answer), whatever happened."""
+    try:
+        return await handler(request)
+    finally:
+        charge = request.get(_CHARGE_KEY)
+        if charge is not None:  # the answer is written: its body's bytes are free again
+            charge.release()
+
+
+def _decoded(encodings: list[str]) -> bool:
+    """True if aiohttp has decoded a body sent with these Content-Encoding values (or
+    there is nothing to decode: none, empty, or ``identity``)."""
+    if not encodings:
+        return True
+    if len(encodings) > 1:
+        return False
+    encoding = encodings[0]
+    return encoding.isascii() and encoding.lower() in _DECODED_ENCODINGS | {"", "identity"}
+
+
+def _close_after_answer(request: web.Request) -> None:
+    request[_CLOSE_KEY] = True
+
+
+async def close_if_asked(request: web.Request, response: web.StreamResponse) -> None:
+    """Send ``Connection: close`` and close after this answer, when its request's body
+    could not be read whole: nothing more on that connection is read as a request (an
+    ``on_response_prepare`` hook of the calls app)."""
+    if request.get(_CLOSE_KEY):
+        response.force_close()
+        # This hook runs after aiohttp has chosen the headers, before it writes them.
+        response.headers["Connection"] = "close"
+
+
+def too_large(size: int | None, limit: int) -> InvalidPayload:
+    """The refusal (413) of an envelope of ``size`` bytes (None: unknown, past ``limit``)."""
+    said = f"{size} bytes" if size is not None else "larger than the limit"
+    return InvalidPayload(
+        f"the envelope is {said}; this sidecar accepts at most {limit} bytes "
+        "(server.max_request_bytes in the policy)",
+        details={"reason": "too_large", "limit_bytes": limit},
+        http_status=413,
+    )
+
+
+def body_too_large(limit: int) -> InvalidPayload:
+    """The refusal (413) of a drop-in or MCP body whose Content-Length is past ``limit``."""
+    return InvalidPayload(
+        f"the request body is larger than this sidecar accepts ({limit} bytes, "
+        "server.max_request_bytes in the policy)",
+        details={"reason": "too_large", "limit_bytes": limit},
+        http_status=413,
+    )

@@ -1,0 +1,127 @@
+"""What an API adds to the stages every call shares (:mod:`gateway.call.pipeline`).
+
+The pipeline runs the same stages for every API; where an API reads a kind of target its
+own way (an MCP target's rules on an envelope's ``parameters``, on an MCP route's body,
+or refused on a drop-in route), its entry point hands the pipeline its
+:class:`CallHooks` (:data:`ENVELOPE`, :data:`ROUTE`, :data:`DROP_IN`; the MCP rules are
+:mod:`gateway.call.mcp`'s), so that no stage branches on the API.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Protocol
+
+from gateway.call import mcp
+from gateway.call.record import CallContext
+from gateway.call.relay import Relay
+from gateway.envelope import ExternalCallRequest, ExternalCallResponse
+from gateway.errors import PermissionDenied
+from gateway.policy import CompiledTarget
+
+
+class CallHooks(Protocol):
+    """An API's part in the shared stages, pure (no I/O)."""
+
+    def checked(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        relay: Relay | None,
+    ) -> tuple[ExternalCallRequest, Relay | None]:
+        """After the egress decision allowed ``request`` to ``target``: the request to run
+        and where its stream may go (None: the answer is read whole). Raises the
+        GatewayError that refuses it (nothing is sent)."""
+
+    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+        """The call's answer, as this API gives it back (read, filtered)."""
+
+    def records(self, ctx: CallContext, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """The audit records of the call, from its one record."""
+
+    def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
+        """``(method, tool, outcome)`` of the MCP metrics for one record, or None (not an
+        MCP exchange)."""
+
+
+# -- each API's hooks ------------------------------------------------------------------
+
+
+class _Exchanges:
+    """Audit records and metric labels: one per JSON-RPC request of an MCP exchange."""
+
+    records = staticmethod(mcp.audit_records)
+
+    def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
+        return mcp.metric_labels(ctx, record) if ctx.mcp is not None else None
+
+
+class _Envelope(_Exchanges):
+    """An envelope: an MCP target's rules on its ``parameters``
+    (:func:`gateway.call.mcp.check_envelope`); its answer read whole (never relayed: it
+    is filtered) and filtered."""
+
+    def checked(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        relay: Relay | None,
+    ) -> tuple[ExternalCallRequest, Relay | None]:
+        if target.spec.mcp is None:
+            return request, relay
+        return mcp.check_envelope(request, target, ctx), None
+
+    answered = staticmethod(mcp.read_envelope_answer)
+
+
+class _Route(_Exchanges):
+    """The MCP route (``/mcp/{target}``): checked at intake
+    (:func:`gateway.call.mcp.mcp_intake`); its answer read
+    (:func:`gateway.call.mcp.read_route_answer`), its stream by the route's relay."""
+
+    def checked(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        relay: Relay | None,
+    ) -> tuple[ExternalCallRequest, Relay | None]:
+        return request, relay
+
+    answered = staticmethod(mcp.read_route_answer)
+
+
+class _DropIn:
+    """A drop-in route (``/proxy/...``): an MCP target is refused (the route would pass
+    batches and lists unread); the rest as it comes."""
+
+    def checked(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        relay: Relay | None,
+    ) -> tuple[ExternalCallRequest, Relay | None]:
+        if target.spec.mcp is not None:
+            raise PermissionDenied(
+                f"target {target.name!r} is an MCP server: point the MCP client at "
+                f"/mcp/{target.name}",
+                details={"reason": "mcp_route_only"},
+            )
+        return request, relay
+
+    def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
+        return response
+
+    def records(self, ctx: CallContext, record: dict[str, Any]) -> list[dict[str, Any]]:
+        return [record]
+
+    def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
+        return None
+
+
+#: The hooks of each API's pipeline entry point.
+ENVELOPE: Final = _Envelope()
+ROUTE: Final = _Route()
+DROP_IN: Final = _DropIn()

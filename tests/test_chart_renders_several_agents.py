@@ -1,0 +1,133 @@
+"""The chart for several agents in one pod: ``agents`` rendered into the policy (each with
+the UID its container runs as), the calls API on a Unix socket in an emptyDir the
+sidecar and the agents share, strictly valid manifests, and refusals of values that
+would let two agents share an identity."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+
+from gateway.policy import parse_policy
+from tests.helm_helpers import (
+    CHART,
+    KUBE_VERSIONS,
+    container,
+    env_of,
+    only,
+    pod_spec,
+    render,
+    sidecar,
+)
+
+SOCKET = "/var/run/egress-gateway/egress.sock"
+AGENTS: list[dict[str, Any]] = [
+    {"id": "planner", "uid": 20001, "targets": ["httpbin"]},
+    {"id": "coder", "uid": 20002},
+]
+VALUES: dict[str, Any] = {
+    "agents": AGENTS,
+    "sidecar": {"unixSocket": SOCKET},
+    "egress": {"enforce": True},
+    "agent": {"securityContext": {"runAsNonRoot": True, "runAsUser": 20001}},
+}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[helm.Chart]:
+    helm.disable_logging()
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def test_agents_and_the_unix_socket_render(chart: helm.Chart) -> None:
+    manifests = render(chart, VALUES, KUBE_VERSIONS)
+    text = only(manifests, "ConfigMap")["data"]["policy.yaml"]
+    policy = parse_policy(text, "policy.yaml")
+    assert {n: (a.uid, a.targets) for n, a in policy.agents.items()} == {
+        "planner": (20001, ["httpbin"]),
+        "coder": (20002, None),
+    }
+    assert yaml.safe_load(text)["agent_id"] == "example-agent"  # the rest as written
+    spec = pod_spec(manifests)
+    gateway = sidecar(spec)
+    assert env_of(gateway)["GATEWAY_UNIX_SOCKET"] == SOCKET
+    mount = {"name": "egress-gateway-socket", "mountPath": "/var/run/egress-gateway"}
+    assert mount in gateway["volumeMounts"]
+    agent = container(spec, "agent")
+    assert mount in agent["volumeMounts"]
+    assert env_of(agent)["EGRESS_GATEWAY_SOCKET"] == SOCKET
+    [volume] = [v for v in spec["volumes"] if v["name"] == "egress-gateway-socket"]
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}
+    # The policy's checksum covers the agents: a new agent rolls the pods.
+    other = render(chart, {**VALUES, "agents": AGENTS[:1]})
+    annotations = [pod_spec_annotations(m) for m in (manifests, other)]
+    assert annotations[0]["checksum/policy"] != annotations[1]["checksum/policy"]
+
+
+def pod_spec_annotations(manifests: dict[str, list[Any]]) -> dict[str, str]:
+    annotations: dict[str, str] = only(manifests, "Deployment")["spec"]["template"]["metadata"][
+        "annotations"
+    ]
+    return annotations
+
+
+def test_without_agents_nothing_changes(chart: helm.Chart) -> None:
+    manifests = render(chart)
+    spec = pod_spec(manifests)
+    assert "GATEWAY_UNIX_SOCKET" not in env_of(sidecar(spec))
+    assert "EGRESS_GATEWAY_SOCKET" not in env_of(container(spec, "agent"))
+    assert all(v["name"] != "egress-gateway-socket" for v in spec["volumes"])
+    assert "agents" not in yaml.safe_load(only(manifests, "ConfigMap")["data"]["policy.yaml"])
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"agents": [{"id": "a", "uid": 20001}, {"id": "b", "uid": 20001}]},
+            "agents a and b have one UID (20001): one UID, one agent",
+        ),
+        (
+            {"agents": [{"id": "a", "uid": 10001}]},
+            "agents a has sidecar.uid (10001): give each agent a UID of its own",
+        ),
+        (
+            {"agents": AGENTS, "policy": {"existingConfigMap": "mine"}},
+            "with policy.existingConfigMap write them in that policy",
+        ),
+        (
+            {
+                "agents": AGENTS,
+                "policy": {"content": "version: 1\nagent_id: a\nagents: {x: {uid: 5}}\n"},
+            },
+            "has an agents: section and the values list agents: write them in one place",
+        ),
+    ],
+)
+def test_agents_that_would_share_an_identity_fail_the_render(
+    chart: helm.Chart, values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm.HelmRenderError) as caught:
+        chart.render(values, name="demo")
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"agents": [{"id": "a", "uid": 0}]},
+        {"agents": [{"id": "a", "uid": "20001"}]},
+        {"agents": [{"id": "a"}]},
+        {"agents": [{"id": "a", "uid": 20001, "token": "x"}]},
+        {"sidecar": {"unixSocket": "relative/egress.sock"}},
+    ],
+    ids=["root", "string-uid", "no-uid", "unknown-key", "relative-socket"],
+)
+def test_wrong_agent_values_fail_the_schema(chart: helm.Chart, values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(values, name="demo")
