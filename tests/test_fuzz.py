@@ -9,9 +9,10 @@ HTTP/1.0, pipelining) go to a real sidecar listener in front of a recording loop
 upstream. For every example:
 
 * each answer is a well-formed ExternalCallResponse JSON with the HTTP status the
-  "Error codes" table of docs/api/envelope.md gives its code, and the code is never UNKNOWN; or, for malformed
-  HTTP only, aiohttp's own plain-text 400, after which the connection is closed and
-  nothing more is answered (docs/getting-started.md, "Calling the sidecar");
+  "Error codes" table of docs/api/envelope.md gives its code, and the code is never
+  UNKNOWN; or, for malformed HTTP only, aiohttp's own plain-text 400, after which the
+  connection is closed and nothing more is answered (docs/getting-started.md, "Calling
+  the sidecar");
 * each JSON answer has exactly one audit record, valid against the schema, and what
   the agent got is what it says; aiohttp's own answers have none;
 * a refusal forwarded nothing, and the upstream saw exactly one request per answered

@@ -1,9 +1,9 @@
 """The published contract: ``GET /openapi.json`` and ``docs/openapi.json``.
 
 The document is current, valid OpenAPI 3.1, agrees with the error-code table of
-docs/api/envelope.md, is served by both listeners, and every answer of a real sidecar conforms to it: a set of
-answers made on purpose (success, stream, each family of refusal and failure), then
-schemathesis against a live ``python -m gateway serve`` (bounded examples).
+docs/api/envelope.md, is served by both listeners, and every answer of a real sidecar
+conforms to it: a set of answers made on purpose (success, stream, each family of refusal
+and failure), then schemathesis against a live ``python -m gateway serve`` (bounded examples).
 """
 
 from __future__ import annotations
