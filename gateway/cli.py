@@ -203,6 +203,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         else:
+            if args.check_database and _database_problems(path, policy):
+                failed = True
+                continue
             print(f"{path}: ok ({len(policy.targets)} targets, agent_id {policy.policy.agent_id})")
             if args.env_check:
                 for warning in _env_warnings(path, policy):
@@ -210,6 +213,21 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             for loc, message in [*tool_cap_warnings(policy.policy), *_model_warnings(policy)]:
                 print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _database_problems(path: str, policy: PolicySet) -> bool:
+    """``validate --check-database``: prepare each statement of ``policy`` against its
+    live database; print each problem as ``FILE:LINE: key: problem``. True if any."""
+    from gateway.database.registry import check_statements
+    from gateway.policy.loader import problem_lines
+
+    try:
+        problems = asyncio.run(check_statements(policy))
+    except ValueError as exc:  # no engine installed, no Vault section...
+        problems = [(("targets",), str(exc))]
+    for line in problem_lines(path, problems):
+        print(line, file=sys.stderr)
+    return bool(problems)
 
 
 def _cmd_call(args: argparse.Namespace) -> int:
@@ -358,6 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="env_check",
         action="store_false",
         help="do not warn about env:// references whose variable is not set here",
+    )
+    p.add_argument(
+        "--check-database",
+        action="store_true",
+        help="prepare each database statement against its live database (with the "
+        "policy's credentials: Vault or secret references)",
     )
     p.set_defaults(func=_cmd_validate)
 

@@ -53,6 +53,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/desk.py",
             "gateway/policy/mcp.py",
             "gateway/policy/modelrules.py",
+            "gateway/policy/database.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }
@@ -66,6 +67,7 @@ OWNERS: dict[str, frozenset[str]] = {
     "yaml": frozenset({"gateway/policy/loader.py"}),
     "hvac": frozenset({"gateway/secrets/vault.py", "gateway/secrets/vault_auth.py"}),
     "pybreaker": frozenset({"gateway/breaker.py"}),
+    "asyncpg": frozenset({"gateway/database/postgres.py"}),
     "aiolimiter": frozenset({"gateway/ratelimit/local.py"}),
     "redis": frozenset({"gateway/stores/redis.py"}),
     "orjson": frozenset({"gateway/fastjson.py"}),

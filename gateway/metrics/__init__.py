@@ -33,6 +33,8 @@ secrets_ready                          gauge      (none): 1 usable, 0 Vault with
 build_info                             gauge      version, python (always 1)
 policy_info                            gauge      agent_id, digest (always 1)
 mcp_requests_total                     counter    target, method, tool, outcome
+database_statements_total              counter    target, statement, outcome (success or
+                                                  the error code)
 call_chain_refusals_total              counter    reason (circular_call_detected|max_depth_
                                                   exceeded|ttl_expired|invalid_chain)
 agent_stops                            gauge      scope (agent|target|all): stops in force
@@ -416,6 +418,11 @@ class Metrics(Series):
         """Count one JSON-RPC request to an MCP target; ``method``, ``tool`` and ``outcome``
         are bounded by the caller (:func:`gateway.call.mcp.metric_labels`)."""
         self._child(self.mcp_requests, self._target(target or "_none"), method, tool, outcome).inc()
+
+    def observe_statement(self, target: str, statement: str, outcome: str) -> None:
+        """Count one named statement of a database target; ``statement`` is a policy
+        name (the call was bound to it), ``outcome`` ``success`` or an error code."""
+        self._child(self.database_statements, self._target(target), statement, outcome).inc()
 
     def observe_retry(self, target: str) -> None:
         """Count one retry (an upstream attempt after the first)."""

@@ -90,6 +90,10 @@ class Series:
             "mcp_requests", "JSON-RPC requests to MCP targets, by method, tool and outcome.",
             ["target", "method", "tool", "outcome"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        self.database_statements = Counter(
+            "database_statements", "Named statements of database targets, by outcome.",
+            ["target", "statement", "outcome"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
         self.inflight = Gauge(
             "inflight_calls", "Calls currently inside the sidecar.",
             namespace=NAMESPACE, registry=r,

@@ -167,6 +167,23 @@ MAX_REPEAT_EXEMPT: Final = 200
 #: A tool cap (a budget's ``max_calls``) is counted like spend, in integer nano-units
 #: inside Redis's Lua (exact below 2**53): the same bound as MAX_BUDGET_USD.
 MAX_BUDGET_CALLS: Final = 1_000_000
+#: Database targets (gateway/policy/database.py). A pool of 4 serves one agent's calls
+#: (they come one at a time, a few at once); 100 is past what a database gives one
+#: client. A pool wait of 2 s, then CAPACITY_EXCEEDED. A connection lives 5 minutes at
+#: most, well inside a Vault lease (1 hour by default). A statement runs 5 s and waits
+#: 1 s for a lock by default (an agent waits on it). 1,000 rows and 1 MiB of JSON answer
+#: a question; a million rows is an export, not a call.
+DEFAULT_DB_POOL_SIZE: Final = 4
+MAX_DB_POOL_SIZE: Final = 100
+DEFAULT_DB_ACQUIRE_TIMEOUT_S: Final = 2.0
+DEFAULT_DB_MAX_LIFETIME_S: Final = 300.0
+DEFAULT_DB_STATEMENT_TIMEOUT_S: Final = 5.0
+DEFAULT_DB_LOCK_TIMEOUT_S: Final = 1.0
+DEFAULT_DB_MAX_ROWS: Final = 1000
+MAX_DB_MAX_ROWS: Final = 1_000_000
+DEFAULT_DB_MAX_BYTES: Final = 1024 * 1024
+MIN_DB_MAX_BYTES: Final = 1024
+MAX_DB_AFFECTED_ROWS: Final = 10**9
 
 # -- the operator's desk: approvals and dead letters (gateway.policy.desk) --------------
 #: How long an approval request waits for a decision, and an approval for its call, s.
