@@ -240,6 +240,13 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "redis.connect_timeout_s": "timeout of a connection, in seconds",
     "audit": "where audit records go",
     "audit.sink": "`stdout` (JSON lines) or `file` (size-rotated)",
+    "audit.otlp": "also ship every audit line to an OpenTelemetry collector (OTLP/HTTP "
+    "logs) through a bounded on-disk spool; headers from `OTEL_EXPORTER_OTLP_LOGS_HEADERS`",
+    "audit.otlp.endpoint": "the collector's logs URL, e.g. `http://otel-collector:4318/v1/logs`",
+    "audit.otlp.timeout_s": "timeout of one export, in seconds",
+    "audit.otlp.spool_path": "directory of the spool (lines not yet accepted by the collector)",
+    "audit.otlp.spool_max_bytes": "spool size; past it the oldest lines are dropped from "
+    "shipping (still in the file or stdout sink)",
     "audit.path": "the file, with `sink: file`",
     "audit.payloads": "`summary` (sizes and hashes) or `none`",
     "audit.chain": "hash-chain the records (`seq`, `prev_hash`, `hash`)",

@@ -148,6 +148,16 @@ class CallRecord(NamedTuple):
     database: DatabaseFacts | None = None
 
 
+def decision_of(call: CallRecord) -> str:
+    """The decision the audit record and the span give a call: ``replayed`` for an
+    idempotent replay; ``shadow_denied`` when allowed but a ``mode: shadow`` rule would
+    have refused it; else the egress decision (``invalid``, ``denied``, ``allowed``)."""
+    decision = "replayed" if call.replayed else call.decision
+    if call.shadow_denied and decision == "allowed":
+        return "shadow_denied"
+    return decision
+
+
 def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
     """The audit record of a call that ended with ``response`` (schema v1)."""
     request, target, usage, error = call.request, call.target, call.usage, response.error
@@ -156,9 +166,7 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
     if error is not None and error.code is ErrorCode.EGRESS_DENIED:
         warnings = [*warnings, f"egress denied: {error.message}"]  # the destination
     shadow = [*call.shadow_denied]  # a list of its own (the record's may be the context's)
-    decision = "replayed" if call.replayed else call.decision
-    if shadow and decision == "allowed":
-        decision = "shadow_denied"
+    decision = decision_of(call)
     latency = call.upstream_latency_s
     return {
         F.AGENT_ID: agent_id,

@@ -93,6 +93,10 @@ NOT_RUN = {
     "docker build -t registry.example.com/egress-gateway:0.1.0 .": "needs Docker; "
     "tests/test_dockerfile.py checks the Dockerfile",
     "helm install demo helm/egress-gateway -n agents \\": _CLUSTER,
+    "helm install gw helm/egress-gateway -n egress-system --create-namespace \\": (
+        "needs a Kubernetes cluster; tests/test_sidecar_injection.py renders the injector "
+        "and runs its webhook"
+    ),
     "$ kubectl logs deploy/demo-egress-gateway -c egress-gateway-validate": _CLUSTER,
     "OTEL_EXPORTER_OTLP_ENDPOINT=http://otel-collector.observability:4318   # /v1/traces is "
     "added": "needs a collector; tests/test_tracing.py exports to a receiver of its own",
@@ -123,6 +127,9 @@ NOT_POLICIES = {
     ("kubernetes.md", "# the Deployment's pod spec (with the includes of the previous section)"): (
         "a Kubernetes pod spec"
     ),
+    ("kubernetes.md", "# your agent's Deployment"): "a Kubernetes Deployment (the "
+    "injection annotations)",
+    ("kubernetes.md", "audit:"): "the chart's values (audit.volume)",
     ("operations.md", "sidecar:"): "the chart's values",
     ("operations.md", "grafanaDashboard:"): "the chart's values",
 }

@@ -29,6 +29,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/upstream/client.py",
             "gateway/upstream/resolver.py",
             "gateway/server/app.py",
+            "gateway/inject/server.py",
             "gateway/api/http.py",
             "gateway/server/listeners.py",
             "gateway/server/ops.py",
@@ -73,8 +74,9 @@ OWNERS: dict[str, frozenset[str]] = {
     "orjson": frozenset({"gateway/fastjson.py"}),
     "uvloop": frozenset({"gateway/server/eventloop.py"}),
     "rich": frozenset({"gateway/audit/query/render.py"}),
-    # The SDK, the OTLP/HTTP exporter and the API: imported only when tracing is on.
-    "opentelemetry": frozenset({"gateway/telemetry/otel.py"}),
+    # The SDK, the OTLP/HTTP exporters and the API: imported only when tracing is on
+    # (otel.py) or audit lines are shipped over OTLP (otlp.py).
+    "opentelemetry": frozenset({"gateway/telemetry/otel.py", "gateway/audit/otlp.py"}),
     # MCP's SDK: the tests' server and client only; the sidecar speaks MCP itself.
     "mcp": frozenset(),
 }

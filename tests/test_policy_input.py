@@ -150,6 +150,7 @@ FLOAT_KEYS = {
     "targets.t.mcp.arguments.x.a.minimum": MCP + "minimum: @}}}}}}",
     "targets.t.mcp.arguments.x.a.maximum": MCP + "maximum: @}}}}}}",
     "server.drain_s": "server: {drain_s: @}",
+    "audit.otlp.timeout_s": "audit: {otlp: {endpoint: 'http://otel:4318', timeout_s: @}}",
     "server.reload_interval_s": "server: {reload_interval_s: @}",
     "targets.t.timeout_s": T + ", timeout_s: @}}",
     "targets.t.stream_idle_timeout_s": T + ", stream_idle_timeout_s: @}}",
@@ -246,6 +247,8 @@ UPPER_BOUNDS = {
     "redis.pool_size": d.MAX_REDIS_POOL_SIZE,
     "audit.max_bytes": d.MAX_AUDIT_FILE_BYTES,
     "audit.backup_count": d.MAX_AUDIT_BACKUPS,
+    "audit.otlp.timeout_s": d.MAX_AUDIT_OTLP_TIMEOUT_S,
+    "audit.otlp.spool_max_bytes": d.MAX_AUDIT_SPOOL_BYTES,
     "chain.ttl_s": d.MAX_CHAIN_TTL_S,
     "chain.max_clock_skew_s": d.MAX_CHAIN_CLOCK_SKEW_S,
     "chain.max_depth": d.MAX_CHAIN_MAX_DEPTH,
@@ -275,6 +278,9 @@ INT_KEYS = {
     "redis.pool_size": "redis: {pool_size: @}",
     "audit.max_bytes": "audit: {max_bytes: @}",
     "audit.backup_count": "audit: {backup_count: @}",
+    "audit.otlp.spool_max_bytes": (
+        "audit: {otlp: {endpoint: 'http://otel:4318', spool_max_bytes: @}}"
+    ),
     "budgets.b.max_output_tokens": (
         "budgets: {b: {limit_usd: 1, window: daily, max_output_tokens: @}}"
     ),

@@ -109,6 +109,15 @@ MAX_TOKENS_PER_MINUTE: Final = 10**12
 #: An audit file's rotation size is compared with a file offset, an int64 (``off_t``).
 MAX_AUDIT_FILE_BYTES: Final = 2**63 - 1
 MAX_AUDIT_BACKUPS: Final = 1000
+#: audit.otlp (docs/audit.md): seconds per export request; the spool's bound in bytes
+#: (32 MiB: 10 minutes at ~35 records/s of 1.5 KB), at least one segment (1 MiB), at
+#: most what a file offset counts.
+DEFAULT_AUDIT_OTLP_TIMEOUT_S: Final = 10.0
+MAX_AUDIT_OTLP_TIMEOUT_S: Final = 60.0
+DEFAULT_AUDIT_SPOOL_BYTES: Final = 32 * 1024 * 1024
+MIN_AUDIT_SPOOL_BYTES: Final = 1024 * 1024
+MAX_AUDIT_SPOOL_BYTES: Final = 2**63 - 1
+DEFAULT_AUDIT_SPOOL_PATH: Final = "/tmp/egress-gateway/audit-spool"  # noqa: S108 - the pod's /tmp
 #: Telemetry (docs/operations.md). A ratio is a probability; a model label list longer
 #: than this is a cardinality problem, not a dashboard.
 DEFAULT_TRACE_SAMPLE_RATIO: Final = 1.0

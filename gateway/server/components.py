@@ -312,7 +312,13 @@ class CostBudgets:
             from gateway.budgets.cluster import ClusterBudgets
 
             cluster = ClusterBudgets(parts.cluster_limits)
-        parts.budgets = Budgets(policy.policy.budgets, cluster=cluster)
+        journal = None
+        if path := os.environ.get("GATEWAY_BUDGET_JOURNAL"):  # the chart sets it
+            from gateway.budgets.journal import BudgetJournal
+
+            journal = BudgetJournal(path)
+            stack.callback(journal.close)
+        parts.budgets = Budgets(policy.policy.budgets, cluster=cluster, journal=journal)
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
         parts.budgets.update(policy.policy.budgets)
@@ -472,10 +478,12 @@ class MetricLabels:
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         self.apply(policy, parts)
-        log, resolvers = parts.audit, parts.resolvers
+        log, resolvers, budgets = parts.audit, parts.resolvers, parts.budgets
         parts.metrics.watch(
             audit_failures=lambda: log.write_failures,
             secrets_ready=lambda: secrets_ready(resolvers),
+            budgets=budgets.levels,
+            audit_shipping=lambda: log.shipping,
         )
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
