@@ -38,7 +38,7 @@ async def chain_stage(
     ctx.chain = chain.decide(
         seen,
         own_agent=ctx.agent_id,
-        target_agent=None,  # A2A targets (a later step) name the agent they call
+        target_agent=ctx.target_agent,  # an A2A target's a2a.agent_id
         now_ms=int(time.time() * 1000),
         timeout_s=request.timeout,
         spec=spec,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Final, Protocol
 
-from gateway.call import mcp
+from gateway.call import a2a, mcp
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
@@ -68,6 +68,7 @@ class _Envelope(_Exchanges):
         ctx: CallContext,
         relay: Relay | None,
     ) -> tuple[ExternalCallRequest, Relay | None]:
+        _agent_route_only(target)
         if target.spec.mcp is None:
             return request, relay
         return mcp.check_envelope(request, target, ctx), None
@@ -109,6 +110,7 @@ class _DropIn:
                 f"/mcp/{target.name}",
                 details={"reason": "mcp_route_only"},
             )
+        _agent_route_only(target)
         return request, relay
 
     def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
@@ -121,7 +123,41 @@ class _DropIn:
         return None
 
 
+class _A2a:
+    """The A2A route (``/a2a/{target}``): checked at intake
+    (:func:`gateway.call.a2a.a2a_intake`); a message carries the chain in its
+    ``metadata`` (:func:`gateway.call.a2a.checked`); its answer read
+    (:func:`gateway.call.a2a.read_answer`); one record per JSON-RPC request."""
+
+    def checked(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        relay: Relay | None,
+    ) -> tuple[ExternalCallRequest, Relay | None]:
+        return a2a.checked(request, ctx, relay)
+
+    answered = staticmethod(a2a.read_answer)
+    records = staticmethod(a2a.audit_records)
+
+    def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
+        return None
+
+
+def _agent_route_only(target: CompiledTarget) -> None:
+    """An A2A target is reached at ``/a2a/{target}`` only: elsewhere its requests would
+    pass unread (methods, the chain in the message, the card unchecked)."""
+    if target.spec.a2a is not None:
+        raise PermissionDenied(
+            f"target {target.name!r} is an A2A agent: point the A2A client at "
+            f"/a2a/{target.name}",
+            details={"reason": "a2a_route_only"},
+        )
+
+
 #: The hooks of each API's pipeline entry point.
 ENVELOPE: Final = _Envelope()
 ROUTE: Final = _Route()
 DROP_IN: Final = _DropIn()
+A2A: Final = _A2a()

@@ -29,7 +29,7 @@ from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
 from gateway.call import hooks as api_hooks
-from gateway.call import mcp, spend
+from gateway.call import a2a, mcp, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.chain import chain_stage
@@ -177,6 +177,28 @@ class Pipeline:
         policy = self.policy
         return await self._run(
             policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay, api_hooks.ROUTE
+        )
+
+    async def handle_a2a(
+        self,
+        http: a2a.A2aRequest,
+        *,
+        ctx: CallContext,
+        tasks: a2a.TaskClock,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+        card_key: str | None = None,
+    ) -> tuple[int, ExternalCallResponse]:
+        """Run one request of ``/a2a/{target}`` (:func:`gateway.call.a2a.a2a_intake`; its
+        tasks' clocks ``tasks``, the card's public key ``card_key``): the same stages;
+        ``ctx`` is the caller's (the upstream's answer, ``ctx.a2a``)."""
+        policy = self.policy
+        return await self._run(
+            policy,
+            ctx,
+            lambda: a2a.a2a_intake(http, policy, ctx, tasks, refuse, card_key),
+            relay,
+            api_hooks.A2A,
         )
 
     async def _run(

@@ -63,7 +63,7 @@ class CallContext:
     stream_body: bytes | None = None
     #: The API the call came in by: ``proxy`` for the drop-in provider routes, ``mcp``
     #: for ``/mcp/{target}``.
-    api: Literal["envelope", "proxy", "mcp"] = "envelope"
+    api: Literal["envelope", "proxy", "mcp", "a2a"] = "envelope"
     #: Drop-in routes: the request headers an SDK sent that go upstream beneath the
     #: policy's own (:mod:`gateway.call.proxy`); empty for envelopes.
     passthrough_headers: dict[str, str] = field(default_factory=dict)
@@ -86,6 +86,10 @@ class CallContext:
     #: or an envelope, whose ``call_chain`` says), and what the chain stage decided.
     chain_seen: dict[str, str] | None = None
     chain: ChainDecision | None = None
+    #: The agent the call goes to, when its target is an agent (``a2a.agent_id``): the
+    #: chain decision's target agent; and an A2A request (or card fetch), as read.
+    target_agent: str | None = None
+    a2a: Any = None
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:
@@ -172,6 +176,12 @@ def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, 
         F.MCP_REQUEST_ID: None,
         F.MCP_IS_ERROR: None,
         F.MCP_ERROR_CODE: None,
+        # Set per JSON-RPC request by gateway.call.a2a.audit_records.
+        F.A2A_METHOD: None,
+        F.A2A_REQUEST_ID: None,
+        F.A2A_TASK_ID: None,
+        F.A2A_CONTEXT_ID: None,
+        F.A2A_ERROR_CODE: None,
         F.CALL_CHAIN: list(ctx.chain.agents) if ctx.chain and ctx.chain.agents else None,
         F.CALL_CHAIN_DEPTH: ctx.chain.depth if ctx.chain and ctx.chain.agents else None,
         **_caller(ctx, agent_id),

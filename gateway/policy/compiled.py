@@ -10,11 +10,14 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gateway.policy.a2a import CARD_PATHS
 from gateway.policy.mcp import MCP_METHODS
 from gateway.policy.models import Policy, TargetSpec
 from gateway.urls import URL
 
 _UNSEEN: Final = object()
+_GET: Final = frozenset({"GET"})
+_POST: Final = frozenset({"POST"})
 #: Distinct (endpoint, method) verdicts remembered per target, for endpoints of at most
 #: _MAX_REMEMBERED_PATH characters: at most ~0.4 MB per target whatever agents send.
 _MAX_VERDICTS: Final = 1024
@@ -126,6 +129,10 @@ def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
         segments = tuple(p for p in base.raw_path.split("/") if p)
         rules.append((segments, False, MCP_METHODS))
         base = base.origin()
+    if spec.a2a is not None:  # the card's paths (GET) and the JSON-RPC endpoint (POST)
+        rules += [(tuple(p.strip("/").split("/")), False, _GET) for p in CARD_PATHS]
+        rpc = tuple(p for p in spec.a2a.rpc_path.split("/") if p)
+        rules.append((rpc, False, _POST))
     return CompiledTarget(
         name=name,
         spec=spec,

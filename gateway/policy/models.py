@@ -30,6 +30,7 @@ from gateway.policy.defaults import (
 from gateway.policy.defaults import (
     DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
 )
+from gateway.policy.a2a import A2aSpec, InboundSpec, check_a2a_target
 from gateway.policy.mcp import McpSpec, check_target
 from gateway.policy.refs import InvalidSecretRef, parse_ref
 from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec
@@ -309,6 +310,8 @@ class TargetSpec(_Strict):
     static_headers: dict[str, str] = Field(default_factory=dict)
     mcp: McpSpec | None = None  # an MCP server (gateway.policy.mcp)
     _mcp = model_validator(mode="after")(check_target)
+    a2a: A2aSpec | None = None  # an A2A agent (gateway.policy.a2a)
+    _a2a = model_validator(mode="after")(check_a2a_target)
 
     @field_validator("base_url")
     @classmethod
@@ -429,6 +432,8 @@ class Policy(_Strict):
     budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
     chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
+    #: The local agent's own A2A server, behind ``/a2a/in/{path}`` (gateway.policy.a2a).
+    inbound: InboundSpec | None = None
     agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
     controls: ControlsSpec = Field(default_factory=ControlsSpec)  # gateway.policy.controls
 

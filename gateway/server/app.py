@@ -9,6 +9,8 @@ Routes of the calls listener (loopback by default):
   envelope, answered as the provider would (:mod:`gateway.api.proxy`).
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
   target's ``mcp`` rules (:mod:`gateway.api.mcp`).
+* ``/a2a/{target}``: an A2A client's JSON-RPC and its card, methods checked by the
+  target's ``a2a`` rules, the call chain carried (:mod:`gateway.api.a2a`).
 * ``GET /healthz`` (alive), ``/readyz`` (ready), ``/openapi.json`` (both listeners).
 
 The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
@@ -29,7 +31,7 @@ from aiohttp import web
 
 from gateway import openapi
 from gateway.agents.identity import identify
-from gateway.api import envelope, http, mcp, proxy
+from gateway.api import a2a, envelope, http, mcp, proxy
 from gateway.api.envelope import CALLS_PATH
 from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, Handler
 from gateway.audit import get_logger
@@ -137,6 +139,8 @@ def create_app(
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
     app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))
     app.router.add_route("*", mcp.MCP_ROUTE, mcp.handler(gateway))
+    app.router.add_route("*", a2a.A2A_ROUTE, a2a.handler(gateway))
+    app.router.add_route("*", a2a.CARD_ROUTE, a2a.handler(gateway))
     # The answer of each route family to the paths under it that its route misses.
     app[http.EDGES_KEY] = {
         proxy.PREFIX: proxy.unmatched(gateway),
