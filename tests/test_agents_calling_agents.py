@@ -62,9 +62,12 @@ async def test_a_chain_of_three_agents_carries_the_chain(
     assert events  # the SDK client read the relayed answer
     (rec_a,) = _rpc_records(side_a)
     (rec_b,) = _rpc_records(side_b)
-    assert rec_a["call_chain"] == ["a"] and rec_b["call_chain"] == ["a", "b"]
-    assert rec_a["a2a_method"] == "SendMessage" and rec_a["success"] is True
-    assert rec_a["a2a_task_id"] and rec_a["a2a_context_id"]
+    assert rec_a["call_chain"] == ["a"]
+    assert rec_b["call_chain"] == ["a", "b"]
+    assert rec_a["a2a_method"] == "SendMessage"
+    assert rec_a["success"] is True
+    assert rec_a["a2a_task_id"]
+    assert rec_a["a2a_context_id"]
 
 
 async def test_a_loop_is_refused_at_the_second_sidecar_before_the_first_agent_is_called(
@@ -112,5 +115,7 @@ async def test_a_task_stream_is_relayed_event_by_event(
     assert len(events) >= 5  # the task, three working updates, the completion
     (record,) = _rpc_records(side_a)
     assert record["a2a_method"] == "SendStreamingMessage"
-    assert record["stream"] is True and record["stream_events"] >= 5
-    assert record["success"] is True and record["a2a_task_id"]
+    assert record["stream"] is True
+    assert record["stream_events"] >= 5
+    assert record["success"] is True
+    assert record["a2a_task_id"]

@@ -49,6 +49,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/chain.py",
             "gateway/policy/controls.py",
             "gateway/policy/mcp.py",
+            "gateway/policy/a2a.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }
@@ -71,6 +72,9 @@ OWNERS: dict[str, frozenset[str]] = {
     "opentelemetry": frozenset({"gateway/telemetry/otel.py"}),
     # MCP's SDK: the tests' server and client only; the sidecar speaks MCP itself.
     "mcp": frozenset(),
+    # A2A Agent Card signatures (JWS); A2A's SDK: the tests' agents and clients only.
+    "jwt": frozenset({"gateway/agents/card.py"}),
+    "a2a": frozenset(),
 }
 #: A program of its own beside the sidecar (its stand-in upstreams and console output):
 #: it may import what it needs, and nothing imports it.

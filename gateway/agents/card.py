@@ -23,7 +23,9 @@ import jwt
 from gateway.errors import PermissionDenied
 
 
-def check(body: bytes, *, verify: bool, key: str | None, algorithms: tuple[str, ...]) -> dict[str, Any]:
+def check(
+    body: bytes, *, verify: bool, key: str | None, algorithms: tuple[str, ...]
+) -> dict[str, Any]:
     """The card in ``body``, parsed; with ``verify``, at least one of its signatures must
     verify with ``key`` (PEM or JWK JSON) under one of ``algorithms``. Raises
     PermissionDenied (``details.reason``: ``card_invalid``, ``card_unsigned``,
@@ -60,7 +62,9 @@ def canonical(card: dict[str, Any]) -> bytes:
 
 def _clean(value: Any, depth: int = 0) -> Any:
     if depth > 128:
-        raise PermissionDenied("the agent's card nests too deep", details={"reason": "card_invalid"})
+        raise PermissionDenied(
+            "the agent's card nests too deep", details={"reason": "card_invalid"}
+        )
     if isinstance(value, dict):
         out = {k: c for k, v in value.items() if (c := _clean(v, depth + 1)) is not None}
         return out or None

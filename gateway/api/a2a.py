@@ -200,7 +200,11 @@ def _error_data(response: ExternalCallResponse) -> tuple[int, str, dict[str, Any
     error = response.error
     assert error is not None
     details = {k: v for k, v in error.details.items() if k not in ("jsonrpc_code", "http_status")}
-    data: dict[str, Any] = {"egress_code": error.code.value, "retryable": error.retryable, **details}
+    data: dict[str, Any] = {
+        "egress_code": error.code.value,
+        "retryable": error.retryable,
+        **details,
+    }
     if error.suggested_retry_after is not None:
         data["suggested_retry_after"] = error.suggested_retry_after
     return error.details.get("jsonrpc_code", rpc.EGRESS_ERROR), error.message, data

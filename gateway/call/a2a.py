@@ -28,6 +28,7 @@ request (design.md and README, "Agents calling agents").
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import time
 from collections import OrderedDict
@@ -262,10 +263,8 @@ def read_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCal
         )
         return response
     if answer.stream is None:
-        try:
+        with contextlib.suppress(ValueError, RecursionError):
             exchange.read(json.loads(answer.body))
-        except (ValueError, RecursionError):
-            pass
         return response
     if exchange.streams and not exchange.final:
         raise StreamInterrupted(

@@ -150,8 +150,7 @@ def _agent_route_only(target: CompiledTarget) -> None:
     pass unread (methods, the chain in the message, the card unchecked)."""
     if target.spec.a2a is not None:
         raise PermissionDenied(
-            f"target {target.name!r} is an A2A agent: point the A2A client at "
-            f"/a2a/{target.name}",
+            f"target {target.name!r} is an A2A agent: point the A2A client at /a2a/{target.name}",
             details={"reason": "a2a_route_only"},
         )
 

@@ -28,8 +28,8 @@ from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
-from gateway.call import hooks as api_hooks
 from gateway.call import a2a, mcp, spend
+from gateway.call import hooks as api_hooks
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.chain import chain_stage

@@ -57,8 +57,6 @@ METHODS_V10: Final = (
 )
 #: The card's well-known paths (A2A 0.3 and 1.0: agent-card.json; before 0.3: agent.json).
 CARD_PATHS: Final = ("/.well-known/agent-card.json", "/.well-known/agent.json")
-#: Card signature algorithms accepted by default (asymmetric only: the card is public).
-DEFAULT_CARD_ALGORITHMS: Final = ("ES256", "RS256", "EdDSA")
 DEFAULT_TASK_TTL_S: Final = 3600.0
 MAX_TASK_TTL_S: Final = 7 * 86400.0
 MethodGlob = Annotated[str, StringConstraints(min_length=1, max_length=128)]
@@ -73,15 +71,19 @@ class MethodRules(StrictModel):
     deny: list[MethodGlob] = Field(default_factory=list)
 
 
+def _default_algorithms() -> list[Algorithm]:
+    return ["ES256", "RS256", "EdDSA"]
+
+
 class CardSpec(StrictModel):
     """The Agent Card's check: with ``verify``, a card without a valid JWS signature
     (A2A ``AgentCardSignature``, over the card's RFC 8785 form) by the public key that
     ``public_key_ref`` names (PEM or a JWK) is refused. ``ttl_s``: how long a fetched
     card is kept."""
 
-    verify: bool = False
+    verify: bool = False  # algorithms accepted by default: asymmetric only (a public card)
     public_key_ref: str | None = None
-    algorithms: list[Algorithm] = Field(default_factory=lambda: list(DEFAULT_CARD_ALGORITHMS))
+    algorithms: list[Algorithm] = Field(default_factory=_default_algorithms)
     ttl_s: float = Field(300.0, gt=0, le=86400.0)
 
 

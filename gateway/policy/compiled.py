@@ -10,14 +10,15 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gateway.envelope import HttpMethod
 from gateway.policy.a2a import CARD_PATHS
 from gateway.policy.mcp import MCP_METHODS
 from gateway.policy.models import Policy, TargetSpec
 from gateway.urls import URL
 
 _UNSEEN: Final = object()
-_GET: Final = frozenset({"GET"})
-_POST: Final = frozenset({"POST"})
+_GET: Final[frozenset[HttpMethod]] = frozenset({"GET"})
+_POST: Final[frozenset[HttpMethod]] = frozenset({"POST"})
 #: Distinct (endpoint, method) verdicts remembered per target, for endpoints of at most
 #: _MAX_REMEMBERED_PATH characters: at most ~0.4 MB per target whatever agents send.
 _MAX_VERDICTS: Final = 1024

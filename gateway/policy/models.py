@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
+from gateway.policy.a2a import A2aSpec, InboundSpec, check_a2a_target
 from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 from gateway.policy.chain import ChainSpec, chain_problems
@@ -30,7 +31,6 @@ from gateway.policy.defaults import (
 from gateway.policy.defaults import (
     DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
 )
-from gateway.policy.a2a import A2aSpec, InboundSpec, check_a2a_target
 from gateway.policy.mcp import McpSpec, check_target
 from gateway.policy.refs import InvalidSecretRef, parse_ref
 from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec

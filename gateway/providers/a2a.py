@@ -43,6 +43,8 @@ CHAIN_METADATA_KEYS: Final = (
     "x-egress-call-chain-sig",
 )
 _ID_LIMIT: Final = 256
+#: 1.0's event wrappers, as 0.3's ``kind``.
+_KINDS: Final = {"statusUpdate": "status-update", "artifactUpdate": "artifact-update"}
 
 
 class A2aProtocolError(Exception):
@@ -104,20 +106,22 @@ class A2aExchange:
     def _result(self, result: dict[str, Any]) -> None:
         # 1.0 wraps each event: {"task": ...}, {"message": ...}, {"statusUpdate": ...}...
         for key in ("task", "message", "statusUpdate", "artifactUpdate"):
-            inner = result.get(key)
+            inner: Any = result.get(key)
             if isinstance(inner, dict):
-                kind = {"statusUpdate": "status-update", "artifactUpdate": "artifact-update"}
-                result = {**inner, "kind": kind.get(key, key)}
+                result = {**inner, "kind": _KINDS.get(key, key)}
                 break
-        kind = result.get("kind")
+        kind: Any = result.get("kind")
         task_id = result.get("id") if kind == "task" else result.get("taskId")
         self.task_id = self.task_id or _short(task_id)
         self.context_id = self.context_id or _short(result.get("contextId"))
         status = result.get("status")
         state = _state(status.get("state")) if isinstance(status, dict) else None
-        if kind == "message" or result.get("final") is True or state in FINAL_STATES:
-            self.final = True
-        elif kind is None and "parts" in result and "role" in result:  # a bare message
+        if (
+            kind == "message"
+            or result.get("final") is True
+            or state in FINAL_STATES
+            or (kind is None and "parts" in result and "role" in result)
+        ):
             self.final = True
 
 

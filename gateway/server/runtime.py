@@ -28,8 +28,8 @@ from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, PermissionDenied, ShuttingDown, error_response
 from gateway.metrics import Metrics
-from gateway.policy.refs import parse_ref
 from gateway.policy import PolicyError, PolicySet, load_policy
+from gateway.policy.refs import parse_ref
 from gateway.secrets.factory import secrets_ready
 from gateway.server import components
 from gateway.server.components import COMPONENTS, Component, Parts
