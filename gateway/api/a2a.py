@@ -28,7 +28,7 @@ from typing import Any, Final, Protocol
 
 from gateway import fastjson
 from gateway.agents import card as cards
-from gateway.agents.identity import Agents, Identity, identify
+from gateway.agents.identity import Agents, Identity, identify, policy_identity
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.call.a2a import A2aRequest, CardFetch
@@ -47,10 +47,14 @@ from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError
 from gateway.policy import PolicySet
 from gateway.policy.a2a import CARD_PATHS
+from gateway.policy.compiled import INBOUND_TARGET
 from gateway.providers import a2a as rpc
 from gateway.providers.mcp import error_object
 
 A2A_ROUTE: Final = "/a2a/{target}"
+#: Calls *to* this sidecar's agent: a reverse route to ``inbound.agent_url``.
+INBOUND_ROUTE: Final = "/a2a/in/{path:.*}"
+INBOUND_PREFIX: Final = "/a2a/in"
 CARD_ROUTE: Final = "/a2a/{target}/.well-known/{card}"
 PREFIX: Final = "/a2a"
 _CARD_FILES: Final = {p.rsplit("/", 1)[1]: p for p in CARD_PATHS}
@@ -93,17 +97,32 @@ def handler(runtime: Runtime) -> http.Handler:
     return http.handler(partial(_Exchange, runtime), "a2a_handler_error")
 
 
+def inbound_handler(runtime: Runtime) -> http.Handler:
+    """The handler of :data:`INBOUND_ROUTE`: a call to this sidecar's agent, from another
+    agent's sidecar, forwarded to the agent's own A2A server (``inbound.agent_url``) once
+    its chain is admitted (:func:`gateway.agents.chain.admit`) and remembered for the
+    agent's own calls in that trace, task and context (README, "Agents calling agents")."""
+    return http.handler(partial(_Exchange, runtime, inbound=True), "a2a_handler_error")
+
+
 class _Exchange:
     """One A2A request (:class:`gateway.api.http.Exchange`)."""
 
-    __slots__ = ("_identity", "_incoming", "_runtime", "ctx")
+    __slots__ = ("_identity", "_inbound", "_incoming", "_runtime", "ctx")
 
     streams = True
 
-    def __init__(self, runtime: Runtime, incoming: Incoming) -> None:
+    def __init__(self, runtime: Runtime, incoming: Incoming, *, inbound: bool = False) -> None:
         self._runtime = runtime
         self._incoming = incoming
-        identity = self._identity = identify(incoming.transport, incoming.headers, runtime.agents)
+        self._inbound = inbound
+        # An inbound call comes from another agent's sidecar: the agent called is this
+        # sidecar's own (the policy's agent_id), whoever the peer is.
+        identity = self._identity = (
+            policy_identity(runtime.policy.policy.agent_id)
+            if inbound
+            else identify(incoming.transport, incoming.headers, runtime.agents)
+        )
         self.ctx = CallContext(time.monotonic(), identity.agent_id, identity=identity)
 
     @property
@@ -116,12 +135,18 @@ class _Exchange:
         body, refuse = await incoming.read_or_refusal(limit)
         refuse = self._identity.refusal or refuse  # who calls is settled first
         card = incoming.route.get("card")
+        if self._inbound:
+            target, card = INBOUND_TARGET, incoming.raw_path[len(INBOUND_PREFIX) :] or "/"
+        else:
+            target = incoming.route["target"]
+            card = _CARD_FILES.get(card, "/.well-known/" + card) if card is not None else ""
         request = A2aRequest(
             method=incoming.method,
-            target=incoming.route["target"],
-            card=_CARD_FILES.get(card, "/.well-known/" + card) if card is not None else "",
+            target=target,
+            card=card,
             headers=tuple(incoming.headers.items()),
             body=body,
+            inbound=self._inbound,
         )
         return await self._runtime.a2a(request, ctx=self.ctx, refuse=refuse, relay=stream)
 

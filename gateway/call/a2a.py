@@ -52,6 +52,7 @@ from gateway.errors import (
 )
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.a2a import CARD_PATHS
+from gateway.policy.compiled import INBOUND_TARGET
 from gateway.providers import a2a as rpc
 from gateway.tracing import TRACE_HEADERS
 
@@ -67,13 +68,20 @@ MAX_TASKS: Final = 10_000
 
 @dataclass(frozen=True, slots=True)
 class A2aRequest:
-    """A request on ``/a2a/{target}`` (``card``: the well-known path asked, or "")."""
+    """A request on ``/a2a/{target}`` (``card``: the well-known path asked, or ""), or,
+    with ``inbound``, on ``/a2a/in/{path}`` (``card``: then the path, query included)."""
 
     method: str
     target: str
     card: str
     headers: tuple[tuple[str, str], ...]
     body: bytes
+    inbound: bool = False
+
+
+#: Request headers that reach the agent's own server on the inbound route (its callers'
+#: credentials for it included: the agent checks them).
+INBOUND_HEADERS: Final = PASSED_HEADERS | {"authorization", "content-type"}
 
 
 @dataclass(slots=True)
@@ -128,6 +136,8 @@ def a2a_intake(
     refused), InvalidPayload (not one JSON-RPC request, a method other than POST and a
     card's GET), DeadlineExceeded (the task outlived ``a2a.task_ttl_s``)."""
     ctx.api = "a2a"
+    if http.inbound:
+        return _inbound_intake(http, ctx, refuse)
     headers = header_map(http.headers)
     ctx.chain_seen = chain.seen_in(headers)
     trace_id, correlation_id = request_ids(headers)
@@ -182,6 +192,47 @@ def a2a_intake(
     if exchange is not None:
         raw["body"] = _body(http.body)
     ctx.passthrough_headers = {k: v for k, v in headers.items() if k in PASSED_HEADERS}
+    return parse_request(raw)
+
+
+def _inbound_intake(http: A2aRequest, ctx: CallContext, refuse: Exception | None) -> Intake:
+    """A call *to* this sidecar's agent (``/a2a/in/{path}``, design.md "Agents calling
+    agents"): forwarded to ``inbound.agent_url`` as it came (a JSON-RPC body read for its
+    chain, task and context ids), its chain admitted (``ctx.chain_inbound``). Raises
+    ``refuse``; PermissionDenied when the policy has no ``inbound`` section."""
+    headers = header_map(http.headers)
+    trace_id, correlation_id = request_ids(headers)
+    ctx.chain_inbound = True
+    ctx.claimed = {
+        "trace_id": trace_id,
+        "correlation_id": correlation_id,
+        "target_system": INBOUND_TARGET,
+        "endpoint": printable(http.card[:CLAIM_LIMIT]),
+        "method": printable(http.method[:CLAIM_LIMIT]),
+    }
+    ctx.chain_seen = chain.seen_in(headers)
+    if http.method == "POST":
+        try:
+            ctx.a2a = rpc.parse_request(http.body)
+        except rpc.A2aProtocolError:
+            ctx.a2a = None  # the agent's server answers what it cannot read
+        else:
+            ctx.chain_seen = ctx.chain_seen or rpc.chain_in_body(ctx.a2a.body)
+    if refuse is not None:
+        raise refuse
+    raw: dict[str, Any] = {
+        "trace_id": trace_id,
+        "correlation_id": correlation_id,
+        "target_system": INBOUND_TARGET,
+        "endpoint": http.card,
+        "method": http.method,
+        "headers": {k: v for k, v in headers.items() if k in TRACE_HEADERS},
+        "timeout": egress_timeout(headers) or A2A_TIMEOUT_S,
+        "max_retries": 0,
+    }
+    if http.body:
+        raw["body"] = _body(http.body)
+    ctx.passthrough_headers = {k: v for k, v in headers.items() if k in INBOUND_HEADERS}
     return parse_request(raw)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from gateway import telemetry
 from gateway.agents import chain
+from gateway.agents.chain_memory import ChainMemory
 from gateway.agents.controls import Controls
 from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
@@ -117,6 +118,8 @@ class Pipeline:
         self.tracer = tracer
         #: Set by the runtime when it cancels calls that outlived the drain time.
         self.aborting = False
+        #: The chains that reached the agent (the inbound route), for its own calls.
+        self.chains = ChainMemory()
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with.
@@ -225,7 +228,9 @@ class Pipeline:
             ctx.identity = identity = identity.with_claim(request.agent_id)
             identity.admit(request.target_system)
             ctx.decision = "denied"
-            ctx.chain = await chain_stage(policy.policy.chain, request, ctx, self._resolve)
+            ctx.chain = await chain_stage(
+                policy.policy.chain, request, ctx, self._resolve, self.chains
+            )
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             request, relay = hooks.checked(request, decision.target, ctx, relay)

@@ -90,6 +90,13 @@ class CallContext:
     #: chain decision's target agent; and an A2A request (or card fetch), as read.
     target_agent: str | None = None
     a2a: Any = None
+    #: A call to this sidecar's agent (the inbound route): its chain is admitted, not
+    #: extended (gateway.call.chain).
+    chain_inbound: bool = False
+
+    def a2a_ids(self) -> tuple[str | None, str | None]:
+        """The A2A task and context ids the call concerns (None when not an A2A call)."""
+        return (getattr(self.a2a, "task_id", None), getattr(self.a2a, "context_id", None))
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:

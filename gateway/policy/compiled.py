@@ -173,9 +173,26 @@ class PolicySet:
     ) -> PolicySet:
         if sha256 is None:
             sha256 = hashlib.sha256(policy.model_dump_json().encode()).hexdigest()
-        return cls(
-            policy=policy,
-            source=source,
-            targets={n: _compile_target(n, t) for n, t in policy.targets.items()},
-            sha256=sha256,
-        )
+        targets = {n: _compile_target(n, t) for n, t in policy.targets.items()}
+        if policy.inbound is not None and INBOUND_TARGET not in targets:
+            targets[INBOUND_TARGET] = _compile_target(INBOUND_TARGET, _inbound(policy))
+        return cls(policy=policy, source=source, targets=targets, sha256=sha256)
+
+
+#: The target of the inbound route (``/a2a/in/{path}``): the agent's own A2A server.
+INBOUND_TARGET: Final = "a2a-inbound"
+
+
+def _inbound(policy: Policy) -> TargetSpec:
+    """The policy's ``inbound`` as a target: any path, GET and POST, one attempt (the
+    caller's sidecar retries), no breaker (it is this sidecar's own agent)."""
+    assert policy.inbound is not None
+    return TargetSpec.model_validate(
+        {
+            "base_url": policy.inbound.agent_url,
+            "endpoints": [{"path": "/**", "methods": ["GET", "POST"]}],
+            "timeout_s": policy.inbound.timeout_s,
+            "retry": {"max_retries": 0},
+            "circuit_breaker": None,
+        }
+    )

@@ -10,7 +10,8 @@ Routes of the calls listener (loopback by default):
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
   target's ``mcp`` rules (:mod:`gateway.api.mcp`).
 * ``/a2a/{target}``: an A2A client's JSON-RPC and its card, methods checked by the
-  target's ``a2a`` rules, the call chain carried (:mod:`gateway.api.a2a`).
+  target's ``a2a`` rules, the call chain carried; ``/a2a/in/{path}``: calls to this
+  sidecar's own agent (``inbound.agent_url``), their chain admitted (:mod:`gateway.api.a2a`).
 * ``GET /healthz`` (alive), ``/readyz`` (ready), ``/openapi.json`` (both listeners).
 
 The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
@@ -139,6 +140,7 @@ def create_app(
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
     app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))
     app.router.add_route("*", mcp.MCP_ROUTE, mcp.handler(gateway))
+    app.router.add_route("*", a2a.INBOUND_ROUTE, a2a.inbound_handler(gateway))  # before a target's
     app.router.add_route("*", a2a.A2A_ROUTE, a2a.handler(gateway))
     app.router.add_route("*", a2a.CARD_ROUTE, a2a.handler(gateway))
     # The answer of each route family to the paths under it that its route misses.
