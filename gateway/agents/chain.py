@@ -337,7 +337,8 @@ def admit(
         message = f"agent {own_agent!r} is already in the call chain: the call would loop"
         return _refused(received, (*agents, own_agent), deadline, "circular_call_detected", message)
     if len(agents) + 1 > spec.max_depth:
-        message = f"the call chain would be {len(agents) + 1} agents deep (chain.max_depth: {spec.max_depth})"
+        depth = len(agents) + 1
+        message = f"the call chain would be {depth} agents deep (chain.max_depth: {spec.max_depth})"
         return _refused(received, (*agents, own_agent), deadline, "max_depth_exceeded", message)
     if deadline <= now_ms:
         message = f"the call chain's deadline passed {now_ms - deadline} ms ago"
