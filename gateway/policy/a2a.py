@@ -13,7 +13,7 @@ JSON-RPC requests go to ``rpc_path``, so it has no ``endpoints`` list::
         allow: ["message/send", "message/stream", "tasks/*", "SendMessage", "GetTask"]
         deny: ["tasks/pushNotificationConfig/*"]
       rpc_path: /                    # where the agent's JSON-RPC endpoint is
-      card: {verify: true, public_key_ref: file:///etc/agents/executor.pem, algorithms: [ES256]}
+      card: {verify: true, public_key: "-----BEGIN PUBLIC KEY-----...", algorithms: [ES256]}
       task_ttl_s: 3600               # a task's life, apart from one request's deadline
 
 The rules' evaluation is pure and lives in :mod:`gateway.providers.a2a`.
@@ -77,11 +77,14 @@ def _default_algorithms() -> list[Algorithm]:
 
 class CardSpec(StrictModel):
     """The Agent Card's check: with ``verify``, a card without a valid JWS signature
-    (A2A ``AgentCardSignature``, over the card's RFC 8785 form) by the public key that
-    ``public_key_ref`` names (PEM or a JWK) is refused. ``ttl_s``: how long a fetched
-    card is kept."""
+    (A2A ``AgentCardSignature``, over the card's RFC 8785 form) by the signer's public
+    key is refused. The key is ``public_key`` (PEM or a JWK, in the policy: it is public)
+    or ``public_key_ref`` (a secret reference to a JWK on one line, as secret values
+    hold no newline). ``ttl_s``: how long a checked card is trusted before it is fetched
+    again."""
 
     verify: bool = False  # algorithms accepted by default: asymmetric only (a public card)
+    public_key: str | None = Field(None, min_length=1, max_length=16384)
     public_key_ref: str | None = None
     algorithms: list[Algorithm] = Field(default_factory=_default_algorithms)
     ttl_s: float = Field(300.0, gt=0, le=86400.0)
@@ -97,8 +100,11 @@ class A2aSpec(StrictModel):
     @field_validator("card")
     @classmethod
     def _key(cls, v: CardSpec) -> CardSpec:
-        if v.verify and v.public_key_ref is None:
-            raise ValueError("card.verify needs card.public_key_ref (the signer's public key)")
+        if v.verify and (v.public_key is None) == (v.public_key_ref is None):
+            raise ValueError(
+                "card.verify needs the signer's public key: card.public_key or "
+                "card.public_key_ref (one of them)"
+            )
         return v
 
 

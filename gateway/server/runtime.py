@@ -303,7 +303,9 @@ class Gateway:
         spec = target.spec.a2a if target is not None else None
         key = None
         if refuse is None and spec is not None and spec.card.verify and not http.inbound:
-            key, refuse = await self._card_key(spec.card.public_key_ref)
+            key, refuse = spec.card.public_key, None
+            if key is None:
+                key, refuse = await self._card_key(spec.card.public_key_ref)
             if refuse is None and not http.card and not self._card_fresh(http.target):
                 refuse = await self._fetch_card(http, key)
 
