@@ -5,17 +5,16 @@ whose signature fails is refused, audited, and the agent's requests are not forw
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import json
-
 import pytest
-from jwt.algorithms import ECAlgorithm
 from a2a.utils.signing import create_agent_card_signer
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from jwt.algorithms import ECAlgorithm
 
 from tests.a2a_agents import Agent, ask
 from tests.conftest import FakeUpstream, Sidecar, compile_policy
