@@ -6,14 +6,16 @@ JSON-RPC refusal with ``data.egress_code``), and every sidecar's audit records."
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 from a2a.utils.errors import A2AError
+from aiohttp import web
 
 from tests.a2a_agents import Agent, ask
-from tests.conftest import Sidecar, compile_policy
+from tests.conftest import FakeUpstream, Sidecar, compile_policy
 
 
 def a2a_target(agent: Agent, **a2a: Any) -> dict[str, Any]:
@@ -119,3 +121,100 @@ async def test_a_task_stream_is_relayed_event_by_event(
     assert record["stream_events"] >= 5
     assert record["success"] is True
     assert record["a2a_task_id"]
+
+
+def _sse_task(*, final: bool) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An A2A agent's stream: the task, a working update and, with ``final``, its
+    completion (0.3 shapes: ``kind``, ``final``); then the connection ends."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        ident = (await request.json())["id"]
+        events: list[dict[str, Any]] = [
+            {"kind": "task", "id": "t1", "contextId": "c1", "status": {"state": "submitted"}},
+            {"kind": "status-update", "taskId": "t1", "contextId": "c1",
+             "status": {"state": "working"}, "final": False},
+        ]  # fmt: skip
+        if final:
+            events.append(
+                {"kind": "status-update", "taskId": "t1", "contextId": "c1",
+                 "status": {"state": "completed"}, "final": True}
+            )  # fmt: skip
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in events:
+            line = json.dumps({"jsonrpc": "2.0", "id": ident, "result": event})
+            await resp.write(f"data: {line}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
+@pytest.mark.parametrize("final", [True, False], ids=["complete", "cut-before-final"])
+async def test_a_task_stream_is_complete_only_at_its_final_event(
+    upstream_factory: Callable[..., Awaitable[FakeUpstream]],
+    sidecar_factory: Callable[..., Awaitable[Sidecar]],
+    final: bool,
+) -> None:
+    up = await upstream_factory(_sse_task(final=final))
+    side = await sidecar_factory(
+        compile_policy({"b": {"base_url": up.url, "a2a": {"agent_id": "b"}}}, agent_id="a")
+    )
+    body = {
+        "jsonrpc": "2.0",
+        "id": 3,
+        "method": "message/stream",
+        "params": {"message": {"messageId": "m", "role": "user", "parts": []}},
+    }
+    async with side.session.post(f"{side.url}/a2a/b", json=body) as resp:
+        text = await resp.text()
+    relayed = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
+    assert [e["result"]["kind"] for e in relayed if "result" in e][:2] == ["task", "status-update"]
+    (record,) = side.audit_records()
+    assert record["a2a_task_id"] == "t1"
+    assert record["a2a_context_id"] == "c1"
+    if final:
+        assert record["success"] is True
+        assert all("error" not in e for e in relayed)
+    else:
+        assert record["error_code"] == "STREAM_INTERRUPTED"
+        assert relayed[-1]["id"] == 3
+        assert relayed[-1]["error"]["data"]["egress_code"] == "STREAM_INTERRUPTED"
+        assert relayed[-1]["error"]["data"]["reason"] == "no_final_event"
+    # the chain went in the message's metadata too
+    assert up.seen[0].json()["params"]["message"]["metadata"]["x-egress-call-chain"] == "a"
+
+
+async def test_a_loop_between_two_agents_stops_at_the_first_repeat(
+    agents: Callable[..., Awaitable[Agent]], sidecar_factory: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    """A asks B, B asks A again: each agent is called once, and the loop is refused at
+    the first repeat, in B's sidecar's audit log (its call to A); an agent that goes
+    around its sidecar to A's inbound route is refused there, in A's log."""
+    a = await agents("a")
+    b = await agents("b")
+    side_a = await sidecar_factory(
+        compile_policy(
+            {"b": {"base_url": b.url, "a2a": {"agent_id": "b"}}},
+            agent_id="a",
+            inbound={"agent_url": a.url},
+        )
+    )
+    side_b = await _sidecar(sidecar_factory, "b", a)
+    a.next_url, b.next_url = f"{side_a.url}/a2a/b", f"{side_b.url}/a2a/a"
+
+    await ask(f"{side_a.url}/a2a/in/", "start")  # A is asked (by a user): A -> B -> A?
+
+    assert len(a.received) == 1  # called once: the repeat never reached it
+    assert len(b.received) == 1
+    refused = [r for r in side_b.audit_records() if r["error_code"] == "CALL_CHAIN_REFUSED"]
+    assert len(refused) == 1
+    assert refused[0]["call_chain"] == ["a", "b", "a"]
+    # B going around its sidecar, straight to A's inbound route with the chain it got:
+    bypass = {"x-egress-call-chain": b.received[0]["x-egress-call-chain"]}
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the SDK's card or RPC error
+        await ask(f"{side_a.url}/a2a/in/", "again", bypass)
+    assert len(a.received) == 1
+    in_a = [r for r in side_a.audit_records() if r["error_code"] == "CALL_CHAIN_REFUSED"]
+    assert in_a
+    assert in_a[0]["target_system"] == "a2a-inbound"
