@@ -59,6 +59,10 @@ METHODS_V10: Final = (
 CARD_PATHS: Final = ("/.well-known/agent-card.json", "/.well-known/agent.json")
 DEFAULT_TASK_TTL_S: Final = 3600.0
 MAX_TASK_TTL_S: Final = 7 * 86400.0
+DEFAULT_CARD_TTL_S: Final = 300.0
+MAX_CARD_TTL_S: Final = 86400.0
+DEFAULT_INBOUND_TIMEOUT_S: Final = 300.0
+MAX_INBOUND_TIMEOUT_S: Final = 3600.0
 MethodGlob = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 Algorithm = Literal["ES256", "ES384", "ES512", "RS256", "RS384", "RS512", "PS256", "EdDSA"]
 
@@ -87,7 +91,7 @@ class CardSpec(StrictModel):
     public_key: str | None = Field(None, min_length=1, max_length=16384)
     public_key_ref: str | None = None
     algorithms: list[Algorithm] = Field(default_factory=_default_algorithms)
-    ttl_s: float = Field(300.0, gt=0, le=86400.0)
+    ttl_s: float = Field(DEFAULT_CARD_TTL_S, gt=0, le=MAX_CARD_TTL_S)
 
 
 class A2aSpec(StrictModel):
@@ -113,7 +117,7 @@ class InboundSpec(StrictModel):
     through ``/a2a/in/{path}`` (its base URL, loopback as a rule)."""
 
     agent_url: str
-    timeout_s: float = Field(300.0, gt=0, le=3600.0)
+    timeout_s: float = Field(DEFAULT_INBOUND_TIMEOUT_S, gt=0, le=MAX_INBOUND_TIMEOUT_S)
 
 
 def check_a2a_target(spec: Any) -> Any:

@@ -89,9 +89,7 @@ def check_target(spec: Any) -> Any:
     an MCP target has none (its ``base_url`` is the endpoint) and no ``idempotency``
     (JSON-RPC ids, not HTTP keys, pair its requests and answers)."""
     if spec.mcp is None and spec.a2a is None and not spec.endpoints:
-        raise ValueError(
-            "a target needs 'endpoints' (or 'mcp' for an MCP server, 'a2a' for an A2A agent)"
-        )
+        raise ValueError("a target needs 'endpoints' (or 'mcp' for an MCP server)")
     if spec.mcp is not None and spec.endpoints is not None:
         raise ValueError(
             "an MCP target has no 'endpoints': its base_url is the MCP endpoint itself"
