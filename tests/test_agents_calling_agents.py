@@ -218,3 +218,17 @@ async def test_a_loop_between_two_agents_stops_at_the_first_repeat(
     in_a = [r for r in side_a.audit_records() if r["error_code"] == "CALL_CHAIN_REFUSED"]
     assert in_a
     assert in_a[0]["target_system"] == "a2a-inbound"
+
+
+@pytest.mark.parametrize("path", ["/a2a/", "/a2a/b/extra", "/a2a/b/.well-known/x/y"])
+async def test_a_path_under_a2a_that_no_route_matches_is_a_jsonrpc_error(
+    sidecar_factory: Callable[..., Awaitable[Sidecar]], path: str
+) -> None:
+    side = await sidecar_factory(compile_policy({}, agent_id="a"))
+    async with side.session.post(side.url + path, json={}) as resp:
+        answer = await resp.json()
+    assert resp.status == 404
+    assert answer["error"]["data"]["egress_code"] == "INVALID_PAYLOAD"
+    assert answer["error"]["data"]["reason"] == "route"
+    (record,) = side.audit_records()
+    assert record["api"] == "a2a"

@@ -44,7 +44,7 @@ from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, InvalidPayload
 from gateway.policy import PolicySet
 from gateway.policy.a2a import CARD_PATHS
 from gateway.policy.compiled import INBOUND_TARGET
@@ -95,6 +95,23 @@ class Runtime(Protocol):
 def handler(runtime: Runtime) -> http.Handler:
     """The handler of :data:`A2A_ROUTE` and :data:`CARD_ROUTE` for ``runtime``."""
     return http.handler(partial(_Exchange, runtime), "a2a_handler_error")
+
+
+def unmatched(runtime: Runtime) -> http.Unmatched:
+    """The answer to a request under :data:`PREFIX` that no A2A route matches (``/a2a/``,
+    ``/a2a/{target}/x``): a JSON-RPC error (``id`` null, ``data.egress_code``
+    INVALID_PAYLOAD, ``data.reason: route``) with the status aiohttp chose, audited."""
+
+    def answer(incoming: Incoming, status: int) -> Answer:
+        exc = InvalidPayload(
+            f"{incoming.method} {incoming.raw_path[:200]}: no A2A endpoint here; an A2A "
+            "client talks to /a2a/{target}, {target} an A2A target of the policy",
+            details={"reason": "route", "http_status": status},
+            http_status=status,
+        )
+        return _Exchange(runtime, incoming).refused(exc)
+
+    return answer
 
 
 def inbound_handler(runtime: Runtime) -> http.Handler:

@@ -17,7 +17,7 @@ Routes of the calls listener (loopback by default):
 The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
 ``/metrics``, ``/openapi.json`` and the stop switch (:mod:`gateway.server.ops`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
-``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.api.http.edge_errors`).
+``/proxy``, ``/mcp`` and ``/a2a`` in that route's shape: :func:`gateway.api.http.edge_errors`).
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ def create_app(
     app[http.EDGES_KEY] = {
         proxy.PREFIX: proxy.unmatched(gateway),
         mcp.PREFIX: mcp.unmatched(gateway),
+        a2a.PREFIX: a2a.unmatched(gateway),
     }
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
