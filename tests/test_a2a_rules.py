@@ -15,6 +15,7 @@ from google.protobuf.json_format import ParseDict
 from gateway.agents import card as cards
 from gateway.agents import chain
 from gateway.agents.chain_memory import GRACE_MS, ChainMemory
+from gateway.call.a2a import TaskClock
 from gateway.errors import PermissionDenied
 from gateway.policy.a2a import A2aSpec
 from gateway.policy.chain import ChainSpec
@@ -178,3 +179,14 @@ def test_what_is_not_a_card_is_refused(body: bytes) -> None:
     with pytest.raises(PermissionDenied) as raised:
         cards.check(body, verify=False, key=None, algorithms=("ES256",))
     assert raised.value.details["reason"] == "card_invalid"
+
+
+def test_a_tasks_clock_starts_when_the_sidecar_first_sees_it() -> None:
+    clock = TaskClock(limit=2)
+    assert clock.left_s("b", "t1", 10.0, now=100.0) == 10.0
+    assert clock.left_s("b", "t1", 10.0, now=104.0) == 6.0
+    assert clock.left_s("b", "t1", 10.0, now=111.0) == -1.0  # refused: task_ttl_expired
+    assert clock.left_s("b", None, 10.0, now=111.0) == 10.0  # no task yet: a new one
+    clock.seen("b", "t2", now=200.0)
+    clock.seen("b", "t3", now=200.0)  # past the limit: t1, the oldest, is forgotten
+    assert clock.left_s("b", "t1", 10.0, now=300.0) == 10.0

@@ -7,6 +7,7 @@ JSON-RPC refusal with ``data.egress_code``), and every sidecar's audit records."
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -150,22 +151,24 @@ def _sse_task(*, final: bool) -> Callable[[web.Request], Awaitable[web.StreamRes
     return handler
 
 
+@pytest.mark.parametrize("method", ["message/stream", "tasks/resubscribe"])
 @pytest.mark.parametrize("final", [True, False], ids=["complete", "cut-before-final"])
 async def test_a_task_stream_is_complete_only_at_its_final_event(
     upstream_factory: Callable[..., Awaitable[FakeUpstream]],
     sidecar_factory: Callable[..., Awaitable[Sidecar]],
     final: bool,
+    method: str,
 ) -> None:
     up = await upstream_factory(_sse_task(final=final))
     side = await sidecar_factory(
         compile_policy({"b": {"base_url": up.url, "a2a": {"agent_id": "b"}}}, agent_id="a")
     )
-    body = {
-        "jsonrpc": "2.0",
-        "id": 3,
-        "method": "message/stream",
-        "params": {"message": {"messageId": "m", "role": "user", "parts": []}},
-    }
+    params: dict[str, Any] = (
+        {"message": {"messageId": "m", "role": "user", "parts": []}}
+        if method == "message/stream"
+        else {"id": "t1"}
+    )
+    body = {"jsonrpc": "2.0", "id": 3, "method": method, "params": params}
     async with side.session.post(f"{side.url}/a2a/b", json=body) as resp:
         text = await resp.text()
     relayed = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
@@ -181,8 +184,10 @@ async def test_a_task_stream_is_complete_only_at_its_final_event(
         assert relayed[-1]["id"] == 3
         assert relayed[-1]["error"]["data"]["egress_code"] == "STREAM_INTERRUPTED"
         assert relayed[-1]["error"]["data"]["reason"] == "no_final_event"
-    # the chain went in the message's metadata too
-    assert up.seen[0].json()["params"]["message"]["metadata"]["x-egress-call-chain"] == "a"
+    assert up.seen[0].headers["x-egress-call-chain"] == "a"
+    if method == "message/stream":  # the chain went in the message's metadata too
+        sent = up.seen[0].json()["params"]["message"]["metadata"]
+        assert sent["x-egress-call-chain"] == "a"
 
 
 async def test_a_loop_between_two_agents_stops_at_the_first_repeat(
@@ -232,3 +237,49 @@ async def test_a_path_under_a2a_that_no_route_matches_is_a_jsonrpc_error(
     assert answer["error"]["data"]["reason"] == "route"
     (record,) = side.audit_records()
     assert record["api"] == "a2a"
+
+
+async def test_the_targets_credential_is_injected_and_the_agents_is_dropped(
+    upstream_factory: Callable[..., Awaitable[FakeUpstream]],
+    sidecar_factory: Callable[..., Awaitable[Sidecar]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("B_TOKEN", "b-token-0123456789")
+    up = await upstream_factory(_sse_task(final=True))
+    target = {
+        "base_url": up.url,
+        "a2a": {"agent_id": "b"},
+        "credential": {
+            "header": "Authorization",
+            "format": "Bearer {secret}",
+            "default_ref": "env://B_TOKEN",
+            "allowed_refs": ["env://B_TOKEN"],
+        },
+    }
+    side = await sidecar_factory(compile_policy({"b": target}, agent_id="a"))
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tasks/resubscribe", "params": {"id": "t1"}}
+    headers = {"Authorization": "Bearer the-agents-own"}
+    async with side.session.post(f"{side.url}/a2a/b", json=body, headers=headers) as resp:
+        text = await resp.text()
+    assert resp.status == 200
+    assert up.seen[0].headers["Authorization"] == "Bearer b-token-0123456789"
+    assert "b-token-0123456789" not in text
+    assert "b-token-0123456789" not in side.log.getvalue()
+
+
+async def test_a_task_past_its_ttl_is_refused_whatever_the_requests_deadline(
+    upstream_factory: Callable[..., Awaitable[FakeUpstream]],
+    sidecar_factory: Callable[..., Awaitable[Sidecar]],
+) -> None:
+    up = await upstream_factory(_sse_task(final=True))
+    target = {"base_url": up.url, "a2a": {"agent_id": "b", "task_ttl_s": 5}}
+    side = await sidecar_factory(compile_policy({"b": target}, agent_id="a"))
+    side.gateway.a2a_tasks.seen("b", "old", now=time.monotonic() - 6)  # first seen 6 s ago
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tasks/resubscribe", "params": {"id": "old"}}
+    async with side.session.post(f"{side.url}/a2a/b", json=body) as resp:
+        answer = await resp.json()
+    assert answer["error"]["data"]["egress_code"] == "AGENT_TIMEOUT"
+    assert answer["error"]["data"]["reason"] == "task_ttl_expired"
+    assert up.hits == 0
+    (record,) = side.audit_records()
+    assert record["a2a_task_id"] == "old"
