@@ -212,6 +212,8 @@ async def test_a_loop_between_two_agents_stops_at_the_first_repeat(
 
     assert len(a.received) == 1  # called once: the repeat never reached it
     assert len(b.received) == 1
+    (start,) = [r for r in side_a.audit_records() if r["a2a_method"] == "SendMessage"][-1:]
+    assert start["target_system"] == "a2a-inbound"  # the user's call went through A's sidecar
     refused = [r for r in side_b.audit_records() if r["error_code"] == "CALL_CHAIN_REFUSED"]
     assert len(refused) == 1
     assert refused[0]["call_chain"] == ["a", "b", "a"]

@@ -194,3 +194,17 @@ async def test_a_chain_past_max_depth_is_refused_before_the_next_agent(
     assert answer["error"]["data"]["call_chain"] == ["a", "b"]
     assert b.received == []
     assert c.received == []
+
+
+async def test_the_inbound_route_serves_the_card_pointing_at_itself(
+    agents: Callable[..., Awaitable[Agent]], sidecar_factory: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    b, _, _, side_b = await _stack(agents, sidecar_factory)
+    async with side_b.session.get(f"{side_b.url}/a2a/in/.well-known/agent-card.json") as resp:
+        card = await resp.json()
+    assert card["supportedInterfaces"][0]["url"] == f"{side_b.url}/a2a/in/"
+    # so that a client reading it calls the agent through the sidecar, not around it
+    await ask(f"{side_b.url}/a2a/in/", "hello", {"traceparent": TRACE})
+    assert len(b.received) == 1
+    posts = [r for r in side_b.audit_records() if r["a2a_method"] == "SendMessage"]
+    assert sorted(r["target_system"] for r in posts) == ["a2a-inbound", "c"]

@@ -125,3 +125,29 @@ def served(card: dict[str, Any], url: str) -> dict[str, Any]:
                 for item in items
             ]
     return out
+
+
+def rebased(card: dict[str, Any], base: str, url: str) -> dict[str, Any]:
+    """``card`` as the inbound route serves it: every interface ``url`` under ``base``
+    (the agent's own URL) moved under ``url`` (the route), the rest of its path kept, so
+    that a client that read the card calls the agent through its sidecar; its
+    signatures are left out (they cover the agent's own URLs)."""
+    base = base.rstrip("/")
+
+    def moved(value: Any) -> Any:
+        if isinstance(value, str) and (value == base or value.startswith(base + "/")):
+            return url.rstrip("/") + (value[len(base) :] or "/")
+        return value
+
+    out = {k: v for k, v in card.items() if k != "signatures"}
+    out["url"] = moved(out.get("url")) if "url" in out else None
+    if out["url"] is None:
+        del out["url"]
+    for key in ("supportedInterfaces", "additionalInterfaces"):
+        items = out.get(key)
+        if isinstance(items, list):
+            out[key] = [
+                {**item, "url": moved(item.get("url"))} if isinstance(item, dict) else item
+                for item in items
+            ]
+    return out

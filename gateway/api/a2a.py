@@ -194,16 +194,35 @@ class _Exchange:
         upstream = {k.lower(): v for k, v in headers}
         headers += [*answer_ids(response, ctx).items()]
         headers += egress_headers(error, upstream=upstream, status=answer.status).items()
-        body = answer.body
-        fetched = ctx.a2a
-        if isinstance(fetched, CardFetch) and fetched.card is not None:
-            url = f"http://{self._incoming.headers.get('Host', '127.0.0.1')}/a2a/{fetched.target}"
-            body = fastjson.compact(cards.served(fetched.card, url))
+        body = self._card(answer.body, answer.status)
+        if body is not answer.body:
             headers = [(k, v) for k, v in headers if k.lower() not in ("etag", "content-type")]
             headers.append(("Content-Type", "application/json"))
         return Answer(
             status=answer.status, reason=passback_reason(answer.reason), body=body, headers=headers
         )
+
+    def _card(self, body: bytes, status: int) -> bytes:
+        """``body`` as given to the client: a card pointing at this sidecar's route (the
+        A2A route's, checked; the inbound route's, under its agent's own URL), else as
+        the agent sent it."""
+        fetched = self.ctx.a2a
+        host = f"http://{self._incoming.headers.get('Host', '127.0.0.1')}"
+        if isinstance(fetched, CardFetch) and fetched.card is not None:
+            return fastjson.compact(cards.served(fetched.card, f"{host}/a2a/{fetched.target}"))
+        inbound = self._runtime.policy.policy.inbound
+        path = self._incoming.raw_path[len(INBOUND_PREFIX) :]
+        if not self._inbound or fetched is not None or inbound is None or status != 200:
+            return body
+        if path not in CARD_PATHS:
+            return body
+        try:
+            card = json.loads(body)
+        except (ValueError, RecursionError):
+            return body
+        if not isinstance(card, dict):
+            return body
+        return fastjson.compact(cards.rebased(card, inbound.agent_url, host + INBOUND_PREFIX))
 
     def head(self) -> Head:
         answer = self.ctx.attempt_log.answer
