@@ -23,6 +23,11 @@ request (design.md and README, "Agents calling agents").
 * the chain: the request's chain headers, else the chain in its message's ``metadata``;
   the target agent is ``a2a.agent_id``; the chain decided goes out as headers and in
   the message's ``metadata`` (:func:`checked`).
+
+``/a2a/in/{path}`` (``A2aRequest.inbound``) is the other way round: a call *to* this
+sidecar's agent, forwarded to the policy's ``inbound.agent_url`` (the implicit target
+:data:`~gateway.policy.compiled.INBOUND_TARGET`) with its chain admitted, not extended
+(``ctx.chain_inbound``; :func:`gateway.call.chain.chain_stage`).
 """
 
 from __future__ import annotations
