@@ -136,8 +136,9 @@ TARGET = POLICY.targets["openai"]
 
 
 def test_credential_reused_for_the_same_secret_and_rebuilt_for_a_new_one() -> None:
+    memo = outbound.Credentials()
     first = ResolvedSecret(Secret("sk-first-value-0123456789"))
-    cred = outbound.credential(TARGET, first)
+    cred = memo.of(TARGET, first)
     assert cred is not None
     assert (cred.header, cred.format, cred.secret) == (
         "Authorization",
@@ -145,16 +146,16 @@ def test_credential_reused_for_the_same_secret_and_rebuilt_for_a_new_one() -> No
         first.secret,
     )
     # A cached secret (the same object, here in a new ResolvedSecret): the same credential.
-    assert outbound.credential(TARGET, ResolvedSecret(first.secret, from_cache=True)) is cred
+    assert memo.of(TARGET, ResolvedSecret(first.secret, from_cache=True)) is cred
     rotated = ResolvedSecret(Secret("sk-second-value-0123456789"))
-    new = outbound.credential(TARGET, rotated)
+    new = memo.of(TARGET, rotated)
     assert new is not cred
     assert new is not None
     assert new.secret is rotated.secret
     # A target compiled again (a reload) gets its own credential.
     again = compile_policy({"openai": openai_target("http://127.0.0.1:9")}).targets["openai"]
-    assert outbound.credential(again, rotated) is not new
-    assert outbound.credential(TARGET, None) is None
+    assert memo.of(again, rotated) is not new
+    assert memo.of(TARGET, None) is None
 
 
 def test_with_credential_builds_the_request_with_or_without_one() -> None:

@@ -62,7 +62,8 @@ async def test_the_wire_carries_the_bytes_stored_for_the_key(
     assert json.loads(wire)["replayed"] is False
     # One serialisation: the envelope the agent got is the stored one, byte for byte.
     assert await _stored(sc, env) == b'{"status":200,"response":' + wire + b"}"
-    assert idempotent._rendered is None  # taken by the answer it was written for
+    assert sc.gateway.pipeline is not None
+    assert sc.gateway.pipeline.rendered.empty  # taken by the answer it was written for
 
     # The replay (rebuilt from the store, written by the server) is the same answer.
     status, again = await _raw_call(sc, env)
@@ -111,12 +112,12 @@ def _answer(**overrides: Any) -> ExternalCallResponse:
 def test_rendered_bytes_are_given_once_and_only_for_their_answer() -> None:
     stored, twin = _answer(), _answer()
     assert stored == twin  # equal, but not the answer the bytes were written for
-    idempotent._rendered = None
-    assert idempotent.rendered(stored) is None
-    idempotent._rendered = (idempotent.weakref.ref(stored), stored.model_dump_json().encode())
-    assert idempotent.rendered(twin) is None
-    assert idempotent.rendered(stored) == stored.model_dump_json().encode()
-    assert idempotent.rendered(stored) is None  # taken
+    rendered = idempotent.Rendered()
+    assert rendered.take(stored) is None
+    rendered.last = (idempotent.weakref.ref(stored), stored.model_dump_json().encode())
+    assert rendered.take(twin) is None
+    assert rendered.take(stored) == stored.model_dump_json().encode()
+    assert rendered.take(stored) is None  # taken
 
 
 async def test_the_stream_case_stores_its_events_beside_the_same_envelope(
@@ -156,6 +157,8 @@ async def test_an_answer_json_cannot_hold_is_stored_and_sent_with_its_note() -> 
     request = ExternalCallRequest.model_validate(envelope(parameters={"p": 1}))
     ctx = CallContext(started=time.monotonic(), agent_id="a", request=request)
     ctx.idempotency_key = "k-note"
+    rendered = idempotent.Rendered()
+    learned = idempotent.Learned()
     sent = 0
 
     async def forward() -> ExternalCallResponse:
@@ -176,14 +179,16 @@ async def test_an_answer_json_cannot_hold_is_stored_and_sent_with_its_note() -> 
             ttl_s=60,
             forward=forward,
             failure=failure,
+            rendered=rendered,
+            learned=learned,
         )
 
     status, response = await once()
     assert status == 200
-    assert response.data == {"content_type": None, "text": ctx.warnings[0]}
-    assert "could not be written as JSON" in ctx.warnings[0]
-    wire = idempotent.rendered(response)
+    assert response.data == {"content_type": None, "text": learned.warnings[0]}
+    assert "could not be written as JSON" in learned.warnings[0]
+    wire = rendered.take(response)
     assert wire == response.model_dump_json().encode()
     status, replayed = await once()  # the resend: the note, from the store
     assert (status, replayed.replayed, replayed.data, sent) == (200, True, response.data, 1)
-    assert idempotent.rendered(replayed) is None  # a replay is written by the server
+    assert rendered.take(replayed) is None  # a replay is written by the server

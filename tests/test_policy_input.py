@@ -134,6 +134,7 @@ def test_the_yaml_value_key_is_read_as_a_plain_string() -> None:
 T = "targets: {t: {" + TARGET
 MCP = "targets: {t: {base_url: https://api.example.com, mcp: {arguments: {x: {a: {"
 A2A = "targets: {t: {base_url: https://agent.example.com, a2a: {"
+OPERATOR = "\noperators: {o: {token_ref: env://OPERATOR_TOKEN}}"
 FLOAT_KEYS = {
     "targets.t.mcp.arguments.x.a.minimum": MCP + "minimum: @}}}}}}",
     "targets.t.mcp.arguments.x.a.maximum": MCP + "maximum: @}}}}}}",
@@ -175,6 +176,10 @@ FLOAT_KEYS = {
     "targets.t.a2a.task_ttl_s": A2A + "task_ttl_s: @}}}",
     "targets.t.a2a.card.ttl_s": A2A + "card: {ttl_s: @}}}}",
     "inbound.timeout_s": "inbound: {agent_url: http://127.0.0.1:9000, timeout_s: @}",
+    "targets.t.approval.ttl_s": T + ", approval: {tools: [x], ttl_s: @}}}" + OPERATOR,
+    "targets.t.approval.retry_after_s": (
+        T + ", approval: {tools: [x], retry_after_s: @}}}" + OPERATOR
+    ),
 }
 
 #: Every bounded key with its upper bound (the named constant the model uses).
@@ -214,6 +219,7 @@ UPPER_BOUNDS = {
     "agents.a.uid": d.MAX_AGENT_UID,
     "server.max_request_bytes": d.MAX_BODY_BYTES,
     "server.max_response_bytes": d.MAX_BODY_BYTES,
+    "server.max_inflight_request_bytes": d.MAX_INFLIGHT_BYTES,
     "server.idempotency_max_entries": d.MAX_IDEMPOTENCY_ENTRIES,
     "server.idempotency_max_bytes": d.MAX_IDEMPOTENCY_STORE_BYTES,
     "rate_limit_groups.g.burst": d.MAX_BURST,
@@ -229,12 +235,17 @@ UPPER_BOUNDS = {
     "targets.t.a2a.card.ttl_s": a2a.MAX_CARD_TTL_S,
     "inbound.timeout_s": a2a.MAX_INBOUND_TIMEOUT_S,
     "chain.max_depth": d.MAX_CHAIN_MAX_DEPTH,
+    "targets.t.approval.ttl_s": d.MAX_APPROVAL_TTL_S,
+    "targets.t.approval.retry_after_s": d.MAX_APPROVAL_TTL_S,
+    "dead_letters.max_count": d.MAX_DEAD_LETTERS_MAX_COUNT,
+    "dead_letters.max_bytes": d.MAX_DEAD_LETTERS_MAX_BYTES,
 }
 INT_KEYS = {
     "targets.t.mcp.arguments.x.a.min_length": MCP + "min_length: @}}}}}}",
     "targets.t.mcp.arguments.x.a.max_length": MCP + "max_length: @}}}}}}",
     "server.max_request_bytes": "server: {max_request_bytes: @}",
     "server.max_response_bytes": "server: {max_response_bytes: @}",
+    "server.max_inflight_request_bytes": "server: {max_inflight_request_bytes: @}",
     "server.idempotency_max_entries": "server: {idempotency_max_entries: @}",
     "server.idempotency_max_bytes": "server: {idempotency_max_bytes: @}",
     "rate_limit_groups.g.burst": "rate_limit_groups: {g: {requests_per_second: 1, burst: @}}",
@@ -255,6 +266,8 @@ INT_KEYS = {
         "controls: {repeated_calls: {window_s: 1, max_repeats: @}}"
     ),
     "budgets.b.max_calls": "budgets: {b: {window: daily, max_calls: @}}",
+    "dead_letters.max_count": "dead_letters: {max_count: @}",
+    "dead_letters.max_bytes": "dead_letters: {max_bytes: @}",
 }
 
 

@@ -75,9 +75,9 @@ async def test_concurrent_idempotent_answers_are_each_their_own(
     upstream_factory, sidecar_factory, redis_prefix, scope
 ):
     """The answer serialised once for the store and the wire (call/idempotent.py
-    ``rendered``, one slot): under concurrency, and with the store's awaits between the
-    slot's writing and the answer (Redis, ``scope: cluster``), every call gets its own
-    answer's bytes, and every resend its own replay."""
+    ``Rendered``, one slot on the pipeline): under concurrency, and with the store's
+    awaits between the slot's writing and the answer (Redis, ``scope: cluster``), every
+    call gets its own answer's bytes, and every resend its own replay."""
 
     async def echo(request: web.Request) -> web.StreamResponse:
         sent = await request.json()

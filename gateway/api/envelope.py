@@ -19,7 +19,6 @@ from gateway.agents.identity import Agents, Identity, identify
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.audit import get_logger
-from gateway.call.idempotent import rendered
 from gateway.call.relay import AGENT_STALLED, Relay
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError
@@ -40,6 +39,8 @@ class Runtime(Protocol):
 
     @property
     def agents(self) -> Agents: ...
+
+    def rendered_answer(self, response: ExternalCallResponse) -> bytes | None: ...
 
     async def call(
         self, body: bytes, *, relay: Relay | None = None, identity: Identity | None = None
@@ -64,11 +65,10 @@ def handler(runtime: Runtime) -> http.Handler:
     return http.handler(partial(_Exchange, runtime), "handler_error")
 
 
-def json_answer(status: int, response: ExternalCallResponse) -> Answer:
-    """``response`` as the JSON answer, with HTTP ``status``."""
-    # An answer just stored for its idempotency key was written as JSON for the store:
-    # the same bytes, not a second serialisation.
-    raw = rendered(response)
+def json_answer(status: int, response: ExternalCallResponse, raw: bytes | None = None) -> Answer:
+    """``response`` as the JSON answer, with HTTP ``status``; ``raw``: its JSON bytes when
+    they were already written (an answer just stored for its idempotency key: the same
+    bytes, not a second serialisation)."""
     if raw is None:
         try:
             raw = response.model_dump_json().encode()
@@ -128,7 +128,8 @@ class _Exchange:
         identity = identify(incoming.transport, incoming.headers, runtime.agents)
         return await runtime.call(body, relay=stream, identity=identity)
 
-    answer = staticmethod(json_answer)
+    def answer(self, status: int, response: ExternalCallResponse) -> Answer:
+        return json_answer(status, response, self._runtime.rendered_answer(response))
 
     def refused(self, exc: GatewayError) -> Answer:
         incoming = self._incoming

@@ -26,8 +26,11 @@ from gateway.breaker import Permit, TargetBreaker
 from gateway.call.bodies import media_type, parse_body
 from gateway.call.relay import Relay, Relayed, relay_stream
 from gateway.call.retry import (
+    DONE,
     MAX_RETRY_AFTER_S,
-    backoff_s,
+    Outcome,
+    RetryBudget,
+    next_step,
     parse_retry_after,
     status_retryable,
     transport_retryable,
@@ -49,6 +52,8 @@ from gateway.policy import CompiledTarget
 from gateway.providers import ErrorHint, error_hint
 from gateway.ratelimit import RateLimitGroup, provider_hold_s
 from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
+
+_new_budget = tuple.__new__
 
 #: Refusals of a redirect (``details.reason``, :func:`gateway.policy.egress.redirect_hop`
 #: and :mod:`gateway.upstream.client`): raised after the upstream answered the request.
@@ -114,145 +119,155 @@ class Attempts:
     #: raises to stop the resend (BudgetExceeded).
     before_resend: Callable[[], Awaitable[None]] | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
+    #: A 401 made the credential be resolved again (once per call).
+    refreshed: bool = field(default=False, init=False)
 
     async def run(self) -> UpstreamResponse:
-        """The upstream's final 2xx answer. Raises a GatewayError otherwise."""
+        """The upstream's final 2xx answer. Raises a GatewayError otherwise: the attempts
+        run until :func:`gateway.call.retry.next_step` says stop, which is the one end."""
         retry = self.target.spec.retry
-        retries_allowed = min(self.request.max_retries, retry.max_retries)
+        # tuple.__new__: the named tuple without its Python-level __new__ (once per call)
+        budget = _new_budget(
+            RetryBudget,
+            (
+                min(self.request.max_retries, retry.max_retries),
+                self.deadline,
+                retry.backoff_base_s,
+                retry.backoff_max_s,
+            ),
+        )
         retry_number = 0
-        refreshed = False
         while True:
-            self.log.answer = None
-            if self.deadline - time.monotonic() <= 0:
-                raise deadline_error("waiting to retry")
-            await self._admit(first=self.log.attempts == 0)
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                raise deadline_error("waiting for rate-limit capacity")
-            attempt_timeout = min(self.target.spec.timeout_s, remaining)
-            permit = (
-                self.breaker.acquire(attempt_timeout_s=attempt_timeout) if self.breaker else None
-            )
-            self.log.attempts += 1
-            try:
-                answer = await telemetry.current().send(
-                    self.upstream,
-                    self.outbound,
-                    timeout_s=attempt_timeout,
-                    stream=self.relay is not None,
-                )
-            except TransportError as exc:
-                self.log.sent = self.log.sent or exc.sent
-                self.log.billed = self.log.billed or exc.sent
-                _settle(permit, None, exc.kind)
-                retryable, unknown = transport_retryable(
-                    exc.kind,
-                    sent=exc.sent,
-                    method=self.request.method,
-                    has_idempotency_key=self.has_idempotency_key,
-                    retry_on=retry.retry_on,
-                )
-                if unknown:
-                    raise self._unknown_outcome(exc) from None
-                final = self._transport_failure(exc)
-                if not retryable or retry_number >= retries_allowed:
-                    raise final from None
-                wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
-                await wait_or_raise(wait, self.deadline, final)
-                if exc.sent:
-                    await self._before_resend()
-                retry_number += 1
-                continue
-            except BaseException as exc:
-                # Interrupted while sending, it may have gone out; refused by the egress
-                # checks (PermissionDenied, EgressDenied) before connecting, it did not,
-                # unless the refusal is of the upstream's redirect: it had the request.
-                self.log.sent = self.log.sent or (
-                    not isinstance(exc, PermissionDenied | EgressDenied)
-                    or exc.details.get("reason") in _REFUSED_REDIRECTS
-                )
-                self.log.billed = self.log.billed or self.log.sent
-                if permit is not None:
-                    permit.release()  # interrupted or refused locally: counts as nothing
-                raise
-            self.log.sent = True
-            self.log.billed = self.log.billed or answer.status < 400
-            _settle(permit, answer.status, None)
-            self.log.answer = answer
-            self.log.upstream_latency_s = answer.elapsed_s
-            self.log.response_bytes = len(answer.body)
-            if 200 <= answer.status < 300:
-                self._feed_back(answer, None)
-                if answer.stream is not None:
-                    judged = await self._relay(answer)
-                    if judged is None:
-                        return answer
-                    if (self.relay is not None and self.relay.started) or not (
-                        judged.retryable and self._safe_to_resend()
-                    ):
-                        raise judged  # no retry once an event has been relayed
-                    if retry_number >= retries_allowed:
-                        raise judged
-                    wait = backoff_s(
-                        retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng
-                    )
-                    await wait_or_raise(wait, self.deadline, judged)
-                    await self._before_resend()
-                    retry_number += 1
-                    continue
-                judged, _ = judge_body(
-                    self.target.spec.usage,
-                    self.target.name,
-                    answer.content_type,
-                    answer.body,
-                    answer.status,
-                    cut=answer.cut,
-                )
-                if judged is None:
-                    return answer
-                # A stream cut or failed mid-way: the upstream did act, so it is sent again
-                # only when that is safe, as for a lost answer.
-                if not (judged.retryable and self._safe_to_resend()) or (
-                    retry_number >= retries_allowed
-                ):
-                    raise judged
-                wait = backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
-                await wait_or_raise(wait, self.deadline, judged)
+            outcome, answer = await self._attempt()
+            step = next_step(outcome, retry_number, budget, time.monotonic(), self.rng)
+            if step.action == "stop":
+                break
+            if step.wait_s is not None:
+                await asyncio.sleep(step.wait_s)
+            if step.resend:
                 await self._before_resend()
-                retry_number += 1
-                continue
-            parsed = parse_body(answer.content_type, answer.body, answer.status)
-            hint = error_hint(
+            retry_number += step.counted
+        error = outcome.error
+        if error is None:
+            assert answer is not None
+            return answer
+        if step.reason == "deadline":
+            if error.retry_after_s is None:
+                error.retry_after_s = step.wait_s
+            error.details.setdefault("retry_stopped", "next wait would pass the deadline")
+        raise error
+
+    async def _attempt(self) -> tuple[Outcome, UpstreamResponse | None]:
+        """One attempt: admission, a breaker permit, the send; its outcome and answer."""
+        log = self.log
+        log.answer = None
+        if self.deadline - time.monotonic() <= 0:
+            return Outcome(deadline_error("waiting to retry")), None
+        await self._admit(first=log.attempts == 0)
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            return Outcome(deadline_error("waiting for rate-limit capacity")), None
+        attempt_timeout = min(self.target.spec.timeout_s, remaining)
+        permit = self.breaker.acquire(attempt_timeout_s=attempt_timeout) if self.breaker else None
+        log.attempts += 1
+        try:
+            answer = await telemetry.current().send(
+                self.upstream,
+                self.outbound,
+                timeout_s=attempt_timeout,
+                stream=self.relay is not None,
+            )
+        except TransportError as exc:
+            log.sent, log.billed = log.sent or exc.sent, log.billed or exc.sent
+            _settle(permit, None, exc.kind)
+            return self._transport_outcome(exc), None
+        except BaseException as exc:
+            # Interrupted while sending, it may have gone out; refused by the egress
+            # checks (PermissionDenied, EgressDenied) before connecting, it did not,
+            # unless the refusal is of the upstream's redirect: it had the request.
+            log.sent = log.sent or (
+                not isinstance(exc, PermissionDenied | EgressDenied)
+                or exc.details.get("reason") in _REFUSED_REDIRECTS
+            )
+            log.billed = log.billed or log.sent
+            if permit is not None:
+                permit.release()  # interrupted or refused locally: counts as nothing
+            raise
+        log.sent, log.billed = True, log.billed or answer.status < 400
+        _settle(permit, answer.status, None)
+        log.answer = answer
+        log.upstream_latency_s = answer.elapsed_s
+        log.response_bytes = len(answer.body)
+        if 200 <= answer.status < 300:
+            self._feed_back(answer, None)
+            if answer.stream is not None:
+                return await self._relayed_outcome(answer), answer
+            # Read whole: done, unless it is a stream whose end calls for an error
+            # (resent as a relayed one that reached nobody would be).
+            judged, _ = judge_body(
                 self.target.spec.usage,
+                self.target.name,
+                answer.content_type,
+                answer.body,
                 answer.status,
-                answer.headers,
-                parsed[0] if parsed[1] else None,
+                cut=answer.cut,
+                head=self.request.method == "HEAD",
             )
-            self._feed_back(answer, hint)
-            if answer.status == 401 and not refreshed and self.refresh_credential is not None:
-                refreshed = True
-                credential = await self.refresh_credential()
-                if credential is not None:
-                    # A cached credential refused: maybe rotated. Resolved again, sent again.
-                    self.outbound = replace(self.outbound, credential=credential)
-                    self.log.warnings.append("credential refreshed after upstream 401")
-                    continue
-            retry_after = parse_retry_after(answer.headers, time.time())
-            if retry_after is None and hint is not None and hint.retry_after_s is not None:
-                retry_after = min(hint.retry_after_s, MAX_RETRY_AFTER_S)  # e.g. Gemini RetryInfo
-            final_error = status_error(answer, retry_after, self.target.name, hint, parsed)
-            if (
-                not status_retryable(answer.status, retry.retry_on, hint)
-                or retry_number >= retries_allowed
-            ):
-                raise final_error
-            wait = (
-                retry_after
-                if retry_after is not None
-                else backoff_s(retry_number, retry.backoff_base_s, retry.backoff_max_s, self.rng)
-            )
-            await wait_or_raise(wait, self.deadline, final_error)
-            retry_number += 1
+            if judged is None:
+                return DONE, answer
+            safe = self._safe_to_resend()
+            return Outcome.stream_end(judged, relayed=False, safe_to_resend=safe), answer
+        return await self._status_outcome(answer), answer
+
+    def _transport_outcome(self, exc: TransportError) -> Outcome:
+        """A transport failure: retryable as :func:`transport_retryable` says; a request
+        that may have been acted on and cannot be sent again is OUTCOME_UNKNOWN."""
+        retryable, unknown = transport_retryable(
+            exc.kind,
+            sent=exc.sent,
+            method=self.request.method,
+            has_idempotency_key=self.has_idempotency_key,
+            retry_on=self.target.spec.retry.retry_on,
+        )
+        if unknown:
+            return Outcome(self._unknown_outcome(exc))
+        return Outcome(self._transport_failure(exc), retryable, resend=exc.sent)
+
+    async def _relayed_outcome(self, answer: UpstreamResponse) -> Outcome:
+        """A 2xx stream relayed to the agent: done, unless its end calls for an error;
+        the upstream did act, so it is sent again only when that is safe, as for a lost
+        answer, and never once an event has been relayed."""
+        judged = await self._relay(answer)
+        if judged is None:
+            return DONE
+        relayed = self.relay is not None and self.relay.started
+        return Outcome.stream_end(judged, relayed=relayed, safe_to_resend=self._safe_to_resend())
+
+    async def _status_outcome(self, answer: UpstreamResponse) -> Outcome:
+        """A non-2xx answer: its error (:func:`status_error`), retryable as the target's
+        ``retry_on`` and the upstream's hint say, with the wait the upstream asked for. A
+        401 on a cached credential resolves it again and resends once (maybe rotated)."""
+        parsed = parse_body(answer.content_type, answer.body, answer.status)
+        hint = error_hint(
+            self.target.spec.usage,
+            answer.status,
+            answer.headers,
+            parsed[0] if parsed[1] else None,
+        )
+        self._feed_back(answer, hint)
+        if answer.status == 401 and not self.refreshed and self.refresh_credential is not None:
+            self.refreshed = True
+            credential = await self.refresh_credential()
+            if credential is not None:
+                self.outbound = replace(self.outbound, credential=credential)
+                self.log.warnings.append("credential refreshed after upstream 401")
+                return Outcome(refreshed=True)
+        retry_after = parse_retry_after(answer.headers, time.time())
+        if retry_after is None and hint is not None and hint.retry_after_s is not None:
+            retry_after = min(hint.retry_after_s, MAX_RETRY_AFTER_S)  # e.g. Gemini RetryInfo
+        error = status_error(answer, retry_after, self.target.name, hint, parsed)
+        retryable = status_retryable(answer.status, self.target.spec.retry.retry_on, hint)
+        return Outcome(error, retryable, retry_after_s=retry_after)
 
     async def _before_resend(self) -> None:
         if self.before_resend is not None:
@@ -340,16 +355,6 @@ class Attempts:
 def _settle(permit: Permit | None, status: int | None, kind: str | None) -> None:
     if permit is not None:
         permit.record(status, kind)
-
-
-async def wait_or_raise(wait: float, deadline: float, final: GatewayError) -> None:
-    """Sleep ``wait`` seconds before a retry, or raise ``final`` if it would not fit."""
-    if time.monotonic() + wait >= deadline:
-        if final.retry_after_s is None:
-            final.retry_after_s = wait
-        final.details.setdefault("retry_stopped", "next wait would pass the deadline")
-        raise final
-    await asyncio.sleep(wait)
 
 
 def deadline_error(while_doing: str) -> DeadlineExceeded:

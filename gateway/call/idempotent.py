@@ -32,14 +32,49 @@ from gateway.idempotency.keys import fingerprint, store_key
 
 _log = get_logger("gateway.pipeline")
 
-#: The envelope JSON of the answer :func:`once_per_key` last stored on the envelope route,
-#: for the server to send as it is (:func:`rendered`) instead of writing the same answer a
-#: second time: (a weak reference to the answer, its ``model_dump_json()`` bytes). One
-#: slot: the server takes it in the same step of the event loop (no await between the
-#: pipeline's return and the answer's writing), so calls cannot overwrite each other's.
-#: An answer the server does not write after all (a failure replaced it) leaves its bytes
-#: here until the next one: at most one answer's.
-_rendered: tuple[weakref.ref[ExternalCallResponse], bytes] | None = None
+
+class Rendered:
+    """The JSON bytes of the answer :func:`once_per_key` stored last on the envelope
+    route, kept so that the server sends them as they are instead of writing the same
+    answer a second time (one serialisation per call). One slot, held by the pipeline
+    (gone with it): the server takes it in the same step of the event loop (no await
+    between the pipeline's return and the answer's writing), so calls cannot overwrite
+    each other's; an answer the server does not write after all (a failure replaced
+    it) leaves its bytes here until the next one: at most one answer's."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        #: (a weak reference to the answer, its ``model_dump_json()`` bytes), or None.
+        self.last: tuple[weakref.ref[ExternalCallResponse], bytes] | None = None
+
+    def take(self, response: ExternalCallResponse) -> bytes | None:
+        """The bytes of ``response.model_dump_json()`` if they were kept for this answer
+        (the same object, not an equal one), else None. Taken once."""
+        last = self.last
+        if last is None or last[0]() is not response:
+            return None
+        self.last = None
+        return last[1]
+
+    @property
+    def empty(self) -> bool:
+        """Nothing kept (or what was kept was taken)."""
+        return self.last is None
+
+
+class Learned:
+    """What :func:`once_per_key` learns for the call's record, kept here rather than
+    written into the call's context (the pipeline does that): whether the answer is a
+    replay, and its warnings (a key the store failed to settle, an answer JSON could
+    not hold)."""
+
+    # Class defaults and no __init__: made once per keyed call, without a Python frame.
+    replayed: bool = False
+    warnings: tuple[str, ...] = ()  # rare: a tuple, grown when there is one
+
+    def warn(self, note: str) -> None:
+        self.warnings = (*self.warnings, note)
 
 
 async def once_per_key(
@@ -53,13 +88,19 @@ async def once_per_key(
     forward: Callable[[], Awaitable[ExternalCallResponse]],
     failure: Callable[[GatewayError], ExternalCallResponse],
     relay: Relay | None = None,
+    rendered: Rendered | None = None,
+    learned: Learned | None = None,
 ) -> tuple[int, ExternalCallResponse]:
     """Run ``forward`` at most once for ``ctx.idempotency_key`` on ``target``; returns
     (HTTP status, answer). Raises :class:`IdempotencyConflict` for a reused key, AGENT_
     TIMEOUT when an identical call in flight outlasts the deadline, and whatever
     ``forward`` raises (``failure`` builds the answer stored for an UPSTREAM_REJECTED).
-    A stored streamed answer is replayed to ``relay`` as its stream when one is given."""
+    A stored streamed answer is replayed to ``relay`` as its stream when one is given;
+    the JSON of a stored envelope answer is kept in ``rendered`` for the server. What
+    the record learns goes to ``learned`` (``ctx`` is only read)."""
     assert ctx.idempotency_key is not None
+    if learned is None:
+        learned = Learned()
     key = store_key(target, ctx.idempotency_key)
     fp = fingerprint(
         target,
@@ -72,7 +113,7 @@ async def once_per_key(
     while True:
         outcome = await store.begin(key, fp, lease_s=max(deadline - time.monotonic(), 0.001))
         if isinstance(outcome, Replay):
-            return await replay(outcome.answer, request, ctx, relay)
+            return await replay(outcome.answer, request, ctx, relay, learned)
         if isinstance(outcome, Conflict):
             raise IdempotencyConflict(
                 f"idempotency key {ctx.idempotency_key!r} was already used on target "
@@ -83,7 +124,7 @@ async def once_per_key(
         if isinstance(outcome, InFlight):
             stored = await store.wait(key, fp, deadline=deadline)
             if stored is not None:
-                return await replay(stored, request, ctx, relay)
+                return await replay(stored, request, ctx, relay, learned)
             if time.monotonic() >= deadline:
                 raise deadline_error("waiting for an identical call in flight")
             continue
@@ -93,7 +134,9 @@ async def once_per_key(
         response = await forward()
     except UpstreamRejected as exc:
         # The upstream's definitive answer to this request: replay it, like Stripe.
-        await settle(store, key, token, stored_answer(answer_status(exc), failure(exc)), ttl_s, ctx)
+        await settle(
+            store, key, token, stored_answer(answer_status(exc), failure(exc)), ttl_s, ctx, learned
+        )
         raise
     except BaseException:
         await asyncio.shield(store.abandon(key, token))
@@ -103,39 +146,31 @@ async def once_per_key(
     try:
         body = response.model_dump_json().encode()
     except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
-        response = _unrenderable(response, exc, ctx)
+        response = _unrenderable(response, exc, learned)
         body = response.model_dump_json().encode()
-    if ctx.api == "envelope" and ctx.mcp is None:
+    if rendered is not None and ctx.api == "envelope" and ctx.mcp is None:
         # The agent gets these same bytes. Not for an MCP exchange, whose data would be
         # filtered in place after this (the policy refuses idempotency on MCP targets
         # today), nor the other routes, which write answers of their own.
-        global _rendered  # one slot, taken by the server at once
-        _rendered = (weakref.ref(response), body)
-    await settle(store, key, token, _stored(200, body, ctx.stream_body), ttl_s, ctx)
+        rendered.last = (weakref.ref(response), body)  # taken by Rendered.take
+    await settle(store, key, token, _stored(200, body, ctx.stream_body), ttl_s, ctx, learned)
     return 200, response
 
 
-def rendered(response: ExternalCallResponse) -> bytes | None:
-    """The bytes of ``response.model_dump_json()`` if :func:`once_per_key` wrote them when
-    it stored ``response`` (the same answer, the same serialisation), else None. Taken
-    once: a second call for the same answer gives None."""
-    global _rendered  # one slot
-    last = _rendered
-    if last is None or last[0]() is not response:
-        return None
-    _rendered = None
-    return last[1]
-
-
 async def replay(
-    stored: bytes, request: ExternalCallRequest, ctx: CallContext, relay: Relay | None = None
+    stored: bytes,
+    request: ExternalCallRequest,
+    ctx: CallContext,
+    relay: Relay | None = None,
+    learned: Learned | None = None,
 ) -> tuple[int, ExternalCallResponse]:
     """A stored answer as the answer to ``request`` (its ids, ``replayed``, this latency).
 
     A stored streamed answer (its events kept) is sent again as a stream to ``relay``
     when the agent asked for one; otherwise its ``data`` is the stream's assembled form."""
     doc = json.loads(stored)
-    ctx.replayed = True
+    if learned is not None:
+        learned.replayed = True
     response = ExternalCallResponse.model_validate(doc["response"])
     update: dict[str, Any] = {
         "replayed": True,
@@ -164,7 +199,13 @@ def answer_status(exc: GatewayError) -> int:
 
 
 async def settle(
-    store: IdempotencyStore, key: str, token: str, stored: bytes, ttl_s: float, ctx: CallContext
+    store: IdempotencyStore,
+    key: str,
+    token: str,
+    stored: bytes,
+    ttl_s: float,
+    ctx: CallContext,
+    learned: Learned,
 ) -> None:
     """Complete the idempotency key with the answer. A store that fails here (Redis gone)
     must not turn the upstream's answer into an error: the agent still gets it, the audit
@@ -179,18 +220,18 @@ async def settle(
             trace_id=ctx.request.trace_id if ctx.request else None,
             correlation_id=ctx.request.correlation_id if ctx.request else None,
         )
-        ctx.warnings.append(
+        learned.warn(
             f"idempotency key not settled ({type(exc).__name__}): a resend after this call's "
             "deadline may reach the upstream again"
         )
 
 
 def _unrenderable(
-    response: ExternalCallResponse, exc: Exception, ctx: CallContext
+    response: ExternalCallResponse, exc: Exception, learned: Learned
 ) -> ExternalCallResponse:
     """``response`` with a ``data`` the JSON writer refused replaced by a note saying so."""
     note = f"the upstream's answer could not be written as JSON ({str(exc)[:200]})"
-    ctx.warnings.append(note)
+    learned.warn(note)
     return response.model_copy(update={"data": {"content_type": None, "text": note}})
 
 

@@ -13,8 +13,9 @@ of the :class:`~gateway.upstream.OutboundRequest`:
   ``headers`` (less trace headers), W3C ``traceparent``/``tracestate``
   (:mod:`gateway.tracing`), and the idempotency key under the target's header name.
 
-:func:`with_credential` makes the request of the draft, placing the resolved secret as
-the target's ``credential`` says (a header with its ``format``, or a query parameter);
+:func:`with_credential` makes the request of the draft, with the resolved secret placed
+as the target's ``credential`` says (:class:`Credentials`: a header with its ``format``,
+or a query parameter);
 the secret itself is only revealed by :mod:`gateway.upstream` when the request is written.
 """
 
@@ -97,35 +98,60 @@ def build(
     return draft, BodyDigest(len(sent), hashlib.sha256(sent).hexdigest() if digest else None)
 
 
-#: The last credential built per target name, with the target and the secret it was built
-#: from (kept referenced, so neither identity can be reused by a new object): a cached
-#: secret (a ``file://`` whose stamp is unchanged, a live Vault entry) is the same object
-#: call after call. Bounded by the targets of the policies loaded; cleared past that.
-_built: dict[str, tuple[CompiledTarget, Secret, Credential]] = {}
-_MAX_BUILT: Final = 1024
+class Credentials:
+    """The credential of each target's secret, built once per secret: a cached secret (a
+    ``file://`` whose stamp is unchanged, a live Vault entry) is the same object call
+    after call, and so is its :class:`~gateway.upstream.Credential` (which memoises the
+    header it writes). The memo exists for that: no rebuild per call. Kept per target
+    name with the target and the secret it was built from (held, so neither identity can
+    be reused by a new object), it lives on the pipeline: a reload builds a new one and a
+    closed pipeline drops it, so no secret outlives its policy or the sidecar; bounded
+    by the targets of one policy (:data:`MAX_BUILT` past that: cleared)."""
+
+    __slots__ = ("_built",)
+
+    def __init__(self) -> None:
+        self._built: dict[str, tuple[CompiledTarget, Secret, Credential]] = {}
+
+    def of(self, target: CompiledTarget, resolved: ResolvedSecret | None) -> Credential | None:
+        """Where the target's ``credential`` puts ``resolved``; None without either."""
+        spec = target.spec.credential
+        if spec is None or resolved is None:
+            return None
+        built = self._built
+        last = built.get(target.name)
+        secret = resolved.secret
+        if last is not None and last[0] is target and last[1] is secret:
+            return last[2]
+        made = Credential(secret, spec.header, spec.query_param, spec.format)
+        if len(built) >= MAX_BUILT:
+            built.clear()
+        built[target.name] = (target, secret, made)
+        return made
+
+
+#: The targets :class:`Credentials` keeps at most (a policy has far fewer).
+MAX_BUILT: Final = 1024
 
 
 def credential(target: CompiledTarget, resolved: ResolvedSecret | None) -> Credential | None:
-    """Where the target's ``credential`` puts ``resolved``; None without either."""
+    """Where the target's ``credential`` puts ``resolved`` (built anew; :class:`Credentials`
+    keeps it per secret); None without either."""
     spec = target.spec.credential
     if spec is None or resolved is None:
         return None
-    last = _built.get(target.name)
-    secret = resolved.secret
-    if last is not None and last[0] is target and last[1] is secret:
-        return last[2]
-    built = Credential(secret, spec.header, spec.query_param, spec.format)
-    if len(_built) >= _MAX_BUILT:
-        _built.clear()
-    _built[target.name] = (target, secret, built)
-    return built
+    return Credential(resolved.secret, spec.header, spec.query_param, spec.format)
 
 
 def with_credential(
-    draft: Draft, target: CompiledTarget, resolved: ResolvedSecret | None
+    draft: Draft,
+    target: CompiledTarget,
+    resolved: ResolvedSecret | None,
+    memo: Credentials | None = None,
 ) -> OutboundRequest:
     """The request of ``draft``, carrying the target's credential built from ``resolved``
-    (none without one): built once per call, after the secret is resolved."""
+    (none without one; the one ``memo`` keeps for that secret, if given): built once per
+    call, after the secret is resolved."""
     return OutboundRequest(
         draft.target,
         draft.method,
@@ -133,6 +159,6 @@ def with_credential(
         draft.query,
         draft.body,
         draft.headers,
-        credential(target, resolved),
+        memo.of(target, resolved) if memo is not None else credential(target, resolved),
         draft.content_type,
     )

@@ -1,10 +1,14 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
-    intake -> egress decision (an MCP target's tool rules too) -> idempotency
-    -> the outbound request -> secret -> budget reservation
-    -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
-       (backoff, Retry-After)
-    -> usage -> budget settlement -> answer -> audit record
+    intake -> call chain -> egress decision (an MCP target's tool rules too)
+    -> stop switch and repeated-call breaker -> idempotency -> [send: outbound request
+    -> secret -> budget reservation -> attempts, each: rate-limit group -> circuit
+    breaker -> send -> retry decision (backoff, Retry-After: :mod:`gateway.call.retry`)
+    -> usage -> budget settlement] -> answer -> record
+
+The send stage is :mod:`gateway.call.send`; the record is one frozen
+:class:`gateway.record.CallRecord`, from which the audit record, the metrics and the
+call's span are written.
 
 Every call, whatever happens, ends with exactly one :class:`ExternalCallResponse` and
 exactly one audit record (written in a ``finally``). A bug inside the sidecar becomes an
@@ -15,13 +19,14 @@ UNKNOWN answer that points at the audit record, never a stack trace on the wire 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from gateway import telemetry
-from gateway.agents import chain
+from gateway.agents.approvals import Approvals, MemoryApprovalStore
 from gateway.agents.chain_memory import ChainMemory
 from gateway.agents.controls import Controls
 from gateway.agents.identity import Identity, policy_identity
@@ -29,13 +34,11 @@ from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
-from gateway.call import a2a, mcp, spend
+from gateway.call import a2a, mcp, send
 from gateway.call import hooks as api_hooks
-from gateway.call.attempts import Attempts, deadline_error
-from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.chain import chain_stage
 from gateway.call.hooks import CallHooks
-from gateway.call.idempotent import answer_status, once_per_key
+from gateway.call.idempotent import Learned, Rendered, answer_status, once_per_key
 from gateway.call.intake import (
     Intake,
     decode_json,
@@ -44,15 +47,14 @@ from gateway.call.intake import (
     printable,
     refuse_lone_surrogates,
 )
-from gateway.call.outbound import build as build_outbound
-from gateway.call.outbound import credential, with_credential
+from gateway.call.outbound import Credentials
 from gateway.call.proxy import ProxyRequest, proxy_intake
-from gateway.call.record import CLAIMED, CallContext, audit_record, observe
+from gateway.call.record import CLAIMED, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
+from gateway.deadletters import DeadLetters
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
-    CapacityExceeded,
     GatewayError,
     InternalError,
     InvalidPayload,
@@ -67,11 +69,10 @@ from gateway.metrics import Metrics
 from gateway.policy import IdempotencySpec, PolicySet
 from gateway.policy import egress as egress_rules
 from gateway.policy.egress import Decision
-from gateway.policy.refs import SecretRef
-from gateway.providers import estimate_tokens, extract_usage
 from gateway.ratelimit import RateLimitGroups
-from gateway.secrets import ResolvedSecret, SecretResolvers
-from gateway.upstream import Credential, Upstream
+from gateway.record import CallRecord, audit_record
+from gateway.secrets import SecretResolvers
+from gateway.upstream import Upstream
 
 _log = get_logger("gateway.pipeline")
 
@@ -113,19 +114,27 @@ class Pipeline:
         self.upstream = upstream
         self.audit = audit
         self.metrics = metrics
-        self._rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
+        self.rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
         #: Traces of the calls (gateway.telemetry); the no-op unless tracing is on.
         self.tracer = tracer
         #: Set by the runtime when it cancels calls that outlived the drain time.
         self.aborting = False
         #: The chains that reached the agent (the inbound route), for its own calls.
         self.chains = ChainMemory()
+        #: Each target's credential, per secret (rebuilt on reload, gone with the pipeline).
+        self.credentials = Credentials()
+        #: The JSON of the answer an idempotent call stored last, for the server to send.
+        self.rendered = Rendered()
+        #: The operator's desk (agents/approvals.py, deadletters/): replaced by the runtime's.
+        self.approvals = Approvals(MemoryApprovalStore(), audit)
+        self.dead_letters = DeadLetters(max_count=1000, max_bytes=16 << 20, audit=audit)
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with.
         The parts this pipeline was handed take the policy in themselves (the runtime's
         components: :meth:`gateway.server.runtime.Gateway.apply_policy`)."""
         self.policy = policy
+        self.credentials = Credentials()  # the old targets' secrets are not kept
 
     async def handle(
         self,
@@ -229,7 +238,11 @@ class Pipeline:
             identity.admit(request.target_system)
             ctx.decision = "denied"
             ctx.chain = await chain_stage(
-                policy.policy.chain, request, ctx, self._resolve, self.chains
+                policy.policy.chain,
+                request,
+                ctx,
+                functools.partial(send.resolve, self),
+                self.chains,
             )
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
@@ -245,6 +258,9 @@ class Pipeline:
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
             with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+                if (held := decision.target.spec.approval) is not None:  # a person's yes first
+                    name, agent = decision.target.name, ctx.agent_id
+                    await self.approvals.check(held, name, request, ctx.mcp, agent, deadline)
                 status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = hooks.answered(ctx, response)
         except GatewayError as exc:
@@ -263,8 +279,8 @@ class Pipeline:
             status, response = 500, self._crashed(exc, ctx, policy)
         finally:
             if response is not None:
-                self._write_audit(ctx, response, hooks)
-                trace.end(ctx, status, response)
+                self.dead_letters.after(ctx, response)  # kept when it failed for good
+                trace.end(self._write_audit(ctx, response, hooks), status, response)
         return status, response
 
     def _crashed(self, exc: Exception, ctx: CallContext, policy: PolicySet) -> ExternalCallResponse:
@@ -335,7 +351,7 @@ class Pipeline:
             return await self._idempotent(
                 policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
-        return 200, await self._forward(policy, request, decision, ctx, deadline, relay)
+        return 200, await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
         self,
@@ -349,141 +365,26 @@ class Pipeline:
     ) -> tuple[int, ExternalCallResponse]:
         """One upstream call per idempotency key (:func:`gateway.call.idempotent.
         once_per_key`), in the store of the target's ``idempotency.scope``."""
-        return await once_per_key(
-            self.idempotency.for_scope(idempotency.scope),
-            request,
-            decision.target.name,
-            ctx,
-            deadline=deadline,
-            ttl_s=idempotency.ttl_s,
-            forward=lambda: self._forward(policy, request, decision, ctx, deadline, relay),
-            failure=lambda exc: self._failure(exc, ctx),
-            relay=relay,
-        )
-
-    async def _forward(
-        self,
-        policy: PolicySet,
-        request: ExternalCallRequest,
-        decision: Decision,
-        ctx: CallContext,
-        deadline: float,
-        relay: Relay | None = None,
-    ) -> ExternalCallResponse:
-        target = decision.target
-        draft, digest = build_outbound(
-            request,
-            target,
-            idempotency_key=ctx.idempotency_key,
-            digest=policy.policy.audit.payloads == "summary",  # "none": no hash either
-        )
-        if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
-            draft.headers = {**ctx.passthrough_headers, **draft.headers}
-        if ctx.chain is not None:
-            draft.headers = chain.with_headers(draft.headers, ctx.chain)
-        ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
-        ctx.traceparent = draft.headers["traceparent"]
-        group = self.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
-        reserved = 0
-        if group is not None and group.spec.tokens_per_minute:
-            reserved = estimate_tokens(request.parameters)
-        resolved = await self._resolve(decision.ref, ctx, deadline)
-        attempts = Attempts(
-            upstream=self.upstream,
-            target=target,
-            request=request,
-            outbound=with_credential(draft, target, resolved),
-            deadline=deadline,
-            has_idempotency_key=ctx.idempotency_key is not None,
-            rng=self._rng,
-            relay=relay,
-            started=ctx.started,
-            max_response_bytes=policy.policy.server.max_response_bytes,
-            group=group,
-            tokens_reserved=reserved,
-            breaker=self.breakers.get(target.name),
-            refresh_credential=(
-                self._refresher(decision, ctx, deadline)
-                if resolved is not None and resolved.from_cache
-                else None
-            ),
-        )
-        ctx.attempt_log = attempts.log
-        # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
-        cost = await spend.reserve(self.budgets, self.pricing, request, target, ctx)
-        attempts.before_resend = lambda: spend.rebook(self.budgets, cost, ctx)
+        learned = Learned()
         try:
-            answer = await attempts.run()
-        except BaseException as exc:
-            log = attempts.log
-            spend.settle_failed(self.budgets, cost, ctx, sent=log.sent, billed=log.billed)
-            if group is not None:
-                if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
-                    self.metrics.observe_ratelimit_rejection(group.name)
-                if attempts.log.admitted:
-                    group.reconcile(reserved, 0)  # no answer, no usage: refund the estimate
-            raise
-        finally:
-            if group is not None:
-                self.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
-        relayed = attempts.log.relayed
-        if relayed is not None:
-            data, ctx.usage = None, relayed.judge.usage()  # the agent has had the events
-            if relayed.kept is not None:
-                ctx.stream_body = bytes(relayed.kept)
-        else:
-            data, _ = parse_body(answer.content_type, answer.body, answer.status)
-            ctx.usage = extract_usage(target.spec.usage, data)
-            if ctx.idempotency_key is not None and is_stream_form(data):
-                ctx.stream_body = answer.body
-        spend.settle(self.budgets, cost, ctx)
-        if group is not None and ctx.usage is not None:
-            # Unknown usage keeps the reservation: the upstream answered, so tokens were
-            # spent, and a refund would let the group overspend (design.md).
-            group.reconcile(reserved, ctx.usage.total)
-        return ExternalCallResponse(
-            success=True,
-            status_code=answer.status,
-            data=data,
-            latency_ms=round((time.monotonic() - ctx.started) * 1000, 3),
-            tokens_used=ctx.usage.total if ctx.usage else None,
-            trace_id=request.trace_id,
-            correlation_id=request.correlation_id,
-        )
-
-    def _refresher(
-        self, decision: Decision, ctx: CallContext, deadline: float
-    ) -> Callable[[], Awaitable[Credential | None]]:
-        async def refresh() -> Credential | None:
-            assert decision.ref is not None
-            self.resolvers.invalidate(decision.ref)
-            return credential(decision.target, await self._resolve(decision.ref, ctx, deadline))
-
-        return refresh
-
-    async def _resolve(
-        self, ref: SecretRef | None, ctx: CallContext, deadline: float
-    ) -> ResolvedSecret | None:
-        if ref is None:
-            return None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise deadline_error("resolving the secret")
-        with telemetry.current().span(telemetry.CREDENTIAL_RESOLVE, ref.scheme):
-            if self.resolvers.is_local(ref.scheme):
-                resolved = await self.resolvers.resolve(ref)  # a file or the environment
-            else:
-                try:
-                    async with asyncio.timeout(remaining):
-                        resolved = await self.resolvers.resolve(ref)
-                except TimeoutError:
-                    raise deadline_error("resolving the secret") from None
-        ctx.warnings.extend(resolved.warnings)
-        if ref.scheme == "vault":  # the only cached scheme
-            self.metrics.observe_secret_cache(
-                "stale" if resolved.warnings else "hit" if resolved.from_cache else "miss"
+            return await once_per_key(
+                self.idempotency.for_scope(idempotency.scope),
+                request,
+                decision.target.name,
+                ctx,
+                deadline=deadline,
+                ttl_s=idempotency.ttl_s,
+                forward=lambda: send.forward(self, policy, request, decision, ctx, deadline, relay),
+                failure=lambda exc: self._failure(exc, ctx),
+                relay=relay,
+                rendered=self.rendered,
+                learned=learned,
             )
-        return resolved
+        finally:
+            if learned.replayed:
+                ctx.replayed = True
+            if learned.warnings:  # after the send stage's: the order the call met them
+                ctx.warnings.extend(learned.warnings)
 
     # -- answers and audit ----------------------------------------------------------------
 
@@ -502,13 +403,17 @@ class Pipeline:
 
     def _write_audit(
         self, ctx: CallContext, response: ExternalCallResponse, hooks: CallHooks
-    ) -> None:
-        for record in hooks.records(ctx, audit_record(ctx, response)):
+    ) -> CallRecord:
+        """Freeze the call into its record; write its audit record(s) (the API's hooks
+        may make one per JSON-RPC request) and metrics."""
+        call = ctx.record()
+        for record in hooks.records(ctx, audit_record(call, response)):
             self.audit.call(record)
             labels = hooks.labels(ctx, record)
             if labels is not None:
                 self.metrics.observe_mcp(record[Fields.TARGET_SYSTEM], *labels)
-        observe(self.metrics, ctx, response)
+        observe(self.metrics, call, response)
+        return call
 
 
 def _unknown_fields(

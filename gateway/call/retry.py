@@ -14,18 +14,27 @@
   AWS Architecture Blog, "Exponential Backoff And Jitter"), unless the upstream said how
   long to wait: ``retry-after-ms`` (milliseconds, OpenAI and Anthropic) or ``Retry-After``
   (delay-seconds or an HTTP-date, RFC 9110 section 10.2.3).
+* What next after an attempt (:func:`next_step`): its :class:`Outcome` and the call's
+  :class:`RetryBudget` (retries and time) give one :class:`Step`: retry after a wait,
+  or stop. A 2xx stream that ended before its terminal marker is judged by what reached
+  the agent, never by how its end was framed: a connection close, a broken chunked body
+  or a missing marker are one outcome, retried when nothing was relayed and resending
+  is safe (:meth:`Outcome.stream_end`).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping
-from typing import Final
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
 from gateway.envelope import IDEMPOTENT_METHODS
 from gateway.providers.base import ErrorHint
 from gateway.ratelimit.headers import retry_after_s
 from gateway.upstream import TransportKind
+
+if TYPE_CHECKING:
+    from gateway.errors import GatewayError
 
 #: An answer's Retry-After beyond this is treated as this (a day): it bounds arithmetic.
 MAX_RETRY_AFTER_S: Final = 86400.0
@@ -76,3 +85,94 @@ def transport_retryable(
     if not safe_to_resend:
         return False, True
     return listed, False
+
+
+class Outcome(NamedTuple):
+    """One attempt's outcome, as :func:`next_step` reads it.
+
+    ``error`` None is a success (the answer is the call's), unless ``refreshed``: a
+    cached credential was refused (401) and resolved again, so the request goes again at
+    once, not counted as a retry. ``retryable``: the error may be met by sending again
+    (its class, the method, the key, what the upstream said). ``retry_after_s``: the
+    wait the upstream asked for (seconds; None: backoff). ``resend``: the upstream may
+    have acted on the attempt, so a resend books it first (a budget's reservation)."""
+
+    error: GatewayError | None = None
+    retryable: bool = False
+    retry_after_s: float | None = None
+    resend: bool = False
+    refreshed: bool = False
+
+    @classmethod
+    def stream_end(cls, error: GatewayError, *, relayed: bool, safe_to_resend: bool) -> Outcome:
+        """A 2xx stream judged a failure at its end (STREAM_INTERRUPTED whether the
+        connection closed, a chunked body broke or the marker never came; an error
+        event's code). Retryable when nothing of it reached the agent (``relayed``
+        False: an assembled stream, or a relay not yet opened) and the request is
+        ``safe_to_resend`` (an idempotent method or an idempotency key)."""
+        retryable = error.retryable and safe_to_resend and not relayed
+        return cls(error, retryable, resend=True)
+
+
+#: The outcome of an attempt that ended the call well.
+DONE: Final = Outcome()
+
+
+class RetryBudget(NamedTuple):
+    """What a call may spend on retries: ``retries`` (the envelope's ``max_retries``
+    within the target's), its ``deadline`` (``time.monotonic()`` seconds) and the
+    target's backoff (base and cap, seconds)."""
+
+    retries: int
+    deadline: float
+    backoff_base_s: float
+    backoff_max_s: float
+
+
+Action = Literal["retry", "stop"]
+#: Why :func:`next_step` decided as it did.
+Reason = Literal["done", "refreshed", "not_retryable", "no_retries_left", "deadline", "backoff"]
+
+
+class Step(NamedTuple):
+    """What to do after an attempt: ``retry`` after sleeping ``wait_s`` (None: at once,
+    without yielding), booking the last attempt first when ``resend``, counting it as a
+    retry when ``counted``; or ``stop`` with the outcome's answer or error. A ``stop``
+    for ``deadline`` carries in ``wait_s`` the wait that would have passed it (the
+    caller's suggested ``retry_after_s``)."""
+
+    action: Action
+    reason: Reason
+    wait_s: float | None = None
+    resend: bool = False
+    counted: bool = True
+
+
+# The steps that carry nothing of their own, made once (the first is every good call's).
+_DONE: Final = Step("stop", "done")
+_REFRESHED: Final = Step("retry", "refreshed", counted=False)
+_NOT_RETRYABLE: Final = Step("stop", "not_retryable")
+_NO_RETRIES_LEFT: Final = Step("stop", "no_retries_left")
+
+
+def next_step(
+    outcome: Outcome, retry_number: int, budget: RetryBudget, now: float, rng: random.Random
+) -> Step:
+    """The step after an attempt (pure; ``rng`` draws the jitter, only when a retry is
+    allowed). ``retry_number`` counts the retries already made (0 after the first
+    attempt); ``now`` is ``time.monotonic()``. A wait that would reach the deadline
+    stops the call instead of sleeping into it."""
+    if outcome.refreshed:
+        return _REFRESHED
+    if outcome.error is None:
+        return _DONE
+    if not outcome.retryable:
+        return _NOT_RETRYABLE
+    if retry_number >= budget.retries:
+        return _NO_RETRIES_LEFT
+    wait = outcome.retry_after_s
+    if wait is None:
+        wait = backoff_s(retry_number, budget.backoff_base_s, budget.backoff_max_s, rng)
+    if now + wait >= budget.deadline:
+        return Step("stop", "deadline", wait_s=wait)
+    return Step("retry", "backoff", wait_s=wait, resend=outcome.resend)

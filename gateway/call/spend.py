@@ -23,24 +23,26 @@ that failed is released when nothing can have reached the upstream
 (:attr:`gateway.call.attempts.AttemptLog.sent` false) or nothing billed can have
 (:attr:`gateway.call.attempts.AttemptLog.billed` false: every answer an error status,
 which providers do not bill), and otherwise keeps its reservation (the upstream may
-have acted; its cost is unknown). The audit record gets
-``cost_usd`` (null when unknown) and ``cost_reason``.
+have acted; its cost is unknown). Each step returns what the call's record learns
+(:func:`settle`: ``cost_usd``, null when unknown, and ``cost_reason``) or keeps it on
+the :class:`Spend` (its warnings and shadow denials, taken by :meth:`Spend.take_notes`);
+the pipeline writes it into the call's context.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from gateway.agents.repeats import call_names
 from gateway.budgets import Applied, Booking, Budgets
-from gateway.call.record import CallContext
 from gateway.cost import CallPrice, Pricing
 from gateway.envelope import ExternalCallRequest
 from gateway.errors import BudgetExceeded, PermissionDenied
 from gateway.policy import CompiledTarget
+from gateway.providers import TokenUsage
 
-__all__ = ["Spend", "rebook", "reserve", "settle", "settle_failed"]
+__all__ = ["Spend", "price", "rebook", "reserve", "settle", "settle_failed"]
 
 #: Why a call has no price when it calls no model (:mod:`gateway.cost`): a target without
 #: a usage dialect (Slack, an MCP server), an endpoint that is not a model call (``GET
@@ -50,50 +52,73 @@ _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 
 @dataclass(slots=True)
 class Spend:
-    """One call's price and its booking (None: no budget applies)."""
+    """One call's price, the budgets that apply, and its booking (None: none booked)."""
 
     price: CallPrice
-    booking: Booking | None = None
-    #: The budgets booked and the amount (USD), for a resend's reservation.
+    #: The budgets that apply (then booked) and the amount (USD), for a resend's.
     applying: list[Applied] = field(default_factory=list)
+    booking: Booking | None = None
     amount_usd: float = 0.0
     #: The reservations of attempts that may have been billed, kept (cost unknown).
     resent: list[Booking] = field(default_factory=list)
+    #: The budgets the call was booked in (names), for the record.
+    budgets: list[str] = field(default_factory=list)
+    #: Refused by a budget before sending (BUDGET_EXCEEDED, or its cost unbounded).
+    refused: bool = False
+    #: For the record, not taken yet (:meth:`take_notes`): warnings, and the shadow-mode
+    #: budgets that would have refused the call (``budget:name``).
+    warnings: list[str] = field(default_factory=list)
+    shadow_denied: list[str] = field(default_factory=list)
+
+    def take_notes(self) -> tuple[list[str], list[str]]:
+        """The warnings and shadow denials since the last take (then forgotten)."""
+        notes = self.warnings, self.shadow_denied
+        self.warnings, self.shadow_denied = [], []
+        return notes
 
 
-async def reserve(
+def price(
     budgets: Budgets,
     pricing: Pricing,
     request: ExternalCallRequest,
     target: CompiledTarget,
-    ctx: CallContext,
+    *,
+    group: str | None,
+    agent_id: str,
+    tools: Sequence[str],
 ) -> Spend:
-    """Price the call and reserve it against the budgets that apply. Raises
-    BudgetExceeded, PermissionDenied (cost cannot be bounded) or CapacityExceeded (a
-    fail-closed cluster budget without Redis)."""
-    tools = call_names(request, ctx.mcp) if budgets else []
-    applying = (
-        budgets.applying(target.name, ctx.rate_limit_group, ctx.agent_id, tools) if budgets else []
-    )
-    price = pricing.price(
+    """The call's price (cheap: cached per model) and the budgets that apply to it (of
+    its target, rate-limit ``group``, agent and ``tools``: the call's names,
+    :func:`gateway.agents.repeats.call_names`). Raises nothing."""
+    applying = budgets.applying(target.name, group, agent_id, tools) if budgets else []
+    priced = pricing.price(
         target.spec.usage, request.endpoint, request.parameters, measure=bool(applying)
     )
-    ctx.cost_model, ctx.cost_source = price.model, price.rates.source if price.rates else None
+    return Spend(priced, applying)
+
+
+async def reserve(budgets: Budgets, spend: Spend, request: ExternalCallRequest) -> None:
+    """Reserve the call (priced by :func:`price`) against the budgets that apply, all or
+    nothing. Raises BudgetExceeded, PermissionDenied (cost cannot be bounded), both with
+    ``spend.refused`` set, or CapacityExceeded (a fail-closed cluster budget without
+    Redis)."""
+    price, applying = spend.price, spend.applying
     if not applying or _outside_budgets(price, request):
-        return Spend(price)
+        spend.applying = []
+        return
     amount = None
     for budget in applying:
         upper, reason = price.upper_usd(budget.spec.max_output_tokens)
         if upper is None:
             if budget.spec.on_unknown_price == "allow" or not budget.enforce:
                 upper = price.known_usd()
-                ctx.warnings.append(
+                spend.warnings.append(
                     f"budget {budget.name!r}: the call's cost cannot be bounded before "
                     f"sending ({reason}); reserved {upper:.6f} USD (on_unknown_price: "
                     f"{budget.spec.on_unknown_price}, mode: {budget.spec.mode})"
                 )
             else:
-                ctx.decision, ctx.cost_reason = "denied", "not_sent"
+                spend.refused = True
                 raise PermissionDenied(
                     f"budget {budget.name!r} applies to this call, and its cost cannot be "
                     f"bounded before sending ({reason.replace('_', ' ') if reason else ''}): "
@@ -110,15 +135,15 @@ async def reserve(
     try:
         booking = await budgets.reserve(applying, amount or 0.0)
     except BudgetExceeded:
-        ctx.decision, ctx.cost_reason = "denied", "not_sent"
+        spend.refused = True
         raise
-    ctx.budgets = [b.name for b in applying]
-    ctx.warnings.extend(booking.warnings)
-    ctx.shadow_denied.extend(f"budget:{name}" for name in booking.shadow_denied)
-    return Spend(price, booking, applying, amount or 0.0)
+    spend.booking, spend.amount_usd = booking, amount or 0.0
+    spend.budgets = [b.name for b in applying]
+    spend.warnings.extend(booking.warnings)
+    spend.shadow_denied.extend(f"budget:{name}" for name in booking.shadow_denied)
 
 
-async def rebook(budgets: Budgets, spend: Spend, ctx: CallContext) -> None:
+async def rebook(budgets: Budgets, spend: Spend) -> None:
     """Before resending a call whose earlier attempt the upstream may have acted on: book
     the call's reservation again (that attempt's is kept: it may have been billed). Raises
     BudgetExceeded (nothing more is sent) or CapacityExceeded, as :func:`reserve`."""
@@ -135,10 +160,8 @@ async def rebook(budgets: Budgets, spend: Spend, ctx: CallContext) -> None:
             retry_after_s=exc.retry_after_s,
         ) from None
     spend.resent.append(booking)
-    ctx.warnings.extend(booking.warnings)
-    for name in booking.shadow_denied:
-        if f"budget:{name}" not in ctx.shadow_denied:
-            ctx.shadow_denied.append(f"budget:{name}")
+    spend.warnings.extend(booking.warnings)
+    spend.shadow_denied.extend(f"budget:{name}" for name in booking.shadow_denied)
 
 
 def _outside_budgets(price: CallPrice, request: ExternalCallRequest) -> bool:
@@ -154,23 +177,26 @@ def _outside_budgets(price: CallPrice, request: ExternalCallRequest) -> bool:
     return price.reason == "not_a_model_call" and request.method in _SAFE_METHODS
 
 
-def settle(budgets: Budgets, spend: Spend, ctx: CallContext) -> None:
-    """After an answer: its real cost from ``ctx.usage`` into the record and budgets."""
-    usd, reason = spend.price.cost(ctx.usage)
-    ctx.cost_usd, ctx.cost_reason = usd, reason
+def settle(
+    budgets: Budgets, spend: Spend, usage: TokenUsage | None
+) -> tuple[float | None, str | None]:
+    """After an answer: its real cost from ``usage`` into the budgets. Returns the
+    record's ``(cost_usd, cost_reason)`` (None: unknown, and why)."""
+    usd, reason = spend.price.cost(usage)
     if spend.booking is not None:
         budgets.settle(spend.booking, usd)  # None (unknown): the reservation is kept
+    return usd, reason
 
 
-def settle_failed(
-    budgets: Budgets, spend: Spend, ctx: CallContext, *, sent: bool, billed: bool
-) -> None:
+def settle_failed(budgets: Budgets, spend: Spend, *, sent: bool, billed: bool) -> str:
     """After a failure: release the reservation if nothing can have reached the upstream
     (``sent`` false: ``cost_reason`` "not_sent") or nothing it received can have been
     billed (``billed`` false: every attempt it answered, it answered with an error
     status, which the providers do not bill; "not_billed"), else keep it (the upstream
-    may have processed the call; "usage_unknown"). A released call costs nothing."""
+    may have processed the call; "usage_unknown"). A released call costs nothing.
+    Returns the record's ``cost_reason``."""
     unsent = "not_billed" if sent else "not_sent"
-    ctx.cost_reason = spend.price.reason or ("usage_unknown" if billed else unsent)
+    reason = spend.price.reason or ("usage_unknown" if billed else unsent)
     if spend.booking is not None:
         budgets.settle(spend.booking, None if billed else 0.0)
+    return reason

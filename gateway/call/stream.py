@@ -127,13 +127,19 @@ def judge_body(
     status: int,
     *,
     cut: bool = False,
+    head: bool = False,
 ) -> tuple[GatewayError | None, Any]:
     """Judge a whole answer ``body``: ``(error or None, its data)``. Only an SSE body is
     judged (its data is the SSE form of :func:`gateway.call.bodies.parse_sse`); any other
-    body gives ``(None, None)`` and is parsed by the caller as usual."""
-    if not body and not cut:
+    body gives ``(None, None)`` and is parsed by the caller as usual. An SSE answer that
+    ended before its first byte is judged too (no marker: STREAM_INTERRUPTED, however
+    its connection ended), unless it has no body by definition (``head``: the answer to
+    a HEAD request; a 204 or 205)."""
+    if not body and not cut and (head or status in (204, 205)):
         return None, None
     mtype = media_type(content_type)
+    if not body and not cut and mtype != "text/event-stream":
+        return None, None
     data: Any
     if cut and mtype != "text/event-stream":  # pragma: no cover - only streams are cut
         return None, None

@@ -23,7 +23,8 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 class Secret:
     """A secret value that does not show itself in reprs, logs or tracebacks."""
 
-    __slots__ = ("_value",)
+    # Weak-referenceable, so that a test can show no memo keeps a secret alive.
+    __slots__ = ("__weakref__", "_value")
 
     def __init__(self, value: str) -> None:
         self._value = value

@@ -201,6 +201,13 @@ class Gateway:
         parts = self._parts
         return parts.agents if parts is not None else Agents(self.policy.policy.agent_id)
 
+    def rendered_answer(self, response: ExternalCallResponse) -> bytes | None:
+        """The JSON bytes the pipeline stored for ``response``'s idempotency key, if it
+        is the answer just stored (taken once), else None: the answer is then written
+        with the same bytes, not serialised a second time."""
+        pipeline = self.pipeline
+        return pipeline.rendered.take(response) if pipeline is not None else None
+
     async def aclose(self) -> None:
         """Close every resource :meth:`start` opened, in reverse order; a part that fails
         to close does not keep the others open (its error is raised after). Idempotent."""

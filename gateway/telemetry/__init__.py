@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
 if TYPE_CHECKING:
-    from gateway.call.record import CallContext
     from gateway.envelope import ExternalCallResponse
     from gateway.policy.models import TelemetrySpec
+    from gateway.record import CallRecord, LiveCall
     from gateway.upstream import OutboundRequest, Upstream, UpstreamResponse
 
 #: Span names of the stages (:meth:`CallTrace.span`), and the attribute each names its
@@ -70,8 +70,9 @@ class CallTrace:
         """``upstream.send(outbound, ...)``, as one CLIENT span of the call."""
         return upstream.send(outbound, timeout_s=timeout_s, stream=stream)
 
-    def end(self, ctx: CallContext, status: int, response: ExternalCallResponse) -> None:
-        """End the call's span with what the call learned and how it was answered."""
+    def end(self, record: CallRecord, status: int, response: ExternalCallResponse) -> None:
+        """End the call's span with what the call learned (``record``) and how it was
+        answered (``status``, ``response``)."""
 
 
 class _NoopStage:
@@ -104,8 +105,8 @@ class Telemetry:
 
     enabled = False
 
-    def begin(self, ctx: CallContext) -> CallTrace:
-        """The trace of the call ``ctx`` describes, made :func:`current` until its end."""
+    def begin(self, call: LiveCall) -> CallTrace:
+        """The trace of ``call`` (read while it runs), made :func:`current` until its end."""
         return NOOP_TRACE
 
     async def aclose(self) -> None:

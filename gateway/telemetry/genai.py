@@ -26,8 +26,9 @@ from gateway.providers import GenAICall, TokenUsage, genai_call, response_model
 from gateway.urls import URL
 
 if TYPE_CHECKING:
-    from gateway.call.record import CallContext
-    from gateway.envelope import ExternalCallResponse
+    from gateway.envelope import ExternalCallRequest, ExternalCallResponse
+    from gateway.policy import CompiledTarget
+    from gateway.record import CallRecord
 
 Attributes = dict[str, str | int | float | bool]
 
@@ -65,29 +66,32 @@ class GenAIOutcome:
     usage: TokenUsage | None
 
 
-def request_of(ctx: CallContext) -> GenAICall | None:
-    """The GenAI description of the call in ``ctx``, None for a call that is not a model
-    call (a target without ``usage``, another endpoint, or a call refused before the
-    policy knew its target)."""
-    request, target = ctx.request, ctx.target
+def request_of(
+    request: ExternalCallRequest | None, target: CompiledTarget | None
+) -> GenAICall | None:
+    """The GenAI description of ``request`` on ``target``, None for a call that is not a
+    model call (a target without ``usage``, another endpoint, or a call refused before
+    the policy knew its target)."""
     if request is None or target is None:
         return None
     return genai_call(target.spec.usage, request.endpoint, request.parameters)
 
 
-def outcome_of(ctx: CallContext, response: ExternalCallResponse) -> GenAIOutcome | None:
-    """:func:`request_of` with the answer's model and usage."""
-    call = request_of(ctx)
+def outcome_of(record: CallRecord, response: ExternalCallResponse) -> GenAIOutcome | None:
+    """:func:`request_of` of the call ``record`` describes, with the answer's model (a
+    relayed stream's, else ``response``'s) and usage."""
+    target = record.target
+    call = request_of(record.request, target)
     if call is None:
         return None
-    assert ctx.target is not None
-    relayed = ctx.attempt_log.relayed
+    assert target is not None
+    stream = record.stream
     model = (
-        relayed.judge.response_model()
-        if relayed is not None
-        else response_model(ctx.target.spec.usage, response.data)
+        stream.response_model
+        if stream is not None
+        else response_model(target.spec.usage, response.data)
     )
-    return GenAIOutcome(call, model, ctx.usage)
+    return GenAIOutcome(call, model, record.usage)
 
 
 def token_counts(call: GenAICall, usage: TokenUsage) -> tuple[int | None, int | None]:

@@ -61,8 +61,8 @@ from gateway.upstream import TransportError
 if TYPE_CHECKING:
     import contextvars
 
-    from gateway.call.record import CallContext
     from gateway.envelope import ExternalCallResponse
+    from gateway.record import CallRecord, LiveCall
     from gateway.upstream import OutboundRequest, Upstream, UpstreamResponse
 
 _log = get_logger("gateway.telemetry")
@@ -151,11 +151,11 @@ class _TracedStream:
 class OtelCallTrace(CallTrace):
     """The spans of one call (see the module docstring)."""
 
-    __slots__ = ("_attempts", "_call", "_ctx", "_owner", "_parent", "_span", "_token")
+    __slots__ = ("_attempts", "_call", "_live", "_owner", "_parent", "_span", "_token")
 
-    def __init__(self, owner: OtelTelemetry, ctx: CallContext) -> None:
+    def __init__(self, owner: OtelTelemetry, live: LiveCall) -> None:
         self._owner = owner
-        self._ctx = ctx
+        self._live = live
         self._span: Span | None = None
         self._parent: Context = _ROOT
         self._attempts = 0
@@ -167,8 +167,8 @@ class OtelCallTrace(CallTrace):
         parent is known once the envelope has been read."""
         if self._span is not None:
             return self._span
-        ctx, owner = self._ctx, self._owner
-        request = ctx.request
+        live, owner = self._live, self._owner
+        request = live.request
         parent = _ROOT
         if request is not None:
             carrier = {k.lower(): v for k, v in request.headers.items()}
@@ -178,12 +178,12 @@ class OtelCallTrace(CallTrace):
             if not otel_trace.get_current_span(parent).get_span_context().is_valid:
                 parent = _ROOT
                 owner.ids.next_trace_id = int(trace_id_of(request.trace_id), 16)
-            self._call = g.request_of(ctx)
+            self._call = g.request_of(request, live.target)
         span = self._span = owner.tracer.start_span(
             "egress",
             context=parent,
             kind=SpanKind.SERVER,
-            start_time=_wall_ns(ctx.started),
+            start_time=_wall_ns(live.started),
         )
         owner.ids.next_trace_id = 0
         self._parent = otel_trace.set_span_in_context(span, _ROOT)
@@ -240,9 +240,9 @@ class OtelCallTrace(CallTrace):
             return answer
         return replace(answer, stream=_TracedStream(answer.stream, span, sent_ns))
 
-    def end(self, ctx: CallContext, status: int, response: ExternalCallResponse) -> None:
+    def end(self, record: CallRecord, status: int, response: ExternalCallResponse) -> None:
         try:
-            self._finish(ctx, status, response)
+            self._finish(record, status, response)
         except Exception as exc:  # noqa: BLE001 - tracing must never fail a call
             _log.warning("trace_not_recorded", error=type(exc).__name__)
         finally:
@@ -250,30 +250,30 @@ class OtelCallTrace(CallTrace):
                 _deactivate(self._token)
                 self._token = None
 
-    def _finish(self, ctx: CallContext, status: int, response: ExternalCallResponse) -> None:
+    def _finish(self, record: CallRecord, status: int, response: ExternalCallResponse) -> None:
         span = self._server()
-        target = ctx.target.name if ctx.target is not None else None
-        outcome = g.outcome_of(ctx, response)
+        target = record.target.name if record.target is not None else None
+        outcome = g.outcome_of(record, response)
         span.update_name(g.span_name(outcome.call if outcome else None, f"egress {target or ''}"))
         attrs = g.outcome_attributes(outcome)
         attrs["http.response.status_code"] = status
-        attrs["egress.decision"] = "replayed" if ctx.replayed else ctx.decision
-        attrs["egress.agent_id"] = ctx.agent_id
-        attrs["egress.attempts"] = ctx.attempt_log.attempts
+        attrs["egress.decision"] = "replayed" if record.replayed else record.decision
+        attrs["egress.agent_id"] = record.agent_id
+        attrs["egress.attempts"] = record.attempts
         if target is not None:
             attrs["egress.target"] = target
-        if ctx.request is not None:
-            attrs["egress.correlation_id"] = ctx.request.correlation_id
-        if ctx.rate_limit_group is not None:
-            attrs["egress.rate_limit_group"] = ctx.rate_limit_group
-        if ctx.chain is not None and ctx.chain.agents:  # agents calling agents
-            span.set_attribute("egress.call_chain", list(ctx.chain.agents))  # a string array
-            attrs["egress.call_chain.depth"] = ctx.chain.depth
+        if record.request is not None:
+            attrs["egress.correlation_id"] = record.request.correlation_id
+        if record.rate_limit_group is not None:
+            attrs["egress.rate_limit_group"] = record.rate_limit_group
+        if record.chain is not None and record.chain.agents:  # agents calling agents
+            span.set_attribute("egress.call_chain", list(record.chain.agents))  # a string array
+            attrs["egress.call_chain.depth"] = record.chain.depth
         if response.status_code is not None:
             attrs["egress.upstream.status_code"] = response.status_code
-        relayed = ctx.attempt_log.relayed
-        if relayed is not None and relayed.first_byte_s is not None:
-            attrs[g.TIME_TO_FIRST_CHUNK] = relayed.first_byte_s
+        stream = record.stream
+        if stream is not None and stream.first_byte_s is not None:
+            attrs[g.TIME_TO_FIRST_CHUNK] = stream.first_byte_s
         error = response.error
         if error is not None:
             attrs["egress.error.code"] = error.code.value
@@ -307,8 +307,8 @@ class OtelTelemetry(Telemetry):
         self.tracer = self._provider.get_tracer("gateway", gateway.__version__)
         self._closed = False
 
-    def begin(self, ctx: CallContext) -> CallTrace:
-        trace = OtelCallTrace(self, ctx)
+    def begin(self, call: LiveCall) -> CallTrace:
+        trace = OtelCallTrace(self, call)
         trace._token = _activate(trace)
         return trace
 

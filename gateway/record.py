@@ -1,0 +1,278 @@
+"""One call's record: what every stage learned, frozen at the call's end (pure).
+
+The pipeline's stages each return what they learned; at the end of a call they are
+frozen into one :class:`CallRecord`, which feeds the audit record (:func:`audit_record`,
+field names: :class:`gateway.audit.schema.Fields`), the metrics
+(:func:`gateway.call.record.observe`) and the call's span
+(:meth:`gateway.telemetry.CallTrace.end`). It lives below them all, so that telemetry,
+audit and metrics read a call without importing the pipeline (:mod:`gateway.call`).
+
+:class:`LiveCall` is what a call's trace may read while the call runs (its start, its
+envelope and target once known); :func:`refusal_record` is the record of an answer the
+server gave before the envelope was read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final, Literal, NamedTuple, Protocol
+
+from gateway.agents.chain import ChainDecision
+from gateway.agents.identity import Identity
+from gateway.audit.schema import Fields as F
+from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
+from gateway.policy import CompiledTarget
+from gateway.policy.egress import origin_label
+from gateway.providers import TokenUsage
+from gateway.providers.mcp import McpExchange
+
+#: Envelope fields copied into the audit record (under the same names), even from an
+#: envelope that failed validation (as strings, cut to CLAIM_LIMIT characters).
+CLAIMED: Final = (
+    F.TRACE_ID,
+    F.CORRELATION_ID,
+    F.TARGET_SYSTEM,
+    F.ENDPOINT,
+    F.METHOD,
+    F.AGENT_ID,
+)
+CLAIM_LIMIT: Final = 256
+
+Api = Literal["envelope", "proxy", "mcp", "a2a"]
+
+
+class LiveCall(Protocol):
+    """A call while it runs, as its trace reads it: ``started`` (``time.monotonic()``
+    seconds), the envelope and the target (None until the call has them)."""
+
+    @property
+    def started(self) -> float: ...
+
+    @property
+    def request(self) -> ExternalCallRequest | None: ...
+
+    @property
+    def target(self) -> CompiledTarget | None: ...
+
+
+class StreamFacts(NamedTuple):
+    """An answer relayed as a stream: its events, the seconds from the call's start to
+    its first byte (None: nothing relayed), the model its events name (None: none)."""
+
+    events: int
+    first_byte_s: float | None
+    response_model: str | None
+
+
+class CallRecord(NamedTuple):
+    """What one call learned, frozen at its end (built by
+    :meth:`gateway.call.record.CallContext.record`; a named tuple: built at a tenth of
+    a frozen dataclass's cost, once per call). Durations are seconds, sizes bytes,
+    costs USD; None is unknown or not applicable. ``warnings`` and ``shadow_denied``
+    (``kind:name``) gather every stage's; ``decision`` is the egress decision
+    (``invalid``, ``denied``, ``allowed``), ``replayed`` an idempotent replay."""
+
+    started: float
+    agent_id: str
+    api: Api
+    request: ExternalCallRequest | None
+    target: CompiledTarget | None
+    #: Identifiers read from an envelope that failed validation.
+    claimed: Mapping[str, str]
+    decision: str
+    replayed: bool
+    api_key_ref: str | None
+    rate_limit_group: str | None
+    idempotency_key: str | None
+    traceparent: str | None
+    request_bytes: int
+    request_sha256: str | None
+    usage: TokenUsage | None
+    cost_usd: float | None
+    cost_reason: str | None
+    cost_model: str | None
+    cost_source: str | None
+    budgets: list[str]
+    warnings: list[str]
+    shadow_denied: list[str]
+    attempts: int
+    upstream_latency_s: float | None
+    response_bytes: int | None
+    rate_limit_wait_s: float
+    stream: StreamFacts | None
+    #: An exchange with an MCP target: its JSON-RPC messages and their outcomes.
+    mcp: McpExchange | None
+    #: Who called, as the sidecar established it (gateway.agents.identity); the SHA-256
+    #: of the policy file the call ran under.
+    identity: Identity | None
+    policy_sha256: str | None
+    #: What the call chain stage decided (:mod:`gateway.call.chain`; None: not reached).
+    chain: ChainDecision | None
+
+
+def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
+    """The audit record of a call that ended with ``response`` (schema v1)."""
+    request, target, usage, error = call.request, call.target, call.usage, response.error
+    agent_id = call.agent_id  # a claimed agent_id is never who called
+    warnings = call.warnings  # built for this record (CallContext.record)
+    if error is not None and error.code is ErrorCode.EGRESS_DENIED:
+        warnings = [*warnings, f"egress denied: {error.message}"]  # the destination
+    shadow = [*call.shadow_denied]  # a list of its own (the record's may be the context's)
+    decision = "replayed" if call.replayed else call.decision
+    if shadow and decision == "allowed":
+        decision = "shadow_denied"
+    latency = call.upstream_latency_s
+    return {
+        F.AGENT_ID: agent_id,
+        **_named(call),
+        F.UPSTREAM: origin_label(target.base_url) if target else None,
+        F.DECISION: decision,
+        F.SUCCESS: response.success,
+        F.STATUS_CODE: response.status_code,
+        F.ERROR_CODE: error.code.value if error else None,
+        F.RETRYABLE: error.retryable if error else None,
+        F.ATTEMPTS: call.attempts,
+        F.LATENCY_MS: response.latency_ms,
+        F.UPSTREAM_LATENCY_MS: round(latency * 1000, 3) if latency is not None else None,
+        F.TOKENS_USED: usage.total if usage else None,
+        F.TOKENS_INPUT: usage.input if usage else None,
+        F.TOKENS_OUTPUT: usage.output if usage else None,
+        F.TOKENS_CACHED: usage.cached if usage else None,
+        F.REQUEST_BYTES: call.request_bytes,
+        F.REQUEST_SHA256: call.request_sha256,
+        F.RESPONSE_BYTES: call.response_bytes,
+        F.API_KEY_REF: call.api_key_ref,
+        F.RATE_LIMIT_GROUP: call.rate_limit_group,
+        F.RATE_LIMIT_WAIT_MS: round(call.rate_limit_wait_s * 1000, 3),
+        F.IDEMPOTENCY_KEY: call.idempotency_key,
+        F.REPLAYED: call.replayed,
+        F.WARNINGS: warnings,
+        F.METADATA: request.metadata if request else {},
+        F.TRACEPARENT: call.traceparent,
+        # Set by refusal_record only: the pipeline's calls came in as POST /v1/calls.
+        F.HTTP_METHOD: None,
+        F.HTTP_PATH: None,
+        F.HTTP_STATUS: None,
+        **_stream_and_cost(call, shadow),
+        # Set per JSON-RPC request by gateway.call.mcp.audit_records.
+        F.MCP_METHOD: None,
+        F.MCP_TOOL: None,
+        F.MCP_REQUEST_ID: None,
+        F.MCP_IS_ERROR: None,
+        F.MCP_ERROR_CODE: None,
+        # Set per JSON-RPC request by gateway.call.a2a.audit_records.
+        F.A2A_METHOD: None,
+        F.A2A_REQUEST_ID: None,
+        F.A2A_TASK_ID: None,
+        F.A2A_CONTEXT_ID: None,
+        F.A2A_ERROR_CODE: None,
+        **_chain(call.chain),
+        **_caller(call, agent_id),
+    }
+
+
+def _named(call: CallRecord) -> dict[str, Any]:
+    """What the call names (its ids, target, endpoint, method): the envelope's, or for an
+    envelope that failed validation the ids it claimed, if any."""
+    request = call.request
+    if request is not None:
+        return {
+            F.TRACE_ID: request.trace_id,
+            F.CORRELATION_ID: request.correlation_id,
+            F.TARGET_SYSTEM: request.target_system,
+            F.ENDPOINT: request.endpoint,
+            F.METHOD: request.method,
+        }
+    claimed = call.claimed
+    return {
+        F.TRACE_ID: claimed.get(F.TRACE_ID),
+        F.CORRELATION_ID: claimed.get(F.CORRELATION_ID),
+        F.TARGET_SYSTEM: claimed.get(F.TARGET_SYSTEM),
+        F.ENDPOINT: claimed.get(F.ENDPOINT),
+        F.METHOD: claimed.get(F.METHOD),
+    }
+
+
+def _stream_and_cost(call: CallRecord, shadow: list[str]) -> dict[str, Any]:
+    """The record's stream, reasoning tokens, API, cost, budgets and shadow denials."""
+    stream, usage = call.stream, call.usage
+    return {
+        F.STREAM: stream is not None,
+        F.STREAM_EVENTS: stream.events if stream is not None else None,
+        F.TIME_TO_FIRST_BYTE_MS: (
+            round(stream.first_byte_s * 1000, 3)
+            if stream is not None and stream.first_byte_s is not None
+            else None
+        ),
+        F.TOKENS_REASONING: usage.reasoning if usage else None,
+        F.API: call.api,
+        F.COST_USD: round(call.cost_usd, 9) if call.cost_usd is not None else None,
+        F.COST_REASON: "replayed" if call.replayed else call.cost_reason,
+        F.COST_MODEL: call.cost_model,
+        F.COST_SOURCE: call.cost_source,
+        F.BUDGETS: [*call.budgets],
+        F.SHADOW_DENIED: shadow,
+    }
+
+
+def _chain(chain: ChainDecision | None) -> dict[str, Any]:
+    """The call chain the call went out with (None without agents calling agents)."""
+    agents = chain is not None and bool(chain.agents)
+    return {
+        F.CALL_CHAIN: list(chain.agents) if chain is not None and agents else None,
+        F.CALL_CHAIN_DEPTH: chain.depth if chain is not None and agents else None,
+    }
+
+
+def _caller(call: CallRecord, agent_id: str) -> dict[str, Any]:
+    """Who called (:class:`gateway.agents.identity.Identity`) and under which policy."""
+    identity = call.identity
+    claim = call.claimed.get(F.AGENT_ID) if call.request is None else None
+    claimed = identity.claimed if identity is not None else None
+    return {
+        F.AGENT_AUTH: identity.agent_auth if identity is not None else None,
+        F.AGENT_CLAIMED: claimed or (claim if claim is not None and claim != agent_id else None),
+        F.PEER_UID: identity.peer_uid if identity is not None else None,
+        F.POLICY_SHA256: call.policy_sha256,
+    }
+
+
+def refused(
+    agent_id: str,
+    claimed: Mapping[str, str],
+    identity: Identity | None = None,
+    policy_sha256: str | None = None,
+) -> CallRecord:
+    """The record of a call that never started (nothing learned but its agent, the ids
+    ``claimed`` for it, who called and the policy's SHA-256 when known)."""
+    return CallRecord(
+        0.0, agent_id, "envelope", None, None, claimed, "invalid", False, None, None, None,
+        None, 0, None, None, None, None, None, None, [], [], [], 0, None, None, 0.0, None,
+        None, identity, policy_sha256, None,
+    )  # fmt: skip
+
+
+def refusal_record(
+    agent_id: str,
+    response: ExternalCallResponse,
+    *,
+    http_method: str,
+    http_path: str,
+    http_status: int,
+    identity: Identity | None = None,
+    policy_sha256: str | None = None,
+) -> dict[str, Any]:
+    """The audit record of an answer given before the envelope was read (an unknown
+    route, a method not allowed, a body too large or unreadable): decision ``invalid``,
+    the answer's error code, the sidecar's own request line (``http_path`` without its
+    query, both cut to 256 characters) and ``http_status``, and the answer's ids when it
+    has them; nothing of the body. ``identity``, when established, is who called (its
+    ``agent_id`` wins)."""
+    ids = {F.TRACE_ID: response.trace_id, F.CORRELATION_ID: response.correlation_id}
+    claimed = {k: v for k, v in ids.items() if v is not None}
+    who = identity.agent_id if identity is not None else agent_id
+    record = audit_record(refused(who, claimed, identity, policy_sha256), response)
+    record[F.HTTP_METHOD] = http_method[:CLAIM_LIMIT]
+    record[F.HTTP_PATH] = http_path[:CLAIM_LIMIT]
+    record[F.HTTP_STATUS] = http_status
+    return record
