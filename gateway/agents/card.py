@@ -10,15 +10,17 @@ A card is a JSON object with a ``name`` and where to reach the agent: protocol 1
 (the a2a-sdk's ``a2a.utils.signing``). The form here sorts keys by code point and writes
 numbers as Python does, which is RFC 8785's for the integers and the keys of BMP
 characters that cards hold.
+
+PyJWT is the optional extra ``egress-gateway[a2a]``, imported only when a card is
+verified; without it a card to verify is refused (``card_verify_unavailable``).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+from types import ModuleType
 from typing import Any
-
-import jwt
 
 from gateway.errors import PermissionDenied
 
@@ -81,6 +83,7 @@ def _verify(card: dict[str, Any], key: str | None, algorithms: tuple[str, ...]) 
             "the agent's card is not signed, and a2a.card.verify asks for a signature",
             details={"reason": "card_unsigned"},
         )
+    jwt = _jwt()
     payload = base64.urlsafe_b64encode(canonical(card)).rstrip(b"=").decode()
     for signature in signatures:
         if not isinstance(signature, dict):
@@ -90,7 +93,7 @@ def _verify(card: dict[str, Any], key: str | None, algorithms: tuple[str, ...]) 
             continue
         try:
             jwt.api_jws.decode_complete(
-                f"{protected}.{payload}.{sig}", key=_key(key), algorithms=list(algorithms)
+                f"{protected}.{payload}.{sig}", key=_key(jwt, key), algorithms=list(algorithms)
             )
         except (jwt.PyJWTError, ValueError, TypeError):
             continue
@@ -101,7 +104,19 @@ def _verify(card: dict[str, Any], key: str | None, algorithms: tuple[str, ...]) 
     )
 
 
-def _key(text: str) -> Any:
+def _jwt() -> ModuleType:
+    """PyJWT, or the refusal of a card that cannot be verified without it."""
+    try:
+        import jwt
+    except ImportError:
+        raise PermissionDenied(
+            "a2a.card.verify needs PyJWT: install egress-gateway[a2a]",
+            details={"reason": "card_verify_unavailable"},
+        ) from None
+    return jwt
+
+
+def _key(jwt: ModuleType, text: str) -> Any:
     """A PEM public key as is; a JWK (JSON) as PyJWT's key object."""
     stripped = text.strip()
     if stripped.startswith("{"):
