@@ -87,7 +87,9 @@ class CallContext:
     chain_seen: dict[str, str] | None = None
     chain: ChainDecision | None = None
     #: The agent the call goes to, when its target is an agent (``a2a.agent_id``): the
-    #: chain decision's target agent; and an A2A request (or card fetch), as read.
+    #: chain decision's target agent, set by the API's intake; and an A2A request
+    #: (gateway.providers.a2a.A2aExchange) or card fetch (gateway.call.a2a.CardFetch), as
+    #: read (typed loosely: gateway.call.a2a imports this module).
     target_agent: str | None = None
     a2a: Any = None
     #: A call to this sidecar's agent (the inbound route): its chain is admitted, not
