@@ -208,3 +208,34 @@ async def test_the_inbound_route_serves_the_card_pointing_at_itself(
     assert len(b.received) == 1
     posts = [r for r in side_b.audit_records() if r["a2a_method"] == "SendMessage"]
     assert sorted(r["target_system"] for r in posts) == ["a2a-inbound", "c"]
+
+
+async def test_a_later_request_in_the_same_context_gets_its_chain(
+    agents: Callable[..., Awaitable[Agent]], sidecar_factory: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    b, _, _, side_b = await _stack(agents, sidecar_factory, b_chain={})
+
+    async def send(headers: dict[str, str]) -> None:
+        body = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "SendMessage",
+            "params": {
+                "message": {
+                    "messageId": f"m{len(b.received)}",
+                    "contextId": "ctx-1",
+                    "role": "ROLE_USER",
+                    "parts": [{"text": "x"}],
+                }
+            },
+        }
+        url = f"{side_b.url}/a2a/in/"
+        headers = {**headers, "A2A-Version": "1.0"}
+        async with side_b.session.post(url, json=body, headers=headers) as resp:
+            answer = await resp.json()
+        assert "result" in answer, answer
+
+    await send({"x-egress-call-chain": "a"})
+    await send({})  # the same context, no chain: the one remembered for it
+
+    assert [h.get("x-egress-call-chain") for h in b.received] == ["a", "a"]
