@@ -53,6 +53,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/desk.py",
             "gateway/policy/mcp.py",
             "gateway/policy/a2a.py",
+            "gateway/policy/modelrules.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }

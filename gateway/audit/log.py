@@ -9,8 +9,13 @@ chain:
 
 Operational lines (``get_logger()``) have one configuration for the process
 (:func:`configure_logging`: their stream and level), as structlog's configuration is
-global. Audit records belong to an :class:`AuditLog`, which owns its sink (the stream it
-is given, or a size-rotated file: ``audit: {sink: file, path: ..., max_bytes: ...,
+global. So has the log format (:func:`set_log_format`): ``json`` (the default, for
+collectors) or ``console``, structlog's ConsoleRenderer for a person at a terminal: one
+readable line per call (target, method, endpoint, status or code, latency, tokens, cost,
+trace) and per event. Console lines are scrubbed of secrets like JSON ones; an audit
+*file* is always JSON, and a hash chain is computed over the JSON line all the same.
+Audit records belong to an :class:`AuditLog`, which owns its sink (the stream it is
+given, or a size-rotated file: ``audit: {sink: file, path: ..., max_bytes: ...,
 backup_count: ...}``, :mod:`gateway.audit.file`), its ``sidecar_id`` and its hash chain:
 two gateways in one process write two audit streams. Audit records are written whatever
 the operational log level.
@@ -145,6 +150,22 @@ def _file_link(path: str) -> _Link | None:
     return None
 
 
+def _render_json(_: WrappedLogger, __: str, event_dict: EventDict) -> str:
+    return _render_line(event_dict)
+
+
+class _ConsoleAfterChain:
+    """A chained record shown on a terminal: the chain advances over the JSON line (so
+    ``seq`` and ``hash`` stay right), and the readable line is what is written."""
+
+    def __init__(self, chain: _HashChain) -> None:
+        self._chain = chain
+
+    def __call__(self, logger: WrappedLogger, name: str, event_dict: EventDict) -> str:
+        self._chain(logger, name, event_dict)
+        return _console_line(logger, name, event_dict)
+
+
 class _HashChain:
     """The last processor of a chained AuditLog: renders the line, adds ``seq``,
     ``prev_hash`` and the ``hash`` of the line as a reader parses it back.
@@ -221,8 +242,76 @@ def _render_line(event_dict: EventDict) -> str:
     return redaction.scrub(fastjson.log_line(event_dict))
 
 
-def _render(_: WrappedLogger, __: str, event_dict: EventDict) -> str:
+def _render(logger: WrappedLogger, name: str, event_dict: EventDict) -> str:
+    if _console is not None:
+        return _console_line(logger, name, event_dict)
     return _render_line(event_dict)
+
+
+#: The log formats of :func:`set_log_format` (``serve --log-format``, GATEWAY_LOG_FORMAT).
+LOG_FORMATS: Final = ("json", "console")
+#: The console renderer when the format is ``console``; None renders JSON.
+_console: structlog.dev.ConsoleRenderer | None = None
+#: Fields a console line leaves out: the machine's (schema, chain, ids of the process).
+_CONSOLE_HIDDEN: Final = frozenset(
+    {Fields.AUDIT_SCHEMA, Fields.SIDECAR_ID, Fields.AGENT_ID, *CHAIN_FIELDS, "component"}
+)
+
+
+def set_log_format(log_format: str, *, colors: bool = False) -> None:
+    """``json`` (one JSON line per record) or ``console`` (one readable line, with ANSI
+    colours when ``colors``) for every line written to a stream from now on: a process
+    setting, like structlog's configuration, set by ``serve`` before the sidecar starts.
+    Raises ValueError for another format."""
+    global _console
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be json or console, not {log_format!r}")
+    _console = (
+        structlog.dev.ConsoleRenderer(colors=colors, sort_keys=False, pad_event_to=0)
+        if log_format == "console"
+        else None
+    )
+
+
+def _console_line(logger: WrappedLogger, name: str, event_dict: EventDict) -> str:
+    """One readable line: a call as ``target METHOD endpoint -> status`` and its figures,
+    any other event with its fields but the machine's."""
+    assert _console is not None
+    if event_dict.get(Fields.EVENT) == CALL_EVENT:
+        event_dict = _call_summary(event_dict)
+    else:
+        event_dict = {k: v for k, v in event_dict.items() if k not in _CONSOLE_HIDDEN}
+    return redaction.scrub(str(_console(logger, name, event_dict)))
+
+
+def _call_summary(record: EventDict) -> EventDict:
+    target = record.get(Fields.TARGET_SYSTEM) or "-"
+    method = record.get(Fields.METHOD) or record.get(Fields.HTTP_METHOD) or "-"
+    endpoint = record.get(Fields.ENDPOINT) or record.get(Fields.HTTP_PATH) or "-"
+    status = record.get(Fields.STATUS_CODE) or record.get(Fields.HTTP_STATUS)
+    outcome = record.get(Fields.ERROR_CODE) or ("ok" if record.get(Fields.SUCCESS) else "-")
+    line: EventDict = {
+        Fields.TIMESTAMP: record.get(Fields.TIMESTAMP),
+        Fields.LEVEL: record.get(Fields.LEVEL),
+        Fields.EVENT: f"{target} {method} {endpoint} -> {status or '-'} {outcome}",
+    }
+    shown = (
+        Fields.DECISION,
+        Fields.LATENCY_MS,
+        Fields.TOKENS_USED,
+        Fields.COST_USD,
+        Fields.ATTEMPTS,
+        Fields.REPLAYED,
+        Fields.TRACE_ID,
+    )
+    for key in shown:
+        value = record.get(key)
+        if value is None or value is False or (key == Fields.DECISION and value == "allowed"):
+            continue
+        if key == Fields.ATTEMPTS and value in (0, 1):
+            continue
+        line[key] = value
+    return line
 
 
 _TIMESTAMPER: Final = structlog.processors.TimeStamper(fmt="iso", utc=True, key=Fields.TIMESTAMP)
@@ -294,7 +383,14 @@ class AuditLog:
             if spec.chain:
                 link = _file_link(spec.path)  # before the sink may add a newline to it
             self._sink.to_file(spec.path, spec.max_bytes or 0, spec.backup_count)
-        last = _HashChain(link) if spec.chain else _render
+        # An audit file is for machines: always JSON. A stream is rendered in the format
+        # of the process (set_log_format), a chained record after its hash is taken.
+        on_stream = spec.sink == "stdout"
+        last: Any = _render if on_stream else _render_json
+        if spec.chain:
+            last = _HashChain(link)
+            if on_stream and _console is not None:
+                last = _ConsoleAfterChain(last)
         self._last = last
         # Audit records have a fixed schema (gateway.audit.schema): no context variables
         # are merged into them, and only the fields that may nest are searched for

@@ -129,6 +129,7 @@ class Gateway:
         _log.info(
             "sidecar_started",
             policy=self.policy.source,
+            policy_sha256=self.policy.sha256[:16],  # for a person; records carry it whole
             targets=sorted(self.policy.targets),
             agent_id=self.policy.policy.agent_id,
         )

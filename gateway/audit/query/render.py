@@ -1,7 +1,10 @@
 """Output of the audit query tool: ``rich`` tables, a trace timeline, JSON.
 
 Tables have fixed column widths so that rows printed batch by batch (streaming, or
-``--follow``) line up under one header. Cell text is never read as ``rich`` markup.
+``--follow``) line up under one header; on a terminal narrower than the whole call table
+the less telling columns are left out and the call column narrowed
+(:func:`fit_columns`), so that a row stays one line. Cell text is never read as ``rich``
+markup.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from rich.table import Table
 
 from gateway.audit.query.filters import Record, record_time
 from gateway.audit.query.reader import dumps
-from gateway.audit.query.summary import GroupStats, Summary
+from gateway.audit.query.summary import GroupStats, ModelStats, Summary
 
 #: (header, width, justify)
 _CALL_COLUMNS: Final = (
@@ -31,6 +34,11 @@ _CALL_COLUMNS: Final = (
     ("tokens", 8, "right"),
     ("trace", 24, "left"),
 )
+#: How the call table gives way on a narrow terminal, step by step until a row fits:
+#: (index in _CALL_COLUMNS, narrowest width; 0 leaves the column out). Agent, tries,
+#: trace and tokens go first, then the call narrows, then latency goes, then outcome and
+#: target narrow (``--format json`` keeps everything).
+_GIVE_WAY: Final = ((1, 0), (6, 0), (9, 0), (8, 0), (3, 16), (7, 0), (5, 14), (2, 8))
 _BAR_WIDTH: Final = 32
 _WIDE: Final = 240
 
@@ -87,9 +95,31 @@ def call_row(record: Record) -> list[str]:
     ]
 
 
-def _calls_table(header: bool) -> Table:
+def fit_columns(width: int) -> list[tuple[int, int]]:
+    """The call table's columns for a console ``width`` characters wide: (index in
+    _CALL_COLUMNS, width) pairs, in order, after the steps of _GIVE_WAY that a row needs
+    to fit; a console too narrow even then gets the narrowest table (rich cuts it)."""
+    widths = {i: w for i, (_, w, _) in enumerate(_CALL_COLUMNS)}
+
+    def excess() -> int:  # between two columns: a padding, the box's divider, a padding
+        return sum(widths.values()) + 3 * (len(widths) - 1) - width
+
+    for index, narrowest in _GIVE_WAY:
+        if excess() <= 0:
+            break
+        if narrowest:
+            widths[index] = max(narrowest, widths[index] - excess())
+        else:
+            del widths[index]
+    # Room left by the last column left out goes back to the call (METHOD /path).
+    widths[3] = min(_CALL_COLUMNS[3][1], widths[3] + max(0, -excess()))
+    return sorted(widths.items())
+
+
+def _calls_table(header: bool, columns: list[tuple[int, int]]) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_header=header, show_edge=False, pad_edge=False)
-    for title, width, justify in _CALL_COLUMNS:
+    for index, width in columns:
+        title, _, justify = _CALL_COLUMNS[index]
         table.add_column(
             title,
             width=width,
@@ -108,6 +138,8 @@ class CallTable:
         self._batch = batch
         self._rows: list[list[str]] = []
         self._header = True
+        # Chosen once, so that every batch lines up under the one header.
+        self._columns = fit_columns(console.width)
 
     def add(self, record: Record) -> None:
         self._rows.append(call_row(record))
@@ -117,9 +149,9 @@ class CallTable:
     def flush(self) -> None:
         if not self._rows:
             return
-        table = _calls_table(self._header)
+        table = _calls_table(self._header, self._columns)
         for row in self._rows:
-            table.add_row(*row)
+            table.add_row(*(row[i] for i, _ in self._columns))
         self._console.print(table)
         self._console.file.flush()
         self._rows.clear()
@@ -178,10 +210,27 @@ def _summary_table(title: str, groups: dict[str, GroupStats], total: GroupStats)
     return table
 
 
+def _models_table(models: dict[str, ModelStats]) -> Table:
+    table = Table(title="Calls by model", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("model", no_wrap=True)
+    table.add_column("calls", justify="right")
+    table.add_column("spend USD", justify="right")
+    table.add_column("drifted", justify="right")
+    table.add_column("answered instead", overflow="fold")
+    for name, stats in sorted(models.items()):
+        drift = ", ".join(f"{model} {count}" for model, count in sorted(stats.drift.items()))
+        drifted = sum(stats.drift.values())
+        table.add_row(name, str(stats.calls), f"{stats.cost_usd:.6f}", str(drifted), drift)
+    return table
+
+
 def print_summary(console: Console, summary: Summary) -> None:
-    """Two tables: by agent and by target, each with an ``all`` row."""
+    """Tables by agent and by target, each with an ``all`` row, then by model (when
+    any call named one)."""
     console.print(_summary_table("Calls by agent", summary.agents(), summary.total()))
     console.print(_summary_table("Calls by target", summary.targets(), summary.total()))
+    if summary.models:
+        console.print(_models_table(summary.models))
 
 
 def timeline(calls: Iterable[Record]) -> list[tuple[float, Record]]:
