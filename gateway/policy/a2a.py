@@ -71,8 +71,8 @@ class MethodRules(StrictModel):
     """Which JSON-RPC methods may be sent: a name must match ``allow`` and no ``deny``
     (``*`` matches any run of characters)."""
 
-    allow: list[MethodGlob] = Field(default_factory=lambda: ["*"])
-    deny: list[MethodGlob] = Field(default_factory=list)
+    allow: list[MethodGlob] = Field(default_factory=lambda: ["*"])  # methods that may be sent
+    deny: list[MethodGlob] = Field(default_factory=list)  # methods refused; deny wins
 
 
 def _default_algorithms() -> list[Algorithm]:
@@ -87,19 +87,28 @@ class CardSpec(StrictModel):
     hold no newline). ``ttl_s``: how long a checked card is trusted before it is fetched
     again."""
 
-    verify: bool = False  # algorithms accepted by default: asymmetric only (a public card)
-    public_key: str | None = Field(None, min_length=1, max_length=16384)
-    public_key_ref: str | None = None
-    algorithms: list[Algorithm] = Field(default_factory=_default_algorithms)
-    ttl_s: float = Field(DEFAULT_CARD_TTL_S, gt=0, le=MAX_CARD_TTL_S)
+    verify: bool = False  # refuse a card without a valid signature by the signer's key
+    public_key: str | None = Field(
+        None, min_length=1, max_length=16384, description="the signer's public key, PEM or JWK"
+    )
+    public_key_ref: str | None = None  # or a secret reference to it (a JWK on one line)
+    algorithms: list[Algorithm] = Field(
+        default_factory=_default_algorithms,
+        description="JWS algorithms accepted (asymmetric only: the card is public)",
+    )
+    ttl_s: float = Field(DEFAULT_CARD_TTL_S, gt=0, le=MAX_CARD_TTL_S)  # a checked card, trusted
 
 
 class A2aSpec(StrictModel):
-    agent_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-    methods: MethodRules = Field(default_factory=MethodRules)
-    rpc_path: str = Field("/", pattern=r"^/[A-Za-z0-9_.~\-/]*$")
-    card: CardSpec = Field(default_factory=CardSpec)
-    task_ttl_s: float = Field(DEFAULT_TASK_TTL_S, gt=0, le=MAX_TASK_TTL_S)
+    agent_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$",
+        description="the called agent's id: the call chain's target agent",
+    )
+    methods: MethodRules = Field(default_factory=MethodRules)  # JSON-RPC methods allowed
+    rpc_path: str = Field("/", pattern=r"^/[A-Za-z0-9_.~\-/]*$")  # the JSON-RPC endpoint
+    card: CardSpec = Field(default_factory=CardSpec)  # the Agent Card's check
+    task_ttl_s: float = Field(DEFAULT_TASK_TTL_S, gt=0, le=MAX_TASK_TTL_S)  # a task's life, s
 
     @field_validator("card")
     @classmethod
@@ -116,8 +125,13 @@ class InboundSpec(StrictModel):
     """``inbound:``: the local agent's own A2A server, reached by calls to this agent
     through ``/a2a/in/{path}`` (its base URL, loopback as a rule)."""
 
-    agent_url: str
-    timeout_s: float = Field(DEFAULT_INBOUND_TIMEOUT_S, gt=0, le=MAX_INBOUND_TIMEOUT_S)
+    agent_url: str  # the agent's own A2A server (base URL)
+    timeout_s: float = Field(
+        DEFAULT_INBOUND_TIMEOUT_S,
+        gt=0,
+        le=MAX_INBOUND_TIMEOUT_S,
+        description="a call to the agent's deadline without x-egress-timeout, seconds",
+    )
 
 
 def check_a2a_target(spec: Any) -> Any:

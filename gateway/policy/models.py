@@ -440,7 +440,7 @@ class Policy(_Strict):
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
     chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
     #: The local agent's own A2A server, behind ``/a2a/in/{path}`` (gateway.policy.a2a).
-    inbound: InboundSpec | None = None
+    inbound: InboundSpec | None = None  # the agent's own A2A server, behind /a2a/in
     agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
     controls: ControlsSpec = Field(default_factory=ControlsSpec)  # gateway.policy.controls
     operators: dict[Name, desk.OperatorSpec] = Field(default_factory=dict)  # gateway.policy.desk
