@@ -7,8 +7,9 @@ through its own sidecar with the SDK's client; it passes on the chain it receive
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +81,7 @@ class Agent:
         )
         routes = create_agent_card_routes(agent_card) + create_jsonrpc_routes(handler, "/")
         config = uvicorn.Config(Starlette(routes=routes), log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
+        self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         for _ in range(500):  # bounded: the server says when it is up
             if self._server.started:
@@ -103,6 +104,19 @@ async def ask(url: str, text: str, headers: dict[str, str] | None = None,
         )
         message = Message(role=Role.ROLE_USER, message_id=f"m-{text}", parts=[Part(text=text)])
         return [event async for event in client.send_message(SendMessageRequest(message=message))]
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the test process's SIGTERM handler stays the
+    test runner's. (sse-starlette, under the SDK's streams and the MCP test server's,
+    looks the running uvicorn server up through the SIGTERM handler and ends every stream
+    once that server is exiting, in any thread; two agents stopped in the order they
+    started leave the first one's handler installed, and its stopped server would end the
+    next test's streams.)"""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class _Executor(AgentExecutor):
