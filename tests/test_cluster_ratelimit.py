@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from gateway.policy import RateLimitGroupSpec, RedisSpec, parse_policy
 from gateway.ratelimit import RateLimitGroup, RateLimitGroups
 from gateway.ratelimit.cluster import ClusterLimits, ClusterRateLimitGroup
 from gateway.stores.redis import FAIL_FAST_S, RedisClient, RedisUnavailable, redis_url
-from tests.conftest import CountWaits, wait_for
+from tests.conftest import SOON_S, CountWaits, wait_for
 from tests.redis_fixtures import (
     SHARED_URL,
     PrivateRedis,
@@ -106,9 +107,15 @@ async def test_bookings_from_three_sidecars_keep_the_bound(
     assert all(b.booked for b in bookings)
     instants = [b.at_us for b in bookings]
     assert_bound_us(instants, burst, rate)
-    # And not stricter than needed: n bookings span (n - burst) slots of 1/rate (+ rounding).
-    span_s = (max(instants) - min(instants)) / US
-    assert span_s <= (n - burst) / rate + 0.05
+    # And not stricter than needed, on Redis' clock whatever the scripts' spread in time:
+    # a booking that had to wait is booked one slot of 1/rate (rounded up to the
+    # microsecond) after the booking before it, not later.
+    slot_us = math.ceil(US / rate)
+    ordered = sorted(bookings, key=lambda b: b.at_us)
+    assert any(b.at_us > b.now_us for b in ordered)  # the bound was reached
+    for before, after in itertools.pairwise(ordered):
+        if after.at_us > after.now_us:
+            assert after.at_us - before.at_us <= slot_us, (before, after)
 
 
 async def test_random_arrivals_with_refusals_keep_the_bound(make_group: MakeGroup) -> None:
@@ -289,7 +296,7 @@ async def test_a_hung_redis_costs_one_timeout_per_fail_fast_window() -> None:
     try:
         started = now()
         await group.acquire(deadline=FAR)  # waits for the timeout, then falls back
-        assert 0.1 <= now() - started < 0.5
+        assert 0.1 <= now() - started < SOON_S  # one timeout (0.2 s), not a hang
         for _ in range(10):
             counted = CountWaits(group.acquire(deadline=FAR))
             await counted
