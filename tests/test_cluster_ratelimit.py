@@ -171,10 +171,11 @@ async def test_acquire_sleeps_until_the_booked_instant(make_group: MakeGroup) ->
         "s", spec(requests_per_second=10.0), on_admit=lambda _, t: admitted.append(t)
     )
     waits = await asyncio.gather(*(g.acquire(deadline=FAR) for g in (a, b, a, b)))
-    assert sorted(waits)[-1] >= 0.29  # the 4th waited three slots of 0.1 s
-    admitted.sort()
-    gaps = [y - x for x, y in itertools.pairwise(admitted)]
-    assert min(gaps) >= 0.09  # one admission per slot, across both "sidecars"
+    # One admission per slot of 0.1 s, across both "sidecars": the k-th waited k slots
+    # at least (all four arrived before the first booking; a late wake-up only adds).
+    for k, waited in enumerate(sorted(waits)):
+        assert waited >= 0.1 * k - 0.01, (k, waits)
+    assert len(admitted) == 4
     assert a.queued == b.queued == 0
 
 
