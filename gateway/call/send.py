@@ -4,7 +4,8 @@ In order (:func:`forward`): the outbound request (:mod:`gateway.call.outbound`; 
 digest and ``traceparent`` into the record), the rate-limit group's token estimate, the
 secret (:func:`resolve`, inside the deadline), the cost reservation
 (:mod:`gateway.call.spend`: refused here, nothing goes out), the attempts
-(:class:`gateway.call.attempts.Attempts`), then the answer's usage settles the cost and
+(:class:`gateway.call.attempts.Attempts`; a database target's attempt runs its statement
+instead of an HTTP request: :func:`_statement`), then the answer's usage settles the cost and
 the group's estimate (a failure releases what it may). The pipeline's context is the
 only thing written: the stages it calls return their results.
 """
@@ -12,26 +13,28 @@ only thing written: the stages it calls return their results.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gateway import telemetry
 from gateway.agents import chain
 from gateway.agents.repeats import call_names
-from gateway.call import spend
+from gateway.call import models, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.outbound import Draft, with_credential
 from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
-from gateway.envelope import ExternalCallRequest, ExternalCallResponse
-from gateway.errors import CapacityExceeded
+from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames
+from gateway.errors import CapacityExceeded, GatewayError, InternalError
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.egress import Decision
 from gateway.policy.refs import SecretRef
-from gateway.providers import estimate_tokens, extract_usage
+from gateway.providers import estimate_tokens, extract_usage, response_model
 from gateway.secrets import ResolvedSecret
 from gateway.upstream import Credential, UpstreamResponse
 
@@ -51,6 +54,7 @@ async def forward(
     """Send the call: its request, its secret, its reservations, its attempts; answer
     with the upstream's 2xx answer. Raises the GatewayError that ended the attempts."""
     target = decision.target
+    gate = _model_gate(ctx, target, request)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
     reserved = 0
@@ -63,7 +67,7 @@ async def forward(
         request=request,
         outbound=with_credential(draft, target, resolved, pipe.credentials),
         deadline=deadline,
-        has_idempotency_key=ctx.idempotency_key is not None,
+        has_idempotency_key=_keyed(ctx),
         rng=pipe.rng,
         relay=relay,
         started=ctx.started,
@@ -76,7 +80,10 @@ async def forward(
             if resolved is not None and resolved.from_cache
             else None
         ),
+        model_gate=gate,
+        watch_model=ctx.model is not None,
     )
+    attempts.send = _statement(pipe, policy, target.name, ctx)
     ctx.attempt_log = attempts.log
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
     cost = spend.price(
@@ -102,6 +109,47 @@ async def forward(
         if group is not None:
             pipe.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
     return _answered(pipe, answer, attempts, cost, ctx)
+
+
+def _model_gate(
+    ctx: CallContext, target: CompiledTarget, request: ExternalCallRequest
+) -> Callable[[str], GatewayError | None] | None:
+    """Under ``models:`` rules, the model sent is the one ``request`` names (drift is
+    judged against it: :func:`gateway.call.models.as_sent`); under ``on_drift: refuse``
+    the drift check a relayed stream is held for until its model is judged (under
+    ``record`` the stream is only read)."""
+    if ctx.model is None:
+        return None
+    choice = ctx.model = models.as_sent(ctx.model, target.spec.usage, request)
+    return (
+        functools.partial(models.drift, choice, target=target.name) if choice.refuse_drift else None
+    )
+
+
+def _keyed(ctx: CallContext) -> bool:
+    """Whether a request the upstream may have acted on may be sent again (with retry's
+    other rules): it carries an idempotency key. A database never sees the key (the
+    sidecar's store replays by it, but a statement sent again runs again): there, only
+    a statement marked ``idempotent``."""
+    if ctx.db_call is not None:
+        return ctx.db_call.spec.idempotent
+    return ctx.idempotency_key is not None
+
+
+def _statement(
+    pipe: Pipeline, policy: PolicySet, target: str, ctx: CallContext
+) -> Callable[[float], Awaitable[UpstreamResponse]] | None:
+    """A database target's "send" (:meth:`gateway.database.registry.Databases.run`), or
+    None for an HTTP target. With ``audit.payloads: none`` the parameters' hash is not
+    kept either."""
+    call, log, databases = ctx.db_call, ctx.db, pipe.databases
+    if call is None or log is None:
+        return None
+    if databases is None:
+        raise InternalError("a database target without its engines", details={"target": target})
+    if policy.policy.audit.payloads != "summary":
+        call = ctx.db_call = replace(call, params_sha256=None)
+    return lambda timeout_s: databases.run(target, call, timeout_s=timeout_s, log=log)
 
 
 def _outbound(
@@ -187,6 +235,12 @@ def _answered(
         # Unknown usage keeps the reservation: the upstream answered, so tokens were
         # spent, and a refund would let the group overspend (design.md).
         group.reconcile(attempts.tokens_reserved, ctx.usage.total)
+    choice = ctx.model
+    if choice is not None and relayed is None:  # a relayed stream was judged as it came
+        ctx.answered_model = response_model(target.spec.usage, data)
+        refused = models.drift(choice, ctx.answered_model, target.name)
+        if refused is not None:
+            raise refused  # spent and settled: only the answer is withheld
     return ExternalCallResponse(
         success=True,
         status_code=answer.status,
@@ -195,6 +249,7 @@ def _answered(
         tokens_used=ctx.usage.total if ctx.usage else None,
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
+        model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
     )
 
 
