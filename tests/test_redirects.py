@@ -116,7 +116,7 @@ class Lab:
                 api_key_ref=...,
                 parameters=parameters,
                 max_retries=2,
-                timeout=5,
+                timeout=30,  # a deadline no refusal waits for, even on a loaded machine
             )
         )
 
