@@ -162,6 +162,7 @@ def _env_warnings(path: str, policy: PolicySet) -> list[str]:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
     from gateway.policy.controls import tool_cap_warnings
+    from gateway.policy.failover import fallback_warnings
 
     failed = False
     for path in args.files:
@@ -184,6 +185,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if args.env_check:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
+            for loc, message in fallback_warnings(policy.policy.targets):
+                print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
             for loc, message in tool_cap_warnings(policy.policy):
                 print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0

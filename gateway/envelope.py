@@ -170,13 +170,25 @@ class ErrorPayload(BaseModel):
     stack_trace: str | None = None
 
 
+class ServedBy(BaseModel):
+    """Who answered a call: the policy's ``target`` and the ``model`` the request named
+    there (null for a target without a provider dialect, or none named). A call that
+    failed over names its fallback (README, "Failover")."""
+
+    model_config = ConfigDict(frozen=True)
+
+    target: str
+    model: str | None = None
+
+
 class ExternalCallResponse(BaseModel):
     """The sidecar's answer to every call.
 
     ``status_code`` is the upstream's HTTP status when there was one, ``data`` its parsed
     body (JSON as is; anything else as ``{"content_type": ..., "text": ...}``),
     ``latency_ms`` the wall time spent inside the sidecar, ``tokens_used`` the total token
-    count the upstream reported (null when it reported none).
+    count the upstream reported (null when it reported none), ``served_by`` the target
+    and model that answered (null when no upstream answered well).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -190,6 +202,7 @@ class ExternalCallResponse(BaseModel):
     trace_id: str | None = None
     correlation_id: str | None = None
     replayed: bool = False
+    served_by: ServedBy | None = None
 
 
 REQUEST_FIELDS: Final = frozenset(ExternalCallRequest.model_fields)

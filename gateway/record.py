@@ -20,7 +20,7 @@ from typing import Any, Final, Literal, NamedTuple, Protocol
 from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.audit.schema import Fields as F
-from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
+from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse, ServedBy
 from gateway.policy import CompiledTarget
 from gateway.policy.egress import origin_label
 from gateway.providers import TokenUsage
@@ -108,6 +108,10 @@ class CallRecord(NamedTuple):
     policy_sha256: str | None
     #: What the call chain stage decided (:mod:`gateway.call.chain`; None: not reached).
     chain: ChainDecision | None
+    #: Who answered (target and model; None: no upstream answered well) and, for a
+    #: target with ``fallbacks``, every option tried (gateway.call.send.fail_over).
+    served_by: ServedBy | None = None
+    tried: list[dict[str, Any]] | None = None
 
 
 def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
@@ -162,6 +166,12 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         F.MCP_ERROR_CODE: None,
         **_chain(call.chain),
         **_caller(call, agent_id),
+        F.SERVED_BY: (
+            {"target": call.served_by.target, "model": call.served_by.model}
+            if call.served_by is not None and response.success
+            else None
+        ),
+        F.TRIED: call.tried,
     }
 
 

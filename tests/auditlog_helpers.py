@@ -102,6 +102,10 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "policy_sha256": POLICY_DIGESTS[number % 2],
         "call_chain": [agent],
         "call_chain_depth": 1,
+        "served_by": {"target": target, "model": "gpt-4o-mini" if llm else None}
+        if success
+        else None,
+        "tried": None,
     }
     return record
 

@@ -127,6 +127,13 @@ class AuditRecord(BaseModel):
     # its depth; null when the call ended before its chain was read, or it was unreadable.
     call_chain: list[str] | None = None
     call_chain_depth: int | None = None
+    # Failover (added in 1.x; README "Failover"): who answered, ``{target, model}`` (null
+    # when no upstream answered well); for a target with ``fallbacks``, every option
+    # tried in order: ``{target, model, api_key_ref (a reference name, never a key),
+    # attempts, outcome (an error code or "ok"), upstream_status, response_bytes,
+    # duration_ms}`` (null for a target without fallbacks).
+    served_by: dict[str, str | None] | None = None
+    tried: list[dict[str, Any]] | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -201,6 +208,8 @@ class Fields:
     POLICY_SHA256: Final = "policy_sha256"
     CALL_CHAIN: Final = "call_chain"
     CALL_CHAIN_DEPTH: Final = "call_chain_depth"
+    SERVED_BY: Final = "served_by"
+    TRIED: Final = "tried"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

@@ -57,6 +57,7 @@ from gateway.envelope import (
     MAX_TIMEOUT_S,
     ErrorPayload,
     ExternalCallResponse,
+    ServedBy,
 )
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.policy import CompiledTarget, PolicySet
@@ -91,6 +92,8 @@ _OWN_PREFIX: Final = "x-egress-"
 _PASSED: Final = SDK_HEADERS | {"accept"}
 TRACE_ID_HEADER: Final = "x-egress-trace-id"
 CORRELATION_ID_HEADER: Final = "x-egress-correlation-id"
+#: Who answered (README, "Failover"): ``target=NAME; model=MODEL``.
+SERVED_BY_HEADER: Final = "x-egress-served-by"
 _SECRET_REF_HEADER: Final = "x-egress-secret-ref"  # noqa: S105 - a header name
 _TIMEOUT_HEADER: Final = "x-egress-timeout"
 _IDEMPOTENCY_HEADER: Final = "idempotency-key"
@@ -477,11 +480,26 @@ def id_headers(trace_id: str | None, correlation_id: str | None) -> dict[str, st
 
 def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
     """The id headers of a drop-in or MCP answer: the call's ids, else those the request
-    claimed."""
-    return id_headers(
+    claimed; and ``x-egress-served-by`` when an upstream answered well."""
+    ids = id_headers(
         response.trace_id or ctx.claimed.get("trace_id"),
         response.correlation_id or ctx.claimed.get("correlation_id"),
     )
+    if response.served_by is not None:
+        ids[SERVED_BY_HEADER] = served_by_value(response.served_by)
+    return ids
+
+
+def served_by_value(served: ServedBy) -> str:
+    """``x-egress-served-by``: ``target=NAME`` and, when the request named one,
+    ``; model=MODEL`` (the request's model written in ASCII escapes where it is not
+    printable ASCII: a header value cannot carry it)."""
+    if served.model is None:
+        return f"target={served.target}"
+    model = served.model
+    if not (model.isascii() and model.isprintable()):
+        model = model.encode("unicode_escape").decode("ascii")
+    return f"target={served.target}; model={model}"
 
 
 def replayed_body(response: ExternalCallResponse) -> tuple[str | None, bytes] | None:

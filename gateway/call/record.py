@@ -16,7 +16,7 @@ from typing import Any
 from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.call.attempts import AttemptLog
-from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
+from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse, ServedBy
 from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget
 from gateway.providers import TokenUsage
@@ -86,6 +86,12 @@ class CallContext:
     #: or an envelope, whose ``call_chain`` says), and what the chain stage decided.
     chain_seen: dict[str, str] | None = None
     chain: ChainDecision | None = None
+    #: Who answered (the target and model of the serving attempt; None: none did), the
+    #: options a call with ``fallbacks`` tried (gateway.call.send.fail_over; None:
+    #: none), and the attempts made on the options before the last.
+    served_by: ServedBy | None = None
+    tried: list[dict[str, Any]] | None = None
+    prior_attempts: int = 0
 
     def record(self) -> CallRecord:
         """What the call learned, frozen: this context with its attempts' log."""
@@ -127,7 +133,7 @@ class CallContext:
                 self.budgets,
                 [*self.warnings, *log.warnings],
                 shadow,
-                log.attempts,
+                log.attempts + self.prior_attempts,
                 log.upstream_latency_s,
                 log.response_bytes,
                 log.rate_limit_wait_s,
@@ -136,6 +142,8 @@ class CallContext:
                 self.identity,
                 self.policy_sha256,
                 self.chain,
+                self.served_by,
+                self.tried,
             ),
         )
 

@@ -85,12 +85,16 @@ async def relay_stream(
     deadline: float,
     idle_timeout_s: float,
     max_bytes: int,
+    first_event_timeout_s: float | None = None,
 ) -> Relayed:
     """Relay ``stream`` (an open :class:`gateway.upstream.client.UpstreamStream`) to
     ``relay`` until its end, recording in ``done`` what was relayed (also when it fails).
     Raises the GatewayError its end calls for (a judged failure, STREAM_INTERRUPTED,
     AGENT_TIMEOUT, RESPONSE_TOO_LARGE); the agent hanging up is STREAM_INTERRUPTED with
-    reason ``agent_disconnected``. The upstream stream is always closed on return."""
+    reason ``agent_disconnected``. The upstream stream is always closed on return.
+    ``first_event_timeout_s`` (a target's ``first_byte_timeout_s``) bounds the wait for
+    the first whole event instead of ``idle_timeout_s``: past it, STREAM_INTERRUPTED
+    with reason ``first_byte_timeout``, nothing relayed (a fallback may serve)."""
     judge = done.judge
     decoder = SseDecoder(max_bytes)
     held = bytearray()  # bytes after the last whole event, not relayed yet
@@ -102,6 +106,7 @@ async def relay_stream(
     loop_deadline = _loop_time(deadline)
     loop = asyncio.get_running_loop()
     sending = False
+    gap = idle_timeout_s if first_event_timeout_s is None else first_event_timeout_s
     try:
         try:
             async with asyncio.timeout_at(loop_deadline) as timer:
@@ -109,7 +114,7 @@ async def relay_stream(
                     if deadline - time.monotonic() <= 0:
                         raise _deadline(judge)
                     sending = False
-                    _arm(timer, min(loop.time() + idle_timeout_s, loop_deadline))
+                    _arm(timer, min(loop.time() + gap, loop_deadline))
                     try:
                         chunk = await stream.read()
                     except TransportError as exc:
@@ -130,6 +135,7 @@ async def relay_stream(
                     gone = False
                     if cut:  # else no whole event yet: nothing is relayed half-way
                         whole, held = bytes(held[:cut]), held[cut:]
+                        gap = idle_timeout_s
                         # Relayed before it is judged: the verdict is only read at the
                         # end, and judging first made the agent's first byte wait for
                         # the parse of every event in the chunk (often all of a fast
@@ -156,6 +162,12 @@ async def relay_stream(
                 raise _stalled(judge) from None
             if timer.when() == loop_deadline:
                 raise _deadline(judge) from None
+            if not relay.started and first_event_timeout_s is not None:
+                raise StreamInterrupted(
+                    f"the stream from target {judge.target!r} sent no event within "
+                    f"{first_event_timeout_s:.3g} s (first_byte_timeout_s)",
+                    details={"reason": "first_byte_timeout", "target": judge.target},
+                ) from None
             raise StreamInterrupted(
                 f"the stream from target {judge.target!r} sent nothing for "
                 f"{idle_timeout_s:.3g} s (stream_idle_timeout_s)",

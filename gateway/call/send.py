@@ -14,24 +14,28 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway import telemetry
 from gateway.agents import chain
 from gateway.agents.repeats import call_names
 from gateway.call import spend
-from gateway.call.attempts import Attempts, deadline_error
+from gateway.call.attempts import AttemptLog, Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.outbound import Draft, with_credential
 from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
-from gateway.envelope import ExternalCallRequest, ExternalCallResponse
-from gateway.errors import CapacityExceeded
+from gateway.call.retry import next_option
+from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ServedBy
+from gateway.errors import CapacityExceeded, GatewayError
 from gateway.policy import CompiledTarget, PolicySet
+from gateway.policy import egress as egress_rules
 from gateway.policy.egress import Decision
+from gateway.policy.failover import FallbackSpec
+from gateway.policy.models import TargetSpec
 from gateway.policy.refs import SecretRef
-from gateway.providers import estimate_tokens, extract_usage
+from gateway.providers import estimate_tokens, extract_usage, request_model, with_model
 from gateway.secrets import ResolvedSecret
 from gateway.upstream import Credential, UpstreamResponse
 
@@ -48,9 +52,161 @@ async def forward(
     deadline: float,
     relay: Relay | None = None,
 ) -> ExternalCallResponse:
-    """Send the call: its request, its secret, its reservations, its attempts; answer
-    with the upstream's 2xx answer. Raises the GatewayError that ended the attempts."""
+    """Send the call to its target, then, on a failure that allows it, to each of the
+    target's ``fallbacks`` in turn (:func:`fail_over`); answer with the 2xx answer of
+    the one that served. Raises the GatewayError that ended the call."""
+    if decision.target.spec.fallbacks:
+        return await fail_over(pipe, policy, request, decision, ctx, deadline, relay)
+    return await send_to(pipe, policy, request, decision, ctx, deadline, relay)
+
+
+async def fail_over(
+    pipe: Pipeline,
+    policy: PolicySet,
+    request: ExternalCallRequest,
+    decision: Decision,
+    ctx: CallContext,
+    deadline: float,
+    relay: Relay | None = None,
+) -> ExternalCallResponse:
+    """The call sent to its target, then to each fallback that
+    :func:`gateway.call.retry.next_option` allows, all inside ``deadline``: only while
+    nothing reached the agent. When every option failed, raises the target's own error
+    (a fallback's refusal never masks the cause), or, once bytes were relayed, the
+    error that cut them. Each option tried goes into ``ctx.tried``."""
+    spec = decision.target.spec
+    original, tried = request, 0
+    first: tuple[GatewayError, AttemptLog] | None = None
+    ctx.tried = []
+    while True:
+        started = time.monotonic()
+        try:
+            response = await send_to(pipe, policy, request, decision, ctx, deadline, relay)
+        except GatewayError as exc:
+            ctx.tried.append(_tried_entry(ctx, started, exc))
+            first = first or (exc, ctx.attempt_log)
+            relayed = relay is not None and relay.started
+            moved = _next_fallback(
+                pipe, policy, spec, original, decision.target.name, exc, tried, relayed, ctx,
+                deadline,
+            )  # fmt: skip
+            if moved is None:
+                ctx.served_by = None
+                if relayed or not tried:
+                    raise
+                # The target's own error and answer (a drop-in route passes it on), the
+                # record counting every option's attempts.
+                ctx.prior_attempts += ctx.attempt_log.attempts - first[1].attempts
+                ctx.attempt_log = first[1]
+                raise first[0] from None
+            ctx.prior_attempts += ctx.attempt_log.attempts
+            tried, request, decision = moved
+            ctx.api_key_ref = decision.api_key_ref
+            ctx.rate_limit_group = decision.target.spec.rate_limit_group
+        else:
+            ctx.tried.append(_tried_entry(ctx, started, None))
+            return response
+
+
+def _next_fallback(
+    pipe: Pipeline,
+    policy: PolicySet,
+    spec: TargetSpec,
+    original: ExternalCallRequest,
+    source: str,
+    error: GatewayError,
+    tried: int,
+    relayed: bool,
+    ctx: CallContext,
+    deadline: float,
+) -> tuple[int, ExternalCallRequest, Decision] | None:
+    """The next fallback of ``spec`` after option ``tried`` (0: the target) failed with
+    ``error``, as :func:`gateway.call.retry.next_option` decides: ``(options tried, its
+    request, its decision)``, or None to stop. A fallback the egress rules refuse
+    (the endpoint not allowed there) is recorded in ``ctx.tried`` and passed over."""
+    while True:
+        option = next_option(
+            error,
+            tried,
+            len(spec.fallbacks),
+            relayed=relayed,
+            fallback_on=spec.fallback_on,
+            now=time.monotonic(),
+            deadline=deadline,
+            provider=spec.usage != "none",
+        )
+        if option.action == "stop" or option.reason is None:
+            return None
+        tried += 1
+        chosen = spec.fallbacks[option.choice]
+        pipe.metrics.observe_failover(source, chosen.target, option.reason)
+        try:
+            request, decision = fallback_call(policy, original, chosen)
+        except GatewayError as refused:
+            assert ctx.tried is not None
+            ctx.tried.append(_tried_entry(ctx, time.monotonic(), refused, chosen))
+            continue
+        return tried, request, decision
+
+
+def fallback_call(
+    policy: PolicySet, request: ExternalCallRequest, option: FallbackSpec
+) -> tuple[ExternalCallRequest, Decision]:
+    """``request`` sent to fallback ``option`` instead: its target, its model named
+    (:func:`gateway.providers.with_model`, the dialect's own place), its default secret
+    and rate-limit group; decided by the egress rules like any call (raises
+    PermissionDenied when the endpoint is not allowed there)."""
+    target = policy.targets.get(option.target)
+    endpoint, parameters = request.endpoint, request.parameters
+    if target is not None and option.model is not None and isinstance(parameters, dict):
+        endpoint, parameters = with_model(target.spec.usage, endpoint, parameters, option.model)
+    moved = request.model_copy(
+        update={
+            "target_system": option.target,
+            "endpoint": endpoint,
+            "parameters": parameters,
+            "api_key_ref": None,
+            "rate_limit_group": None,
+        }
+    )
+    return moved, egress_rules.decide(policy, moved)
+
+
+def _tried_entry(
+    ctx: CallContext, started: float, error: GatewayError | None, option: FallbackSpec | None = None
+) -> dict[str, Any]:
+    """One option in the audit record: its target, model, secret reference (its name),
+    attempts, outcome (an error code, or ``ok``), upstream status, bytes, duration (ms)."""
+    log = ctx.attempt_log
+    served = ctx.served_by
+    refused_before = option is not None  # never sent: the egress rules refused it
+    return {
+        "target": option.target if option else (served.target if served else None),
+        "model": option.model if option else (served.model if served else None),
+        "api_key_ref": None if refused_before else ctx.api_key_ref,
+        "attempts": 0 if refused_before else log.attempts,
+        "outcome": "ok" if error is None else error.code.value,
+        "upstream_status": None if error is None else error.status_code,
+        "response_bytes": None if refused_before else log.response_bytes,
+        "duration_ms": round((time.monotonic() - started) * 1000, 3),
+    }
+
+
+async def send_to(
+    pipe: Pipeline,
+    policy: PolicySet,
+    request: ExternalCallRequest,
+    decision: Decision,
+    ctx: CallContext,
+    deadline: float,
+    relay: Relay | None = None,
+) -> ExternalCallResponse:
+    """Send the call to one target: its request, its secret, its reservations, its
+    attempts; answer with the upstream's 2xx answer. Raises the GatewayError that ended
+    the attempts."""
     target = decision.target
+    model = request_model(target.spec.usage, request.endpoint, request.parameters)
+    ctx.served_by = ServedBy.model_construct(target=target.name, model=model)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
     reserved = 0
@@ -195,6 +351,7 @@ def _answered(
         tokens_used=ctx.usage.total if ctx.usage else None,
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
+        served_by=ctx.served_by,
     )
 
 

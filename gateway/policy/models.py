@@ -30,6 +30,7 @@ from gateway.policy.defaults import (
 from gateway.policy.defaults import (
     DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
 )
+from gateway.policy.failover import FallbackOn, FallbackSpec, fallback_problems
 from gateway.policy.mcp import McpSpec, check_target
 from gateway.policy.refs import InvalidSecretRef, parse_ref
 from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec
@@ -308,6 +309,10 @@ class TargetSpec(_Strict):
     forward_headers: list[str] = Field(default_factory=list)
     static_headers: dict[str, str] = Field(default_factory=dict)
     mcp: McpSpec | None = None  # an MCP server (gateway.policy.mcp)
+    #: Failover (gateway.policy.failover): ordered options, rules, the first-byte limit.
+    fallbacks: list[FallbackSpec] = Field(default_factory=list, max_length=8)
+    fallback_on: list[FallbackOn] = Field(default_factory=list)
+    first_byte_timeout_s: float | None = Field(None, gt=0, le=d.MAX_WAIT_S)
     _mcp = model_validator(mode="after")(check_target)
 
     @field_validator("base_url")
@@ -473,6 +478,7 @@ class Policy(_Strict):
             if group_spec.scope == "cluster" and self.redis is None:
                 problem("rate_limit_groups", name, "scope", message=no_redis)
         groups, has_redis = set(self.rate_limit_groups), self.redis is not None
+        problems += fallback_problems(self.targets)
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
         has_vault = self.secrets.vault is not None

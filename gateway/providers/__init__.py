@@ -55,7 +55,9 @@ __all__ = [
     "genai_call",
     "output_cap",
     "prompt_bytes",
+    "request_model",
     "response_model",
+    "with_model",
 ]
 
 DIALECTS: Final[Mapping[str, Dialect]] = {
@@ -221,6 +223,25 @@ def genai_call(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> G
             _KNOWN_CALLS.clear()
         _KNOWN_CALLS[key] = call
     return call
+
+
+def request_model(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> str | None:
+    """The model a request names, by ``provider``'s dialect (the body's ``model``, or
+    Gemini's path); None for another dialect or none named."""
+    dialect = DIALECTS.get(provider)
+    return None if dialect is None else dialect.request_model(endpoint, parameters)
+
+
+def with_model(
+    provider: str, endpoint: str, parameters: Mapping[str, Any], model: str
+) -> tuple[str, dict[str, Any]]:
+    """``(endpoint, parameters)`` of the same request naming ``model`` instead, by
+    ``provider``'s dialect (pure; a copy of ``parameters``). A dialect that names no
+    model (``none``) returns them unchanged."""
+    dialect = DIALECTS.get(provider)
+    if dialect is None:
+        return endpoint, dict(parameters)
+    return dialect.with_model(endpoint, parameters, model)
 
 
 def response_model(provider: str, data: Any) -> str | None:

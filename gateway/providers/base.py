@@ -245,6 +245,21 @@ def _no_operation(_: str) -> str | None:
     return None
 
 
+def body_model(
+    endpoint: str, parameters: Mapping[str, Any], model: str
+) -> tuple[str, dict[str, Any]]:
+    """``(endpoint, parameters)`` with the body's ``model`` set to ``model`` (a copy; the
+    endpoint unchanged): the OpenAI and Anthropic dialects name the model in the body."""
+    return endpoint, {**parameters, "model": model}
+
+
+def _same_model(
+    endpoint: str, parameters: Mapping[str, Any], model: str
+) -> tuple[str, dict[str, Any]]:
+    del model
+    return endpoint, dict(parameters)
+
+
 def _no_request_model(_: str, __: Mapping[str, Any]) -> str | None:
     return None
 
@@ -276,6 +291,8 @@ class Dialect:
     provider_name: str = ""
     operation: Callable[[str], str | None] = _no_operation
     request_model: Callable[[str, Mapping[str, Any]], str | None] = _no_request_model
+    #: ``(endpoint, parameters, model)`` -> the request naming ``model`` instead (pure).
+    with_model: Callable[[str, Mapping[str, Any], str], tuple[str, dict[str, Any]]] = _same_model
     response_model: Callable[[Any], str | None] = _no_text
     cached_outside_input: bool = False
     reasoning_outside_output: bool = False

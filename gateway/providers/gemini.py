@@ -237,6 +237,19 @@ def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
     return model_name(match[1]) if match else None
 
 
+def with_model(
+    endpoint: str, parameters: Mapping[str, Any], model: str
+) -> tuple[str, dict[str, Any]]:
+    """``(endpoint, parameters)`` naming ``model`` in the path instead
+    (``/v1beta/models/{model}:generateContent``); the endpoint unchanged when it names
+    no model there. The parameters are a copy, unchanged."""
+    match = _MODEL_METHOD.search(endpoint)
+    if match is None:
+        return endpoint, dict(parameters)
+    start, end = match.span(1)
+    return endpoint[:start] + model + endpoint[end:], dict(parameters)
+
+
 def response_model(data: Any) -> str | None:
     """``modelVersion`` of an answer or of one stream chunk."""
     return model_name(data.get("modelVersion")) if isinstance(data, dict) else None
@@ -264,5 +277,6 @@ DIALECT: Final = Dialect(
     choices=choices,
     operation=operation,
     request_model=request_model,
+    with_model=with_model,
     response_model=response_model,
 )

@@ -40,6 +40,7 @@ from gateway.providers.base import (
     StreamFailure,
     StreamSignal,
     TokenUsage,
+    body_model,
     count,
     error_object,
     failure,
@@ -319,5 +320,6 @@ DIALECT: Final = Dialect(
     hidden_context_keys=("previous_response_id", "conversation"),
     operation=operation,
     request_model=request_model,
+    with_model=body_model,
     response_model=response_model,
 )
