@@ -186,7 +186,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
             for loc, message in fallback_warnings(policy.policy.targets):
-                print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
+                key = ".".join(map(str, loc))
+                print(f"{path}: {key}: warning: {message}", file=sys.stderr)
             for loc, message in tool_cap_warnings(policy.policy):
                 print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0

@@ -35,7 +35,8 @@ class FallbackSpec(StrictModel):
     model: ModelName | None = None
 
 
-Problem = tuple[tuple[str, ...], str]
+#: (key path, message); a list index is an int, so the loader finds its line.
+Problem = tuple[tuple[str | int, ...], str]
 
 
 def fallback_problems(targets: Mapping[str, Any]) -> list[Problem]:
@@ -45,7 +46,7 @@ def fallback_problems(targets: Mapping[str, Any]) -> list[Problem]:
     problems: list[Problem] = []
     for name, spec in targets.items():
         for index, option in enumerate(spec.fallbacks):
-            loc = ("targets", name, "fallbacks", str(index), "target")
+            loc = ("targets", name, "fallbacks", index, "target")
             other = targets.get(option.target)
             if other is None:
                 known = ", ".join(sorted(targets))

@@ -442,7 +442,7 @@ class Policy(_Strict):
         """Keys that refer to other sections. Raises one ``cross_reference`` error whose
         ``ctx["problems"]`` is a tuple of ``(key path tuple, message)``, so the loader can
         name each key and its line."""
-        problems: list[tuple[tuple[str, ...], str]] = []
+        problems: list[tuple[tuple[str | int, ...], str]] = []
 
         def problem(*loc: str, message: str) -> None:
             problems.append((loc, message))
@@ -490,7 +490,9 @@ class Policy(_Strict):
                 "cross_reference",
                 "{summary}",
                 {
-                    "summary": "\n".join(f"{'.'.join(loc)}: {msg}" for loc, msg in problems),
+                    "summary": "\n".join(
+                        f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems
+                    ),
                     "problems": tuple(problems),
                 },
             )
