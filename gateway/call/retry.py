@@ -13,7 +13,11 @@
 * Waits are exponential backoff with full jitter (``uniform(0, min(cap, base * 2**n))``,
   AWS Architecture Blog, "Exponential Backoff And Jitter"), unless the upstream said how
   long to wait: ``retry-after-ms`` (milliseconds, OpenAI and Anthropic) or ``Retry-After``
-  (delay-seconds or an HTTP-date, RFC 9110 section 10.2.3).
+  (delay-seconds or an HTTP-date, RFC 9110 section 10.2.3). A 429 that said nothing
+  waits at least :data:`RATE_LIMITED_FLOOR_S` (within the cap).
+* After the target's attempts failed (:func:`next_option`): the next of its
+  ``fallbacks``, for a failure :func:`failover_reason` names, while nothing reached the
+  agent and time is left.
 * What next after an attempt (:func:`next_step`): its :class:`Outcome` and the call's
   :class:`RetryBudget` (retries and time) give one :class:`Step`: retry after a wait,
   or stop. A 2xx stream that ended before its terminal marker is judged by what reached
@@ -38,6 +42,9 @@ if TYPE_CHECKING:
 
 #: An answer's Retry-After beyond this is treated as this (a day): it bounds arithmetic.
 MAX_RETRY_AFTER_S: Final = 86400.0
+#: The least wait before retrying a 429 that said nothing of when (seconds; never more
+#: than the target's ``backoff_max_s``): full jitter alone can resend it at once.
+RATE_LIMITED_FLOOR_S: Final = 1.0
 
 
 def parse_retry_after(headers: Mapping[str, str], now_epoch_s: float) -> float | None:
@@ -173,6 +180,9 @@ def next_step(
     wait = outcome.retry_after_s
     if wait is None:
         wait = backoff_s(retry_number, budget.backoff_base_s, budget.backoff_max_s, rng)
+        if outcome.error.status_code == 429:
+            # Full jitter may draw ~0: a rate limit retried at once is refused again.
+            wait = max(wait, min(RATE_LIMITED_FLOOR_S, budget.backoff_max_s))
     if now + wait >= budget.deadline:
         return Step("stop", "deadline", wait_s=wait)
     return Step("retry", "backoff", wait_s=wait, resend=outcome.resend)
