@@ -26,7 +26,8 @@ same stages as an envelope. :func:`proxy_intake` builds the request:
   the trace-id of a valid ``traceparent``, else generated), ``x-egress-timeout``
   (seconds; else the SDK's own timeout: ``x-stainless-timeout``,
   ``x-stainless-read-timeout``, ``X-Server-Timeout``, at most 600; on a streamed
-  request the first two are read timeouts, so 600; else 30), and
+  request the first two are read timeouts, so 600; else 30, or 600 for a streamed
+  request, whose gaps ``stream_idle_timeout_s`` bounds), and
   ``Idempotency-Key`` (the envelope's ``idempotency_key``; for a target without
   ``idempotency`` in the policy it is forwarded as it came, for the upstream to dedupe).
 * retries: ``x-stainless-retry-count`` above 0 means the SDK is itself retrying this
@@ -344,7 +345,9 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     each gap between chunks, not the stream (openai-python and anthropic-sdk-python,
     ``_build_headers``), so there they are not the deadline: :data:`MAX_TIMEOUT_S` is,
     and the SDK, which hangs up after such a gap, and ``stream_idle_timeout_s`` bound
-    the gaps."""
+    the gaps. A streamed request without any timeout header (a plain HTTP client) gets
+    :data:`MAX_TIMEOUT_S` too, not the 30 s default: its stall is found by
+    ``stream_idle_timeout_s``, well before."""
     given = egress_timeout(headers)
     if given is not None:
         return given
@@ -360,7 +363,9 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
             continue
         if math.isfinite(seconds) and seconds > 0:
             return min(seconds, MAX_TIMEOUT_S)
-    return DEFAULT_TIMEOUT_S
+    # A plain HTTP client's stream: a long generation may outlast 30 s; its gaps are
+    # bounded by the target's stream_idle_timeout_s (60 s by default), well under this.
+    return MAX_TIMEOUT_S if streamed else DEFAULT_TIMEOUT_S
 
 
 def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
