@@ -205,7 +205,8 @@ def _exact_raw(body: bytes, content_type: str = "application/json") -> dict[str,
         raw["parameters"] = value
     else:
         raw["body"] = {"content_type": content_type, "base64": base64.b64encode(body).decode()}
-    raw["timeout"] = 30.0
+    streamed = isinstance(value, dict) and value.get("stream") is True
+    raw["timeout"] = 600.0 if streamed else 30.0  # no timeout header: a stream's bound
     return raw
 
 
