@@ -55,6 +55,7 @@ from egress_client.models import (
     ExternalCallRequest,
     ExternalCallResponse,
     RequestBody,
+    ServedBy,
 )
 from egress_client.retry import RetryPolicy
 from egress_client.sse import ServerSentEvent, SSEDecoder
@@ -95,6 +96,7 @@ __all__ = [
     "SchemaMismatch",
     "SecretAccessDenied",
     "SecretNotFound",
+    "ServedBy",
     "ServerSentEvent",
     "ShuttingDown",
     "SidecarUnavailable",

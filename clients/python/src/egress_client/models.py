@@ -166,6 +166,17 @@ class ErrorPayload(BaseModel):
     stack_trace: str | None = None
 
 
+class ServedBy(BaseModel):
+    """Who answered a call: the policy's ``target`` and the ``model`` the request named
+    there (null: the target has no provider dialect, or none was named). A call that
+    failed over names its fallback."""
+
+    model_config = ConfigDict(frozen=True)
+
+    target: str
+    model: str | None = None
+
+
 class ExternalCallResponse(BaseModel):
     """The sidecar's answer to every call, whatever happened.
 
@@ -173,7 +184,8 @@ class ExternalCallResponse(BaseModel):
     ``data`` its parsed body (null in the final event of a stream: the events carried
     it), ``latency_ms`` the wall time inside the sidecar, ``tokens_used`` the total tokens
     the upstream reported (null when none), ``replayed`` true for an answer replayed
-    from the sidecar's idempotency store.
+    from the sidecar's idempotency store, ``served_by`` the target and model that
+    answered (null when none answered well; an older sidecar sends none).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -187,6 +199,7 @@ class ExternalCallResponse(BaseModel):
     trace_id: str | None = None
     correlation_id: str | None = None
     replayed: bool = False
+    served_by: ServedBy | None = None
 
     def raise_for_error(self) -> Self:
         """Return ``self`` when the call succeeded; otherwise raise the typed
