@@ -1,4 +1,5 @@
-"""Command line: ``egress-gateway serve | validate | call | demo | audit | stop | resume``.
+"""Command line: ``egress-gateway serve | validate | call | demo | audit | stop | resume``
+(and ``approvals``, ``dead-letters``, ``console``).
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
@@ -28,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any, Final
 from gateway import __version__
 from gateway.agents import cli as controls_cli
 from gateway.audit.query import cli as audit_cli
+from gateway.console import cli as desk_cli
 
 if TYPE_CHECKING:
     from gateway.policy import PolicySet
@@ -305,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit_cli.register(sub)
     controls_cli.register(sub)  # stop, resume
+    desk_cli.register(sub)  # approvals, dead-letters, console
 
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
     p.add_argument("--policy", default="policies/demo.yaml")

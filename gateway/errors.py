@@ -16,6 +16,8 @@ its error code, the HTTP status of the sidecar's answer and whether retrying can
     ├── QuotaExhausted          QUOTA_EXHAUSTED      429  no
     ├── BudgetExceeded          BUDGET_EXCEEDED      429  no
     ├── CallChainRefused        CALL_CHAIN_REFUSED   409  no
+    ├── ApprovalPending         APPROVAL_PENDING     428  yes
+    ├── ApprovalDenied          APPROVAL_DENIED      403  no
     ├── CircuitOpen             CIRCUIT_OPEN         503  yes
     ├── DependencyFailed        DEPENDENCY_FAILED    502  yes
     ├── DeadlineExceeded        AGENT_TIMEOUT        504  yes
@@ -161,6 +163,25 @@ class CallChainRefused(GatewayError):
 
     code = ErrorCode.CALL_CHAIN_REFUSED
     http_status = 409
+
+
+class ApprovalPending(GatewayError):
+    """The call needs a person's approval (the target's ``approval:``) and none was given
+    within the call's deadline: nothing was sent. ``details.approval_id`` names the
+    request an operator decides (:mod:`gateway.agents.approvals`); the same call sent
+    again after the approval runs once. Retryable: ``retry_after_s`` says when to ask."""
+
+    code = ErrorCode.APPROVAL_PENDING
+    http_status = 428
+    retryable = True
+
+
+class ApprovalDenied(GatewayError):
+    """A person refused this call (``details.approval_id``, ``details.decided_by``):
+    nothing was sent. Not retryable: the same call is refused again."""
+
+    code = ErrorCode.APPROVAL_DENIED
+    http_status = 403
 
 
 class CircuitOpen(GatewayError):

@@ -38,8 +38,9 @@ CALLS_SERVER: Final = {
 OPS_SERVER: Final = {
     "url": "http://127.0.0.1:8182",
     "description": "the ops listener (server.ops_host, server.ops_port): health, readiness, "
-    "metrics, this document, and the operator's stop switch (/v1/controls/..., behind the "
-    "operator token: README, 'Stopping an agent'; not described here)",
+    "metrics, this document, and the operator's routes behind an operator token (the stop "
+    "switch, /v1/controls/...: README, 'Stopping an agent'; approvals and dead letters: "
+    "'Approvals and dead letters'; not described here)",
 }
 #: Statuses an error code is answered with besides its class's ``http_status`` (README,
 #: "Error codes"): a too-large envelope is 413; an upstream's own 4xx verdict is passed

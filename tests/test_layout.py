@@ -32,6 +32,8 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/api/http.py",
             "gateway/server/listeners.py",
             "gateway/server/ops.py",
+            "gateway/server/desk.py",
+            "gateway/console/server.py",
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
@@ -48,6 +50,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/agents.py",
             "gateway/policy/chain.py",
             "gateway/policy/controls.py",
+            "gateway/policy/desk.py",
             "gateway/policy/mcp.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",

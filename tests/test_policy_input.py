@@ -133,6 +133,7 @@ def test_the_yaml_value_key_is_read_as_a_plain_string() -> None:
 #: Every float key of the policy, as a YAML snippet with ``@`` for the value.
 T = "targets: {t: {" + TARGET
 MCP = "targets: {t: {base_url: https://api.example.com, mcp: {arguments: {x: {a: {"
+OPERATOR = "\noperators: {o: {token_ref: env://OPERATOR_TOKEN}}"
 FLOAT_KEYS = {
     "targets.t.mcp.arguments.x.a.minimum": MCP + "minimum: @}}}}}}",
     "targets.t.mcp.arguments.x.a.maximum": MCP + "maximum: @}}}}}}",
@@ -171,6 +172,10 @@ FLOAT_KEYS = {
     ),
     "chain.ttl_s": "chain: {ttl_s: @}",
     "chain.max_clock_skew_s": "chain: {max_clock_skew_s: @}",
+    "targets.t.approval.ttl_s": T + ", approval: {tools: [x], ttl_s: @}}}" + OPERATOR,
+    "targets.t.approval.retry_after_s": (
+        T + ", approval: {tools: [x], retry_after_s: @}}}" + OPERATOR
+    ),
 }
 
 #: Every bounded key with its upper bound (the named constant the model uses).
@@ -210,6 +215,7 @@ UPPER_BOUNDS = {
     "agents.a.uid": d.MAX_AGENT_UID,
     "server.max_request_bytes": d.MAX_BODY_BYTES,
     "server.max_response_bytes": d.MAX_BODY_BYTES,
+    "server.max_inflight_request_bytes": d.MAX_INFLIGHT_BYTES,
     "server.idempotency_max_entries": d.MAX_IDEMPOTENCY_ENTRIES,
     "server.idempotency_max_bytes": d.MAX_IDEMPOTENCY_STORE_BYTES,
     "rate_limit_groups.g.burst": d.MAX_BURST,
@@ -222,12 +228,17 @@ UPPER_BOUNDS = {
     "chain.ttl_s": d.MAX_CHAIN_TTL_S,
     "chain.max_clock_skew_s": d.MAX_CHAIN_CLOCK_SKEW_S,
     "chain.max_depth": d.MAX_CHAIN_MAX_DEPTH,
+    "targets.t.approval.ttl_s": d.MAX_APPROVAL_TTL_S,
+    "targets.t.approval.retry_after_s": d.MAX_APPROVAL_TTL_S,
+    "dead_letters.max_count": d.MAX_DEAD_LETTERS_MAX_COUNT,
+    "dead_letters.max_bytes": d.MAX_DEAD_LETTERS_MAX_BYTES,
 }
 INT_KEYS = {
     "targets.t.mcp.arguments.x.a.min_length": MCP + "min_length: @}}}}}}",
     "targets.t.mcp.arguments.x.a.max_length": MCP + "max_length: @}}}}}}",
     "server.max_request_bytes": "server: {max_request_bytes: @}",
     "server.max_response_bytes": "server: {max_response_bytes: @}",
+    "server.max_inflight_request_bytes": "server: {max_inflight_request_bytes: @}",
     "server.idempotency_max_entries": "server: {idempotency_max_entries: @}",
     "server.idempotency_max_bytes": "server: {idempotency_max_bytes: @}",
     "rate_limit_groups.g.burst": "rate_limit_groups: {g: {requests_per_second: 1, burst: @}}",
@@ -248,6 +259,8 @@ INT_KEYS = {
         "controls: {repeated_calls: {window_s: 1, max_repeats: @}}"
     ),
     "budgets.b.max_calls": "budgets: {b: {window: daily, max_calls: @}}",
+    "dead_letters.max_count": "dead_letters: {max_count: @}",
+    "dead_letters.max_bytes": "dead_letters: {max_bytes: @}",
 }
 
 

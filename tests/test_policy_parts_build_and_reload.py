@@ -112,6 +112,7 @@ def test_the_keys_applied_on_reload_are_those_the_parts_say_they_take_in() -> No
         "server.drain_s",
         "server.shutdown",
         "server.max_response_bytes",
+        "server.max_inflight_request_bytes",
         "server.debug",
     }
     assert components.hot_keys([*COMPONENTS, _Probe]) == hot  # agent_id: already taken in

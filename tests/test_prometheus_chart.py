@@ -94,7 +94,7 @@ def test_prometheus_rule_is_the_plain_rules_file(chart: helm.Chart, tmp_path: Pa
         [promtool, "check", "rules", str(rendered)], capture_output=True, text=True, check=False
     )
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 10 rules found" in check.stdout
+    assert "SUCCESS: 11 rules found" in check.stdout
 
 
 def test_lint_passes_strict_with_both_enabled() -> None:

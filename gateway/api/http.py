@@ -17,7 +17,10 @@ guarantees without remembering them:
   when the agent stopped reading.
 
 It also reads a request's body by the listener's rules (:meth:`Incoming.read`), the same
-for every API. It is, with :mod:`gateway.server.app`, the only importer of aiohttp.web.
+for every API, each byte charged to the memory budget of the bodies in flight before it
+is held (:mod:`gateway.api.admission`; given back by :func:`give_back_charge` once the
+answer is written), so that every API refuses what does not fit alike, through its own
+refusal shape. It is, with :mod:`gateway.server.app`, the only importer of aiohttp.web.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
 from gateway import redaction
+from gateway.api.admission import COPIES, ByteBudget, Charge, held_bytes
 from gateway.audit import get_logger
 from gateway.call.proxy import CORRELATION_ID_HEADER, TRACE_ID_HEADER
 from gateway.call.relay import AgentGone, Relay
@@ -43,6 +47,12 @@ from gateway.errors import GatewayError, InternalError, InvalidPayload
 #: (INVALID_PAYLOAD, ``details.reason: body_timeout``) and the connection is closed.
 BODY_TIMEOUT_S: Final = 30.0
 BODY_TIMEOUT_KEY: Final = web.AppKey("body_timeout_s", float)
+#: The memory request bodies in flight may hold (:mod:`gateway.api.admission`; the calls
+#: application's: the ops listener reads no bodies), and its limit now, in bytes (read at
+#: each request: ``server.max_inflight_request_bytes`` of the policy in force).
+BUDGET_KEY: Final = web.AppKey("request_budget", ByteBudget)
+BUDGET_LIMIT_KEY: Final = web.AppKey[Callable[[], int]]("request_budget_limit")
+_CHARGE_KEY: Final = web.RequestKey("request_charge", Charge)
 #: An answer up to this size is handed to the transport whole without waiting (asyncio's
 #: and uvloop's default write high-water mark is 64 KiB); a larger one is written within
 #: a bound (:func:`send_bounded`).
@@ -169,7 +179,10 @@ class Incoming:
         framing broke part-way (``framing``: a bad chunk or a connection closed early); 408
         when it does not arrive in time (``body_timeout``). After any of these but the first
         the connection is closed once the answer is sent: what follows on it cannot be
-        trusted to start a request.
+        trusted to start a request. Raises :class:`~gateway.errors.CapacityExceeded` (429,
+        retryable) when the bodies in flight leave no room for this one, and
+        :class:`InvalidPayload` 413 (``too_large_in_memory``) when it alone would hold more
+        than ``server.max_inflight_request_bytes`` (:mod:`gateway.api.admission`).
         """
         request = self._request
         encodings = request.headers.getall("Content-Encoding", [])
@@ -188,8 +201,8 @@ class Incoming:
         timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
         try:
             async with asyncio.timeout(timeout_s):
-                return await request.read()
-        except web.HTTPRequestEntityTooLarge:
+                return await _read_admitted(request, limit)
+        except web.HTTPRequestEntityTooLarge:  # aiohttp's own read, in an app with no budget
             raise too_large(None, limit) from None
         except TimeoutError:
             _close_after_answer(request)
@@ -426,6 +439,52 @@ def drop_connection(request: web.Request) -> None:
 
 
 # -- reading a request's body ---------------------------------------------------------
+
+
+async def _read_admitted(request: web.Request, limit: int) -> bytes:
+    """The body, each byte charged to the app's :class:`ByteBudget` before it is held:
+    Content-Length x :data:`~gateway.api.admission.COPIES` before the first read, the
+    bytes as they arrive (chunked or coded bodies), :func:`~gateway.api.admission.
+    held_bytes` once whole. Raises the refusal of :meth:`Charge.grow_to` as soon as a
+    charge does not fit (the rest is not read), :class:`InvalidPayload` 413 past
+    ``limit`` bytes; the charge is given back by :func:`give_back_charge` once answered."""
+    charge = request.get(_CHARGE_KEY)
+    if charge is None:
+        budget = request.app.get(BUDGET_KEY)
+        if budget is None:  # an app without a budget (the ops listener reads no bodies)
+            return await request.read()
+        limit_now = request.app.get(BUDGET_LIMIT_KEY)
+        if limit_now is not None:  # the policy in force: the key is hot
+            budget.limit_bytes = limit_now()
+        charge = request[_CHARGE_KEY] = budget.charge()
+    if request.content_length:
+        charge.grow_to(COPIES * request.content_length)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(None, limit)
+        charge.grow_to(COPIES * size)
+        chunks.append(chunk)
+    # One copy while joining, as aiohttp's own read makes; the pieces go right after.
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    del chunks
+    charge.grow_to(held_bytes(body))
+    return body
+
+
+@web.middleware
+async def give_back_charge(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give a request's body charge back to the budget once its answer is written (the
+    outermost middleware of the calls application: after the bounded write of a large
+    answer), whatever happened."""
+    try:
+        return await handler(request)
+    finally:
+        charge = request.get(_CHARGE_KEY)
+        if charge is not None:  # the answer is written: its body's bytes are free again
+            charge.release()
 
 
 def _decoded(encodings: list[str]) -> bool:

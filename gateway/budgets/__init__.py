@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from gateway.budgets.windows import Window
 from gateway.errors import BudgetExceeded
@@ -202,6 +202,22 @@ class Budgets:
 
     def __bool__(self) -> bool:
         return bool(self._budgets)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each budget as the operator's console shows it: ``name``, ``limit_usd``,
+        ``spent_usd`` (booked in this process in the current window; a ``cluster``
+        budget's shared spend is in Redis), ``window``, ``scope``."""
+        now = self._clock()
+        return [
+            {
+                "name": b.name,
+                "limit_usd": b.spec.limit_usd,
+                "spent_usd": round(self.ledger.spent(b, now) / NANO_USD, 6),
+                "window": b.spec.window,
+                "scope": b.spec.scope,
+            }
+            for b in self._budgets
+        ]
 
     def applying(
         self, target: str, group: str | None, agent: str, tools: Sequence[str] = ()

@@ -26,6 +26,7 @@ import traceback
 from collections.abc import Callable
 
 from gateway import telemetry
+from gateway.agents.approvals import Approvals, MemoryApprovalStore
 from gateway.agents.controls import Controls
 from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
@@ -50,6 +51,7 @@ from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
+from gateway.deadletters import DeadLetters
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
     GatewayError,
@@ -120,6 +122,9 @@ class Pipeline:
         self.credentials = Credentials()
         #: The JSON of the answer an idempotent call stored last, for the server to send.
         self.rendered = Rendered()
+        #: The operator's desk (agents/approvals.py, deadletters/): replaced by the runtime's.
+        self.approvals = Approvals(MemoryApprovalStore(), audit)
+        self.dead_letters = DeadLetters(max_count=1000, max_bytes=16 << 20, audit=audit)
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with.
@@ -224,6 +229,9 @@ class Pipeline:
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
             with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+                if (held := decision.target.spec.approval) is not None:  # a person's yes first
+                    name, agent = decision.target.name, ctx.agent_id
+                    await self.approvals.check(held, name, request, ctx.mcp, agent, deadline)
                 status, response = await self._call(policy, request, decision, ctx, deadline, relay)
             response = hooks.answered(ctx, response)
         except GatewayError as exc:
@@ -242,6 +250,7 @@ class Pipeline:
             status, response = 500, self._crashed(exc, ctx, policy)
         finally:
             if response is not None:
+                self.dead_letters.after(ctx, response)  # kept when it failed for good
                 trace.end(self._write_audit(ctx, response, hooks), status, response)
         return status, response
 

@@ -136,6 +136,19 @@ class Series:
             "by reason: circular_call_detected, max_depth_exceeded, ttl_expired, invalid_chain.",
             ["reason"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        # The operator's desk (README, "Approvals and dead letters").
+        self.dead_letters = Counter(
+            "dead_letters", "Calls kept as dead letters (retries exhausted, OUTCOME_UNKNOWN), "
+            "by target.", ["target"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.dead_letters_dropped = Counter(
+            "dead_letters_dropped", "Dead letters dropped (oldest first) to stay within "
+            "dead_letters.max_count or max_bytes.", namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.approvals = Counter(
+            "approvals", "Approval events, by event: requested, decided, used.",
+            ["event"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
         self.shadow_denials = Counter(
             "shadow_denials", "Calls a mode: shadow rule would have refused, by kind and rule.",
             ["kind", "rule"], namespace=NAMESPACE, registry=r,

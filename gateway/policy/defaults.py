@@ -15,6 +15,16 @@ DEFAULT_PORT: Final = 8181
 DEFAULT_OPS_PORT: Final = 8182
 DEFAULT_MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
+#: What the request bodies in flight may hold in memory, in bytes of their charge
+#: (gateway.api.admission.held_bytes: 6x a body's bytes, more for dense JSON): three
+#: 8 MiB prompts at once. With the idle RSS (~64 MiB) it makes the ceiling the Helm
+#: chart's memory limit is drawn from (README, "Memory ceiling").
+DEFAULT_MAX_INFLIGHT_REQUEST_BYTES: Final = 160 * 1024 * 1024
+#: Below this, a few ordinary calls at once would already be refused.
+MIN_INFLIGHT_REQUEST_BYTES: Final = 1024 * 1024
+#: Bound of server.max_inflight_request_bytes (gateway.api.admission): sixteen bodies
+#: of the largest max_request_bytes (1 GiB) at once.
+MAX_INFLIGHT_BYTES: Final = 16 * 1024 * 1024 * 1024
 DEFAULT_DRAIN_S: Final = 20.0
 #: SIGTERM beside a live agent: keep serving new calls while draining (the chart's
 #: regular-container mode, where the agent gets SIGTERM at the same moment).
@@ -155,3 +165,15 @@ MAX_REPEAT_EXEMPT: Final = 200
 #: A tool cap (a budget's ``max_calls``) is counted like spend, in integer nano-units
 #: inside Redis's Lua (exact below 2**53): the same bound as MAX_BUDGET_USD.
 MAX_BUDGET_CALLS: Final = 1_000_000
+
+# -- the operator's desk: approvals and dead letters (gateway.policy.desk) --------------
+#: How long an approval request waits for a decision, and an approval for its call, s.
+DEFAULT_APPROVAL_TTL_S: Final = 900.0
+MAX_APPROVAL_TTL_S: Final = 7 * 86400.0
+#: ``suggested_retry_after`` of APPROVAL_PENDING, seconds.
+DEFAULT_APPROVAL_RETRY_AFTER_S: Final = 5.0
+#: Dead letters kept per sidecar (count, and bytes of their stored requests).
+DEFAULT_DEAD_LETTERS_MAX_COUNT: Final = 1000
+MAX_DEAD_LETTERS_MAX_COUNT: Final = 100_000
+DEFAULT_DEAD_LETTERS_MAX_BYTES: Final = 16 * 1024 * 1024
+MAX_DEAD_LETTERS_MAX_BYTES: Final = 1024 * 1024 * 1024

@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
+from gateway.policy import desk
 from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 from gateway.policy.chain import ChainSpec, chain_problems
@@ -32,13 +33,14 @@ from gateway.policy.defaults import (
 )
 from gateway.policy.failover import FallbackOn, FallbackSpec, fallback_problems
 from gateway.policy.mcp import McpSpec, check_target
-from gateway.policy.refs import InvalidSecretRef, parse_ref
+from gateway.policy.refs import check_ref as _check_ref
 from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec
 from gateway.policy.stores import StrictModel as _Strict
 from gateway.urls import URL
 
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
 Scope = Literal["local", "cluster"]
+InflightBytes = Annotated[int, Field(ge=d.MIN_INFLIGHT_REQUEST_BYTES, le=d.MAX_INFLIGHT_BYTES)]
 
 _KINDS: Final = {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
 _RETRY_CONDITIONS: Final = ("timeout", "connect")
@@ -125,6 +127,7 @@ class ServerSpec(_Strict):
     ops_port: int | None = Field(d.DEFAULT_OPS_PORT, ge=0, le=65535)
     max_request_bytes: int = Field(d.DEFAULT_MAX_REQUEST_BYTES, ge=1024, le=d.MAX_BODY_BYTES)
     max_response_bytes: int = Field(d.DEFAULT_MAX_RESPONSE_BYTES, ge=1024, le=d.MAX_BODY_BYTES)
+    max_inflight_request_bytes: InflightBytes = d.DEFAULT_MAX_INFLIGHT_REQUEST_BYTES
     drain_s: float = Field(d.DEFAULT_DRAIN_S, ge=0, le=d.MAX_WAIT_S)
     shutdown: ShutdownSpec = Field(default_factory=ShutdownSpec)
     reload_interval_s: float = Field(
@@ -313,6 +316,8 @@ class TargetSpec(_Strict):
     fallbacks: list[FallbackSpec] = Field(default_factory=list, max_length=8)
     fallback_on: list[FallbackOn] = Field(default_factory=list)
     first_byte_timeout_s: float | None = Field(None, gt=0, le=d.MAX_WAIT_S)
+    approval: desk.ApprovalSpec | None = None  # calls held for a person's yes
+    dead_letter: bool = False  # keep calls that failed for good (gateway.policy.desk)
     _mcp = model_validator(mode="after")(check_target)
 
     @field_validator("base_url")
@@ -436,6 +441,9 @@ class Policy(_Strict):
     chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
     agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
     controls: ControlsSpec = Field(default_factory=ControlsSpec)  # gateway.policy.controls
+    operators: dict[Name, desk.OperatorSpec] = Field(default_factory=dict)  # gateway.policy.desk
+    approvals: desk.ApprovalsSpec = Field(default_factory=desk.ApprovalsSpec)
+    dead_letters: desk.DeadLettersSpec = Field(default_factory=desk.DeadLettersSpec)
 
     @model_validator(mode="after")
     def _cross_references(self) -> Policy:
@@ -485,6 +493,8 @@ class Policy(_Strict):
         problems += chain_problems(self.chain, has_vault)
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
         problems += controls_problems(self.controls, has_redis, has_vault)
+        operators = desk.all_operators(self.operators, self.controls.operator_token_ref)
+        problems += desk.problems(operators, self.approvals, self.targets, has_redis)
         if problems:
             raise PydanticCustomError(
                 "cross_reference",
@@ -497,10 +507,3 @@ class Policy(_Strict):
                 },
             )
         return self
-
-
-def _check_ref(ref: str) -> None:
-    try:
-        parse_ref(ref)
-    except InvalidSecretRef as exc:
-        raise ValueError(str(exc)) from None

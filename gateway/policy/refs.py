@@ -78,3 +78,12 @@ def parse_ref(raw: str) -> SecretRef:
     if "#" in rest and not field:
         raise InvalidSecretRef(f"secret reference {raw!r}: empty field after '#'")
     return SecretRef(raw, "vault", path, field or None)
+
+
+def check_ref(raw: str) -> None:
+    """Raise ValueError (not InvalidSecretRef) when ``raw`` is not a secret reference: the
+    form a pydantic validator of the policy reports under the key."""
+    try:
+        parse_ref(raw)
+    except InvalidSecretRef as exc:
+        raise ValueError(str(exc)) from None

@@ -12,7 +12,8 @@ Routes of the calls listener (loopback by default):
 * ``GET /healthz`` (alive), ``/readyz`` (ready), ``/openapi.json`` (both listeners).
 
 The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
-``/metrics``, ``/openapi.json`` and the stop switch (:mod:`gateway.server.ops`).
+``/metrics``, ``/openapi.json``, the stop switch (:mod:`gateway.server.ops`) and the
+approvals and dead letters (:mod:`gateway.server.desk`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
 ``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.api.http.edge_errors`).
 """
@@ -30,11 +31,12 @@ from aiohttp import web
 from gateway import openapi
 from gateway.agents.identity import identify
 from gateway.api import envelope, http, mcp, proxy
+from gateway.api.admission import ByteBudget
 from gateway.api.envelope import CALLS_PATH
-from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, Handler
+from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, BUDGET_KEY, BUDGET_LIMIT_KEY, Handler
 from gateway.audit import get_logger
 from gateway.errors import GatewayError, InvalidPayload
-from gateway.server import ops
+from gateway.server import desk, ops
 from gateway.server.eventloop import loop_name
 from gateway.server.listeners import calls_sites, start_sites
 from gateway.server.reload import PolicyWatcher
@@ -128,11 +130,15 @@ def create_app(
     ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
-        middlewares=[_json_errors, http.edge_errors],
+        middlewares=[http.give_back_charge, _json_errors, http.edge_errors],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
     app[BODY_TIMEOUT_KEY] = body_timeout_s
+    # The memory request bodies in flight may hold, its limit read at each request from
+    # the policy then in force (a hot key: server.components.Listeners).
+    app[BUDGET_KEY] = ByteBudget(gateway.policy.policy.server.max_inflight_request_bytes)
+    app[BUDGET_LIMIT_KEY] = lambda: gateway.policy.policy.server.max_inflight_request_bytes
     app.on_response_prepare.append(http.close_if_asked)
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
     app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))
@@ -158,7 +164,7 @@ def create_app(
 
 
 def create_ops_app(gateway: Gateway) -> web.Application:
-    """Health, readiness, metrics, the stop switch (operator token): safe on the pod IP."""
+    """Health, readiness, metrics, the operator's routes (operator token): safe on the pod IP."""
     app = web.Application(middlewares=[_json_errors])
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)
@@ -166,7 +172,7 @@ def create_ops_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
     ops.install(app, gateway)  # the stop switch's routes (operator token)
-    return app
+    return desk.install(app, gateway)  # approvals and dead letters (operator token)
 
 
 def make_runner(

@@ -18,6 +18,11 @@ breaker, tool caps), the pipeline, the agents who may call, and the metrics'
 policy labels. A component that must read something before it can take in a policy
 (the agents' tokens) has an ``async prepare(policy, parts)``, which a reload awaits for
 every component before any applies the policy.
+circuit breakers, the budgets, the pipeline, the agents who may call, the operator's
+desk (approvals, dead letters), and the metrics' policy labels. A component that must
+read something before it can take in a policy (the agents' tokens) has an ``async
+prepare(policy, parts)``, which a reload awaits for every component before any applies
+the policy.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from gateway import audit, cost, telemetry
+from gateway.agents.approvals import Approvals, ApprovalStore, MemoryApprovalStore
 from gateway.agents.caps import CallCaps
 from gateway.agents.controls import Controls, StopSwitch
 from gateway.agents.identity import Agents, build_agents
@@ -40,6 +46,7 @@ from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
 from gateway.cost import Pricing
+from gateway.deadletters import DeadLetters
 from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
 from gateway.metrics import Metrics
@@ -119,10 +126,14 @@ class Component(Protocol):
 class Listeners:
     """The listeners and the policy file watcher (``server.app.serve``: host, ports,
     ``max_request_bytes``, ``reload_interval_s``) read the server section at start; the
-    drain reads ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force.
+    drain reads ``drain_s`` and ``shutdown`` at SIGTERM, from the policy then in force;
+    the body reader (``api.http``) ``max_inflight_request_bytes`` at each request.
     Built and closed by ``serve``, not here: this entry says what they read."""
 
-    keys: ClassVar = Keys(hot=("server.drain_s", "server.shutdown"), restart=("server",))
+    keys: ClassVar = Keys(
+        hot=("server.drain_s", "server.shutdown", "server.max_inflight_request_bytes"),
+        restart=("server",),
+    )
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         return None
@@ -401,6 +412,36 @@ class AgentIdentities:
         parts.agents = build_agents(policy.policy.agent_id, entries)
 
 
+class Desk:
+    """The operator's desk, handed to the pipeline: approvals (this process's memory, or
+    Redis with ``approvals.scope: cluster``) and dead letters (bounds hot on reload);
+    ``operators`` are read by the ops routes on each request (gateway.server.desk)."""
+
+    keys: ClassVar = Keys(hot=("operators", "dead_letters"), restart=("approvals",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        store: ApprovalStore = MemoryApprovalStore()
+        if policy.policy.approvals.scope == "cluster" and parts.redis is not None:
+            from gateway.agents.approvals_redis import RedisApprovalStore
+
+            store = RedisApprovalStore(parts.redis)
+        approvals = Approvals(store, parts.audit, on_change=parts.metrics.observe_approval)
+        stack.push_async_callback(approvals.aclose)
+        bounds = policy.policy.dead_letters
+        letters = DeadLetters(
+            max_count=bounds.max_count,
+            max_bytes=bounds.max_bytes,
+            audit=parts.audit,
+            on_kept=parts.metrics.observe_dead_letter,
+            on_dropped=parts.metrics.observe_dead_letters_dropped,
+        )
+        parts.pipeline.approvals, parts.pipeline.dead_letters = approvals, letters
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        bounds = policy.policy.dead_letters
+        parts.pipeline.dead_letters.update(bounds.max_count, bounds.max_bytes)
+
+
 class MetricLabels:
     """The metrics' known targets, groups, model names and ``policy_info``, and the
     audit and secret health they read at each scrape."""
@@ -438,6 +479,7 @@ COMPONENTS: Final[tuple[type[Component], ...]] = (
     AgentControls,
     Calls,
     AgentIdentities,
+    Desk,
     MetricLabels,
 )
 

@@ -29,7 +29,6 @@ No message holds a URL query or a credential: only ``scheme://host:port``.
 from __future__ import annotations
 
 import asyncio
-import io
 import ipaddress
 import time
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from typing import Final
 
 import aiohttp
-from aiohttp.abc import AbstractResolver
+from aiohttp.abc import AbstractResolver, AbstractStreamWriter
 from aiohttp.connector import Connection
 
 from gateway import __version__
@@ -56,6 +55,39 @@ USER_AGENT: Final = f"egress-gateway/{__version__}"
 _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _READ_CHUNK: Final = 64 * 1024
 _LARGE_BODY: Final = 512 * 1024
+#: The slices a large body is written in (asyncio's write high-water mark).
+_SLICE_BYTES: Final = 64 * 1024
+
+
+class _SlicedBytes(aiohttp.payload.Payload):
+    """A large request body written in :data:`_SLICE_BYTES` views of it, waiting for the
+    socket to drain between them: aiohttp's ``io.BytesIO`` payload asks for the buffer
+    of the BytesIO, which copies the whole body (one more copy per call in flight)."""
+
+    _value: bytes
+
+    def __init__(self, value: bytes) -> None:
+        super().__init__(value, content_type="application/octet-stream")
+        self._size = len(value)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return self._value.decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return self._value
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(
+        self, writer: AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        with memoryview(self._value) as view:
+            end = len(view) if content_length is None else min(content_length, len(view))
+            for start in range(0, end, _SLICE_BYTES):
+                await writer.write(view[start : min(start + _SLICE_BYTES, end)])
+
+
 _MAX_ALLOWED_HOSTS: Final = 1024  # hosts come from the policy; this only bounds reloads
 
 
@@ -219,11 +251,11 @@ class Upstream:
             self._check_literal(url)
             headers, params = self._outgoing(request, query, body is not None)
             try:
-                # aiohttp warns that large bytes bodies may block the loop; a BytesIO
-                # payload is written in chunks with the same Content-Length.
-                data: bytes | io.BytesIO | None = body
+                # aiohttp warns that large bytes bodies may block the loop: a large one
+                # is written in slices with the same Content-Length, never copied.
+                data: bytes | _SlicedBytes | None = body
                 if body is not None and len(body) > _LARGE_BODY:
-                    data = io.BytesIO(body)
+                    data = _SlicedBytes(body)
                 resp = await session.request(
                     method,
                     url,

@@ -16,6 +16,8 @@ the code, so that ``except CapacityExceeded`` reads like the README's table::
     ├── QuotaExhausted          QUOTA_EXHAUSTED       429  no
     ├── BudgetExceeded          BUDGET_EXCEEDED       429  no
     ├── CallChainRefused        CALL_CHAIN_REFUSED    409  no
+    ├── ApprovalPending         APPROVAL_PENDING      428  yes
+    ├── ApprovalDenied          APPROVAL_DENIED       403  no
     ├── CircuitOpen             CIRCUIT_OPEN          503  yes
     ├── DependencyFailed        DEPENDENCY_FAILED     502  yes
     │   └── SidecarUnavailable  (client side) the sidecar could not be reached
@@ -152,6 +154,20 @@ class CallChainRefused(EgressError):
     default_code = ErrorCode.CALL_CHAIN_REFUSED
 
 
+class ApprovalPending(EgressError):
+    """The call waits for a person's approval: ``details.approval_id`` names the request;
+    send the same call again (same arguments) after ``suggested_retry_after`` seconds."""
+
+    default_code = ErrorCode.APPROVAL_PENDING
+    default_retryable = True
+
+
+class ApprovalDenied(EgressError):
+    """A person refused this call (``details.approval_id``); sending it again is refused."""
+
+    default_code = ErrorCode.APPROVAL_DENIED
+
+
 class CircuitOpen(EgressError):
     default_code = ErrorCode.CIRCUIT_OPEN
     default_retryable = True
@@ -238,6 +254,8 @@ ERROR_CLASSES: dict[str, type[EgressError]] = {
         QuotaExhausted,
         BudgetExceeded,
         CallChainRefused,
+        ApprovalPending,
+        ApprovalDenied,
         CircuitOpen,
         DependencyFailed,
         AgentTimeout,
