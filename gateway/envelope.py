@@ -173,9 +173,10 @@ class ErrorPayload(BaseModel):
 
 
 class ServedBy(BaseModel):
-    """Who answered a call: the policy's ``target`` and the ``model`` the request named
-    there (null for a target without a provider dialect, or none named). A call that
-    failed over names its fallback (README, "Failover")."""
+    """Who answered a call to a target with ``fallbacks``: the policy's ``target`` and
+    the ``model`` the request named there (null for a target without a provider
+    dialect, or none named). A call that failed over names its fallback (README,
+    "Failover")."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -190,7 +191,8 @@ class ExternalCallResponse(BaseModel):
     body (JSON as is; anything else as ``{"content_type": ..., "text": ...}``),
     ``latency_ms`` the wall time spent inside the sidecar, ``tokens_used`` the total token
     count the upstream reported (null when it reported none), ``served_by`` the target
-    and model that answered (null when no upstream answered well).
+    and model that answered a call to a target with ``fallbacks`` (null for any other
+    target, whose answer is its own, and when no upstream answered well).
     """
 
     model_config = ConfigDict(frozen=True)

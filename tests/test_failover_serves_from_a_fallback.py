@@ -201,13 +201,20 @@ async def test_a_primary_that_refuses_connections_is_passed_over(upstream_factor
     assert record["tried"][0]["attempts"] == 1
 
 
-async def test_a_target_without_fallbacks_names_itself_as_served_by(
+async def test_a_primary_that_answers_names_itself_and_a_target_without_fallbacks_nothing(
     upstream_factory, sidecar_factory
 ):
-    up = await upstream_factory(_ok)
-    sc = await sidecar_factory(compile_policy({"primary": openai_target(up.url)}))
+    primary = await upstream_factory(_ok)
+    backup = await upstream_factory(_ok)
+    sc = await sidecar_factory(_policy(primary.url, backup.url))
     _, body = await sc.call(_call())
     assert body["served_by"] == {"target": "primary", "model": "primary-model"}
     [record] = sc.audit_records()
-    assert record["tried"] is None
-    assert record["served_by"] == {"target": "primary", "model": "primary-model"}
+    assert record["tried"][0]["outcome"] == "ok"
+    assert (primary.hits, backup.hits) == (1, 0)
+    plain = await sidecar_factory(compile_policy({"primary": openai_target(primary.url)}))
+    _, body = await plain.call(_call())
+    assert body["success"] is True
+    assert body["served_by"] is None  # its answer is its own: unchanged
+    [record] = plain.audit_records()
+    assert (record["served_by"], record["tried"]) == (None, None)

@@ -127,11 +127,11 @@ class AuditRecord(BaseModel):
     # its depth; null when the call ended before its chain was read, or it was unreadable.
     call_chain: list[str] | None = None
     call_chain_depth: int | None = None
-    # Failover (added in 1.x; README "Failover"): who answered, ``{target, model}`` (null
-    # when no upstream answered well); for a target with ``fallbacks``, every option
-    # tried in order: ``{target, model, api_key_ref (a reference name, never a key),
+    # Failover (added in 1.x; README "Failover"), for a target with ``fallbacks`` (null
+    # for any other): who answered, ``{target, model}`` (null when none answered well);
+    # every option tried in order: ``{target, model, api_key_ref (a reference name, never a key),
     # attempts, outcome (an error code or "ok"), upstream_status, response_bytes,
-    # duration_ms}`` (null for a target without fallbacks).
+    # duration_ms}``.
     served_by: dict[str, str | None] | None = None
     tried: list[dict[str, Any]] | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).

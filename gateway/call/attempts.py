@@ -118,6 +118,9 @@ class Attempts:
     #: its answer lost or cut): books that attempt's cost (a budget's reservation) and
     #: raises to stop the resend (BudgetExceeded).
     before_resend: Callable[[], Awaitable[None]] | None = None
+    #: What the agent gets of a relayed stream's whole events (None: all of them as
+    #: they came): removes what the sidecar added (gateway.providers.asking_usage).
+    rewrite: Callable[[bytes], bytes] | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
     #: A 401 made the credential be resolved again (once per call).
     refreshed: bool = field(default=False, init=False)
@@ -167,7 +170,7 @@ class Attempts:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             return Outcome(deadline_error("waiting for rate-limit capacity")), None
-        attempt_timeout = self._attempt_timeout(remaining)
+        attempt_timeout = min(self.target.attempt_timeout_s, remaining)
         permit = self.breaker.acquire(attempt_timeout_s=attempt_timeout) if self.breaker else None
         log.attempts += 1
         try:
@@ -218,16 +221,6 @@ class Attempts:
             safe = self._safe_to_resend()
             return Outcome.stream_end(judged, relayed=False, safe_to_resend=safe), answer
         return await self._status_outcome(answer), answer
-
-    def _attempt_timeout(self, remaining: float) -> float:
-        """Seconds one attempt may take: the target's ``timeout_s`` within what is left
-        of the deadline, and within ``first_byte_timeout_s`` when set: a silent upstream
-        must not spend the call's deadline (a fallback may serve). It bounds a streamed
-        answer's headers, a whole answer all of it (a provider's headers come with it)."""
-        spec = self.target.spec
-        timeout = min(spec.timeout_s, remaining)
-        first_byte = spec.first_byte_timeout_s
-        return first_byte if first_byte is not None and first_byte < timeout else timeout
 
     def _transport_outcome(self, exc: TransportError) -> Outcome:
         """A transport failure: retryable as :func:`transport_retryable` says; a request
@@ -305,6 +298,7 @@ class Attempts:
                 idle_timeout_s=self.target.spec.stream_idle_timeout_s,
                 max_bytes=self.max_response_bytes,
                 first_event_timeout_s=self.target.spec.first_byte_timeout_s,
+                rewrite=self.rewrite,
             )
         except GatewayError as exc:
             return exc

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,6 +87,7 @@ async def relay_stream(
     idle_timeout_s: float,
     max_bytes: int,
     first_event_timeout_s: float | None = None,
+    rewrite: Callable[[bytes], bytes] | None = None,
 ) -> Relayed:
     """Relay ``stream`` (an open :class:`gateway.upstream.client.UpstreamStream`) to
     ``relay`` until its end, recording in ``done`` what was relayed (also when it fails).
@@ -94,7 +96,10 @@ async def relay_stream(
     reason ``agent_disconnected``. The upstream stream is always closed on return.
     ``first_event_timeout_s`` (a target's ``first_byte_timeout_s``) bounds the wait for
     the first whole event instead of ``idle_timeout_s``: past it, STREAM_INTERRUPTED
-    with reason ``first_byte_timeout``, nothing relayed (a fallback may serve)."""
+    with reason ``first_byte_timeout``, nothing relayed (a fallback may serve).
+    ``rewrite`` (whole events -> what the agent gets of them) removes what the sidecar
+    added to the request (:func:`gateway.providers.asking_usage`); the events are
+    judged as the upstream sent them."""
     judge = done.judge
     decoder = SseDecoder(max_bytes)
     held = bytearray()  # bytes after the last whole event, not relayed yet
@@ -140,10 +145,13 @@ async def relay_stream(
                         # end, and judging first made the agent's first byte wait for
                         # the parse of every event in the chunk (often all of a fast
                         # upstream's).
+                        if rewrite is not None:
+                            whole = rewrite(whole)
                         sending = True
                         _arm(timer, loop_deadline)
                         try:
-                            await _send(relay, done, whole, started)
+                            if whole:
+                                await _send(relay, done, whole, started)
                         except AgentGone:
                             gone = True
                     try:
@@ -178,6 +186,8 @@ async def relay_stream(
     error = judge.verdict(status=200)
     if error is not None:
         raise error  # an unfinished last event is dropped: the final event says why
+    if rewrite is not None and held.strip():
+        held = bytearray(rewrite(bytes(held) + b"\n\n").rstrip(b"\r\n"))
     if held.strip():
         # A last event without its blank line that still completed the stream (``data:
         # [DONE]`` right before the close): closed here, so it cannot run into ours.

@@ -35,29 +35,18 @@ from gateway.policy.egress import Decision
 from gateway.policy.failover import FallbackSpec
 from gateway.policy.models import TargetSpec
 from gateway.policy.refs import SecretRef
-from gateway.providers import estimate_tokens, extract_usage, request_model, with_model
+from gateway.providers import (
+    asking_usage,
+    estimate_tokens,
+    extract_usage,
+    request_model,
+    with_model,
+)
 from gateway.secrets import ResolvedSecret
 from gateway.upstream import Credential, UpstreamResponse
 
 if TYPE_CHECKING:
     from gateway.call.pipeline import Pipeline
-
-
-async def forward(
-    pipe: Pipeline,
-    policy: PolicySet,
-    request: ExternalCallRequest,
-    decision: Decision,
-    ctx: CallContext,
-    deadline: float,
-    relay: Relay | None = None,
-) -> ExternalCallResponse:
-    """Send the call to its target, then, on a failure that allows it, to each of the
-    target's ``fallbacks`` in turn (:func:`fail_over`); answer with the 2xx answer of
-    the one that served. Raises the GatewayError that ended the call."""
-    if decision.target.spec.fallbacks:
-        return await fail_over(pipe, policy, request, decision, ctx, deadline, relay)
-    return await send_to(pipe, policy, request, decision, ctx, deadline, relay)
 
 
 async def fail_over(
@@ -81,7 +70,9 @@ async def fail_over(
     while True:
         started = time.monotonic()
         try:
-            response = await send_to(pipe, policy, request, decision, ctx, deadline, relay)
+            model = request_model(decision.target.spec.usage, request.endpoint, request.parameters)
+            ctx.served_by = ServedBy(target=decision.target.name, model=model)
+            response = await forward(pipe, policy, request, decision, ctx, deadline, relay)
         except GatewayError as exc:
             ctx.tried.append(_tried_entry(ctx, started, exc))
             first = first or (exc, ctx.attempt_log)
@@ -192,7 +183,7 @@ def _tried_entry(
     }
 
 
-async def send_to(
+async def forward(
     pipe: Pipeline,
     policy: PolicySet,
     request: ExternalCallRequest,
@@ -201,12 +192,16 @@ async def send_to(
     deadline: float,
     relay: Relay | None = None,
 ) -> ExternalCallResponse:
-    """Send the call to one target: its request, its secret, its reservations, its
-    attempts; answer with the upstream's 2xx answer. Raises the GatewayError that ended
-    the attempts."""
+    """Send the call: its request, its secret, its reservations, its attempts; answer
+    with the upstream's 2xx answer. Raises the GatewayError that ended the attempts. A
+    target with ``fallbacks`` goes through :func:`fail_over`, which sends each option
+    here (``ctx.tried`` set)."""
     target = decision.target
-    model = request_model(target.spec.usage, request.endpoint, request.parameters)
-    ctx.served_by = ServedBy.model_construct(target=target.name, model=model)
+    if target.spec.fallbacks and ctx.tried is None:
+        return await fail_over(pipe, policy, request, decision, ctx, deadline, relay)
+    rewrite = None
+    if relay is not None and request.parameters:
+        request, rewrite = _asking_usage(request, target)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
     reserved = 0
@@ -222,6 +217,7 @@ async def send_to(
         has_idempotency_key=ctx.idempotency_key is not None,
         rng=pipe.rng,
         relay=relay,
+        rewrite=rewrite,
         started=ctx.started,
         max_response_bytes=policy.policy.server.max_response_bytes,
         group=group,
@@ -258,6 +254,19 @@ async def send_to(
         if group is not None:
             pipe.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
     return _answered(pipe, answer, attempts, cost, ctx)
+
+
+def _asking_usage(
+    request: ExternalCallRequest, target: CompiledTarget
+) -> tuple[ExternalCallRequest, Callable[[bytes], bytes] | None]:
+    """A relayed stream that does not ask for its usage asks for it: the books need it
+    (:func:`gateway.providers.asking_usage`); with what removes it from the events the
+    agent gets. Else ``request`` as it is, and None."""
+    asked = asking_usage(target.spec.usage, request.endpoint, request.parameters)
+    if asked is None:
+        return request, None
+    parameters, rewrite = asked
+    return request.model_copy(update={"parameters": parameters}), rewrite
 
 
 def _outbound(

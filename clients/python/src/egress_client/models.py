@@ -169,9 +169,9 @@ class ErrorPayload(BaseModel):
 
 
 class ServedBy(BaseModel):
-    """Who answered a call: the policy's ``target`` and the ``model`` the request named
-    there (null: the target has no provider dialect, or none was named). A call that
-    failed over names its fallback."""
+    """Who answered a call to a target with ``fallbacks``: the policy's ``target`` and
+    the ``model`` the request named there (null: the target has no provider dialect, or
+    none was named). A call that failed over names its fallback."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -187,7 +187,8 @@ class ExternalCallResponse(BaseModel):
     it), ``latency_ms`` the wall time inside the sidecar, ``tokens_used`` the total tokens
     the upstream reported (null when none), ``replayed`` true for an answer replayed
     from the sidecar's idempotency store, ``served_by`` the target and model that
-    answered (null when none answered well; an older sidecar sends none).
+    answered a call to a target with ``fallbacks`` (null for any other target, when
+    none answered well, or from an older sidecar).
     """
 
     model_config = ConfigDict(frozen=True)
