@@ -198,6 +198,7 @@ async def test_a_primary_that_refuses_connections_is_passed_over(upstream_factor
     assert body["served_by"] == {"target": "backup", "model": "backup-model"}
     [record] = sc.audit_records()
     assert record["tried"][0]["outcome"] == "DEPENDENCY_FAILED"
+    assert record["tried"][0]["reason"] == "connect"
     assert record["tried"][0]["attempts"] == 1
 
 

@@ -130,7 +130,8 @@ class AuditRecord(BaseModel):
     # Failover (added in 1.x; README "Failover"), for a target with ``fallbacks`` (null
     # for any other): who answered, ``{target, model}`` (null when none answered well);
     # every option tried in order: ``{target, model, api_key_ref (a reference name, never a key),
-    # attempts, outcome (an error code or "ok"), upstream_status, response_bytes,
+    # attempts, outcome (an error code or "ok"), upstream_status, reason (e.g. a
+    # transport failure's kind: connect, reset, timeout), response_bytes,
     # duration_ms}``.
     served_by: dict[str, str | None] | None = None
     tried: list[dict[str, Any]] | None = None

@@ -167,7 +167,8 @@ def _tried_entry(
     ctx: CallContext, started: float, error: GatewayError | None, option: FallbackSpec | None = None
 ) -> dict[str, Any]:
     """One option in the audit record: its target, model, secret reference (its name),
-    attempts, outcome (an error code, or ``ok``), upstream status, bytes, duration (ms)."""
+    attempts, outcome (an error code, or ``ok``), upstream status, the error's reason (a
+    transport failure's kind), bytes, duration (ms)."""
     log = ctx.attempt_log
     served = ctx.served_by
     refused_before = option is not None  # never sent: the egress rules refused it
@@ -178,6 +179,8 @@ def _tried_entry(
         "attempts": 0 if refused_before else log.attempts,
         "outcome": "ok" if error is None else error.code.value,
         "upstream_status": None if error is None else error.status_code,
+        # a transport failure's kind (connect, reset, timeout) or the error's own reason
+        "reason": None if error is None else error.details.get("reason"),
         "response_bytes": None if refused_before else log.response_bytes,
         "duration_ms": round((time.monotonic() - started) * 1000, 3),
     }
