@@ -225,7 +225,6 @@ async def forward(
         max_response_bytes=policy.policy.server.max_response_bytes,
         group=group,
         tokens_reserved=reserved,
-        breaker=pipe.breakers.get(target.name),
         refresh_credential=(
             refresher(pipe, decision, ctx, deadline)
             if resolved is not None and resolved.from_cache
@@ -245,6 +244,9 @@ async def forward(
     )
     rates = cost.price.rates  # the record: the model priced, where its price came from
     ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
+    # A model call of a provider dialect has its model's breaker: one failing model must
+    # not refuse the target's others (price.model: the request's model of a model call).
+    attempts.breaker = pipe.breakers.get(target.name, cost.price.model)
     if cost.applying:  # else no budget applies: nothing to reserve
         await _reserve(pipe, cost, request, ctx)
     attempts.before_resend = lambda: _rebook(pipe, cost, ctx)
