@@ -60,6 +60,20 @@ def test_an_unknown_target_another_dialect_and_a_cycle_are_errors_at_their_line(
     assert any("targets.d.fallbacks.0.target:" in ln and "itself" in ln for ln in lines), err
 
 
+def test_mcp_targets_neither_have_nor_are_fallbacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (
+        HEAD
+        + _target("a", "none", "    fallbacks:\n      - {target: tools}\n")
+        + "  tools:\n    base_url: https://tools.example.com/mcp\n"
+        + "    mcp: {tools: {allow: ['*']}}\n"
+    )
+    code, err = _validate(tmp_path, text, capsys)
+    assert code == 1, err
+    assert "targets.a.fallbacks.0.target: an MCP target neither has nor is a fallback" in err
+
+
 def test_the_same_target_with_another_model_is_allowed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

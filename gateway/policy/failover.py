@@ -10,9 +10,9 @@ followed). ``fallback_on`` adds non-retryable answers that still move on
 headers), so a silent primary cannot spend the whole deadline.
 
 :func:`fallback_problems` is what ``validate`` refuses (key path, message):
-an unknown target, another dialect, a fallback to itself with the same model, a cycle
-between targets. :func:`fallback_warnings`: a ``first_byte_timeout_s`` above the
-target's ``timeout_s`` (it would never act).
+an unknown target, another dialect, an MCP target (its checks are its own), a fallback
+to itself with the same model, a cycle between targets. :func:`fallback_warnings`: a
+``first_byte_timeout_s`` above the target's ``timeout_s`` (it would never act).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ Problem = tuple[tuple[str | int, ...], str]
 
 def fallback_problems(targets: Mapping[str, Any]) -> list[Problem]:
     """Problems of the targets' ``fallbacks`` (``targets``: name -> TargetSpec): an
-    unknown target, a target of another ``usage`` dialect, the target itself without
-    another model, a cycle (A falls back to B, which falls back to A)."""
+    unknown target, a target of another ``usage`` dialect, an MCP target on either side,
+    the target itself without another model, a cycle (A falls back to B, which falls
+    back to A)."""
     problems: list[Problem] = []
     for name, spec in targets.items():
         for index, option in enumerate(spec.fallbacks):
@@ -59,6 +60,9 @@ def fallback_problems(targets: Mapping[str, Any]) -> list[Problem]:
                         f"{spec.usage!r}: a fallback must take the same request",
                     )
                 )
+            elif spec.mcp is not None or other.mcp is not None:
+                # The MCP checks (tools, listings) are the target's own: not carried over.
+                problems.append((loc, "an MCP target neither has nor is a fallback"))
             elif option.target == name and option.model is None:
                 problems.append((loc, "a target cannot fall back to itself with the same model"))
         cycle = _cycle_from(name, targets)
