@@ -219,3 +219,54 @@ async def test_a_primary_that_answers_names_itself_and_a_target_without_fallback
     assert body["served_by"] is None  # its answer is its own: unchanged
     [record] = plain.audit_records()
     assert (record["served_by"], record["tried"]) == (None, None)
+
+
+async def test_a_reset_before_the_answer_moves_on_for_a_provider_target(
+    upstream_factory, sidecar_factory
+):
+    async def resets(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.close()  # the request read, no answer byte
+        return web.Response()
+
+    primary = await upstream_factory(resets)
+    backup = await upstream_factory(_ok)
+    sc = await sidecar_factory(_policy(primary.url, backup.url))
+    _, body = await sc.call(_call())
+    assert body["success"] is True
+    assert body["served_by"] == {"target": "backup", "model": "backup-model"}
+    assert primary.hits == 1  # a POST lost after sending is not resent to the primary
+    [record] = sc.audit_records()
+    assert record["tried"][0]["outcome"] == "OUTCOME_UNKNOWN"
+
+
+async def test_a_500_once_is_rescued_by_the_primarys_own_retry(upstream_factory, sidecar_factory):
+    async def once(request: web.Request) -> web.StreamResponse:
+        if primary.hits == 1:
+            return web.json_response({"error": {"message": "oops"}}, status=500)
+        return await _ok(request)
+
+    primary = await upstream_factory(once)
+    backup = await upstream_factory(_ok)
+    sc = await sidecar_factory(_policy(primary.url, backup.url))
+    _, body = await sc.call(_call())
+    assert body["served_by"] == {"target": "primary", "model": "primary-model"}
+    assert (primary.hits, backup.hits) == (2, 0)
+
+
+async def test_429_is_retried_as_asked_then_moves_on_within_the_deadline(
+    upstream_factory, sidecar_factory
+):
+    async def limited(_: web.Request) -> web.StreamResponse:
+        error = {"error": {"message": "slow down", "type": "rate_limit_error"}}
+        return web.json_response(error, status=429, headers={"retry-after-ms": "50"})
+
+    primary = await upstream_factory(limited)
+    backup = await upstream_factory(_ok)
+    sc = await sidecar_factory(_policy(primary.url, backup.url, retry={"max_retries": 2}))
+    _, body = await sc.call(_call(max_retries=2))
+    assert body["served_by"] == {"target": "backup", "model": "backup-model"}
+    assert (primary.hits, backup.hits) == (3, 1)
+    assert primary.seen[1].at - primary.seen[0].at >= 0.05  # its Retry-After was kept
+    [record] = sc.audit_records()
+    assert record["tried"][0]["outcome"] == "CAPACITY_EXCEEDED"
