@@ -110,6 +110,10 @@ class Attempts:
     tokens_reserved: int = 0
     breaker: TargetBreaker | None = None
     refresh_credential: Callable[[], Awaitable[Credential | None]] | None = None
+    #: A key pool's next key after a 429 or quota refusal (gateway.call.keys): awaited
+    #: with the wait the upstream asked for (seconds; None: none) and whether the key is
+    #: spent (quota); None when every key rests.
+    next_key: Callable[[float | None, bool], Awaitable[Credential | None]] | None = None
     #: Where a 2xx event stream goes as it arrives (the agent asked for a stream).
     relay: Relay | None = None
     started: float = 0.0
@@ -268,6 +272,12 @@ class Attempts:
         retry_after = parse_retry_after(answer.headers, time.time())
         if retry_after is None and hint is not None and hint.retry_after_s is not None:
             retry_after = min(hint.retry_after_s, MAX_RETRY_AFTER_S)  # e.g. Gemini RetryInfo
+        quota = hint is not None and hint.verdict == "quota"
+        if self.next_key is not None and (answer.status == 429 or quota):
+            credential = await self.next_key(retry_after, quota)
+            if credential is not None:  # the pool's next key serves, at once
+                self.outbound = replace(self.outbound, credential=credential)
+                return Outcome(refreshed=True)
         error = status_error(answer, retry_after, self.target.name, hint, parsed)
         retryable = status_retryable(answer.status, self.target.spec.retry.retry_on, hint)
         return Outcome(error, retryable, retry_after_s=retry_after)

@@ -28,7 +28,7 @@ from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.call.retry import next_option
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ServedBy
-from gateway.errors import CapacityExceeded, GatewayError
+from gateway.errors import CapacityExceeded, GatewayError, QuotaExhausted
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy import egress as egress_rules
 from gateway.policy.egress import Decision
@@ -202,9 +202,7 @@ async def forward(
     target = decision.target
     if target.spec.fallbacks and ctx.tried is None:
         return await fail_over(pipe, policy, request, decision, ctx, deadline, relay)
-    rewrite = None
-    if relay is not None and request.parameters:
-        request, rewrite = _asking_usage(request, target)
+    request, decision, rewrite, pool = _prepared(pipe, policy, request, decision, ctx, relay)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
     reserved = 0
@@ -232,6 +230,8 @@ async def forward(
         ),
     )
     ctx.attempt_log = attempts.log
+    if pool:
+        attempts.next_key = next_key(pipe, policy, request, target, pool, ctx, deadline)
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
     cost = spend.price(
         pipe.budgets,
@@ -259,6 +259,26 @@ async def forward(
         if group is not None:
             pipe.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
     return _answered(pipe, answer, attempts, cost, ctx)
+
+
+def _prepared(
+    pipe: Pipeline,
+    policy: PolicySet,
+    request: ExternalCallRequest,
+    decision: Decision,
+    ctx: CallContext,
+    relay: Relay | None,
+) -> tuple[ExternalCallRequest, Decision, Callable[[bytes], bytes] | None, list[str]]:
+    """The request as sent (a relayed stream asking for its usage: :func:`_asking_usage`,
+    with what removes it from the agent's events), its decision (a key pool's first key
+    not resting: :func:`_pooled`) and the pool ([]: none)."""
+    target, rewrite = decision.target, None
+    if relay is not None and request.parameters:
+        request, rewrite = _asking_usage(request, target)
+    pool = _pool(target, request)
+    if pool:
+        decision = _pooled(pipe, policy, request, target, pool, ctx)
+    return request, decision, rewrite, pool
 
 
 def _asking_usage(
@@ -367,6 +387,77 @@ def _answered(
         correlation_id=request.correlation_id,
         served_by=ctx.served_by,
     )
+
+
+def _pool(target: CompiledTarget, request: ExternalCallRequest) -> list[str]:
+    """The target's key pool (``credential.refs``) when the call names no key of its
+    own, else []."""
+    credential = target.spec.credential
+    if credential is None or not credential.refs or request.api_key_ref is not None:
+        return []
+    return credential.refs
+
+
+def _pooled(
+    pipe: Pipeline,
+    policy: PolicySet,
+    request: ExternalCallRequest,
+    target: CompiledTarget,
+    pool: list[str],
+    ctx: CallContext,
+) -> Decision:
+    """The decision for the pool's first key not resting; raises the upstream's error
+    when every key rests (QUOTA_EXHAUSTED when every one is spent, else
+    CAPACITY_EXCEEDED), with the time until the first serves again."""
+    now = time.monotonic()
+    ref = pipe.keys.pick(target.name, pool, now)
+    if ref is None:
+        until = pipe.keys.until(target.name, pool)
+        wait = max((until or now) - now, 0.0)
+        details = {"target": target.name, "source": "upstream", "reason": "every_key_resting"}
+        if pipe.keys.spent(target.name, pool):
+            raise QuotaExhausted(
+                f"every key of target {target.name!r} is out of quota or credit",
+                details=details,
+                retry_after_s=wait,
+            )
+        raise CapacityExceeded(
+            f"every key of target {target.name!r} is rate limited; the first serves again "
+            f"in {wait:.3g} s",
+            details=details,
+            retry_after_s=wait,
+        )
+    ctx.api_key_ref = ref
+    return egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
+
+
+def next_key(
+    pipe: Pipeline,
+    policy: PolicySet,
+    request: ExternalCallRequest,
+    target: CompiledTarget,
+    pool: list[str],
+    ctx: CallContext,
+    deadline: float,
+) -> Callable[[float | None, bool], Awaitable[Credential | None]]:
+    """What rests the call's key after a 429 or quota refusal (for the wait asked, else
+    :data:`gateway.call.keys.COOL_DOWN_S`) and gives the pool's next key (None: every
+    key rests); the record names the key that serves (its reference)."""
+
+    async def rotate(wait_s: float | None, spent: bool) -> Credential | None:
+        now = time.monotonic()
+        assert ctx.api_key_ref is not None
+        pipe.keys.cool(target.name, ctx.api_key_ref, wait_s, now, spent=spent)
+        ref = pipe.keys.pick(target.name, pool, now)
+        if ref is None:
+            return None
+        ctx.warnings.append(f"key {ctx.api_key_ref} rests; key {ref} serves")
+        decision = egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
+        resolved = await resolve(pipe, decision.ref, ctx, deadline)
+        ctx.api_key_ref = ref
+        return pipe.credentials.of(target, resolved)
+
+    return rotate
 
 
 def refresher(

@@ -195,6 +195,9 @@ class CredentialSpec(_Strict):
     format: str = "{secret}"
     default_ref: str | None = None
     allowed_refs: list[str] = Field(default_factory=list)
+    #: A key pool (gateway.call.keys): used in order, a key cooling after a 429 or a
+    #: quota refusal, the next serving; the call's key when it names none.
+    refs: list[str] = Field(default_factory=list, max_length=32)
 
     @field_validator("header")
     @classmethod
@@ -217,7 +220,7 @@ class CredentialSpec(_Strict):
             _check_ref(v)
         return v
 
-    @field_validator("allowed_refs")
+    @field_validator("allowed_refs", "refs")
     @classmethod
     def _refs_ok(cls, v: list[str]) -> list[str]:
         for ref in v:
@@ -228,12 +231,16 @@ class CredentialSpec(_Strict):
     def _placement(self) -> CredentialSpec:
         if (self.header is None) == (self.query_param is None):
             raise ValueError("set exactly one of 'header' or 'query_param'")
-        if self.default_ref is None and not self.allowed_refs:
-            raise ValueError("set 'default_ref' or 'allowed_refs' (which secrets may go here)")
+        if self.default_ref is None and not self.allowed_refs and not self.refs:
+            raise ValueError(
+                "set 'default_ref', 'allowed_refs' or 'refs' (which secrets may go here)"
+            )
+        if self.refs and self.default_ref is not None:
+            raise ValueError("set 'refs' (a key pool) or 'default_ref', not both")
         return self
 
     def permitted_refs(self) -> frozenset[str]:
-        refs = set(self.allowed_refs)
+        refs = set(self.allowed_refs) | set(self.refs)
         if self.default_ref:
             refs.add(self.default_ref)
         return frozenset(refs)
