@@ -202,7 +202,9 @@ async def forward(
     target = decision.target
     if target.spec.fallbacks and ctx.tried is None:
         return await fail_over(pipe, policy, request, decision, ctx, deadline, relay)
-    request, decision, rewrite, pool = _prepared(pipe, policy, request, decision, ctx, relay)
+    rewrite, pool = None, None
+    if relay is not None or target.key_pool:  # else the request goes as it is
+        request, decision, rewrite, pool = _prepared(pipe, policy, request, decision, ctx, relay)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
     reserved = 0
@@ -230,7 +232,7 @@ async def forward(
         ),
     )
     ctx.attempt_log = attempts.log
-    if pool:
+    if pool is not None:
         attempts.next_key = next_key(pipe, policy, request, target, pool, ctx, deadline)
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
     cost = spend.price(
@@ -268,15 +270,15 @@ def _prepared(
     decision: Decision,
     ctx: CallContext,
     relay: Relay | None,
-) -> tuple[ExternalCallRequest, Decision, Callable[[bytes], bytes] | None, list[str]]:
+) -> tuple[ExternalCallRequest, Decision, Callable[[bytes], bytes] | None, list[str] | None]:
     """The request as sent (a relayed stream asking for its usage: :func:`_asking_usage`,
     with what removes it from the agent's events), its decision (a key pool's first key
-    not resting: :func:`_pooled`) and the pool ([]: none)."""
+    not resting: :func:`_pooled`) and the pool (None: none)."""
     target, rewrite = decision.target, None
     if relay is not None and request.parameters:
         request, rewrite = _asking_usage(request, target)
     pool = _pool(target, request)
-    if pool:
+    if pool is not None:
         decision = _pooled(pipe, policy, request, target, pool, ctx)
     return request, decision, rewrite, pool
 
@@ -377,7 +379,7 @@ def _answered(
         # Unknown usage keeps the reservation: the upstream answered, so tokens were
         # spent, and a refund would let the group overspend (design.md).
         group.reconcile(attempts.tokens_reserved, ctx.usage.total)
-    return ExternalCallResponse(
+    response = ExternalCallResponse(
         success=True,
         status_code=answer.status,
         data=data,
@@ -385,17 +387,18 @@ def _answered(
         tokens_used=ctx.usage.total if ctx.usage else None,
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
-        served_by=ctx.served_by,
     )
+    if ctx.served_by is not None:  # a target with fallbacks: who answered
+        response = response.model_copy(update={"served_by": ctx.served_by})
+    return response
 
 
-def _pool(target: CompiledTarget, request: ExternalCallRequest) -> list[str]:
+def _pool(target: CompiledTarget, request: ExternalCallRequest) -> list[str] | None:
     """The target's key pool (``credential.refs``) when the call names no key of its
-    own, else []."""
-    credential = target.spec.credential
-    if credential is None or not credential.refs or request.api_key_ref is not None:
-        return []
-    return credential.refs
+    own, else None."""
+    if not target.key_pool or request.api_key_ref is not None:
+        return None
+    return list(target.key_pool)
 
 
 def _pooled(
