@@ -198,7 +198,8 @@ async def forward(
     """Send the call: its request, its secret, its reservations, its attempts; answer
     with the upstream's 2xx answer. Raises the GatewayError that ended the attempts. A
     target with ``fallbacks`` goes through :func:`fail_over`, which sends each option
-    here (``ctx.tried`` set)."""
+    here (``ctx.tried`` set). A model call of a provider dialect takes its model's
+    circuit breaker (one failing model must not refuse the target's others)."""
     target = decision.target
     if target.spec.fallbacks and ctx.tried is None:
         return await fail_over(pipe, policy, request, decision, ctx, deadline, relay)
@@ -246,9 +247,7 @@ async def forward(
     )
     rates = cost.price.rates  # the record: the model priced, where its price came from
     ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
-    # A model call of a provider dialect has its model's breaker: one failing model must
-    # not refuse the target's others (price.model: the request's model of a model call).
-    attempts.breaker = pipe.breakers.get(target.name, cost.price.model)
+    attempts.breaker = pipe.breakers.get(target.name, cost.price.model)  # a model call's
     if cost.applying:  # else no budget applies: nothing to reserve
         await _reserve(pipe, cost, request, ctx)
     attempts.before_resend = lambda: _rebook(pipe, cost, ctx)
