@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.call.sse import EventTooLarge, SseDecoder, complete_events
-from gateway.call.stream import StreamJudge
+from gateway.call.stream import StreamJudge, malformed_error
 from gateway.errors import DeadlineExceeded, GatewayError, ResponseTooLarge, StreamInterrupted
 from gateway.upstream import TransportError
 
@@ -159,6 +159,8 @@ async def relay_stream(
                             judge.observe(event)
                     except EventTooLarge:
                         raise _too_large(judge, max_bytes) from None
+                    if judge.malformed:  # ended there: its SDK raises on such an event
+                        raise malformed_error(judge.target, judge.events)
                     if gone:
                         raise StreamInterrupted(
                             f"the agent hung up after {judge.events} events; the upstream "
