@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit fuzz bench bench-quick bench-stream bench-peers clean
+.PHONY: demo test lint typecheck docs docs-check unit fuzz bench bench-quick bench-stream bench-peers clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,20 @@ $(VENV)/.dev: $(VENV)/.runtime clients/python/pyproject.toml
 demo: $(VENV)/.runtime
 	$(BIN)/egress-gateway demo
 
-test: lint typecheck unit
+test: lint typecheck docs-check unit
+
+# The documentation site (mkdocs.yml, docs/) into .site/: `make docs` regenerates the policy
+# reference from the policy models, then builds the site strictly (a broken link or anchor
+# is an error; not --quiet, which hides the warnings --strict counts).
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site
+docs: $(VENV)/.dev
+	$(BIN)/python docs/gen_policy_reference.py
+	$(MKDOCS)
+
+# What `make test` runs: the same build, but a stale policy reference fails (run make docs).
+docs-check: $(VENV)/.dev
+	$(BIN)/python docs/gen_policy_reference.py --check
+	$(MKDOCS)
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check .
@@ -35,7 +48,16 @@ lint: $(VENV)/.dev
 typecheck: $(VENV)/.dev
 	$(BIN)/mypy
 
+# Tests that need a system tool skip without it (the reasons are in pytest's summary);
+# .ci/run installs the tools and makes a missing one a failure. Say so before they run.
 unit: $(VENV)/.dev
+	@command -v nft >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || echo "make test:" \
+		"no nft or ip (Debian nftables, iproute2): tests/test_enforce.py will be skipped"
+	@command -v promtool >/dev/null 2>&1 || echo "make test: no promtool (Debian prometheus):" \
+		"tests/test_prometheus*.py will be skipped"
+	@$(BIN)/python -c "import socket; socket.create_connection(('127.0.0.1', 6379), 1)" \
+		2>/dev/null || echo "make test: no Redis on" \
+		"127.0.0.1:6379: the cluster-scope tests will be skipped"
 	$(BIN)/python -m pytest
 
 # The property-based tests of tests/test_fuzz.py with FUZZ_EXAMPLES random examples each
@@ -62,4 +84,4 @@ bench-peers: $(VENV)/.fast
 	$(BIN)/python bench/peers.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage demo-audit.jsonl
+	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache .coverage demo-audit.jsonl demo-serve-audit.jsonl

@@ -1,15 +1,18 @@
-"""Command line: ``egress-gateway serve | validate | call | demo | audit | stop | resume``
-(and ``approvals``, ``dead-letters``, ``console``).
+"""Command line: ``egress-gateway serve | validate | call | init | inject | demo | audit |
+stop | resume`` (and ``approvals``, ``dead-letters``, ``console``).
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
 GATEWAY_UNIX_SOCKET (a path: the calls API on a Unix socket too), GATEWAY_LOOP
 (``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
+GATEWAY_LOG_FORMAT (``json`` or ``console``; default console when stdout is a terminal),
 GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or ``false``, over the policy's
-``server.shutdown.accept_new_calls``). ``call`` finds the sidecar at EGRESS_GATEWAY_URL,
-the variable the Helm chart sets in the agent's container (GATEWAY_URL, its former name,
-still works with a deprecation note). Exit codes: 0 success, 1 a failed check or call, 2
-usage; ``validate``'s warnings (stderr) leave the exit code 0.
+``server.shutdown.accept_new_calls``), GATEWAY_BUDGET_JOURNAL (a file that keeps local
+budget spend across a restart: :mod:`gateway.budgets.journal`). ``call`` finds the
+sidecar at EGRESS_GATEWAY_URL, the variable the Helm chart sets in the agent's container
+(GATEWAY_URL, its former name, still works with a deprecation note). Exit codes: 0
+success, 1 a failed check or call, 2 usage; ``validate``'s warnings (stderr) leave the
+exit code 0.
 """
 
 from __future__ import annotations
@@ -79,6 +82,16 @@ def _sidecar_url(flag: str | None) -> str:
 GC_THRESHOLDS: Final = (50_000, 20, 20)
 
 
+def _set_log_format(chosen: str | None) -> None:
+    """``--log-format``, else GATEWAY_LOG_FORMAT, else ``console`` when stdout is a
+    terminal (a person is reading) and ``json`` otherwise (a collector is). Raises
+    ValueError for an unknown format."""
+    from gateway.audit import set_log_format
+
+    tty = sys.stdout.isatty()
+    set_log_format(chosen or ("console" if tty else "json"), colors=tty)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
     from gateway.server import Gateway, eventloop, serve
@@ -86,6 +99,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         eventloop.loop_factory(os.environ.get("GATEWAY_LOOP"))
         accept_new_calls = _env_bool("GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS")
+        _set_log_format(args.log_format or os.environ.get("GATEWAY_LOG_FORMAT"))
     except ValueError as exc:
         print(f"egress-gateway serve: {exc}", file=sys.stderr)
         return 2
@@ -161,6 +175,30 @@ def _env_warnings(path: str, policy: PolicySet) -> list[str]:
     return warnings
 
 
+def _replica_warnings(path: str, policy: PolicySet, replicas: int | None) -> list[str]:
+    """One warning per ``scope: local`` budget when ``replicas`` (``--replicas``, what the
+    chart knows of the agent's Deployment) is more than one: each replica counts alone,
+    so together they may spend ``replicas`` times the limit."""
+    if not replicas or replicas < 2:
+        return []
+    return [
+        f"{path}: budgets.{name}.scope: warning: local budget with {replicas} replicas: each "
+        f"counts alone, so together they may spend {replicas} x {spec.limit_usd:g} USD; use "
+        "scope: cluster (Redis) to share one limit"
+        for name, spec in policy.policy.budgets.items()
+        if spec.scope == "local" and spec.limit_usd is not None  # max_calls only: no USD
+    ]
+
+
+def _model_warnings(policy: PolicySet) -> list[tuple[tuple[str, ...], str]]:
+    """``models.allow`` globs that match no model with a price (likely a typo)."""
+    from gateway.cost import priced_models
+    from gateway.policy.modelrules import model_warnings
+
+    spec = policy.policy
+    return model_warnings(spec.targets, spec.agents, lambda u: priced_models(spec.prices, u))
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
     from gateway.policy.controls import tool_cap_warnings
@@ -183,6 +221,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         else:
+            if args.check_database and _database_problems(path, policy):
+                failed = True
+                continue
             print(f"{path}: ok ({len(policy.targets)} targets, agent_id {policy.policy.agent_id})")
             if args.env_check:
                 for warning in _env_warnings(path, policy):
@@ -190,9 +231,26 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             for loc, message in fallback_warnings(policy.policy.targets):
                 key = ".".join(map(str, loc))
                 print(f"{path}: {key}: warning: {message}", file=sys.stderr)
-            for loc, message in tool_cap_warnings(policy.policy):
+            for warning in _replica_warnings(path, policy, args.replicas):
+                print(warning, file=sys.stderr)
+            for loc, message in [*tool_cap_warnings(policy.policy), *_model_warnings(policy)]:
                 print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _database_problems(path: str, policy: PolicySet) -> bool:
+    """``validate --check-database``: prepare each statement of ``policy`` against its
+    live database; print each problem as ``FILE:LINE: key: problem``. True if any."""
+    from gateway.database.registry import check_statements
+    from gateway.policy.loader import problem_lines
+
+    try:
+        problems = asyncio.run(check_statements(policy))
+    except ValueError as exc:  # no engine installed, no Vault section...
+        problems = [(("targets",), str(exc))]
+    for line in problem_lines(path, problems):
+        print(line, file=sys.stderr)
+    return bool(problems)
 
 
 def _cmd_call(args: argparse.Namespace) -> int:
@@ -215,9 +273,18 @@ def _cmd_call(args: argparse.Namespace) -> int:
         print(f"cannot reach the sidecar at {url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
         return 1
     try:
-        print(json.dumps(json.loads(body), indent=2, ensure_ascii=False))
+        answer = json.loads(body)
     except ValueError:
         print(body.decode("utf-8", errors="replace"))
+    else:
+        print(json.dumps(answer, indent=2, ensure_ascii=False))
+        if isinstance(answer, dict) and answer.get("replayed") is True:
+            # Without this a re-run example looks like a fresh call: it is not one.
+            print(
+                "egress-gateway call: replayed the stored answer of this idempotency key; "
+                "the upstream was not called again",
+                file=sys.stderr,
+            )
     return 0 if status == 200 else 1
 
 
@@ -234,7 +301,45 @@ def _print_stream(resp: IO[bytes]) -> int:
             last_event = text[6:].strip()
         elif text.startswith("data:") and last_event == "egress.response":
             final = json.loads(text[5:])
+    if final is not None and final.get("replayed") is True:
+        print("egress-gateway call: replayed the stored stream of this idempotency key; "
+              "the upstream was not called again", file=sys.stderr)  # fmt: skip
     return 0 if final is not None and final.get("success") else 1
+
+
+def _cmd_inject(args: argparse.Namespace) -> int:
+    from gateway.inject import InjectionError, load_template
+    from gateway.inject.server import run
+
+    try:
+        template = load_template(args.template)
+    except InjectionError as exc:
+        print(f"egress-gateway inject: {exc}", file=sys.stderr)
+        return 1
+    asyncio.run(run(template, host=args.host, port=args.port, cert=args.tls_cert, key=args.tls_key))
+    return 0
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    """Write a starter policy for the named providers (validated first); refuse to
+    replace an existing file without --force."""
+    from gateway.policy.starters import UnknownProvider, starter_policy
+
+    try:
+        text = starter_policy(args.providers or ["openai"], agent_id=args.agent_id)
+    except UnknownProvider as exc:
+        print(f"egress-gateway init: {exc}", file=sys.stderr)
+        return 2
+    if args.output == "-":
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        print(f"egress-gateway init: {out} exists (--force replaces it)", file=sys.stderr)
+        return 1
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}; next: egress-gateway serve --policy {out}", file=sys.stderr)
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -266,7 +371,37 @@ def _add_serve(sub: Any) -> None:
         type=int,
         help="health/metrics listener port (default 8182; env GATEWAY_OPS_PORT)",
     )
+    p.add_argument(
+        "--log-format",
+        choices=("json", "console"),
+        help="json lines, or one readable line per call (default: console on a terminal, "
+        "json otherwise; env GATEWAY_LOG_FORMAT)",
+    )
     p.set_defaults(func=_cmd_serve)
+
+
+def _add_init(sub: Any) -> None:
+    p = sub.add_parser("init", help="write a starter policy for real providers")
+    p.add_argument(
+        "providers",
+        nargs="*",
+        metavar="PROVIDER",
+        help="openai, anthropic, gemini (default openai)",
+    )
+    p.add_argument("-o", "--output", default="policy.yaml", help="file to write, - for stdout")
+    p.add_argument("--agent-id", default="my-agent", help="the policy's agent_id")
+    p.add_argument("--force", action="store_true", help="replace the file if it exists")
+    p.set_defaults(func=_cmd_init)
+
+
+def _add_inject(sub: Any) -> None:
+    p = sub.add_parser("inject", help="serve the sidecar injection webhook (HTTPS)")
+    p.add_argument("--template", required=True, help="injection template JSON (the chart's)")
+    p.add_argument("--tls-cert", required=True, help="PEM certificate (chain) file")
+    p.add_argument("--tls-key", required=True, help="PEM private key file")
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")  # noqa: S104
+    p.add_argument("--port", type=int, default=8443, help="listen port (default 8443)")
+    p.set_defaults(func=_cmd_inject)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,6 +422,18 @@ def build_parser() -> argparse.ArgumentParser:
         dest="env_check",
         action="store_false",
         help="do not warn about env:// references whose variable is not set here",
+    )
+    p.add_argument(
+        "--check-database",
+        action="store_true",
+        help="prepare each database statement against its live database (with the "
+        "policy's credentials: Vault or secret references)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="replicas of the agent's Deployment, when known: warn about local budgets",
     )
     p.set_defaults(func=_cmd_validate)
 
@@ -309,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     controls_cli.register(sub)  # stop, resume
     desk_cli.register(sub)  # approvals, dead-letters, console
 
+    _add_init(sub)
+    _add_inject(sub)
+
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
     p.add_argument("--policy", default="policies/demo.yaml")
     p.add_argument("--examples", default="examples")
@@ -322,6 +472,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader has gone (``egress-gateway call ... | head``): stop quietly, as cat
+        # does. Python's flush of stdout at exit would fail again and print a traceback,
+        # so stdout points at /dev/null from here on.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by it
     except OSError as exc:
         print(f"egress-gateway {args.command}: {exc}", file=sys.stderr)
         return 1

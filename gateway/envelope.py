@@ -184,6 +184,16 @@ class ServedBy(BaseModel):
     model: str | None = None
 
 
+class ModelNames(BaseModel):
+    """The model a call asked for and the one sent (a ``models.pin`` rewrites an alias
+    to its snapshot before sending); on answers of targets with ``models:`` rules."""
+
+    model_config = ConfigDict(frozen=True)
+
+    requested: str
+    sent: str
+
+
 class ExternalCallResponse(BaseModel):
     """The sidecar's answer to every call.
 
@@ -192,7 +202,8 @@ class ExternalCallResponse(BaseModel):
     ``latency_ms`` the wall time spent inside the sidecar, ``tokens_used`` the total token
     count the upstream reported (null when it reported none), ``served_by`` the target
     and model that answered a call to a target with ``fallbacks`` (null for any other
-    target, whose answer is its own, and when no upstream answered well).
+    target, whose answer is its own, and when no upstream answered well), ``model`` the
+    model asked for and the one sent, under ``models:`` rules (null otherwise).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -207,6 +218,7 @@ class ExternalCallResponse(BaseModel):
     correlation_id: str | None = None
     replayed: bool = False
     served_by: ServedBy | None = None
+    model: ModelNames | None = None
 
 
 REQUEST_FIELDS: Final = frozenset(ExternalCallRequest.model_fields)

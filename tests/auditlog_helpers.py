@@ -106,6 +106,22 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         if success
         else None,
         "tried": None,
+        # openai calls under models: rules, one in 11 answered by another model
+        "model_requested": "gpt-4o-mini" if target == "openai" else None,
+        "model_sent": "gpt-4o-mini-2024-07-18" if target == "openai" else None,
+        "model_drift": (
+            {"sent": "gpt-4o-mini-2024-07-18", "answered": "gpt-4o-mini-2024-09-01"}
+            if target == "openai" and success and number % 11 == 0
+            else None
+        ),
+        "db_statement": None,
+        "db_sql_sha256": None,
+        "db_params_sha256": None,
+        "db_user": None,
+        "db_rows": None,
+        "db_sqlstate": None,
+        "db_pool_wait_ms": None,
+        "db_retries": None,
     }
     return record
 

@@ -102,9 +102,8 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path: Path) -> None:
     assert proc.returncode == 0, (out, err)
     assert "policies/quickstart.yaml: ok (2 targets, agent_id quickstart-agent)" in out
     assert "warning" not in err  # the walkthrough exports the key the policy names
-    # curl's answer ends without a newline: the sidecar's next log line follows it.
-    decode = json.JSONDecoder().raw_decode
-    answers = [decode(line)[0] for line in out.splitlines() if line.startswith('{"success"')]
+    # curl's answer ends with a newline (-w '\n'): a line of its own, nothing glued to it.
+    answers = [json.loads(line) for line in out.splitlines() if line.startswith('{"success"')]
     assert len(answers) == 1, out  # curl's answer, on one line
     assert answers[0]["success"] is True
     assert answers[0]["data"]["id"] == "chatcmpl-demo-1"  # the stand-in saw the right key

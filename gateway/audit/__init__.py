@@ -2,6 +2,20 @@
 ``schema`` (the record's fields, defined once), ``file`` (the rotating file sink) and
 ``query`` (the ``egress-gateway audit`` commands that read a log back)."""
 
-from gateway.audit.log import AuditLog, configure_logging, get_logger, new_sidecar_id
+from gateway.audit.log import (
+    LOG_FORMATS,
+    AuditLog,
+    configure_logging,
+    get_logger,
+    new_sidecar_id,
+    set_log_format,
+)
 
-__all__ = ["AuditLog", "configure_logging", "get_logger", "new_sidecar_id"]
+__all__ = [
+    "LOG_FORMATS",
+    "AuditLog",
+    "configure_logging",
+    "get_logger",
+    "new_sidecar_id",
+    "set_log_format",
+]

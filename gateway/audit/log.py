@@ -9,8 +9,13 @@ chain:
 
 Operational lines (``get_logger()``) have one configuration for the process
 (:func:`configure_logging`: their stream and level), as structlog's configuration is
-global. Audit records belong to an :class:`AuditLog`, which owns its sink (the stream it
-is given, or a size-rotated file: ``audit: {sink: file, path: ..., max_bytes: ...,
+global. So has the log format (:func:`set_log_format`): ``json`` (the default, for
+collectors) or ``console``, structlog's ConsoleRenderer for a person at a terminal: one
+readable line per call (target, method, endpoint, status or code, latency, tokens, cost,
+trace) and per event. Console lines are scrubbed of secrets like JSON ones; an audit
+*file* is always JSON, and a hash chain is computed over the JSON line all the same.
+Audit records belong to an :class:`AuditLog`, which owns its sink (the stream it is
+given, or a size-rotated file: ``audit: {sink: file, path: ..., max_bytes: ...,
 backup_count: ...}``, :mod:`gateway.audit.file`), its ``sidecar_id`` and its hash chain:
 two gateways in one process write two audit streams. Audit records are written whatever
 the operational log level.
@@ -37,7 +42,7 @@ import secrets
 import socket
 import sys
 import threading
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Final
 
@@ -86,16 +91,20 @@ class _Sink:
     def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
         self.handler: RotatingFile | None = None
+        #: Where every line also goes (audit.otlp's spool), after the sink has it.
+        self.tee: Callable[[str], None] | None = None
         self._lock = threading.Lock()
 
     def msg(self, line: str) -> None:
         if self.handler is not None:
             # It locks, rolls over before a line would reach max_bytes, flushes.
             self.handler.write(line)
-            return
-        with self._lock:
-            self.stream.write(line + "\n")
-            self.stream.flush()
+        else:
+            with self._lock:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+        if self.tee is not None:
+            self.tee(line)
 
     def to_stream(self, stream: IO[str]) -> None:
         self.close()
@@ -143,6 +152,22 @@ def _file_link(path: str) -> _Link | None:
     if isinstance(sidecar, str) and type(seq) is int and isinstance(digest, str):
         return _Link(sidecar, seq, digest)
     return None
+
+
+def _render_json(_: WrappedLogger, __: str, event_dict: EventDict) -> str:
+    return _render_line(event_dict)
+
+
+class _ConsoleAfterChain:
+    """A chained record shown on a terminal: the chain advances over the JSON line (so
+    ``seq`` and ``hash`` stay right), and the readable line is what is written."""
+
+    def __init__(self, chain: _HashChain) -> None:
+        self._chain = chain
+
+    def __call__(self, logger: WrappedLogger, name: str, event_dict: EventDict) -> str:
+        self._chain(logger, name, event_dict)
+        return _console_line(logger, name, event_dict)
 
 
 class _HashChain:
@@ -221,8 +246,76 @@ def _render_line(event_dict: EventDict) -> str:
     return redaction.scrub(fastjson.log_line(event_dict))
 
 
-def _render(_: WrappedLogger, __: str, event_dict: EventDict) -> str:
+def _render(logger: WrappedLogger, name: str, event_dict: EventDict) -> str:
+    if _console is not None:
+        return _console_line(logger, name, event_dict)
     return _render_line(event_dict)
+
+
+#: The log formats of :func:`set_log_format` (``serve --log-format``, GATEWAY_LOG_FORMAT).
+LOG_FORMATS: Final = ("json", "console")
+#: The console renderer when the format is ``console``; None renders JSON.
+_console: structlog.dev.ConsoleRenderer | None = None
+#: Fields a console line leaves out: the machine's (schema, chain, ids of the process).
+_CONSOLE_HIDDEN: Final = frozenset(
+    {Fields.AUDIT_SCHEMA, Fields.SIDECAR_ID, Fields.AGENT_ID, *CHAIN_FIELDS, "component"}
+)
+
+
+def set_log_format(log_format: str, *, colors: bool = False) -> None:
+    """``json`` (one JSON line per record) or ``console`` (one readable line, with ANSI
+    colours when ``colors``) for every line written to a stream from now on: a process
+    setting, like structlog's configuration, set by ``serve`` before the sidecar starts.
+    Raises ValueError for another format."""
+    global _console
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be json or console, not {log_format!r}")
+    _console = (
+        structlog.dev.ConsoleRenderer(colors=colors, sort_keys=False, pad_event_to=0)
+        if log_format == "console"
+        else None
+    )
+
+
+def _console_line(logger: WrappedLogger, name: str, event_dict: EventDict) -> str:
+    """One readable line: a call as ``target METHOD endpoint -> status`` and its figures,
+    any other event with its fields but the machine's."""
+    assert _console is not None
+    if event_dict.get(Fields.EVENT) == CALL_EVENT:
+        event_dict = _call_summary(event_dict)
+    else:
+        event_dict = {k: v for k, v in event_dict.items() if k not in _CONSOLE_HIDDEN}
+    return redaction.scrub(str(_console(logger, name, event_dict)))
+
+
+def _call_summary(record: EventDict) -> EventDict:
+    target = record.get(Fields.TARGET_SYSTEM) or "-"
+    method = record.get(Fields.METHOD) or record.get(Fields.HTTP_METHOD) or "-"
+    endpoint = record.get(Fields.ENDPOINT) or record.get(Fields.HTTP_PATH) or "-"
+    status = record.get(Fields.STATUS_CODE) or record.get(Fields.HTTP_STATUS)
+    outcome = record.get(Fields.ERROR_CODE) or ("ok" if record.get(Fields.SUCCESS) else "-")
+    line: EventDict = {
+        Fields.TIMESTAMP: record.get(Fields.TIMESTAMP),
+        Fields.LEVEL: record.get(Fields.LEVEL),
+        Fields.EVENT: f"{target} {method} {endpoint} -> {status or '-'} {outcome}",
+    }
+    shown = (
+        Fields.DECISION,
+        Fields.LATENCY_MS,
+        Fields.TOKENS_USED,
+        Fields.COST_USD,
+        Fields.ATTEMPTS,
+        Fields.REPLAYED,
+        Fields.TRACE_ID,
+    )
+    for key in shown:
+        value = record.get(key)
+        if value is None or value is False or (key == Fields.DECISION and value == "allowed"):
+            continue
+        if key == Fields.ATTEMPTS and value in (0, 1):
+            continue
+        line[key] = value
+    return line
 
 
 _TIMESTAMPER: Final = structlog.processors.TimeStamper(fmt="iso", utc=True, key=Fields.TIMESTAMP)
@@ -265,8 +358,10 @@ class AuditLog:
     ``stream`` (default stdout, not closed here); with ``sink: file`` they are appended to
     ``spec.path`` and rotated by size (as stdlib ``RotatingFileHandler`` does: past
     ``max_bytes`` the file becomes ``path.1``, older ones shift up to
-    ``path.<backup_count>``; no ``max_bytes``: never rotated). ``spec.chain`` turns on
-    the hash chain (seq 1 at construction). ``agent_id`` goes into events;
+    ``path.<backup_count>``; no ``max_bytes``: never rotated). With ``spec.otlp`` every
+    line is also shipped to an OpenTelemetry collector (:mod:`gateway.audit.otlp`).
+    ``spec.chain`` turns on the hash chain (seq 1 at construction). ``agent_id`` goes into
+    events;
     ``sidecar_id`` defaults to :func:`new_sidecar_id`. Raises ``OSError`` if the file
     cannot be opened.
 
@@ -294,7 +389,20 @@ class AuditLog:
             if spec.chain:
                 link = _file_link(spec.path)  # before the sink may add a newline to it
             self._sink.to_file(spec.path, spec.max_bytes or 0, spec.backup_count)
-        last = _HashChain(link) if spec.chain else _render
+        self._otlp = None
+        if spec.otlp is not None:
+            from gateway.audit.otlp import OtlpShipper  # opentelemetry: only when asked
+
+            self._otlp = OtlpShipper(spec.otlp)
+            self._sink.tee = self._otlp.ship
+        # An audit file is for machines: always JSON. A stream is rendered in the format
+        # of the process (set_log_format), a chained record after its hash is taken.
+        on_stream = spec.sink == "stdout"
+        last: Any = _render if on_stream else _render_json
+        if spec.chain:
+            last = _HashChain(link)
+            if on_stream and _console is not None:
+                last = _ConsoleAfterChain(last)
         self._last = last
         # Audit records have a fixed schema (gateway.audit.schema): no context variables
         # are merged into them, and only the fields that may nest are searched for
@@ -343,6 +451,15 @@ class AuditLog:
             self._log.info(name, **record)
 
     @property
+    def shipping(self) -> tuple[int, int] | None:
+        """With ``audit.otlp``: (lines dropped from the full spool so far, bytes spooled
+        and not yet accepted by the collector); None without it."""
+        otlp = self._otlp
+        if otlp is None:
+            return None
+        return otlp.spool.dropped, otlp.spool.pending_bytes
+
+    @property
     def write_failures(self) -> int:
         """Audit lines the file sink could not write so far (0 for stdout)."""
         handler = self._sink.handler
@@ -353,6 +470,9 @@ class AuditLog:
         with self._lock:
             if self._sink.handler is not None:
                 self._sink.to_stream(sys.stdout)
+            otlp, self._otlp, self._sink.tee = self._otlp, None, None
+        if otlp is not None:
+            otlp.close()  # ships what is spooled, for a bounded time; the rest stays spooled
 
     async def aclose(self) -> None:
         """:meth:`close`, for an ``AsyncExitStack``."""

@@ -125,6 +125,15 @@ class Attempts:
     #: What the agent gets of a relayed stream's whole events (None: all of them as
     #: they came): removes what the sidecar added (gateway.providers.asking_usage).
     rewrite: Callable[[bytes], bytes] | None = None
+    #: The drift check of a relayed stream (:attr:`gateway.call.relay.Relayed.gate`):
+    #: its events are held until one names a model, and refused by it.
+    model_gate: Callable[[str], GatewayError | None] | None = None
+    #: Read the model a relayed stream names (the judge's ``model``), for the record.
+    watch_model: bool = False
+    #: The "send" of a target that is not spoken to over HTTP (a database target's
+    #: statement, :meth:`gateway.database.registry.Databases.run`), given the attempt's
+    #: timeout in seconds; None: the HTTP request through ``upstream``.
+    send: Callable[[float], Awaitable[UpstreamResponse]] | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
     #: A 401 made the credential be resolved again (once per call).
     refreshed: bool = field(default=False, init=False)
@@ -178,12 +187,7 @@ class Attempts:
         permit = self.breaker.acquire(attempt_timeout_s=attempt_timeout) if self.breaker else None
         log.attempts += 1
         try:
-            answer = await telemetry.current().send(
-                self.upstream,
-                self.outbound,
-                timeout_s=attempt_timeout,
-                stream=self.relay is not None,
-            )
+            answer = await self._send(attempt_timeout)
         except TransportError as exc:
             log.sent, log.billed = log.sent or exc.sent, log.billed or exc.sent
             _settle(permit, None, exc.kind)
@@ -282,6 +286,15 @@ class Attempts:
         retryable = status_retryable(answer.status, self.target.spec.retry.retry_on, hint)
         return Outcome(error, retryable, retry_after_s=retry_after)
 
+    def _send(self, timeout_s: float) -> Awaitable[UpstreamResponse]:
+        """The attempt's send: :attr:`send` when given (a database target's statement),
+        else the HTTP request through the upstream client."""
+        if self.send is not None:
+            return self.send(timeout_s)
+        return telemetry.current().send(
+            self.upstream, self.outbound, timeout_s=timeout_s, stream=self.relay is not None
+        )
+
     async def _before_resend(self) -> None:
         if self.before_resend is not None:
             await self.before_resend()
@@ -297,7 +310,9 @@ class Attempts:
         relayed = self.log.relayed = Relayed(
             StreamJudge(self.target.spec.usage, self.target.name),
             kept=bytearray() if self.has_idempotency_key else None,
+            gate=self.model_gate,
         )
+        relayed.judge.watch_model = self.watch_model or self.model_gate is not None
         try:
             await relay_stream(
                 answer.stream,

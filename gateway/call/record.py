@@ -16,12 +16,23 @@ from typing import Any
 from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.call.attempts import AttemptLog
+from gateway.database import DbLog, StatementCall
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse, ServedBy
 from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget
+from gateway.policy.modelrules import ModelChoice
 from gateway.providers import TokenUsage
 from gateway.providers.mcp import McpExchange
-from gateway.record import CLAIM_LIMIT, CLAIMED, Api, CallRecord, StreamFacts, refusal_record
+from gateway.record import (
+    CLAIM_LIMIT,
+    CLAIMED,
+    Api,
+    CallRecord,
+    DatabaseFacts,
+    ModelFacts,
+    StreamFacts,
+    refusal_record,
+)
 from gateway.record import audit_record as record_of_call
 from gateway.telemetry.genai import outcome_of, token_counts
 
@@ -64,6 +75,9 @@ class CallContext:
     #: The API the call came in by: ``proxy`` for the drop-in provider routes, ``mcp``
     #: for ``/mcp/{target}``.
     api: Api = "envelope"
+    #: A database target's statement (``api: database``), and what running it learned.
+    db_call: StatementCall | None = None
+    db: DbLog | None = None
     #: Drop-in routes: the request headers an SDK sent that go upstream beneath the
     #: policy's own (:mod:`gateway.call.proxy`); empty for envelopes.
     passthrough_headers: dict[str, str] = field(default_factory=dict)
@@ -92,6 +106,10 @@ class CallContext:
     served_by: ServedBy | None = None
     tried: list[dict[str, Any]] | None = None
     prior_attempts: int = 0
+    #: The models decision (:mod:`gateway.call.models`; None: no ``models:`` rule
+    #: applied) and the model a whole answer named (a stream's: its judge's).
+    model: ModelChoice | None = None
+    answered_model: str | None = None
 
     def record(self) -> CallRecord:
         """What the call learned, frozen: this context with its attempts' log."""
@@ -144,8 +162,35 @@ class CallContext:
                 self.chain,
                 self.served_by,
                 self.tried,
+                self._models(),
+                _database(self.db_call, self.db),
             ),
         )
+
+    def _models(self) -> ModelFacts | None:
+        """The models the call asked for, sent and got (None without a models rule)."""
+        choice = self.model
+        if choice is None:
+            return None
+        relayed = self.attempt_log.relayed
+        answered = relayed.judge.model if relayed is not None else self.answered_model
+        return ModelFacts(choice.requested, choice.sent, answered)
+
+
+def _database(call: StatementCall | None, log: DbLog | None) -> DatabaseFacts | None:
+    if call is None:
+        return None
+    log = log or DbLog()
+    return DatabaseFacts(
+        call.name,
+        call.sql_sha256,
+        call.params_sha256,
+        log.user,
+        log.rows,
+        log.sqlstate,
+        log.pool_wait_s,
+        tuple(log.retries),
+    )
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:
@@ -177,8 +222,14 @@ def observe(metrics: Metrics, call: CallRecord, response: ExternalCallResponse) 
         metrics.observe_shadow_denial(kind, name)
     if response.error is not None and response.error.code is ErrorCode.BUDGET_EXCEEDED:
         metrics.observe_budget_rejection(str(response.error.details.get("budget", "")))
+    models = call.models
+    if models is not None and models.drifted:
+        metrics.observe_model_drift(target, models.sent, models.answered)
     if response.error is not None and response.error.code is ErrorCode.CALL_CHAIN_REFUSED:
         metrics.observe_chain_refusal(str(response.error.details.get("reason", "")))
+    if call.database is not None and call.database.statement is not None:  # a policy name
+        code = response.error.code.value if response.error else "success"
+        metrics.observe_statement(target, call.database.statement, code)
     for _ in range(call.attempts - 1):  # none for 0 or 1 attempt
         metrics.observe_retry(target)
     genai = outcome_of(call, response) if not call.replayed else None  # a replay: no operation

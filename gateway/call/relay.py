@@ -28,7 +28,7 @@ import contextlib
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.call.sse import EventTooLarge, SseDecoder, complete_events
@@ -75,6 +75,13 @@ class Relayed:
     first_byte_s: float | None = None
     #: The relayed bytes, when they are to be stored (a keyed call), else None.
     kept: bytearray | None = None
+    #: The drift check of a call under ``models:`` rules (:func:`gateway.call.models.
+    #: drift`): given the model the stream's first events name, the error that refuses
+    #: the stream, or None. While set, whole events are held (not relayed) until an
+    #: event names a model (the judge's ``model``) or the stream ends.
+    gate: Callable[[str], GatewayError | None] | None = None
+    #: The events held by ``gate``, not relayed yet.
+    waiting: bytearray = field(default_factory=bytearray)
 
 
 async def relay_stream(
@@ -99,7 +106,8 @@ async def relay_stream(
     with reason ``first_byte_timeout``, nothing relayed (a fallback may serve).
     ``rewrite`` (whole events -> what the agent gets of them) removes what the sidecar
     added to the request (:func:`gateway.providers.asking_usage`); the events are
-    judged as the upstream sent them."""
+    judged as the upstream sent them. A malformed event (:attr:`StreamJudge.malformed`)
+    ends the stream after the read that carried it."""
     judge = done.judge
     decoder = SseDecoder(max_bytes)
     held = bytearray()  # bytes after the last whole event, not relayed yet
@@ -111,7 +119,9 @@ async def relay_stream(
     loop_deadline = _loop_time(deadline)
     loop = asyncio.get_running_loop()
     sending = False
+    tail = bytearray()  # events a gate held to the stream's end
     gap = idle_timeout_s if first_event_timeout_s is None else first_event_timeout_s
+    first = first_event_timeout_s is not None  # no whole event came yet
     try:
         try:
             async with asyncio.timeout_at(loop_deadline) as timer:
@@ -130,6 +140,7 @@ async def relay_stream(
                     if not chunk:
                         for event in decoder.close():
                             judge.observe(event)
+                        tail = _ungated(done, judge)  # held to the end: no model named
                         break
                     done.bytes += len(chunk)
                     if done.bytes > max_bytes:
@@ -138,27 +149,30 @@ async def relay_stream(
                     held += chunk
                     cut = complete_events(held, searched)
                     gone = False
+                    fed = done.gate is not None
+                    if fed:  # judged before it is relayed: the model decides
+                        _feed(decoder, judge, chunk, max_bytes)
                     if cut:  # else no whole event yet: nothing is relayed half-way
                         whole, held = bytes(held[:cut]), held[cut:]
-                        gap = idle_timeout_s
+                        gap, first = idle_timeout_s, False
+                        if fed:
+                            done.waiting += whole
+                            whole = _released(done, judge)
+                    if cut and whole and rewrite is not None:
+                        whole = rewrite(whole)
+                    if cut and whole:
                         # Relayed before it is judged: the verdict is only read at the
                         # end, and judging first made the agent's first byte wait for
                         # the parse of every event in the chunk (often all of a fast
                         # upstream's).
-                        if rewrite is not None:
-                            whole = rewrite(whole)
                         sending = True
                         _arm(timer, loop_deadline)
                         try:
-                            if whole:
-                                await _send(relay, done, whole, started)
+                            await _send(relay, done, whole, started)
                         except AgentGone:
                             gone = True
-                    try:
-                        for event in decoder.feed(chunk):
-                            judge.observe(event)
-                    except EventTooLarge:
-                        raise _too_large(judge, max_bytes) from None
+                    if not fed:
+                        _feed(decoder, judge, chunk, max_bytes)
                     if judge.malformed:  # ended there: its SDK raises on such an event
                         raise malformed_error(judge.target, judge.events)
                     if gone:
@@ -172,12 +186,8 @@ async def relay_stream(
                 raise _stalled(judge) from None
             if timer.when() == loop_deadline:
                 raise _deadline(judge) from None
-            if not relay.started and first_event_timeout_s is not None:
-                raise StreamInterrupted(
-                    f"the stream from target {judge.target!r} sent no event within "
-                    f"{first_event_timeout_s:.3g} s (first_byte_timeout_s)",
-                    details={"reason": "first_byte_timeout", "target": judge.target},
-                ) from None
+            if first:
+                raise _no_first_event(judge, first_event_timeout_s) from None
             raise StreamInterrupted(
                 f"the stream from target {judge.target!r} sent nothing for "
                 f"{idle_timeout_s:.3g} s (stream_idle_timeout_s)",
@@ -188,8 +198,17 @@ async def relay_stream(
     error = judge.verdict(status=200)
     if error is not None:
         raise error  # an unfinished last event is dropped: the final event says why
+    if tail and rewrite is not None:
+        tail = bytearray(rewrite(bytes(tail)))
     if rewrite is not None and held.strip():
         held = bytearray(rewrite(bytes(held) + b"\n\n").rstrip(b"\r\n"))
+    if tail:
+        with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
+            try:
+                async with asyncio.timeout_at(loop_deadline):
+                    await _send(relay, done, bytes(tail), started)
+            except TimeoutError:
+                raise _stalled(judge) from None
     if held.strip():
         # A last event without its blank line that still completed the stream (``data:
         # [DONE]`` right before the close): closed here, so it cannot run into ours.
@@ -200,6 +219,34 @@ async def relay_stream(
             except TimeoutError:
                 raise _stalled(judge) from None
     return done
+
+
+def _feed(decoder: SseDecoder, judge: StreamJudge, chunk: bytes, max_bytes: int) -> None:
+    """Decode ``chunk``'s events and have ``judge`` observe each."""
+    try:
+        for event in decoder.feed(chunk):
+            judge.observe(event)
+    except EventTooLarge:
+        raise _too_large(judge, max_bytes) from None
+
+
+def _released(done: Relayed, judge: StreamJudge) -> bytes:
+    """The held events to relay now: all of them once an event named a model that
+    ``done.gate`` lets pass (then the gate is lifted), none before. Raises the gate's
+    error for a model it refuses (nothing of the stream was relayed)."""
+    if done.gate is None or judge.model is None:
+        return b""
+    return bytes(_ungated(done, judge))
+
+
+def _ungated(done: Relayed, judge: StreamJudge) -> bytearray:
+    """Lift the gate (the stream ended, or its model passed): the held events. A model
+    named only by the stream's last events is judged here too."""
+    gate, done.gate = done.gate, None
+    if gate is not None and judge.model is not None and (error := gate(judge.model)):
+        raise error
+    waiting, done.waiting = done.waiting, bytearray()
+    return waiting
 
 
 def _arm(timer: asyncio.Timeout, when: float) -> None:
@@ -241,6 +288,14 @@ def _deadline(judge: StreamJudge) -> GatewayError:
         f"the call's deadline passed while target {judge.target!r} was streaming "
         f"({judge.events} events relayed)",
         details={"reason": "deadline", "target": judge.target},
+    )
+
+
+def _no_first_event(judge: StreamJudge, timeout_s: float | None) -> GatewayError:
+    return StreamInterrupted(
+        f"the stream from target {judge.target!r} sent no event within "
+        f"{timeout_s or 0:.3g} s (first_byte_timeout_s)",
+        details={"reason": "first_byte_timeout", "target": judge.target},
     )
 
 

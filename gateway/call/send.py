@@ -4,7 +4,8 @@ In order (:func:`forward`): the outbound request (:mod:`gateway.call.outbound`; 
 digest and ``traceparent`` into the record), the rate-limit group's token estimate, the
 secret (:func:`resolve`, inside the deadline), the cost reservation
 (:mod:`gateway.call.spend`: refused here, nothing goes out), the attempts
-(:class:`gateway.call.attempts.Attempts`), then the answer's usage settles the cost and
+(:class:`gateway.call.attempts.Attempts`; a database target's attempt runs its statement
+instead of an HTTP request: :func:`_statement`), then the answer's usage settles the cost and
 the group's estimate (a failure releases what it may). The pipeline's context is the
 only thing written: the stages it calls return their results.
 """
@@ -12,14 +13,16 @@ only thing written: the stages it calls return their results.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from gateway import telemetry
 from gateway.agents import chain
 from gateway.agents.repeats import call_names
-from gateway.call import spend
+from gateway.call import models, spend
 from gateway.call.attempts import AttemptLog, Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.outbound import Draft, with_credential
@@ -27,8 +30,8 @@ from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.call.retry import next_option
-from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ServedBy
-from gateway.errors import CapacityExceeded, GatewayError, QuotaExhausted
+from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames, ServedBy
+from gateway.errors import CapacityExceeded, GatewayError, InternalError, QuotaExhausted
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy import egress as egress_rules
 from gateway.policy.egress import Decision
@@ -40,6 +43,7 @@ from gateway.providers import (
     estimate_tokens,
     extract_usage,
     request_model,
+    response_model,
     with_model,
 )
 from gateway.secrets import ResolvedSecret
@@ -150,7 +154,8 @@ def fallback_call(
     target = policy.targets.get(option.target)
     endpoint, parameters = request.endpoint, request.parameters
     if target is not None and option.model is not None and isinstance(parameters, dict):
-        endpoint, parameters = with_model(target.spec.usage, endpoint, parameters, option.model)
+        endpoint, named = with_model(target.spec.usage, endpoint, parameters, option.model)
+        parameters = dict(named)
     moved = request.model_copy(
         update={
             "target_system": option.target,
@@ -203,9 +208,8 @@ async def forward(
     target = decision.target
     if target.spec.fallbacks and ctx.tried is None:
         return await fail_over(pipe, policy, request, decision, ctx, deadline, relay)
-    rewrite, pool = None, None
-    if relay is not None or target.key_pool:  # else the request goes as it is
-        request, decision, rewrite, pool = _prepared(pipe, policy, request, decision, ctx, relay)
+    request, decision, rewrite, pool = _prepared(pipe, policy, request, decision, ctx, relay)
+    gate = _model_gate(ctx, target, request)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
     reserved = 0
@@ -218,7 +222,7 @@ async def forward(
         request=request,
         outbound=with_credential(draft, target, resolved, pipe.credentials),
         deadline=deadline,
-        has_idempotency_key=ctx.idempotency_key is not None,
+        has_idempotency_key=_keyed(ctx),
         rng=pipe.rng,
         relay=relay,
         rewrite=rewrite,
@@ -231,10 +235,10 @@ async def forward(
             if resolved is not None and resolved.from_cache
             else None
         ),
+        model_gate=gate,
+        watch_model=ctx.model is not None,
     )
-    ctx.attempt_log = attempts.log
-    if pool is not None:
-        attempts.next_key = next_key(pipe, policy, request, target, pool, ctx, deadline)
+    _wire(pipe, policy, attempts, pool, ctx, deadline)
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
     cost = spend.price(
         pipe.budgets,
@@ -272,14 +276,34 @@ def _prepared(
 ) -> tuple[ExternalCallRequest, Decision, Callable[[bytes], bytes] | None, list[str] | None]:
     """The request as sent (a relayed stream asking for its usage: :func:`_asking_usage`,
     with what removes it from the agent's events), its decision (a key pool's first key
-    not resting: :func:`_pooled`) and the pool (None: none)."""
+    not resting: :func:`_pooled`) and the pool (None: none); all as they are for a call
+    neither relayed nor pooled."""
     target, rewrite = decision.target, None
+    if relay is None and not target.key_pool:  # the request goes as it is
+        return request, decision, None, None
     if relay is not None and request.parameters:
         request, rewrite = _asking_usage(request, target)
     pool = _pool(target, request)
     if pool is not None:
         decision = _pooled(pipe, policy, request, target, pool, ctx)
     return request, decision, rewrite, pool
+
+
+def _wire(
+    pipe: Pipeline,
+    policy: PolicySet,
+    attempts: Attempts,
+    pool: list[str] | None,
+    ctx: CallContext,
+    deadline: float,
+) -> None:
+    """Give ``attempts`` a database target's send (:func:`_statement`) and a key pool's
+    rotation (:func:`next_key`), and the context its log."""
+    target, request = attempts.target, attempts.request
+    attempts.send = _statement(pipe, policy, target.name, ctx)
+    ctx.attempt_log = attempts.log
+    if pool is not None:
+        attempts.next_key = next_key(pipe, policy, request, target, pool, ctx, deadline)
 
 
 def _asking_usage(
@@ -293,6 +317,47 @@ def _asking_usage(
         return request, None
     parameters, rewrite = asked
     return request.model_copy(update={"parameters": parameters}), rewrite
+
+
+def _model_gate(
+    ctx: CallContext, target: CompiledTarget, request: ExternalCallRequest
+) -> Callable[[str], GatewayError | None] | None:
+    """Under ``models:`` rules, the model sent is the one ``request`` names (drift is
+    judged against it: :func:`gateway.call.models.as_sent`); under ``on_drift: refuse``
+    the drift check a relayed stream is held for until its model is judged (under
+    ``record`` the stream is only read)."""
+    if ctx.model is None:
+        return None
+    choice = ctx.model = models.as_sent(ctx.model, target.spec.usage, request)
+    return (
+        functools.partial(models.drift, choice, target=target.name) if choice.refuse_drift else None
+    )
+
+
+def _keyed(ctx: CallContext) -> bool:
+    """Whether a request the upstream may have acted on may be sent again (with retry's
+    other rules): it carries an idempotency key. A database never sees the key (the
+    sidecar's store replays by it, but a statement sent again runs again): there, only
+    a statement marked ``idempotent``."""
+    if ctx.db_call is not None:
+        return ctx.db_call.spec.idempotent
+    return ctx.idempotency_key is not None
+
+
+def _statement(
+    pipe: Pipeline, policy: PolicySet, target: str, ctx: CallContext
+) -> Callable[[float], Awaitable[UpstreamResponse]] | None:
+    """A database target's "send" (:meth:`gateway.database.registry.Databases.run`), or
+    None for an HTTP target. With ``audit.payloads: none`` the parameters' hash is not
+    kept either."""
+    call, log, databases = ctx.db_call, ctx.db, pipe.databases
+    if call is None or log is None:
+        return None
+    if databases is None:
+        raise InternalError("a database target without its engines", details={"target": target})
+    if policy.policy.audit.payloads != "summary":
+        call = ctx.db_call = replace(call, params_sha256=None)
+    return lambda timeout_s: databases.run(target, call, timeout_s=timeout_s, log=log)
 
 
 def _outbound(
@@ -378,7 +443,13 @@ def _answered(
         # Unknown usage keeps the reservation: the upstream answered, so tokens were
         # spent, and a refund would let the group overspend (design.md).
         group.reconcile(attempts.tokens_reserved, ctx.usage.total)
-    response = ExternalCallResponse(
+    choice = ctx.model
+    if choice is not None and relayed is None:  # a relayed stream was judged as it came
+        ctx.answered_model = response_model(target.spec.usage, data)
+        refused = models.drift(choice, ctx.answered_model, target.name)
+        if refused is not None:
+            raise refused  # spent and settled: only the answer is withheld
+    return ExternalCallResponse(
         success=True,
         status_code=answer.status,
         data=data,
@@ -386,10 +457,9 @@ def _answered(
         tokens_used=ctx.usage.total if ctx.usage else None,
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
+        model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
+        served_by=ctx.served_by,  # a target with fallbacks: who answered
     )
-    if ctx.served_by is not None:  # a target with fallbacks: who answered
-        response = response.model_copy(update={"served_by": ctx.served_by})
-    return response
 
 
 def _pool(target: CompiledTarget, request: ExternalCallRequest) -> list[str] | None:

@@ -74,7 +74,9 @@ class StreamJudge:
         "events",
         "failure",
         "malformed",
+        "model",
         "target",
+        "watch_model",
     )
 
     def __init__(self, provider: str, target: str) -> None:
@@ -88,6 +90,11 @@ class StreamJudge:
         self.events = 0
         #: Events of a provider dialect whose data looked like JSON and was not.
         self.malformed = 0
+        #: With ``watch_model`` set: the model the first event that names one names
+        #: (OpenAI's first chunk, Anthropic's ``message_start``, Gemini's first chunk),
+        #: for the drift check (:mod:`gateway.call.models`); None until then.
+        self.watch_model = False
+        self.model: str | None = None
 
     def observe(self, event: SseEvent) -> Any:
         """Judge one event; returns its ``data``, parsed as JSON when it is JSON. A
@@ -109,6 +116,8 @@ class StreamJudge:
         dialect = self._dialect
         if dialect is None:
             return data
+        if self.watch_model and self.model is None:
+            self.model = dialect.response_model(data)
         signal = dialect.stream_signal(name, data)
         if signal is END:
             self.complete = True

@@ -4,7 +4,8 @@
 stand-in APIs on 127.0.0.1:18090, a local OpenBao dev server when ``bao`` is installed,
 the sidecar with ``policies/demo.yaml`` on its ``server.port``, 127.0.0.1:18080) and
 keeps it up until Ctrl-C or SIGTERM, so that an agent of your own can call it: the
-README's "Python client" example does. Audit records go to ``demo-audit.jsonl``.
+README's "Python client" example does. Audit records go to ``demo-serve-audit.jsonl``
+(not ``make demo``'s ``demo-audit.jsonl``, which would be overwritten), or ``--audit``.
 ``--port 0`` / ``--upstream-port 0`` take free ports (the tests do).
 """
 
@@ -16,6 +17,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Final
 
 from aiohttp import web
 from rich.console import Console
@@ -25,6 +27,9 @@ from gateway.demo.standins import DEMO_SECRETS, DEMO_UPSTREAM_PORT, stand_in_app
 from gateway.policy import PolicyError, load_policy
 from gateway.server import create_app
 from gateway.server.runtime import Gateway
+
+#: The audit file of a demo left running: apart from ``make demo``'s (demo-audit.jsonl).
+SERVE_AUDIT: Final = "demo-serve-audit.jsonl"
 
 
 async def serve_demo(
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="policies/demo.yaml")
     parser.add_argument("--port", type=int, default=None, help="default: the policy's port")
     parser.add_argument("--upstream-port", type=int, default=DEMO_UPSTREAM_PORT)
-    parser.add_argument("--audit", default="demo-audit.jsonl")
+    parser.add_argument("--audit", default=SERVE_AUDIT, help=f"audit file (default {SERVE_AUDIT})")
     args = parser.parse_args(argv)
     return asyncio.run(
         serve_demo(

@@ -1,14 +1,24 @@
 """The demo's stand-in upstreams: local aiohttp handlers that answer in the providers'
 documented shapes (an OpenAI chat completion with ``usage`` and its streamed form, an
-Anthropic message, a Slack ``chat.postMessage`` result, a load balancer's HTML 502 page,
-a search API too slow for its caller's deadline). Each checks the credential the sidecar
-injected, so a success proves the agent's reference was resolved and attached.
+Anthropic message and its streamed form, a Gemini ``generateContent`` and
+``streamGenerateContent``, a Slack ``chat.postMessage`` result, a load balancer's HTML 502
+page, a search API too slow for its caller's deadline). Each checks the credential the
+sidecar injected, so a success proves the agent's reference was resolved and attached.
+
+Every dialect streams as its provider documents it, so each SDK's streaming helper works
+against the demo: OpenAI chat SSE ending ``data: [DONE]``
+(https://platform.openai.com/docs/api-reference/chat-streaming), Anthropic's named
+events from ``message_start`` to ``message_stop``
+(https://docs.anthropic.com/en/api/messages-streaming), Gemini's
+``streamGenerateContent`` as SSE with ``?alt=sse`` and as a JSON array without
+(https://ai.google.dev/api/generate-content).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from aiohttp import web
 
@@ -18,6 +28,7 @@ DEMO_SECRETS = {
     "DEMO_OPENAI_KEY": "sk-demo-0001-NOT-A-REAL-KEY",
     "DEMO_ANTHROPIC_KEY": "ak-demo-0002-NOT-A-REAL-KEY",
     "DEMO_SLACK_TOKEN": "xoxb-demo-0003-NOT-A-REAL-TOKEN",
+    "DEMO_GEMINI_KEY": "gk-demo-0004-NOT-A-REAL-KEY",
 }
 _SLOW_S = 3.0
 #: Seconds between two streamed tokens of the OpenAI stand-in.
@@ -78,26 +89,135 @@ async def _openai(request: web.Request) -> web.StreamResponse:
     )
 
 
+_ANTHROPIC_TEXT = ("Two fixes", " and one", " new flag.")
+_ANTHROPIC_USAGE = {
+    "input_tokens": 25,
+    "output_tokens": 9,
+    "cache_creation_input_tokens": 0,
+    "cache_read_input_tokens": 0,
+}
+
+
+def _anthropic_events(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """``message`` as Anthropic streams it: (event name, data) from ``message_start`` to
+    ``message_stop``, the text in _ANTHROPIC_TEXT's pieces."""
+    start = message | {
+        "content": [],
+        "stop_reason": None,
+        "usage": _ANTHROPIC_USAGE | {"output_tokens": 1},
+    }
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("message_start", {"type": "message_start", "message": start}),
+        (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        ),
+    ]
+    events += [
+        (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": piece},
+            },
+        )
+        for piece in _ANTHROPIC_TEXT
+    ]
+    events += [
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": _ANTHROPIC_USAGE["output_tokens"]},
+            },
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    return events
+
+
 async def _anthropic(request: web.Request) -> web.StreamResponse:
     if request.headers.get("x-api-key") != DEMO_SECRETS["DEMO_ANTHROPIC_KEY"]:
         return _unauthorized("anthropic")
     body = await request.json()
-    return web.json_response(
-        {
-            "id": "msg_demo_01",
-            "type": "message",
-            "role": "assistant",
-            "model": body.get("model"),
-            "content": [{"type": "text", "text": "Two fixes and one new flag."}],
-            "stop_reason": "end_turn",
-            "usage": {
-                "input_tokens": 25,
-                "output_tokens": 9,
-                "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": 0,
-            },
+    message = {
+        "id": "msg_demo_01",
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model"),
+        "content": [{"type": "text", "text": "".join(_ANTHROPIC_TEXT)}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": _ANTHROPIC_USAGE,
+    }
+    if not body.get("stream"):
+        return web.json_response(message)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    events = _anthropic_events(message)
+    for name, data in events:
+        await resp.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+        if name == "content_block_delta":
+            await asyncio.sleep(_TOKEN_GAP_S)
+    await resp.write_eof()
+    return resp
+
+
+_GEMINI_TEXT = ("Three ", "steps: freeze, ", "test, tag.")
+
+
+def _gemini_chunk(text: str, last: bool) -> dict[str, Any]:
+    candidate: dict[str, Any] = {
+        "content": {"role": "model", "parts": [{"text": text}]},
+        "index": 0,
+    }
+    chunk: dict[str, Any] = {"candidates": [candidate], "modelVersion": "gemini-demo"}
+    if last:
+        candidate["finishReason"] = "STOP"
+        chunk["usageMetadata"] = {
+            "promptTokenCount": 8,
+            "candidatesTokenCount": 10,
+            "totalTokenCount": 18,
         }
+    return chunk
+
+
+async def _gemini(request: web.Request) -> web.StreamResponse:
+    key = request.headers.get("x-goog-api-key") or request.query.get("key")
+    if key != DEMO_SECRETS["DEMO_GEMINI_KEY"]:
+        return web.json_response(
+            {"error": {"code": 400, "message": "API key not valid.", "status": "INVALID_ARGUMENT"}},
+            status=400,
+        )
+    await request.read()
+    method = request.match_info["method"]
+    if method == "generateContent":
+        return web.json_response(_gemini_chunk("".join(_GEMINI_TEXT), last=True))
+    if method != "streamGenerateContent":
+        raise web.HTTPNotFound
+    sse = request.query.get("alt") == "sse"
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream" if sse else "application/json"}
     )
+    await resp.prepare(request)
+    for i, piece in enumerate(_GEMINI_TEXT):
+        data = json.dumps(_gemini_chunk(piece, last=i == len(_GEMINI_TEXT) - 1))
+        if sse:
+            await resp.write(f"data: {data}\r\n\r\n".encode())
+        else:
+            await resp.write(("[" if i == 0 else ",\r\n").encode() + data.encode())
+        await asyncio.sleep(_TOKEN_GAP_S)
+    if not sse:
+        await resp.write(b"]")
+    await resp.write_eof()
+    return resp
 
 
 async def _slack(request: web.Request) -> web.StreamResponse:
@@ -131,6 +251,7 @@ def stand_in_app() -> web.Application:
     app = web.Application()
     app.router.add_post("/openai/v1/chat/completions", _openai)
     app.router.add_post("/anthropic/v1/messages", _anthropic)
+    app.router.add_post("/gemini/{version}/models/{model}:{method}", _gemini)
     app.router.add_post("/slack/api/chat.postMessage", _slack)
     app.router.add_get("/flaky/v1/report", _flaky)
     app.router.add_get("/slow/v1/search", _slow)

@@ -277,7 +277,7 @@ DIALECT: Final = Dialect(
     price_provider="anthropic",
     operation=operation,
     request_model=request_model,
-    with_model=body_model,
     response_model=response_model,
+    with_model=body_model,
     cached_outside_input=True,  # input_tokens excludes cache reads and writes
 )

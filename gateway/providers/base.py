@@ -11,7 +11,10 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
   ``response_model(data)``: how the OpenTelemetry GenAI semantic conventions name the
   provider, the operation an endpoint is (``chat``, ``embeddings``...; None for an
   endpoint that is not a model call), the model a request asks for and the model an
-  answer (a JSON body, or one stream event) says it came from; ``cached_outside_input``:
+  answer (a JSON body, or one stream event) says it came from; ``with_model(endpoint,
+  parameters, model)``: the request asking for ``model`` instead (a new endpoint and
+  body; the inputs are not changed), how a pin or a fallback rewrites the model before
+  sending; ``cached_outside_input``:
   the dialect's ``input`` count leaves the cached tokens out (the conventions count them
   in), and its ``cached`` count is cache reads and writes together;
   ``reasoning_outside_output``: its ``reasoning`` count is not part of ``output`` (and
@@ -245,21 +248,6 @@ def _no_operation(_: str) -> str | None:
     return None
 
 
-def body_model(
-    endpoint: str, parameters: Mapping[str, Any], model: str
-) -> tuple[str, dict[str, Any]]:
-    """``(endpoint, parameters)`` with the body's ``model`` set to ``model`` (a copy; the
-    endpoint unchanged): the OpenAI and Anthropic dialects name the model in the body."""
-    return endpoint, {**parameters, "model": model}
-
-
-def _same_model(
-    endpoint: str, parameters: Mapping[str, Any], model: str
-) -> tuple[str, dict[str, Any]]:
-    del model
-    return endpoint, dict(parameters)
-
-
 def _asks_nothing(_: str, __: Mapping[str, Any]) -> dict[str, Any] | None:
     return None
 
@@ -274,6 +262,20 @@ def _no_request_model(_: str, __: Mapping[str, Any]) -> str | None:
 
 def _one_choice(_: Mapping[str, Any]) -> int:
     return 1
+
+
+def _keep_model(
+    endpoint: str, parameters: Mapping[str, Any], _: str
+) -> tuple[str, Mapping[str, Any]]:
+    return endpoint, parameters
+
+
+def body_model(
+    endpoint: str, parameters: Mapping[str, Any], model: str
+) -> tuple[str, dict[str, Any]]:
+    """``(endpoint, parameters)`` with the body's ``model`` set to ``model`` (a shallow
+    copy; the OpenAI and Anthropic dialects name the model in the body)."""
+    return endpoint, {**parameters, "model": model}
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,14 +301,13 @@ class Dialect:
     provider_name: str = ""
     operation: Callable[[str], str | None] = _no_operation
     request_model: Callable[[str, Mapping[str, Any]], str | None] = _no_request_model
-    #: ``(endpoint, parameters, model)`` -> the request naming ``model`` instead (pure).
-    with_model: Callable[[str, Mapping[str, Any], str], tuple[str, dict[str, Any]]] = _same_model
     #: ``(endpoint, parameters)`` -> the parameters of a stream that asks for its usage
     #: (None: it does, or is no such stream); and what removes, from whole events, what
     #: that asking added (the agent gets the stream it asked for).
     asking_usage: Callable[[str, Mapping[str, Any]], dict[str, Any] | None] = _asks_nothing
     unasked_usage_removed: Callable[[bytes], bytes] = _unchanged
     response_model: Callable[[Any], str | None] = _no_text
+    with_model: Callable[[str, Mapping[str, Any], str], tuple[str, Mapping[str, Any]]] = _keep_model
     cached_outside_input: bool = False
     reasoning_outside_output: bool = False
     price_provider: str = ""

@@ -237,22 +237,21 @@ def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
     return model_name(match[1]) if match else None
 
 
-def with_model(
-    endpoint: str, parameters: Mapping[str, Any], model: str
-) -> tuple[str, dict[str, Any]]:
-    """``(endpoint, parameters)`` naming ``model`` in the path instead
-    (``/v1beta/models/{model}:generateContent``); the endpoint unchanged when it names
-    no model there. The parameters are a copy, unchanged."""
-    match = _MODEL_METHOD.search(endpoint)
-    if match is None:
-        return endpoint, dict(parameters)
-    start, end = match.span(1)
-    return endpoint[:start] + model + endpoint[end:], dict(parameters)
-
-
 def response_model(data: Any) -> str | None:
     """``modelVersion`` of an answer or of one stream chunk."""
     return model_name(data.get("modelVersion")) if isinstance(data, dict) else None
+
+
+def with_model(
+    endpoint: str, parameters: Mapping[str, Any], model: str
+) -> tuple[str, Mapping[str, Any]]:
+    """``endpoint`` naming ``model`` in its path
+    (``/v1beta/models/{model}:generateContent`` or ``:streamGenerateContent``, any
+    method); an endpoint that names no model is kept. The body is kept as is."""
+    match = _MODEL_METHOD.search(endpoint)
+    if match is None:
+        return endpoint, parameters
+    return endpoint[: match.start(1)] + model + endpoint[match.end(1) :], parameters
 
 
 DIALECT: Final = Dialect(
@@ -277,6 +276,6 @@ DIALECT: Final = Dialect(
     choices=choices,
     operation=operation,
     request_model=request_model,
-    with_model=with_model,
     response_model=response_model,
+    with_model=with_model,
 )

@@ -373,8 +373,8 @@ DIALECT: Final = Dialect(
     hidden_context_keys=("previous_response_id", "conversation"),
     operation=operation,
     request_model=request_model,
-    with_model=body_model,
     asking_usage=asking_usage,
     unasked_usage_removed=unasked_usage_removed,
     response_model=response_model,
+    with_model=body_model,
 )

@@ -21,7 +21,9 @@ Any other path or method gets a JSON error answer too, never an HTML page (under
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Final
@@ -236,6 +238,8 @@ async def serve(
             accept = gateway.policy.policy.server.shutdown.accept_new_calls
         gateway.begin_drain(accept_new_calls=accept)  # only the first signal counts
         stop.set()
+        # A person's second Ctrl-C means "now", not after the drain.
+        loop.add_signal_handler(signal.SIGINT, _exit_now)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
@@ -284,6 +288,8 @@ async def serve(
             drain_s=server.drain_s,
             accept_new_calls=bool(accept),
             quiet_s=server.shutdown.quiet_s,
+            waiting_for=f"{gateway.inflight} calls in flight, at most {server.drain_s:g} s "
+            "(a second Ctrl-C exits at once)",
         )
         cancelled = await gateway.drain(
             server.drain_s, accept_new_calls=bool(accept), quiet_s=server.shutdown.quiet_s
@@ -301,3 +307,14 @@ async def serve(
         if ops_runner is not None:
             await ops_runner.cleanup()
         await runner.cleanup()
+
+
+def _exit_now() -> None:
+    """A second Ctrl-C: exit at once (130, as for SIGINT), the calls in flight unanswered.
+
+    Not by raising KeyboardInterrupt: the loop's shutdown would then wait for every task,
+    and a call waiting on its upstream keeps the process for as long as the upstream
+    takes. Audit lines are flushed as they are written; stdout is flushed here."""
+    _log.warning("interrupted", reason="second SIGINT during the drain")
+    sys.stdout.flush()
+    os._exit(130)

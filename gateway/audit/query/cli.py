@@ -28,6 +28,9 @@ from gateway.audit.query.summary import summarize
 from gateway.audit.query.verify import verify
 
 _MAX_REPORTED: Final = 50
+#: The module docstring as ``--help`` shows it: plain text, without reST's double
+#: backquotes.
+_DESCRIPTION: Final = (__doc__ or "").replace("``", "").replace(" (argparse)", "", 1)
 
 # The commands import gateway.audit.query.render (and rich, 3 MiB of RSS) when they run, not
 # at module level: `egress-gateway serve` builds this parser too, and never prints a table.
@@ -54,6 +57,7 @@ def _add_filters(parser: argparse.ArgumentParser, *, with_trace: bool = True) ->
         ("--target", "target_system"),
         ("--endpoint", "endpoint (path)"),
         ("--code", "error code, e.g. CAPACITY_EXCEEDED"),
+        ("--decision", "allowed, denied, invalid, replayed or shadow_denied"),
         ("--policy", "policy_sha256, the digest of the policy that decided (a prefix: ab12*)"),
     ]
     if with_trace:
@@ -99,7 +103,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     audit = subparsers.add_parser(
         "audit",
         help="query, summarise and verify audit logs",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_commands(audit.add_subparsers(dest="audit_command", required=True, metavar="COMMAND"))
@@ -169,6 +173,7 @@ def _filters(args: argparse.Namespace, trace: tuple[str, ...] | None = None) -> 
         target=values("target"),
         endpoint=values("endpoint"),
         code=values("code"),
+        decision=values("decision"),
         policy=values("policy"),
         failed=args.failed,
         since=args.since,
@@ -286,7 +291,7 @@ def main(
     """``python -m gateway.audit.query COMMAND ...``: the ``audit`` commands on their own."""
     parser = argparse.ArgumentParser(
         prog="python -m gateway.audit.query",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_commands(parser.add_subparsers(dest="audit_command", required=True, metavar="COMMAND"))

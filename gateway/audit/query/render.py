@@ -1,7 +1,10 @@
 """Output of the audit query tool: ``rich`` tables, a trace timeline, JSON.
 
 Tables have fixed column widths so that rows printed batch by batch (streaming, or
-``--follow``) line up under one header. Cell text is never read as ``rich`` markup.
+``--follow``) line up under one header; on a terminal narrower than the whole call table
+the less telling columns are left out and the call column narrowed
+(:func:`fit_columns`), so that a row stays one line. Cell text is never read as ``rich``
+markup.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from rich.table import Table
 
 from gateway.audit.query.filters import Record, record_time
 from gateway.audit.query.reader import dumps
-from gateway.audit.query.summary import GroupStats, Summary
+from gateway.audit.query.summary import GroupStats, ModelStats, Summary
 
 #: (header, width, justify)
 _CALL_COLUMNS: Final = (
@@ -31,6 +34,11 @@ _CALL_COLUMNS: Final = (
     ("tokens", 8, "right"),
     ("trace", 24, "left"),
 )
+#: How the call table gives way on a narrow terminal, step by step until a row fits:
+#: (index in _CALL_COLUMNS, narrowest width; 0 leaves the column out). Agent, tries,
+#: trace and tokens go first, then the call narrows, then latency goes, then outcome and
+#: target narrow (``--format json`` keeps everything).
+_GIVE_WAY: Final = ((1, 0), (6, 0), (9, 0), (8, 0), (3, 16), (7, 0), (5, 14), (2, 8))
 _BAR_WIDTH: Final = 32
 _WIDE: Final = 240
 
@@ -57,8 +65,12 @@ def _ms(value: Any) -> str:
 
 
 def outcome(record: Record) -> str:
-    """``ok``, the error code, with `` (replay)`` for replayed results."""
-    text = "ok" if record.get("success") is True else _text(record.get("error_code"))
+    """``ok``, ``shadow_denied`` (answered, and a ``mode: shadow`` rule would have
+    refused it), or the error code; `` (replay)`` for replayed results."""
+    if record.get("success") is True:
+        text = "shadow_denied" if record.get("decision") == "shadow_denied" else "ok"
+    else:
+        text = _text(record.get("error_code"))
     return f"{text} (replay)" if record.get("replayed") is True else text
 
 
@@ -87,9 +99,31 @@ def call_row(record: Record) -> list[str]:
     ]
 
 
-def _calls_table(header: bool) -> Table:
+def fit_columns(width: int) -> list[tuple[int, int]]:
+    """The call table's columns for a console ``width`` characters wide: (index in
+    _CALL_COLUMNS, width) pairs, in order, after the steps of _GIVE_WAY that a row needs
+    to fit; a console too narrow even then gets the narrowest table (rich cuts it)."""
+    widths = {i: w for i, (_, w, _) in enumerate(_CALL_COLUMNS)}
+
+    def excess() -> int:  # between two columns: a padding, the box's divider, a padding
+        return sum(widths.values()) + 3 * (len(widths) - 1) - width
+
+    for index, narrowest in _GIVE_WAY:
+        if excess() <= 0:
+            break
+        if narrowest:
+            widths[index] = max(narrowest, widths[index] - excess())
+        else:
+            del widths[index]
+    # Room left by the last column left out goes back to the call (METHOD /path).
+    widths[3] = min(_CALL_COLUMNS[3][1], widths[3] + max(0, -excess()))
+    return sorted(widths.items())
+
+
+def _calls_table(header: bool, columns: list[tuple[int, int]]) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_header=header, show_edge=False, pad_edge=False)
-    for title, width, justify in _CALL_COLUMNS:
+    for index, width in columns:
+        title, _, justify = _CALL_COLUMNS[index]
         table.add_column(
             title,
             width=width,
@@ -108,6 +142,8 @@ class CallTable:
         self._batch = batch
         self._rows: list[list[str]] = []
         self._header = True
+        # Chosen once, so that every batch lines up under the one header.
+        self._columns = fit_columns(console.width)
 
     def add(self, record: Record) -> None:
         self._rows.append(call_row(record))
@@ -117,9 +153,9 @@ class CallTable:
     def flush(self) -> None:
         if not self._rows:
             return
-        table = _calls_table(self._header)
+        table = _calls_table(self._header, self._columns)
         for row in self._rows:
-            table.add_row(*row)
+            table.add_row(*(row[i] for i, _ in self._columns))
         self._console.print(table)
         self._console.file.flush()
         self._rows.clear()
@@ -141,47 +177,103 @@ def _codes(stats: GroupStats, top: int = 3) -> str:
     return text + (f", +{len(ordered) - top} more" if len(ordered) > top else "")
 
 
-def _summary_table(title: str, groups: dict[str, GroupStats], total: GroupStats) -> Table:
+#: Summary columns: (header, right-justified, in the compact table too).
+_SUMMARY_COLUMNS: Final = (
+    ("calls", True, True),
+    ("ok %", True, True),
+    ("shadow", True, True),
+    ("replays", True, False),
+    ("errors", False, True),
+    ("p50 ms", True, False),
+    ("p95 ms", True, True),
+    ("p99 ms", True, False),
+    ("retries", True, False),
+    ("tok in", True, True),
+    ("tok out", True, True),
+    ("tok cached", True, False),
+    ("rl waits (ms)", True, False),
+    ("breaker opens", True, False),
+    ("spend USD", True, True),
+)
+
+
+def _summary_cells(stats: GroupStats) -> dict[str, str]:
+    figures = stats.to_dict()
+    latency = figures["latency_ms"]
+    waits = figures["rate_limit_waits"]
+    unknown = f" (+{stats.cost_unknown} ?)" if stats.cost_unknown else ""
+    return {
+        "calls": str(stats.calls),
+        "ok %": _percent(stats),
+        "shadow": str(stats.shadow_denied),
+        "replays": str(stats.replays),
+        "errors": _codes(stats),
+        "p50 ms": _ms(latency["p50"]),
+        "p95 ms": _ms(latency["p95"]),
+        "p99 ms": _ms(latency["p99"]),
+        "retries": str(stats.retries),
+        "tok in": str(stats.tokens_input),
+        "tok out": str(stats.tokens_output),
+        "tok cached": str(stats.tokens_cached),
+        "rl waits (ms)": f"{waits['count']} ({waits['total_ms']:.0f})",
+        "breaker opens": str(stats.breaker_opens),
+        "spend USD": f"{stats.cost_usd:.6f}{unknown}",
+    }
+
+
+def _summary_table(
+    title: str, groups: dict[str, GroupStats], total: GroupStats, *, compact: bool = False
+) -> Table:
+    """The table of ``groups`` and an ``all`` row; ``compact``: the columns that matter
+    most only (calls, ok %, shadow denials, errors, p95, tokens, spend)."""
+    columns = [(name, right) for name, right, brief in _SUMMARY_COLUMNS if brief or not compact]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column(title.split()[-1], no_wrap=True)
-    for name in ("calls", "ok %", "replays"):
-        table.add_column(name, justify="right")
-    table.add_column("errors", overflow="fold")
-    for name in ("p50 ms", "p95 ms", "p99 ms", "retries", "tok in", "tok out", "tok cached"):
-        table.add_column(name, justify="right")
-    table.add_column("rl waits (ms)", justify="right")
-    table.add_column("breaker opens", justify="right")
-    table.add_column("spend USD", justify="right")
+    for name, right in columns:
+        if right:
+            table.add_column(name, justify="right")
+        else:
+            table.add_column(name, overflow="fold")
     rows = sorted(groups.items())
     for index, (name, stats) in enumerate([*rows, ("all", total)]):
-        figures = stats.to_dict()
-        latency = figures["latency_ms"]
-        waits = figures["rate_limit_waits"]
-        table.add_row(
-            name,
-            str(stats.calls),
-            _percent(stats),
-            str(stats.replays),
-            _codes(stats),
-            _ms(latency["p50"]),
-            _ms(latency["p95"]),
-            _ms(latency["p99"]),
-            str(stats.retries),
-            str(stats.tokens_input),
-            str(stats.tokens_output),
-            str(stats.tokens_cached),
-            f"{waits['count']} ({waits['total_ms']:.0f})",
-            str(stats.breaker_opens),
-            f"{stats.cost_usd:.6f}" + (f" (+{stats.cost_unknown} ?)" if stats.cost_unknown else ""),
-            end_section=index == len(rows) - 1,
-        )
+        cells = _summary_cells(stats)
+        table.add_row(name, *(cells[c] for c, _ in columns), end_section=index == len(rows) - 1)
+    return table
+
+
+def _fitting_table(
+    console: Console, title: str, groups: dict[str, GroupStats], total: GroupStats
+) -> Table:
+    """The full table if it fits the console's width, else the compact one."""
+    table = _summary_table(title, groups, total)
+    unbounded = console.options.update_width(_WIDE * 4)  # its natural width, not squeezed
+    if console.measure(table, options=unbounded).maximum <= console.width:
+        return table
+    return _summary_table(title, groups, total, compact=True)
+
+
+def _models_table(models: dict[str, ModelStats]) -> Table:
+    table = Table(title="Calls by model", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("model", no_wrap=True)
+    table.add_column("calls", justify="right")
+    table.add_column("spend USD", justify="right")
+    table.add_column("drifted", justify="right")
+    table.add_column("answered instead", overflow="fold")
+    for name, stats in sorted(models.items()):
+        drift = ", ".join(f"{model} {count}" for model, count in sorted(stats.drift.items()))
+        drifted = sum(stats.drift.values())
+        table.add_row(name, str(stats.calls), f"{stats.cost_usd:.6f}", str(drifted), drift)
     return table
 
 
 def print_summary(console: Console, summary: Summary) -> None:
-    """Two tables: by agent and by target, each with an ``all`` row."""
-    console.print(_summary_table("Calls by agent", summary.agents(), summary.total()))
-    console.print(_summary_table("Calls by target", summary.targets(), summary.total()))
+    """Tables by agent and by target, each with an ``all`` row (the compact columns when
+    the full table does not fit the terminal; a pipe or file gets the full one), then by
+    model (when any call named one)."""
+    console.print(_fitting_table(console, "Calls by agent", summary.agents(), summary.total()))
+    console.print(_fitting_table(console, "Calls by target", summary.targets(), summary.total()))
+    if summary.models:
+        console.print(_models_table(summary.models))
 
 
 def timeline(calls: Iterable[Record]) -> list[tuple[float, Record]]:

@@ -1,4 +1,9 @@
-"""Per-agent and per-target figures over a stream of audit records (pure, streaming).
+"""Per-agent, per-target and per-model figures over a stream of audit records (pure,
+streaming).
+
+A call's model is the one sent (``model_sent``, after a pin), else the one priced
+(``cost_model``); a call that names neither is not counted per model. Drift is a record's
+``model_drift`` (the answer named another model than the one sent).
 
 Memory grows with the number of agents and targets and with 8 bytes per call for the
 latencies (``array('d')``, kept exactly so that percentiles are exact), never with the
@@ -54,6 +59,7 @@ class GroupStats:
         "rate_limit_waits",
         "replays",
         "retries",
+        "shadow_denied",
         "succeeded",
         "tokens_cached",
         "tokens_input",
@@ -62,6 +68,7 @@ class GroupStats:
 
     def __init__(self) -> None:
         self.calls = self.succeeded = self.replays = self.retries = 0
+        self.shadow_denied = 0  # answered, and a mode: shadow rule would have refused it
         self.tokens_input = self.tokens_output = self.tokens_cached = 0
         self.rate_limit_waits = 0
         self.rate_limit_wait_ms = 0.0
@@ -76,6 +83,7 @@ class GroupStats:
         self.calls += other.calls
         self.succeeded += other.succeeded
         self.replays += other.replays
+        self.shadow_denied += other.shadow_denied
         self.retries += other.retries
         self.tokens_input += other.tokens_input
         self.tokens_output += other.tokens_output
@@ -97,6 +105,7 @@ class GroupStats:
             "succeeded": self.succeeded,
             "success_rate": self.succeeded / self.calls if self.calls else None,
             "replays": self.replays,
+            "shadow_denied": self.shadow_denied,
             "error_codes": dict(sorted(self.error_codes.items(), key=lambda kv: (-kv[1], kv[0]))),
             "latency_ms": {name: percentile(ordered, q) for name, q in PERCENTILES},
             "retries": self.retries,
@@ -116,6 +125,38 @@ class GroupStats:
         }
 
 
+class ModelStats:
+    """Figures of one model: calls, known spend in USD, drifted answers by the model
+    the answer named."""
+
+    __slots__ = ("calls", "cost_usd", "drift")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.cost_usd = 0.0
+        self.drift: dict[str, int] = {}
+
+    def add(self, record: Record) -> None:
+        """Count one call record of this model."""
+        self.calls += 1
+        cost: Any = record.get("cost_usd")
+        if type(cost) in _NUMBERS:
+            self.cost_usd += cost
+        drift = record.get("model_drift")
+        if isinstance(drift, dict):
+            answered = _name(drift.get("answered"))
+            self.drift[answered] = self.drift.get(answered, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{calls, cost_usd, drift: {answered model: count}, drifted}``."""
+        return {
+            "calls": self.calls,
+            "cost_usd": round(self.cost_usd, 9),
+            "drifted": sum(self.drift.values()),
+            "drift": dict(sorted(self.drift.items())),
+        }
+
+
 def _name(value: Any) -> str:
     if type(value) is str and value:
         return value
@@ -131,6 +172,8 @@ class Summary:
     """
 
     pairs: dict[tuple[str, str], GroupStats] = field(default_factory=dict)
+    #: Figures per model (the model sent, else the one priced).
+    models: dict[str, ModelStats] = field(default_factory=dict)
     _merged: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def _pair(self, record: Record) -> GroupStats:
@@ -153,6 +196,8 @@ class Summary:
             group.error_codes[code] = group.error_codes.get(code, 0) + 1
         if get("replayed") is True:
             group.replays += 1
+        if get("decision") == "shadow_denied":
+            group.shadow_denied += 1
         value: Any = get("latency_ms")
         group.latencies_ms.append(value if type(value) in _NUMBERS else 0.0)
         value = get("attempts")
@@ -176,6 +221,12 @@ class Summary:
         if type(value) in _NUMBERS and value > 0:
             group.rate_limit_waits += 1
             group.rate_limit_wait_ms += value
+        value = get("model_sent") or get("cost_model")
+        if type(value) is str:
+            stats = self.models.get(value)
+            if stats is None:
+                stats = self.models[value] = ModelStats()
+            stats.add(record)
 
     def add_breaker_open(self, record: Record) -> None:
         """Count one ``breaker_state_change`` event whose ``new_state`` is ``open``."""
@@ -207,10 +258,12 @@ class Summary:
         return self._merged["total"]  # type: ignore[no-any-return]
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"agents": {name: figures}, "targets": {...}, "total": figures}``."""
+        """``{"agents": {name: figures}, "targets": {...}, "models": {model: ModelStats
+        figures}, "total": figures}``."""
         return {
             "agents": {k: v.to_dict() for k, v in self.agents().items()},
             "targets": {k: v.to_dict() for k, v in self.targets().items()},
+            "models": {k: v.to_dict() for k, v in sorted(self.models.items())},
             "total": self.total().to_dict(),
         }
 

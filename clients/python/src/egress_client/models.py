@@ -179,6 +179,16 @@ class ServedBy(BaseModel):
     model: str | None = None
 
 
+class ModelNames(BaseModel):
+    """The model a call asked for and the one the sidecar sent (a policy pin rewrites
+    an alias to its snapshot)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    requested: str
+    sent: str
+
+
 class ExternalCallResponse(BaseModel):
     """The sidecar's answer to every call, whatever happened.
 
@@ -188,7 +198,8 @@ class ExternalCallResponse(BaseModel):
     the upstream reported (null when none), ``replayed`` true for an answer replayed
     from the sidecar's idempotency store, ``served_by`` the target and model that
     answered a call to a target with ``fallbacks`` (null for any other target, when
-    none answered well, or from an older sidecar).
+    none answered well, or from an older sidecar), ``model`` the model asked for and
+    the one sent when the policy controls the target's models (null otherwise).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -203,6 +214,7 @@ class ExternalCallResponse(BaseModel):
     correlation_id: str | None = None
     replayed: bool = False
     served_by: ServedBy | None = None
+    model: ModelNames | None = None
 
     def raise_for_error(self) -> Self:
         """Return ``self`` when the call succeeded; otherwise raise the typed
