@@ -26,7 +26,8 @@ same stages as an envelope. :func:`proxy_intake` builds the request:
   the trace-id of a valid ``traceparent``, else generated), ``x-egress-timeout``
   (seconds; else the SDK's own timeout: ``x-stainless-timeout``,
   ``x-stainless-read-timeout``, ``X-Server-Timeout``, at most 600; on a streamed
-  request the first two are read timeouts, so 600; else 30), and
+  request the first two are read timeouts, so 600; else 30, or 600 for a streamed
+  request, whose gaps ``stream_idle_timeout_s`` bounds), and
   ``Idempotency-Key`` (the envelope's ``idempotency_key``; for a target without
   ``idempotency`` in the policy it is forwarded as it came, for the upstream to dedupe).
 * retries: ``x-stainless-retry-count`` above 0 means the SDK is itself retrying this
@@ -57,6 +58,7 @@ from gateway.envelope import (
     MAX_TIMEOUT_S,
     ErrorPayload,
     ExternalCallResponse,
+    ServedBy,
 )
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.policy import CompiledTarget, PolicySet
@@ -91,6 +93,8 @@ _OWN_PREFIX: Final = "x-egress-"
 _PASSED: Final = SDK_HEADERS | {"accept"}
 TRACE_ID_HEADER: Final = "x-egress-trace-id"
 CORRELATION_ID_HEADER: Final = "x-egress-correlation-id"
+#: Who answered (README, "Failover"): ``target=NAME; model=MODEL``.
+SERVED_BY_HEADER: Final = "x-egress-served-by"
 _SECRET_REF_HEADER: Final = "x-egress-secret-ref"  # noqa: S105 - a header name
 _TIMEOUT_HEADER: Final = "x-egress-timeout"
 _IDEMPOTENCY_HEADER: Final = "idempotency-key"
@@ -341,7 +345,9 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     each gap between chunks, not the stream (openai-python and anthropic-sdk-python,
     ``_build_headers``), so there they are not the deadline: :data:`MAX_TIMEOUT_S` is,
     and the SDK, which hangs up after such a gap, and ``stream_idle_timeout_s`` bound
-    the gaps."""
+    the gaps. A streamed request without any timeout header (a plain HTTP client) gets
+    :data:`MAX_TIMEOUT_S` too, not the 30 s default: its stall is found by
+    ``stream_idle_timeout_s``, well before."""
     given = egress_timeout(headers)
     if given is not None:
         return given
@@ -357,7 +363,9 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
             continue
         if math.isfinite(seconds) and seconds > 0:
             return min(seconds, MAX_TIMEOUT_S)
-    return DEFAULT_TIMEOUT_S
+    # A plain HTTP client's stream: a long generation may outlast 30 s; its gaps are
+    # bounded by the target's stream_idle_timeout_s (60 s by default), well under this.
+    return MAX_TIMEOUT_S if streamed else DEFAULT_TIMEOUT_S
 
 
 def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
@@ -493,11 +501,26 @@ def model_headers(ctx: CallContext) -> list[tuple[str, str]]:
 
 def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
     """The id headers of a drop-in or MCP answer: the call's ids, else those the request
-    claimed."""
-    return id_headers(
+    claimed; and ``x-egress-served-by`` when an upstream answered well."""
+    ids = id_headers(
         response.trace_id or ctx.claimed.get("trace_id"),
         response.correlation_id or ctx.claimed.get("correlation_id"),
     )
+    if response.served_by is not None:
+        ids[SERVED_BY_HEADER] = served_by_value(response.served_by)
+    return ids
+
+
+def served_by_value(served: ServedBy) -> str:
+    """``x-egress-served-by``: ``target=NAME`` and, when the request named one,
+    ``; model=MODEL`` (the request's model written in ASCII escapes where it is not
+    printable ASCII: a header value cannot carry it)."""
+    if served.model is None:
+        return f"target={served.target}"
+    model = served.model
+    if not (model.isascii() and model.isprintable()):
+        model = model.encode("unicode_escape").decode("ascii")
+    return f"target={served.target}; model={model}"
 
 
 def replayed_body(response: ExternalCallResponse) -> tuple[str | None, bytes] | None:

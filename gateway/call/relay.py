@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.call.sse import EventTooLarge, SseDecoder, complete_events
-from gateway.call.stream import StreamJudge
+from gateway.call.stream import StreamJudge, malformed_error
 from gateway.errors import DeadlineExceeded, GatewayError, ResponseTooLarge, StreamInterrupted
 from gateway.upstream import TransportError
 
@@ -93,12 +93,21 @@ async def relay_stream(
     deadline: float,
     idle_timeout_s: float,
     max_bytes: int,
+    first_event_timeout_s: float | None = None,
+    rewrite: Callable[[bytes], bytes] | None = None,
 ) -> Relayed:
     """Relay ``stream`` (an open :class:`gateway.upstream.client.UpstreamStream`) to
     ``relay`` until its end, recording in ``done`` what was relayed (also when it fails).
     Raises the GatewayError its end calls for (a judged failure, STREAM_INTERRUPTED,
     AGENT_TIMEOUT, RESPONSE_TOO_LARGE); the agent hanging up is STREAM_INTERRUPTED with
-    reason ``agent_disconnected``. The upstream stream is always closed on return."""
+    reason ``agent_disconnected``. The upstream stream is always closed on return.
+    ``first_event_timeout_s`` (a target's ``first_byte_timeout_s``) bounds the wait for
+    the first whole event instead of ``idle_timeout_s``: past it, STREAM_INTERRUPTED
+    with reason ``first_byte_timeout``, nothing relayed (a fallback may serve).
+    ``rewrite`` (whole events -> what the agent gets of them) removes what the sidecar
+    added to the request (:func:`gateway.providers.asking_usage`); the events are
+    judged as the upstream sent them. A malformed event (:attr:`StreamJudge.malformed`)
+    ends the stream after the read that carried it."""
     judge = done.judge
     decoder = SseDecoder(max_bytes)
     held = bytearray()  # bytes after the last whole event, not relayed yet
@@ -111,6 +120,8 @@ async def relay_stream(
     loop = asyncio.get_running_loop()
     sending = False
     tail = bytearray()  # events a gate held to the stream's end
+    gap = idle_timeout_s if first_event_timeout_s is None else first_event_timeout_s
+    first = first_event_timeout_s is not None  # no whole event came yet
     try:
         try:
             async with asyncio.timeout_at(loop_deadline) as timer:
@@ -118,7 +129,7 @@ async def relay_stream(
                     if deadline - time.monotonic() <= 0:
                         raise _deadline(judge)
                     sending = False
-                    _arm(timer, min(loop.time() + idle_timeout_s, loop_deadline))
+                    _arm(timer, min(loop.time() + gap, loop_deadline))
                     try:
                         chunk = await stream.read()
                     except TransportError as exc:
@@ -143,9 +154,12 @@ async def relay_stream(
                         _feed(decoder, judge, chunk, max_bytes)
                     if cut:  # else no whole event yet: nothing is relayed half-way
                         whole, held = bytes(held[:cut]), held[cut:]
+                        gap, first = idle_timeout_s, False
                         if fed:
                             done.waiting += whole
                             whole = _released(done, judge)
+                    if cut and whole and rewrite is not None:
+                        whole = rewrite(whole)
                     if cut and whole:
                         # Relayed before it is judged: the verdict is only read at the
                         # end, and judging first made the agent's first byte wait for
@@ -159,6 +173,8 @@ async def relay_stream(
                             gone = True
                     if not fed:
                         _feed(decoder, judge, chunk, max_bytes)
+                    if judge.malformed:  # ended there: its SDK raises on such an event
+                        raise malformed_error(judge.target, judge.events)
                     if gone:
                         raise StreamInterrupted(
                             f"the agent hung up after {judge.events} events; the upstream "
@@ -170,6 +186,8 @@ async def relay_stream(
                 raise _stalled(judge) from None
             if timer.when() == loop_deadline:
                 raise _deadline(judge) from None
+            if first:
+                raise _no_first_event(judge, first_event_timeout_s) from None
             raise StreamInterrupted(
                 f"the stream from target {judge.target!r} sent nothing for "
                 f"{idle_timeout_s:.3g} s (stream_idle_timeout_s)",
@@ -180,6 +198,10 @@ async def relay_stream(
     error = judge.verdict(status=200)
     if error is not None:
         raise error  # an unfinished last event is dropped: the final event says why
+    if tail and rewrite is not None:
+        tail = bytearray(rewrite(bytes(tail)))
+    if rewrite is not None and held.strip():
+        held = bytearray(rewrite(bytes(held) + b"\n\n").rstrip(b"\r\n"))
     if tail:
         with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
             try:
@@ -266,6 +288,14 @@ def _deadline(judge: StreamJudge) -> GatewayError:
         f"the call's deadline passed while target {judge.target!r} was streaming "
         f"({judge.events} events relayed)",
         details={"reason": "deadline", "target": judge.target},
+    )
+
+
+def _no_first_event(judge: StreamJudge, timeout_s: float | None) -> GatewayError:
+    return StreamInterrupted(
+        f"the stream from target {judge.target!r} sent no event within "
+        f"{timeout_s or 0:.3g} s (first_byte_timeout_s)",
+        details={"reason": "first_byte_timeout", "target": judge.target},
     )
 
 

@@ -62,6 +62,10 @@ class Series:
             "retries", "Upstream attempts beyond the first, by target.",
             ["target"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        self.failovers = Counter(
+            "failovers", "Calls moved to a fallback, by the target left, the one tried, why.",
+            ["from", "to", "reason"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
         self.ratelimit_wait = Histogram(
             "ratelimit_wait_seconds", "Time a call queued for rate-limit capacity, in seconds.",
             ["group"], namespace=NAMESPACE, registry=r, buckets=WAIT_BUCKETS_S,

@@ -320,7 +320,7 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
                 details={"reason": "ref_not_allowed", "api_key_ref": loggable_ref(ref)},
             )
     else:
-        ref = ref or credential.default_ref
+        ref = ref or credential.default_ref or (credential.refs[0] if credential.refs else None)
         if ref is None:
             raise PermissionDenied(
                 f"target {target.name!r} needs an api_key_ref (it has no default_ref)",
