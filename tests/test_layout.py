@@ -98,7 +98,6 @@ LONG_FUNCTIONS: frozenset[str] = frozenset(
         "gateway/call/proxy.py::proxy_intake",
         "gateway/call/relay.py::relay_stream",
         "gateway/demo/run.py::_run",
-        "gateway/metrics/series.py::Series.__init__",
         "gateway/policy/egress.py::decide",
         "gateway/server/app.py::serve",
         "gateway/upstream/client.py::Upstream._send",
@@ -252,10 +251,27 @@ def test_modules_stay_under_the_backstop(path: Path) -> None:
     assert len(path.read_text().splitlines()) <= MAX_MODULE_LINES
 
 
+def _declarations_only(body: list[ast.stmt]) -> bool:
+    """True when every statement assigns a constructor call (a call of a capitalised name,
+    ``self.calls = Counter(...)``): a list of declarations, however long, is not logic."""
+
+    def constructed(value: ast.expr | None) -> bool:
+        if not isinstance(value, ast.Call):
+            return False
+        name = value.func.attr if isinstance(value.func, ast.Attribute) else None
+        name = value.func.id if isinstance(value.func, ast.Name) else name
+        return name is not None and name[:1].isupper()
+
+    return bool(body) and all(
+        isinstance(s, ast.Assign | ast.AnnAssign) and constructed(s.value) for s in body
+    )
+
+
 def _function_lengths(path: Path, source: str | None = None) -> Iterator[tuple[str, int]]:
     """(``path::Class.function``, lines of its body without the docstring) for every
     function in ``path`` (or in ``source``, read as that file), nested ones included
-    (they count in their parent too)."""
+    (they count in their parent too); 0 for a body of declarations only
+    (:func:`_declarations_only`)."""
 
     def walk(node: ast.AST, prefix: str) -> Iterator[tuple[str, int]]:
         for child in ast.iter_child_nodes(node):
@@ -265,7 +281,8 @@ def _function_lengths(path: Path, source: str | None = None) -> Iterator[tuple[s
                     body = body[1:]
                 end = child.end_lineno or child.lineno
                 name = f"{prefix}{child.name}"
-                yield f"{_rel(path)}::{name}", (end - body[0].lineno + 1) if body else 0
+                lines = (end - body[0].lineno + 1) if body else 0
+                yield f"{_rel(path)}::{name}", 0 if _declarations_only(body) else lines
                 yield from walk(child, f"{name}.")
             elif isinstance(child, ast.ClassDef):
                 yield from walk(child, f"{prefix}{child.name}.")
@@ -305,4 +322,28 @@ def test_the_function_length_counts_the_body_only() -> None:
     assert lengths == {
         "gateway/_probe_for_the_count.py::outer": 6,
         "gateway/_probe_for_the_count.py::outer.inner": 1,
+    }
+
+
+def test_a_body_of_declarations_only_does_not_count() -> None:
+    """Assignments of constructor calls are declarations; one other statement makes logic."""
+    module = PACKAGE / "_probe_for_the_count.py"
+    declared = "\n".join(f"        self.c{i} = Counter('c{i}', registry=r)" for i in range(70))
+    source = f"""class Families:
+    def declare(self, r: object) -> None:
+        \"\"\"Doc.\"\"\"
+{declared}
+
+    def declare_and_act(self, r: object) -> None:
+{declared}
+        self.c0.inc()
+
+    def compute(self, r: object) -> None:
+{declared.replace("Counter(", "counter(")}
+"""
+    lengths = dict(_function_lengths(module, source))
+    assert lengths == {
+        "gateway/_probe_for_the_count.py::Families.declare": 0,
+        "gateway/_probe_for_the_count.py::Families.declare_and_act": 71,
+        "gateway/_probe_for_the_count.py::Families.compute": 70,
     }
