@@ -98,7 +98,6 @@ LONG_FUNCTIONS: frozenset[str] = frozenset(
         "gateway/call/proxy.py::proxy_intake",
         "gateway/call/relay.py::relay_stream",
         "gateway/demo/run.py::_run",
-        "gateway/policy/egress.py::decide",
         "gateway/server/app.py::serve",
         "gateway/upstream/client.py::Upstream._send",
     }
