@@ -99,7 +99,6 @@ LONG_FUNCTIONS: frozenset[str] = frozenset(
         "gateway/call/relay.py::relay_stream",
         "gateway/demo/run.py::_run",
         "gateway/server/app.py::serve",
-        "gateway/upstream/client.py::Upstream._send",
     }
 )
 
