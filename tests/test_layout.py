@@ -96,7 +96,6 @@ LONG_FUNCTIONS: frozenset[str] = frozenset(
     {
         "gateway/call/mcp.py::mcp_intake",
         "gateway/call/proxy.py::proxy_intake",
-        "gateway/call/relay.py::relay_stream",
         "gateway/demo/run.py::_run",
         "gateway/server/app.py::serve",
     }

@@ -102,11 +102,7 @@ async def relay_stream(
     judge = done.judge
     decoder = SseDecoder(max_bytes)
     held = bytearray()  # bytes after the last whole event, not relayed yet
-    # One timer for the whole relay, moved only when its bound changes: the gap to the
-    # next chunk is bounded by min(idle timeout, deadline), a write to the agent by the
-    # deadline. With a deadline nearer than the idle timeout (the usual case) both are
-    # the deadline and the timer never moves; two timers per chunk were ~40% of the
-    # relay's own cost per chunk.
+    # One timer for the whole relay, moved only when its bound changes (see _arm).
     loop_deadline = _loop_time(deadline)
     loop = asyncio.get_running_loop()
     sending = False
@@ -122,14 +118,9 @@ async def relay_stream(
                     try:
                         chunk = await stream.read()
                     except TransportError as exc:
-                        raise StreamInterrupted(
-                            f"{exc.message} after {judge.events} events",
-                            details={"reason": "reset", "target": judge.target},
-                        ) from None
+                        raise _reset(judge, exc) from None
                     if not chunk:
-                        for event in decoder.close():
-                            judge.observe(event)
-                        tail = _ungated(done, judge)  # held to the end: no model named
+                        tail = _ended(decoder, judge, done)
                         break
                     done.bytes += len(chunk)
                     if done.bytes > max_bytes:
@@ -144,8 +135,7 @@ async def relay_stream(
                     if cut:  # else no whole event yet: nothing is relayed half-way
                         whole, held = bytes(held[:cut]), held[cut:]
                         if fed:
-                            done.waiting += whole
-                            whole = _released(done, judge)
+                            whole = _released(done, judge, whole)
                     if cut and whole:
                         # Relayed before it is judged: the verdict is only read at the
                         # end, and judging first made the agent's first byte wait for
@@ -160,43 +150,89 @@ async def relay_stream(
                     if not fed:
                         _feed(decoder, judge, chunk, max_bytes)
                     if gone:
-                        raise StreamInterrupted(
-                            f"the agent hung up after {judge.events} events; the upstream "
-                            "request was closed",
-                            details={"reason": "agent_disconnected", "target": judge.target},
-                        )
+                        raise _agent_gone(judge)
         except TimeoutError:
-            if sending:
-                raise _stalled(judge) from None
-            if timer.when() == loop_deadline:
-                raise _deadline(judge) from None
-            raise StreamInterrupted(
-                f"the stream from target {judge.target!r} sent nothing for "
-                f"{idle_timeout_s:.3g} s (stream_idle_timeout_s)",
-                details={"reason": "idle_timeout", "target": judge.target},
-            ) from None
+            at_deadline = timer.when() == loop_deadline
+            raise _timed_out(judge, sending, at_deadline, idle_timeout_s) from None
     finally:
         await stream.aclose()
-    error = judge.verdict(status=200)
+    await _finish(relay, done, tail, held, started, loop_deadline)
+    return done
+
+
+def _timed_out(
+    judge: StreamJudge, sending: bool, at_deadline: bool, idle_timeout_s: float
+) -> GatewayError:
+    """What the relay's one timer firing means: the agent stalled a write (``sending``),
+    the deadline passed (the timer stood at it), or the upstream went idle."""
+    if sending:
+        return _stalled(judge)
+    if at_deadline:
+        return _deadline(judge)
+    return _idle(judge, idle_timeout_s)
+
+
+async def _finish(
+    relay: Relay,
+    done: Relayed,
+    tail: bytearray,
+    held: bytearray,
+    started: float,
+    loop_deadline: float,
+) -> None:
+    """The upstream closed: raise the stream's verdict if it failed, else relay what is
+    left (the events a gate held to the end, then an unterminated last event)."""
+    error = done.judge.verdict(status=200)
     if error is not None:
         raise error  # an unfinished last event is dropped: the final event says why
     if tail:
-        with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
-            try:
-                async with asyncio.timeout_at(loop_deadline):
-                    await _send(relay, done, bytes(tail), started)
-            except TimeoutError:
-                raise _stalled(judge) from None
+        await _send_last(relay, done, bytes(tail), started, loop_deadline)
     if held.strip():
         # A last event without its blank line that still completed the stream (``data:
         # [DONE]`` right before the close): closed here, so it cannot run into ours.
-        with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
-            try:
-                async with asyncio.timeout_at(loop_deadline):
-                    await _send(relay, done, bytes(held) + b"\n\n", started)
-            except TimeoutError:
-                raise _stalled(judge) from None
-    return done
+        await _send_last(relay, done, bytes(held) + b"\n\n", started, loop_deadline)
+
+
+def _ended(decoder: SseDecoder, judge: StreamJudge, done: Relayed) -> bytearray:
+    """The upstream closed: ``judge`` observes the decoder's last events; returns the
+    events a gate held to the end (no model named), to relay after the verdict."""
+    for event in decoder.close():
+        judge.observe(event)
+    return _ungated(done, judge)
+
+
+async def _send_last(
+    relay: Relay, done: Relayed, data: bytes, started: float, loop_deadline: float
+) -> None:
+    """Relay ``data`` after a good verdict, by the deadline (else AGENT_STALLED)."""
+    with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
+        try:
+            async with asyncio.timeout_at(loop_deadline):
+                await _send(relay, done, data, started)
+        except TimeoutError:
+            raise _stalled(done.judge) from None
+
+
+def _reset(judge: StreamJudge, exc: TransportError) -> GatewayError:
+    return StreamInterrupted(
+        f"{exc.message} after {judge.events} events",
+        details={"reason": "reset", "target": judge.target},
+    )
+
+
+def _agent_gone(judge: StreamJudge) -> GatewayError:
+    return StreamInterrupted(
+        f"the agent hung up after {judge.events} events; the upstream request was closed",
+        details={"reason": "agent_disconnected", "target": judge.target},
+    )
+
+
+def _idle(judge: StreamJudge, idle_timeout_s: float) -> GatewayError:
+    return StreamInterrupted(
+        f"the stream from target {judge.target!r} sent nothing for "
+        f"{idle_timeout_s:.3g} s (stream_idle_timeout_s)",
+        details={"reason": "idle_timeout", "target": judge.target},
+    )
 
 
 def _feed(decoder: SseDecoder, judge: StreamJudge, chunk: bytes, max_bytes: int) -> None:
@@ -208,10 +244,12 @@ def _feed(decoder: SseDecoder, judge: StreamJudge, chunk: bytes, max_bytes: int)
         raise _too_large(judge, max_bytes) from None
 
 
-def _released(done: Relayed, judge: StreamJudge) -> bytes:
-    """The held events to relay now: all of them once an event named a model that
-    ``done.gate`` lets pass (then the gate is lifted), none before. Raises the gate's
-    error for a model it refuses (nothing of the stream was relayed)."""
+def _released(done: Relayed, judge: StreamJudge, whole: bytes) -> bytes:
+    """Hold ``whole`` (events the gate sees before they are relayed); the held events to
+    relay now: all of them once an event named a model that ``done.gate`` lets pass
+    (then the gate is lifted), none before. Raises the gate's error for a model it
+    refuses (nothing of the stream was relayed)."""
+    done.waiting += whole
     if done.gate is None or judge.model is None:
         return b""
     return bytes(_ungated(done, judge))
@@ -228,6 +266,12 @@ def _ungated(done: Relayed, judge: StreamJudge) -> bytearray:
 
 
 def _arm(timer: asyncio.Timeout, when: float) -> None:
+    """Move the relay's one timer to ``when`` (loop clock) if it is not there already.
+
+    The gap to the next chunk is bounded by min(idle timeout, deadline), a write to the
+    agent by the deadline. With a deadline nearer than the idle timeout (the usual case)
+    both are the deadline and the timer never moves; two timers per chunk were ~40% of
+    the relay's own cost per chunk."""
     if timer.when() != when:
         timer.reschedule(when)
 
