@@ -95,7 +95,6 @@ MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS: frozenset[str] = frozenset(
     {
         "gateway/demo/run.py::_run",
-        "gateway/server/app.py::serve",
     }
 )
 
