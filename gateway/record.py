@@ -162,6 +162,22 @@ def decision_of(call: CallRecord) -> str:
     return decision
 
 
+#: Fields set per JSON-RPC request by gateway.call.mcp.audit_records and
+#: gateway.call.a2a.audit_records: None in a call's own record.
+_PER_JSONRPC_REQUEST: dict[str, Any] = {
+    F.MCP_METHOD: None,
+    F.MCP_TOOL: None,
+    F.MCP_REQUEST_ID: None,
+    F.MCP_IS_ERROR: None,
+    F.MCP_ERROR_CODE: None,
+    F.A2A_METHOD: None,
+    F.A2A_REQUEST_ID: None,
+    F.A2A_TASK_ID: None,
+    F.A2A_CONTEXT_ID: None,
+    F.A2A_ERROR_CODE: None,
+}
+
+
 def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
     """The audit record of a call that ended with ``response`` (schema v1)."""
     request, target, usage, error = call.request, call.target, call.usage, response.error
@@ -204,18 +220,7 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         F.HTTP_PATH: None,
         F.HTTP_STATUS: None,
         **_stream_and_cost(call, shadow),
-        # Set per JSON-RPC request by gateway.call.mcp.audit_records.
-        F.MCP_METHOD: None,
-        F.MCP_TOOL: None,
-        F.MCP_REQUEST_ID: None,
-        F.MCP_IS_ERROR: None,
-        F.MCP_ERROR_CODE: None,
-        # Set per JSON-RPC request by gateway.call.a2a.audit_records.
-        F.A2A_METHOD: None,
-        F.A2A_REQUEST_ID: None,
-        F.A2A_TASK_ID: None,
-        F.A2A_CONTEXT_ID: None,
-        F.A2A_ERROR_CODE: None,
+        **_PER_JSONRPC_REQUEST,
         **_chain(call.chain),
         **_caller(call, agent_id),
         F.SERVED_BY: (

@@ -174,33 +174,12 @@ def proxy_intake(
         raise refuse
     method = http.method
     if method not in METHODS:
-        raise InvalidPayload(
-            f"method {printable(method[:32])} is not forwarded (allowed: "
-            f"{', '.join(sorted(METHODS))})",
-            details={"reason": "method", "http_status": 405},
-            http_status=405,
-        )
+        raise _method_not_forwarded(method)
     target = policy.targets.get(http.target)
-    forward = target.forward_headers if target is not None else frozenset()
     credential = target.spec.credential if target is not None else None
     own_query = credential.query_param if credential is not None else None
     dropped = CREDENTIAL_QUERY | AGENT_QUERY_CREDENTIALS | ({own_query} if own_query else set())
-    connection = {t.strip() for t in headers.get("connection", "").lower().split(",")}
-    agent_headers: dict[str, str] = {}
-    passthrough: dict[str, str] = {}
-    for name, value in headers.items():
-        if name in HOP_BY_HOP or name in connection or name in CREDENTIAL_HEADERS:
-            continue
-        if not value.isascii() and not _is_utf8(value) and _forwarded(name, forward, target):
-            raise _not_utf8(name)
-        if name in TRACE_HEADERS or name in forward:
-            agent_headers[name] = value
-        elif name in _PASSED:  # not the idempotency header: the key goes as the target says
-            passthrough[name] = value
-        elif name == _IDEMPOTENCY_HEADER and (target is None or target.spec.idempotency is None):
-            # No idempotency of the sidecar's for this target: the SDK's key (Stripe's
-            # SDK sends one on every POST and its retries) is the upstream's to dedupe on.
-            passthrough[name] = value
+    agent_headers, passthrough = _split_headers(headers, target)
     raw: dict[str, Any] = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
@@ -292,6 +271,42 @@ def _claim(text: str) -> str:
 
 def _hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text.lower())
+
+
+def _method_not_forwarded(method: str) -> InvalidPayload:
+    return InvalidPayload(
+        f"method {printable(method[:32])} is not forwarded (allowed: {', '.join(sorted(METHODS))})",
+        details={"reason": "method", "http_status": 405},
+        http_status=405,
+    )
+
+
+def _split_headers(
+    headers: dict[str, str], target: CompiledTarget | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The agent's headers as (those the envelope carries: trace headers and the target's
+    ``forward_headers``; those passed to the upstream as they are: the SDKs' own, and the
+    SDK's idempotency key when the sidecar keeps none for the target). Hop-by-hop and
+    credential headers go nowhere. Raises :class:`InvalidPayload` for a forwarded value
+    that is not UTF-8."""
+    forward = target.forward_headers if target is not None else frozenset()
+    connection = {t.strip() for t in headers.get("connection", "").lower().split(",")}
+    agent_headers: dict[str, str] = {}
+    passthrough: dict[str, str] = {}
+    for name, value in headers.items():
+        if name in HOP_BY_HOP or name in connection or name in CREDENTIAL_HEADERS:
+            continue
+        if not value.isascii() and not _is_utf8(value) and _forwarded(name, forward, target):
+            raise _not_utf8(name)
+        if name in TRACE_HEADERS or name in forward:
+            agent_headers[name] = value
+        elif name in _PASSED:  # not the idempotency header: the key goes as the target says
+            passthrough[name] = value
+        elif name == _IDEMPOTENCY_HEADER and (target is None or target.spec.idempotency is None):
+            # No idempotency of the sidecar's for this target: the SDK's key (Stripe's
+            # SDK sends one on every POST and its retries) is the upstream's to dedupe on.
+            passthrough[name] = value
+    return agent_headers, passthrough
 
 
 def _query(items: Iterable[tuple[str, str]], dropped: Iterable[str]) -> dict[str, Any]:
