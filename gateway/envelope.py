@@ -175,8 +175,8 @@ class ErrorPayload(BaseModel):
 class ServedBy(BaseModel):
     """Who answered a call to a target with ``fallbacks``: the policy's ``target`` and
     the ``model`` the request named there (null for a target without a provider
-    dialect, or none named). A call that failed over names its fallback (README,
-    "Failover")."""
+    dialect, or none named). A call that failed over names its fallback
+    (docs/features/failover.md)."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -39,12 +39,12 @@ OPS_SERVER: Final = {
     "url": "http://127.0.0.1:8182",
     "description": "the ops listener (server.ops_host, server.ops_port): health, readiness, "
     "metrics, this document, and the operator's routes behind an operator token (the stop "
-    "switch, /v1/controls/...: README, 'Stopping an agent'; approvals and dead letters: "
-    "'Approvals and dead letters'; not described here)",
+    "switch, /v1/controls/...: docs/features/stopping.md; approvals and dead letters: "
+    "docs/features/approvals.md; not described here)",
 }
-#: Statuses an error code is answered with besides its class's ``http_status`` (README,
-#: "Error codes"): a too-large envelope is 413; an upstream's own 4xx verdict is passed
-#: on, and an unfollowed 3xx or a refusal inside a 200 stream is 502.
+#: Statuses an error code is answered with besides its class's ``http_status``
+#: (docs/api/envelope.md): a too-large envelope is 413; an upstream's own 4xx verdict is
+#: passed on, and an unfollowed 3xx or a refusal inside a 200 stream is 502.
 _EXTRA_STATUSES: Final[dict[ErrorCode, tuple[str, ...]]] = {
     ErrorCode.INVALID_PAYLOAD: ("413",),
     ErrorCode.UPSTREAM_REJECTED: ("4XX", "502"),

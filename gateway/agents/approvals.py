@@ -1,6 +1,6 @@
 """Approvals: a call the policy names (a target's ``approval:``) waits for a person's yes
-(design.md, "Approvals, dead letters and the operator console"; README, "Approvals and
-dead letters").
+(design.md, "Approvals, dead letters and the operator console";
+docs/features/approvals.md).
 
 The rules (pure): :func:`held_call` says whether a call needs approval and what an
 approval of it is bound to (a :class:`HeldCall`: target, tool or endpoint, method, the

@@ -1,4 +1,4 @@
-"""Tool caps: a budget's ``max_calls`` (README, "Stopping an agent"): at most that many
+"""Tool caps: a budget's ``max_calls`` (docs/features/stopping.md): at most that many
 calls per window to the MCP tools or endpoints its ``applies_to.tool`` glob names (with
 its ``target`` and ``agent``, when given), counted before the call, locally or across
 sidecars (``scope: cluster``), with the budgets' windows (daily, monthly, rolling).

@@ -1,4 +1,4 @@
-"""The operator's stop switch (README, "Stopping an agent"; design.md, "Stopping a runaway
+"""The operator's stop switch (docs/features/stopping.md; design.md, "Stopping a runaway
 agent").
 
 A stop holds one agent (``scope: agent``), one target (``scope: target``) or every call of

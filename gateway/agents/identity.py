@@ -1,5 +1,5 @@
 """Who is calling: the identity the sidecar establishes, never the agent's word
-(design.md, "Who is calling: agent identity"; README, "Several agents in one pod").
+(design.md, "Who is calling: agent identity"; docs/kubernetes.md).
 
 Sources, strongest first (``agent_auth`` in the audit record):
 

@@ -1,4 +1,4 @@
-"""The repeated-call breaker (README, "Stopping an agent"): an agent that sends the same
+"""The repeated-call breaker (docs/features/stopping.md): an agent that sends the same
 call again and again is looping.
 
 "The same call" is the same agent, target, operation and canonical arguments: for an

@@ -1,4 +1,4 @@
-"""The A2A API: ``/a2a/{target}`` (design.md and README, "Agents calling agents").
+"""The A2A API: ``/a2a/{target}`` (design.md, "Agents calling agents"; docs/api/a2a.md).
 
 An A2A client pointed at ``http://127.0.0.1:8181/a2a/executor`` (the a2a-sdk's
 ``create_client`` with that URL, unchanged) talks to the sidecar as if it were the agent:
@@ -118,7 +118,7 @@ def inbound_handler(runtime: Runtime) -> http.Handler:
     """The handler of :data:`INBOUND_ROUTE`: a call to this sidecar's agent, from another
     agent's sidecar, forwarded to the agent's own A2A server (``inbound.agent_url``) once
     its chain is admitted (:func:`gateway.agents.chain.admit`) and remembered for the
-    agent's own calls in that trace, task and context (README, "Agents calling agents")."""
+    agent's own calls in that trace, task and context (docs/api/a2a.md)."""
     return http.handler(partial(_Exchange, runtime, inbound=True), "a2a_handler_error")
 
 

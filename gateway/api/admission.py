@@ -1,5 +1,5 @@
 """Admission by bytes: the memory that request bodies in flight may hold is bounded
-(README, "Memory ceiling"; policy key ``server.max_inflight_request_bytes``).
+(docs/performance.md; policy key ``server.max_inflight_request_bytes``).
 
 Each request body is charged what it may cost the process while its call runs, before
 the call parses it: :func:`held_bytes`, an upper bound measured for the body's shapes
@@ -26,7 +26,7 @@ from typing import Final
 from gateway.errors import CapacityExceeded, InvalidPayload
 
 #: How many times a body's bytes may be held at once while its call runs, measured on
-#: the envelope, drop-in and MCP routes with one long string (README, "Memory ceiling":
+#: the envelope, drop-in and MCP routes with one long string (docs/performance.md:
 #: 3.3x on the envelope and drop-in routes, up to 4.7x on the MCP route, whose body also
 #: goes through base64), with room for the allocator's slack: the bytes read, the parsed
 #: text, the JSON re-encoded for the upstream and a transient copy (token estimate,

@@ -1,4 +1,4 @@
-"""The envelope API: ``POST /v1/calls`` (design.md, "The envelope"; README, "Error codes").
+"""The envelope API: ``POST /v1/calls`` (design.md, "The envelope"; docs/api/envelope.md).
 
 The body is an ExternalCallRequest; the answer is always an ExternalCallResponse JSON,
 whatever happened, with an HTTP status that mirrors the outcome. With ``Accept:

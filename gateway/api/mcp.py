@@ -1,4 +1,4 @@
-"""The MCP API: ``ANY /mcp/{target}`` (design.md and README, "MCP targets").
+"""The MCP API: ``ANY /mcp/{target}`` (design.md, "MCP targets"; docs/api/mcp.md).
 
 An MCP client pointed at ``http://127.0.0.1:8181/mcp/github`` talks to the sidecar as if
 it were the server (MCP streamable HTTP, 2025-11-25 and 2026-07-28). The call runs

@@ -1,5 +1,5 @@
 """The drop-in provider API: ``ANY /proxy/{target}/{path}`` (design.md, "Drop-in provider
-routes"; README, "Use it from your SDK").
+routes"; docs/api/sdks.md).
 
 An SDK pointed at ``http://127.0.0.1:8181/proxy/openai/v1`` (or ``/proxy/anthropic``...)
 gets what the provider would have answered, written back unchanged: the upstream's
@@ -11,7 +11,7 @@ request is built by :func:`gateway.call.proxy.proxy_intake`).
 What the sidecar says itself comes in the provider's shape (:func:`gateway.providers.
 drop_in_dialect`: the target's ``usage``, else the SDK's own headers, else OpenAI's), so
 the SDK raises its usual exception class: a refusal is the provider's error body with
-the HTTP status of the error code (README, "Error codes") and the ``x-egress-*``
+the HTTP status of the error code (docs/api/envelope.md) and the ``x-egress-*``
 headers; a stream that fails or is cut mid-way ends with the provider's own error event,
 never a clean end. Every answer carries ``x-egress-trace-id`` and
 ``x-egress-correlation-id``, the ids of its audit record. The answers are written by

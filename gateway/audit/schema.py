@@ -134,7 +134,7 @@ class AuditRecord(BaseModel):
     # its depth; null when the call ended before its chain was read, or it was unreadable.
     call_chain: list[str] | None = None
     call_chain_depth: int | None = None
-    # Failover (added in 1.x; README "Failover"), for a target with ``fallbacks`` (null
+    # Failover (added in 1.x; docs/features/failover.md), for a target with ``fallbacks`` (null
     # for any other): who answered, ``{target, model}`` (null when none answered well);
     # every option tried in order: ``{target, model, api_key_ref (a reference name, never a key),
     # attempts, outcome (an error code or "ok"), upstream_status, reason (e.g. a

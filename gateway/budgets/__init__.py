@@ -17,7 +17,7 @@ the upstream), None keeps it (the upstream may have acted and the cost is unknow
 is charged to the bucket the reservation was booked in (if that bucket has left its
 window, the difference no longer matters to it).
 
-Bound (README, "Cost and budgets"): the spend booked in a window never exceeds
+Bound (docs/features/budgets.md): the spend booked in a window never exceeds
 ``limit_usd`` at admission; real spend exceeds it only by what the calls in flight cost
 beyond their reservations, i.e. at most ``K * max(actual - reserved)`` for K concurrent
 calls, and 0 when every reservation is an upper bound (text prompts with an output cap,

@@ -2,7 +2,8 @@
 :class:`ExternalCallRequest`, the method rules applied before anything is forwarded, the
 call chain written into the message's ``metadata``, the answers read (task and context
 ids, a stream's final event, the Agent Card checked), and one audit record per JSON-RPC
-request (design.md and README, "Agents calling agents").
+request (design.md, "Agents calling agents";
+docs/api/a2a.md).
 
 ``/a2a/{target}`` is the agent's JSON-RPC endpoint as its A2A client sees it, and
 ``/a2a/{target}/.well-known/agent-card.json`` (or ``agent.json``) its card.

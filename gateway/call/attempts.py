@@ -401,7 +401,7 @@ def status_error(
     hint: ErrorHint | None = None,
     parsed: tuple[Any, bool] | None = None,
 ) -> GatewayError:
-    """The error for a non-2xx upstream answer (README, "Error codes").
+    """The error for a non-2xx upstream answer (docs/api/envelope.md).
 
     ``hint`` is what the answer says beyond its status (:func:`gateway.providers.
     error_hint`): ``quota`` makes it QUOTA_EXHAUSTED whatever the status;

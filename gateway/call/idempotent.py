@@ -1,6 +1,6 @@
 """One upstream effect per idempotency key: replay a stored answer, wait for an identical
-call in flight, or refuse a reused key whose request differs (README, "Rate limits,
-circuit breakers, idempotency"; the rules of Stripe's idempotent requests).
+call in flight, or refuse a reused key whose request differs (docs/features/idempotency.md;
+the rules of Stripe's idempotent requests).
 
 What is stored is the answer the agent got (its HTTP status and envelope): successes and
 the upstream's own 4xx verdicts (UPSTREAM_REJECTED), never a failure that a resend might

@@ -1,4 +1,4 @@
-"""Key pools (design.md, "Failover and key pools"; README, "Failover"): a target's
+"""Key pools (design.md, "Failover and key pools"; docs/features/failover.md): a target's
 ``credential.refs`` are keys of one account or several, used in order; a key that got a
 429 or a quota refusal cools down for the wait the upstream asked for (else
 :data:`COOL_DOWN_S`) and the next key serves the call at once. Only when every key is

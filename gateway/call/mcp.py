@@ -1,7 +1,8 @@
 """MCP targets, call side (pure, no I/O): an MCP client's HTTP request as an
 :class:`ExternalCallRequest`, the tool and argument rules applied before anything is
 forwarded, the answers read (``tools/list`` filtered, each request's outcome kept), and
-one audit record per JSON-RPC request (design.md and README, "MCP targets").
+one audit record per JSON-RPC request (design.md, "MCP targets";
+docs/api/mcp.md).
 
 ``ANY /mcp/{target}``: the agent's MCP client talks to the sidecar as if it were the
 server. :func:`mcp_intake` builds the call:

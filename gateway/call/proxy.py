@@ -1,6 +1,6 @@
 """The drop-in provider routes, call side (pure, no I/O): an SDK's own HTTP request as an
 :class:`ExternalCallRequest`, and what its answer carries back (design.md, "Drop-in
-provider routes"; README, "Use it from your SDK").
+provider routes"; docs/api/sdks.md).
 
 ``ANY /proxy/{target}/{path}``: ``{path}`` and the query are the endpoint on ``target``,
 so an SDK whose ``base_url`` is ``http://127.0.0.1:8181/proxy/openai/v1`` goes through the
@@ -93,7 +93,7 @@ _OWN_PREFIX: Final = "x-egress-"
 _PASSED: Final = SDK_HEADERS | {"accept"}
 TRACE_ID_HEADER: Final = "x-egress-trace-id"
 CORRELATION_ID_HEADER: Final = "x-egress-correlation-id"
-#: Who answered (README, "Failover"): ``target=NAME; model=MODEL``.
+#: Who answered (docs/features/failover.md): ``target=NAME; model=MODEL``.
 SERVED_BY_HEADER: Final = "x-egress-served-by"
 _SECRET_REF_HEADER: Final = "x-egress-secret-ref"  # noqa: S105 - a header name
 _TIMEOUT_HEADER: Final = "x-egress-timeout"

@@ -1,2 +1,2 @@
 """The operator's console and commands: ``egress-gateway approvals``, ``dead-letters`` and
-``console`` (README, "Approvals and dead letters" and "Console")."""
+``console`` (docs/features/approvals.md and docs/console.md)."""

@@ -1,5 +1,5 @@
 """``egress-gateway console``: the operator's web page, a small aiohttp.web server of its
-own (README, "Console").
+own (docs/console.md).
 
 It reads and acts through one sidecar's ops routes (:mod:`gateway.server.desk`) with
 the operator's token: approvals (shared by every sidecar on the same Redis with

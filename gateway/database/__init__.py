@@ -1,5 +1,5 @@
-"""Database targets: named statements run with server-side binding (README, "Database
-targets"; the policy: :mod:`gateway.policy.database`).
+"""Database targets: named statements run with server-side binding (docs/api/databases.md;
+the policy: :mod:`gateway.policy.database`).
 
 The pure parts live here: binding an envelope to a statement (:func:`bind`), the
 statement's answer in JSON-safe types within its limits (:func:`shape_rows`), and the

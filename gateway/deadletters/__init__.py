@@ -1,6 +1,6 @@
 """Dead letters: calls that failed for good, kept for an operator to replay or discard
-(design.md, "Approvals, dead letters and the operator console"; README, "Approvals and
-dead letters").
+(design.md, "Approvals, dead letters and the operator console";
+docs/features/approvals.md).
 
 On a target with ``dead_letter: true``, a call is kept when it reached the upstream at
 least once and ended with a retryable error (its retries are spent: DEPENDENCY_FAILED,

@@ -4,8 +4,9 @@
 stand-in APIs on 127.0.0.1:18090, a local OpenBao dev server when ``bao`` is installed,
 the sidecar with ``policies/demo.yaml`` on its ``server.port``, 127.0.0.1:18080) and
 keeps it up until Ctrl-C or SIGTERM, so that an agent of your own can call it: the
-README's "Python client" example does. Audit records go to ``demo-serve-audit.jsonl``
-(not ``make demo``'s ``demo-audit.jsonl``, which would be overwritten), or ``--audit``.
+"Python client" example of docs/api/envelope.md does. Audit records go to
+``demo-serve-audit.jsonl`` (not ``make demo``'s ``demo-audit.jsonl``, which would be
+overwritten), or ``--audit``.
 ``--port 0`` / ``--upstream-port 0`` take free ports (the tests do).
 """
 

@@ -134,7 +134,7 @@ class Series:
             "Time to receive the first chunk of a streamed answer, from the call's start.",
             list(_GENAI), registry=r, buckets=FIRST_CHUNK_BUCKETS_S,
         )  # fmt: skip
-        # Cost and budgets (README, "Cost and budgets"): rule names come from the policy.
+        # Cost and budgets (docs/features/budgets.md): rule names come from the policy.
         self.cost = Counter(
             "cost_usd", "Cost of answered calls in USD (usage x price), by target and model.",
             ["target", "model"], namespace=NAMESPACE, registry=r,
@@ -153,7 +153,7 @@ class Series:
             "the models sent and answered (model labels as for the gen_ai metrics).",
             ["target", "sent", "answered"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
-        # The operator's desk (README, "Approvals and dead letters").
+        # The operator's desk (docs/features/approvals.md).
         self.dead_letters = Counter(
             "dead_letters", "Calls kept as dead letters (retries exhausted, OUTCOME_UNKNOWN), "
             "by target.", ["target"], namespace=NAMESPACE, registry=r,
@@ -170,7 +170,7 @@ class Series:
             "shadow_denials", "Calls a mode: shadow rule would have refused, by kind and rule.",
             ["kind", "rule"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
-        # Stopping a runaway agent (README, "Stopping an agent").
+        # Stopping a runaway agent (docs/features/stopping.md).
         self.agent_stops = Gauge(
             "agent_stops", "Stop switches in force on this sidecar, by scope (agent, target, all).",
             ["scope"], namespace=NAMESPACE, registry=r,

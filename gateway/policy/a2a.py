@@ -1,5 +1,5 @@
-"""The ``a2a:`` section of a target: an A2A agent's methods, card and task bounds (README,
-"Agents calling agents"; design.md, "Agents calling agents: the call chain and A2A
+"""The ``a2a:`` section of a target: an A2A agent's methods, card and task bounds
+(docs/api/a2a.md; design.md, "Agents calling agents: the call chain and A2A
 targets").
 
 A target with ``a2a:`` is an A2A agent spoken to with JSON-RPC over HTTP (protocol 0.3

@@ -17,11 +17,11 @@ budgets:
     applies_to: {target: tools, tool: "search_*"}   # an MCP tool name or an endpoint path glob
 ```
 
-Semantics (README, "Cost and budgets"): a budget applies to a call when every key of its
+Semantics (docs/features/budgets.md): a budget applies to a call when every key of its
 ``applies_to`` matches (an empty ``applies_to`` matches every call). Before sending, the
 call's upper cost estimate is reserved against every budget that applies; a call an
 enforced budget cannot cover is refused with BUDGET_EXCEEDED. A budget with
-``max_calls`` (a tool cap, README "Stopping an agent") also counts the calls it applies
+``max_calls`` (a tool cap, docs/features/stopping.md) also counts the calls it applies
 to, one per call at admission (:mod:`gateway.agents.caps`); it may have no
 ``limit_usd``.
 """

@@ -1,5 +1,5 @@
 """The policy's ``controls`` section: the operator's stop switch and the repeated-call
-breaker (README, "Stopping an agent").
+breaker (docs/features/stopping.md).
 
 ```yaml
 controls:

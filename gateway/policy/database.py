@@ -1,5 +1,5 @@
 """The ``database:`` section of a target: a database reached by named statements only
-(README, "Database targets"; design.md, "Database targets").
+(docs/api/databases.md; design.md, "Database targets").
 
 ::
 

@@ -1,6 +1,6 @@
 """The policy's defaults and bounds, in one place: every optional key's default, and every
 number's upper (and a few lower) bounds with their reasons. Units are in the names.
-:mod:`gateway.policy.models` applies them; the README's "Policy format" lists them.
+:mod:`gateway.policy.models` applies them; docs/reference/policy-format.md lists them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ DEFAULT_MAX_RESPONSE_BYTES: Final = 32 * 1024 * 1024
 #: What the request bodies in flight may hold in memory, in bytes of their charge
 #: (gateway.api.admission.held_bytes: 6x a body's bytes, more for dense JSON): three
 #: 8 MiB prompts at once. With the idle RSS (~64 MiB) it makes the ceiling the Helm
-#: chart's memory limit is drawn from (README, "Memory ceiling").
+#: chart's memory limit is drawn from (docs/performance.md).
 DEFAULT_MAX_INFLIGHT_REQUEST_BYTES: Final = 160 * 1024 * 1024
 #: Below this, a few ordinary calls at once would already be refused.
 MIN_INFLIGHT_REQUEST_BYTES: Final = 1024 * 1024
@@ -163,8 +163,9 @@ DEFAULT_CHAIN_CLOCK_SKEW_S: Final = 5.0
 MAX_CHAIN_CLOCK_SKEW_S: Final = 300.0
 #: Stopping a runaway agent (gateway/policy/controls.py). A cluster stop is read from
 #: Redis at least this often (seconds) besides its published notice, so that a sidecar
-#: that missed the notice (a dropped subscription) still obeys within the 2 s the README
-#: promises; faster than 0.05 s is load on Redis, slower than 1.5 s breaks the promise.
+#: that missed the notice (a dropped subscription) still obeys within the 2 s
+#: docs/features/stopping.md promises; faster than 0.05 s is load on Redis, slower than
+#: 1.5 s breaks the promise.
 DEFAULT_STOP_POLL_INTERVAL_S: Final = 0.5
 MIN_STOP_POLL_INTERVAL_S: Final = 0.05
 MAX_STOP_POLL_INTERVAL_S: Final = 1.5

@@ -1,6 +1,6 @@
 """The operator's desk in the policy: ``operators:``, ``approvals:``, ``dead_letters:``
 and, on a target, ``approval:`` and ``dead_letter:`` (design.md, "Approvals, dead
-letters and the operator console"; README, "Approvals and dead letters").
+letters and the operator console"; docs/features/approvals.md).
 
 ```yaml
 operators:                         # who may use the ops routes, the CLI and the console

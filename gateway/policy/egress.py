@@ -1,6 +1,6 @@
 """The egress decision (pure, no I/O): may this envelope go out, and to which URL?
 
-Rules (the README's "Egress rules"):
+Rules (docs/features/egress.md):
 
 * ``target_system`` must be a policy target, else PERMISSION_DENIED.
 * ``endpoint`` must be a clean absolute path: no scheme or host, no ``//``, ``\\``, ``@``,

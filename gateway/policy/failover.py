@@ -1,4 +1,4 @@
-"""A target's failover policy (design.md, "Failover and key pools"; README, "Failover").
+"""A target's failover policy (design.md, "Failover and key pools"; docs/features/failover.md).
 
 ``fallbacks:`` is an ordered list of ``{target, model}``: when the target's own attempts
 end in a retryable failure before any byte reached the agent, the call is sent to the

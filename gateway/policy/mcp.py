@@ -1,5 +1,5 @@
-"""The ``mcp:`` section of a target: an MCP server's tool and argument rules (README, "MCP
-targets"; design.md, "MCP targets").
+"""The ``mcp:`` section of a target: an MCP server's tool and argument rules (docs/api/mcp.md;
+design.md, "MCP targets").
 
 A target with ``mcp:`` is an MCP server spoken to over streamable HTTP (MCP 2025-11-25,
 "Transports"; 2026-07-28 too). Its ``base_url`` is the MCP endpoint itself

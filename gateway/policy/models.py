@@ -107,7 +107,7 @@ FORBIDDEN_FORWARD_HEADERS: Final = frozenset(
 
 
 class ShutdownSpec(_Strict):
-    """What the sidecar does between SIGTERM and its exit (README, "Graceful shutdown").
+    """What the sidecar does between SIGTERM and its exit (docs/running.md).
 
     ``accept_new_calls``: during ``server.drain_s`` new calls are still served (readiness
     is false all the same), for an agent that got SIGTERM at the same moment and needs

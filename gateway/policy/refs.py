@@ -1,6 +1,6 @@
 """Secret references, as agents write them in ``api_key_ref`` (pure parsing, no I/O).
 
-Forms (see the README, "Secret references")::
+Forms (see docs/secrets.md)::
 
     vault://PATH[#FIELD]   KV secret PATH on the policy's kv_mount; FIELD optional when
                            the secret holds exactly one field

@@ -4,7 +4,7 @@ Routes of the calls listener (loopback by default):
 
 * ``POST /v1/calls``: body an ExternalCallRequest; the answer is always an
   ExternalCallResponse JSON, whatever happened, with an HTTP status that mirrors the
-  outcome (README, "Error codes").
+  outcome (docs/api/envelope.md).
 * ``ANY /proxy/{target}/{path}``: a provider SDK's own request, the same call as an
   envelope, answered as the provider would (:mod:`gateway.api.proxy`).
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
@@ -50,7 +50,7 @@ from gateway.server.runtime import Gateway
 GATEWAY_KEY: Final = web.AppKey("gateway", Gateway)
 #: Set on the calls application: its refusals are audited (the ops listener's are not).
 AUDITED_KEY: Final = web.AppKey("audited", bool)
-#: Slow and idle clients (README, "Running it"). aiohttp closes a connection that has
+#: Slow and idle clients (docs/running.md). aiohttp closes a connection that has
 #: been idle this long: from its opening, and again from each answer, until a request's
 #: headers are complete. So it bounds slow headers as well as idle keep-alive.
 KEEPALIVE_TIMEOUT_S: Final = 75.0
@@ -222,7 +222,7 @@ async def serve(
     accept_new_calls: bool | None = None,
     unix_socket: str | None = None,
 ) -> None:
-    """Run until SIGTERM or SIGINT, then drain and stop (README, "Graceful shutdown").
+    """Run until SIGTERM or SIGINT, then drain and stop (docs/running.md).
 
     With ``unix_socket`` (a path) the calls API is on that Unix socket too
     (:mod:`gateway.server.listeners`).

@@ -1,5 +1,5 @@
 """The operator's routes on the ops listener: approvals, dead letters, and what the
-console shows (README, "Approvals and dead letters" and "Console").
+console shows (docs/features/approvals.md and docs/console.md).
 
 ======  ====================================  =================================================
 GET     /v1/approvals                         ``{"approvals": [...]}`` newest first (``?state=``)

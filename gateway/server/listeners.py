@@ -1,5 +1,5 @@
 """The sites ``serve`` listens on: the calls API on TCP and, optionally, on a Unix socket
-(README, "Who is calling"), and the ops API on TCP.
+(docs/features/identity.md), and the ops API on TCP.
 
 On the Unix socket a caller is known by its UID (``SO_PEERCRED``,
 :mod:`gateway.agents.identity`), not by the file's permissions: the socket is made

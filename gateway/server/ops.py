@@ -1,4 +1,4 @@
-"""The operator's routes on the ops listener: the stop switch (README, "Stopping an agent").
+"""The operator's routes on the ops listener: the stop switch (docs/features/stopping.md).
 
 ``POST /v1/controls/stop``   ``{"scope": "agent"|"target"|"all", "name": ..., "reason": ...,
                              "by": ...}``: puts a stop in force (here at once; with
