@@ -168,6 +168,7 @@ class Outbound:
             spec.egress,
             max_response_bytes=spec.server.max_response_bytes,
             resolver=parts.dns_resolver,
+            on_pool_wait=parts.metrics.observe_pool_wait,
         )
         await parts.upstream.start()
         stack.push_async_callback(parts.upstream.aclose)
