@@ -105,7 +105,8 @@ async def main():
     ttfb, delays, ok = [], [], []
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
-        await asyncio.gather(*(one(s, ttfb, delays, ok, i) for i in range(K)), return_exceptions=True)
+        calls = [one(s, ttfb, delays, ok, i) for i in range(K)]
+        await asyncio.gather(*calls, return_exceptions=True)
     def pct(v, q):
         v = sorted(v)
         return v[min(len(v) - 1, int(q * len(v)))] * 1000 if v else None
@@ -213,7 +214,8 @@ def _runs(args: argparse.Namespace, work: Path, stand_in: Child) -> dict[str, An
     sse_h = {**json_h, "Accept": "text/event-stream"}
     k, up = args.streams, stand_in.address
     runs: dict[str, Any] = {}
-    runs["direct"] = _load("direct", f"http://{up}/v1/chat/completions", raw, json_h, k, work, stand_in)
+    direct = f"http://{up}/v1/chat/completions"
+    runs["direct"] = _load("direct", direct, raw, json_h, k, work, stand_in)
     sidecar = _sidecar(work, up)
     try:
         base = f"http://{sidecar.address}"
@@ -246,9 +248,7 @@ def _derive(runs: dict[str, Any], k: int, chunks: int) -> None:
         if label == "direct" or "skipped" in r:
             continue
         r["added_ttfb_p99_ms"] = r["ttfb_ms"]["p99"] - direct["ttfb_ms"]["p99"]
-        r["added_chunk_delay_p99_ms"] = (
-            r["chunk_delay_ms"]["p99"] - direct["chunk_delay_ms"]["p99"]
-        )
+        r["added_chunk_delay_p99_ms"] = r["chunk_delay_ms"]["p99"] - direct["chunk_delay_ms"]["p99"]
         r["cpu_us_per_chunk"] = r["cpu_s"] / max(r["chunks"], 1) * 1e6
         r["rss_per_stream_kib"] = (r["rss_peak_kib"] - r["rss_before_kib"]) / k
 
