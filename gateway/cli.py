@@ -173,6 +173,15 @@ def _env_warnings(path: str, policy: PolicySet) -> list[str]:
     return warnings
 
 
+def _model_warnings(policy: PolicySet) -> list[tuple[tuple[str, ...], str]]:
+    """``models.allow`` globs that match no model with a price (likely a typo)."""
+    from gateway.cost import priced_models
+    from gateway.policy.modelrules import model_warnings
+
+    spec = policy.policy
+    return model_warnings(spec.targets, spec.agents, lambda u: priced_models(spec.prices, u))
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
     from gateway.policy.controls import tool_cap_warnings
@@ -198,7 +207,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if args.env_check:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
-            for loc, message in tool_cap_warnings(policy.policy):
+            for loc, message in [*tool_cap_warnings(policy.policy), *_model_warnings(policy)]:
                 print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0
 

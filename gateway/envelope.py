@@ -172,13 +172,24 @@ class ErrorPayload(BaseModel):
     stack_trace: str | None = None
 
 
+class ModelNames(BaseModel):
+    """The model a call asked for and the one sent (a ``models.pin`` rewrites an alias
+    to its snapshot before sending); on answers of targets with ``models:`` rules."""
+
+    model_config = ConfigDict(frozen=True)
+
+    requested: str
+    sent: str
+
+
 class ExternalCallResponse(BaseModel):
     """The sidecar's answer to every call.
 
     ``status_code`` is the upstream's HTTP status when there was one, ``data`` its parsed
     body (JSON as is; anything else as ``{"content_type": ..., "text": ...}``),
     ``latency_ms`` the wall time spent inside the sidecar, ``tokens_used`` the total token
-    count the upstream reported (null when it reported none).
+    count the upstream reported (null when it reported none), ``model`` the model asked
+    for and the one sent, under ``models:`` rules (null otherwise).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -192,6 +203,7 @@ class ExternalCallResponse(BaseModel):
     trace_id: str | None = None
     correlation_id: str | None = None
     replayed: bool = False
+    model: ModelNames | None = None
 
 
 REQUEST_FIELDS: Final = frozenset(ExternalCallRequest.model_fields)

@@ -64,6 +64,21 @@ class StreamFacts(NamedTuple):
     response_model: str | None
 
 
+class ModelFacts(NamedTuple):
+    """The models of a call under ``models:`` rules: the one ``requested``, the one
+    ``sent`` (after the pins) and the one the answer named (``answered``; None: none,
+    or no answer)."""
+
+    requested: str
+    sent: str
+    answered: str | None
+
+    @property
+    def drifted(self) -> bool:
+        """The answer named another model than the one sent."""
+        return self.answered is not None and self.answered != self.sent
+
+
 class CallRecord(NamedTuple):
     """What one call learned, frozen at its end (built by
     :meth:`gateway.call.record.CallContext.record`; a named tuple: built at a tenth of
@@ -108,6 +123,8 @@ class CallRecord(NamedTuple):
     policy_sha256: str | None
     #: What the call chain stage decided (:mod:`gateway.call.chain`; None: not reached).
     chain: ChainDecision | None
+    #: The models asked for, sent and answered (None: no ``models:`` rule applied).
+    models: ModelFacts | None = None
 
 
 def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
@@ -162,7 +179,16 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         F.MCP_ERROR_CODE: None,
         **_chain(call.chain),
         **_caller(call, agent_id),
+        **_models(call.models),
     }
+
+
+def _models(models: ModelFacts | None) -> dict[str, Any]:
+    """The model asked for, the one sent, and ``{sent, answered}`` when they differ."""
+    if models is None:
+        return {F.MODEL_REQUESTED: None, F.MODEL_SENT: None, F.MODEL_DRIFT: None}
+    drift = {"sent": models.sent, "answered": models.answered} if models.drifted else None
+    return {F.MODEL_REQUESTED: models.requested, F.MODEL_SENT: models.sent, F.MODEL_DRIFT: drift}
 
 
 def _named(call: CallRecord) -> dict[str, Any]:

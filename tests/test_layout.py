@@ -52,6 +52,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/controls.py",
             "gateway/policy/desk.py",
             "gateway/policy/mcp.py",
+            "gateway/policy/modelrules.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }

@@ -33,6 +33,7 @@ from gateway.call.proxy import (
     answer_ids,
     egress_headers,
     id_headers,
+    model_headers,
     passback_headers,
     passback_reason,
     replayed_body,
@@ -194,7 +195,7 @@ class _Exchange:
             if error is not None
             else {}
         )
-        headers += [*answer_ids(response, ctx).items(), *egress.items()]
+        headers += [*answer_ids(response, ctx).items(), *egress.items(), *model_headers(ctx)]
         length = answer.headers.get("Content-Length", "")
         coding = answer.headers.get("Content-Encoding", "identity").strip().lower()
         return Answer(
@@ -217,7 +218,7 @@ class _Exchange:
         request = self.ctx.request
         ids = id_headers(request.trace_id, request.correlation_id) if request else {}
         if answer is not None:
-            headers = [*passback_headers(answer.headers), *ids.items()]
+            headers = [*passback_headers(answer.headers), *ids.items(), *model_headers(self.ctx)]
             return Head(answer.status, headers, passback_reason(answer.reason))
         headers = [("Content-Type", "text/event-stream"), *ids.items()]
         headers.append(("x-egress-replayed", "true"))

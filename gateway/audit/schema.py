@@ -127,6 +127,12 @@ class AuditRecord(BaseModel):
     # its depth; null when the call ended before its chain was read, or it was unreadable.
     call_chain: list[str] | None = None
     call_chain_depth: int | None = None
+    # Models under control (added in 1.x; the target's or the agent's ``models:``): the
+    # model the request asked for, the one sent (after a pin), and ``{sent, answered}``
+    # when the answer named another model than the one sent; null without a models rule.
+    model_requested: str | None = None
+    model_sent: str | None = None
+    model_drift: dict[str, str] | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -201,6 +207,9 @@ class Fields:
     POLICY_SHA256: Final = "policy_sha256"
     CALL_CHAIN: Final = "call_chain"
     CALL_CHAIN_DEPTH: Final = "call_chain_depth"
+    MODEL_REQUESTED: Final = "model_requested"
+    MODEL_SENT: Final = "model_sent"
+    MODEL_DRIFT: Final = "model_drift"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

@@ -118,6 +118,11 @@ class Attempts:
     #: its answer lost or cut): books that attempt's cost (a budget's reservation) and
     #: raises to stop the resend (BudgetExceeded).
     before_resend: Callable[[], Awaitable[None]] | None = None
+    #: The drift check of a relayed stream (:attr:`gateway.call.relay.Relayed.gate`):
+    #: its events are held until one names a model, and refused by it.
+    model_gate: Callable[[str], GatewayError | None] | None = None
+    #: Read the model a relayed stream names (the judge's ``model``), for the record.
+    watch_model: bool = False
     log: AttemptLog = field(default_factory=AttemptLog)
     #: A 401 made the credential be resolved again (once per call).
     refreshed: bool = field(default=False, init=False)
@@ -284,7 +289,9 @@ class Attempts:
         relayed = self.log.relayed = Relayed(
             StreamJudge(self.target.spec.usage, self.target.name),
             kept=bytearray() if self.has_idempotency_key else None,
+            gate=self.model_gate,
         )
+        relayed.judge.watch_model = self.watch_model or self.model_gate is not None
         try:
             await relay_stream(
                 answer.stream,

@@ -1,9 +1,10 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
     intake -> call chain -> egress decision (an MCP target's tool rules too)
-    -> stop switch and repeated-call breaker -> idempotency -> [send: outbound request
-    -> secret -> budget reservation -> attempts, each: rate-limit group -> circuit
-    breaker -> send -> retry decision (backoff, Retry-After: :mod:`gateway.call.retry`)
+    -> models (allow, pin: :mod:`gateway.call.models`) -> stop switch and repeated-call
+    breaker -> idempotency -> [send: outbound request -> secret -> budget reservation
+    -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
+    (backoff, Retry-After: :mod:`gateway.call.retry`)
     -> usage -> budget settlement] -> answer -> record
 
 The send stage is :mod:`gateway.call.send`; the record is one frozen
@@ -35,6 +36,7 @@ from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
 from gateway.call import hooks as api_hooks
 from gateway.call import mcp, send
+from gateway.call import models as model_rules
 from gateway.call.chain import chain_stage
 from gateway.call.hooks import CallHooks
 from gateway.call.idempotent import Learned, Rendered, answer_status, once_per_key
@@ -218,6 +220,7 @@ class Pipeline:
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             request, relay = hooks.checked(request, decision.target, ctx, relay)
+            request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
             ctx.request = request
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
             ctx.shadow_denied += await self.controls.check(
@@ -385,6 +388,20 @@ class Pipeline:
                 self.metrics.observe_mcp(record[Fields.TARGET_SYSTEM], *labels)
         observe(self.metrics, call, response)
         return call
+
+
+def _models(
+    policy: PolicySet, request: ExternalCallRequest, decision: Decision, ctx: CallContext
+) -> tuple[ExternalCallRequest, Decision]:
+    """The models stage (:func:`gateway.call.models.checked`): the request as it is to be
+    sent (an alias pinned) and its decision; its choice and shadow denials into the
+    record. Raises its refusal (``model_not_allowed``), nothing sent."""
+    models = model_rules.checked(policy, request, decision, ctx.agent_id)
+    ctx.model = models.choice
+    if models.refusal is not None:
+        raise models.refusal
+    ctx.shadow_denied += model_rules.shadow_rules(models.choice)
+    return models.request, models.decision
 
 
 def _unknown_fields(

@@ -475,6 +475,22 @@ def id_headers(trace_id: str | None, correlation_id: str | None) -> dict[str, st
     return out
 
 
+#: Headers of a drop-in answer under ``models:`` rules: the model asked for, the one sent.
+MODEL_REQUESTED_HEADER: Final = "x-egress-model-requested"
+MODEL_SENT_HEADER: Final = "x-egress-model-sent"
+
+
+def model_headers(ctx: CallContext) -> list[tuple[str, str]]:
+    """The model the call asked for and the one sent (after a pin), when a ``models:``
+    rule applied (none otherwise); a name that is not visible ASCII (the agent's own
+    text) is not put in a header."""
+    choice = ctx.model
+    if choice is None:
+        return []
+    pairs = ((MODEL_REQUESTED_HEADER, choice.requested), (MODEL_SENT_HEADER, choice.sent))
+    return [(k, v) for k, v in pairs if v.isascii() and v.isprintable() and " " not in v]
+
+
 def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
     """The id headers of a drop-in or MCP answer: the call's ids, else those the request
     claimed."""

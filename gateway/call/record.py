@@ -19,9 +19,18 @@ from gateway.call.attempts import AttemptLog
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
 from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget
+from gateway.policy.modelrules import ModelChoice
 from gateway.providers import TokenUsage
 from gateway.providers.mcp import McpExchange
-from gateway.record import CLAIM_LIMIT, CLAIMED, Api, CallRecord, StreamFacts, refusal_record
+from gateway.record import (
+    CLAIM_LIMIT,
+    CLAIMED,
+    Api,
+    CallRecord,
+    ModelFacts,
+    StreamFacts,
+    refusal_record,
+)
 from gateway.record import audit_record as record_of_call
 from gateway.telemetry.genai import outcome_of, token_counts
 
@@ -86,6 +95,10 @@ class CallContext:
     #: or an envelope, whose ``call_chain`` says), and what the chain stage decided.
     chain_seen: dict[str, str] | None = None
     chain: ChainDecision | None = None
+    #: The models decision (:mod:`gateway.call.models`; None: no ``models:`` rule
+    #: applied) and the model a whole answer named (a stream's: its judge's).
+    model: ModelChoice | None = None
+    answered_model: str | None = None
 
     def record(self) -> CallRecord:
         """What the call learned, frozen: this context with its attempts' log."""
@@ -136,8 +149,18 @@ class CallContext:
                 self.identity,
                 self.policy_sha256,
                 self.chain,
+                self._models(),
             ),
         )
+
+    def _models(self) -> ModelFacts | None:
+        """The models the call asked for, sent and got (None without a models rule)."""
+        choice = self.model
+        if choice is None:
+            return None
+        relayed = self.attempt_log.relayed
+        answered = relayed.judge.model if relayed is not None else self.answered_model
+        return ModelFacts(choice.requested, choice.sent, answered)
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:
@@ -169,6 +192,9 @@ def observe(metrics: Metrics, call: CallRecord, response: ExternalCallResponse) 
         metrics.observe_shadow_denial(kind, name)
     if response.error is not None and response.error.code is ErrorCode.BUDGET_EXCEEDED:
         metrics.observe_budget_rejection(str(response.error.details.get("budget", "")))
+    models = call.models
+    if models is not None and models.drifted:
+        metrics.observe_model_drift(target, models.sent, models.answered)
     if response.error is not None and response.error.code is ErrorCode.CALL_CHAIN_REFUSED:
         metrics.observe_chain_refusal(str(response.error.details.get("reason", "")))
     for _ in range(call.attempts - 1):  # none for 0 or 1 attempt

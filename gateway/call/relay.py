@@ -27,7 +27,8 @@ import asyncio
 import contextlib
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.call.sse import EventTooLarge, SseDecoder, complete_events
@@ -74,6 +75,13 @@ class Relayed:
     first_byte_s: float | None = None
     #: The relayed bytes, when they are to be stored (a keyed call), else None.
     kept: bytearray | None = None
+    #: The drift check of a call under ``models:`` rules (:func:`gateway.call.models.
+    #: drift`): given the model the stream's first events name, the error that refuses
+    #: the stream, or None. While set, whole events are held (not relayed) until an
+    #: event names a model (the judge's ``model``) or the stream ends.
+    gate: Callable[[str], GatewayError | None] | None = None
+    #: The events held by ``gate``, not relayed yet.
+    waiting: bytearray = field(default_factory=bytearray)
 
 
 async def relay_stream(
@@ -102,6 +110,7 @@ async def relay_stream(
     loop_deadline = _loop_time(deadline)
     loop = asyncio.get_running_loop()
     sending = False
+    tail = bytearray()  # events a gate held to the stream's end
     try:
         try:
             async with asyncio.timeout_at(loop_deadline) as timer:
@@ -120,6 +129,7 @@ async def relay_stream(
                     if not chunk:
                         for event in decoder.close():
                             judge.observe(event)
+                        tail = _ungated(done, judge)  # held to the end: no model named
                         break
                     done.bytes += len(chunk)
                     if done.bytes > max_bytes:
@@ -128,8 +138,15 @@ async def relay_stream(
                     held += chunk
                     cut = complete_events(held, searched)
                     gone = False
+                    fed = done.gate is not None
+                    if fed:  # judged before it is relayed: the model decides
+                        _feed(decoder, judge, chunk, max_bytes)
                     if cut:  # else no whole event yet: nothing is relayed half-way
                         whole, held = bytes(held[:cut]), held[cut:]
+                        if fed:
+                            done.waiting += whole
+                            whole = _released(done, judge)
+                    if cut and whole:
                         # Relayed before it is judged: the verdict is only read at the
                         # end, and judging first made the agent's first byte wait for
                         # the parse of every event in the chunk (often all of a fast
@@ -140,11 +157,8 @@ async def relay_stream(
                             await _send(relay, done, whole, started)
                         except AgentGone:
                             gone = True
-                    try:
-                        for event in decoder.feed(chunk):
-                            judge.observe(event)
-                    except EventTooLarge:
-                        raise _too_large(judge, max_bytes) from None
+                    if not fed:
+                        _feed(decoder, judge, chunk, max_bytes)
                     if gone:
                         raise StreamInterrupted(
                             f"the agent hung up after {judge.events} events; the upstream "
@@ -166,6 +180,13 @@ async def relay_stream(
     error = judge.verdict(status=200)
     if error is not None:
         raise error  # an unfinished last event is dropped: the final event says why
+    if tail:
+        with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
+            try:
+                async with asyncio.timeout_at(loop_deadline):
+                    await _send(relay, done, bytes(tail), started)
+            except TimeoutError:
+                raise _stalled(judge) from None
     if held.strip():
         # A last event without its blank line that still completed the stream (``data:
         # [DONE]`` right before the close): closed here, so it cannot run into ours.
@@ -176,6 +197,34 @@ async def relay_stream(
             except TimeoutError:
                 raise _stalled(judge) from None
     return done
+
+
+def _feed(decoder: SseDecoder, judge: StreamJudge, chunk: bytes, max_bytes: int) -> None:
+    """Decode ``chunk``'s events and have ``judge`` observe each."""
+    try:
+        for event in decoder.feed(chunk):
+            judge.observe(event)
+    except EventTooLarge:
+        raise _too_large(judge, max_bytes) from None
+
+
+def _released(done: Relayed, judge: StreamJudge) -> bytes:
+    """The held events to relay now: all of them once an event named a model that
+    ``done.gate`` lets pass (then the gate is lifted), none before. Raises the gate's
+    error for a model it refuses (nothing of the stream was relayed)."""
+    if done.gate is None or judge.model is None:
+        return b""
+    return bytes(_ungated(done, judge))
+
+
+def _ungated(done: Relayed, judge: StreamJudge) -> bytearray:
+    """Lift the gate (the stream ended, or its model passed): the held events. A model
+    named only by the stream's last events is judged here too."""
+    gate, done.gate = done.gate, None
+    if gate is not None and judge.model is not None and (error := gate(judge.model)):
+        raise error
+    waiting, done.waiting = done.waiting, bytearray()
+    return waiting
 
 
 def _arm(timer: asyncio.Timeout, when: float) -> None:

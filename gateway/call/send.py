@@ -12,6 +12,7 @@ only thing written: the stages it calls return their results.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -19,19 +20,19 @@ from typing import TYPE_CHECKING
 from gateway import telemetry
 from gateway.agents import chain
 from gateway.agents.repeats import call_names
-from gateway.call import spend
+from gateway.call import models, spend
 from gateway.call.attempts import Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.outbound import Draft, with_credential
 from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
-from gateway.envelope import ExternalCallRequest, ExternalCallResponse
-from gateway.errors import CapacityExceeded
+from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames
+from gateway.errors import CapacityExceeded, GatewayError
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.egress import Decision
 from gateway.policy.refs import SecretRef
-from gateway.providers import estimate_tokens, extract_usage
+from gateway.providers import estimate_tokens, extract_usage, response_model
 from gateway.secrets import ResolvedSecret
 from gateway.upstream import Credential, UpstreamResponse
 
@@ -51,6 +52,7 @@ async def forward(
     """Send the call: its request, its secret, its reservations, its attempts; answer
     with the upstream's 2xx answer. Raises the GatewayError that ended the attempts."""
     target = decision.target
+    gate = _model_gate(ctx, target, request)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
     reserved = 0
@@ -76,6 +78,8 @@ async def forward(
             if resolved is not None and resolved.from_cache
             else None
         ),
+        model_gate=gate,
+        watch_model=ctx.model is not None,
     )
     ctx.attempt_log = attempts.log
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
@@ -102,6 +106,21 @@ async def forward(
         if group is not None:
             pipe.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
     return _answered(pipe, answer, attempts, cost, ctx)
+
+
+def _model_gate(
+    ctx: CallContext, target: CompiledTarget, request: ExternalCallRequest
+) -> Callable[[str], GatewayError | None] | None:
+    """Under ``models:`` rules, the model sent is the one ``request`` names (drift is
+    judged against it: :func:`gateway.call.models.as_sent`); under ``on_drift: refuse``
+    the drift check a relayed stream is held for until its model is judged (under
+    ``record`` the stream is only read)."""
+    if ctx.model is None:
+        return None
+    choice = ctx.model = models.as_sent(ctx.model, target.spec.usage, request)
+    return (
+        functools.partial(models.drift, choice, target=target.name) if choice.refuse_drift else None
+    )
 
 
 def _outbound(
@@ -187,6 +206,12 @@ def _answered(
         # Unknown usage keeps the reservation: the upstream answered, so tokens were
         # spent, and a refund would let the group overspend (design.md).
         group.reconcile(attempts.tokens_reserved, ctx.usage.total)
+    choice = ctx.model
+    if choice is not None and relayed is None:  # a relayed stream was judged as it came
+        ctx.answered_model = response_model(target.spec.usage, data)
+        refused = models.drift(choice, ctx.answered_model, target.name)
+        if refused is not None:
+            raise refused  # spent and settled: only the answer is withheld
     return ExternalCallResponse(
         success=True,
         status_code=answer.status,
@@ -195,6 +220,7 @@ def _answered(
         tokens_used=ctx.usage.total if ctx.usage else None,
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
+        model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
     )
 
 

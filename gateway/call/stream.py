@@ -55,7 +55,16 @@ class StreamJudge:
     """Feed it every event with :meth:`observe`; at the end, :meth:`verdict` says whether
     the stream is a success (None) or the error to answer with."""
 
-    __slots__ = ("_dialect", "_usage_events", "complete", "events", "failure", "target")
+    __slots__ = (
+        "_dialect",
+        "_usage_events",
+        "complete",
+        "events",
+        "failure",
+        "model",
+        "target",
+        "watch_model",
+    )
 
     def __init__(self, provider: str, target: str) -> None:
         self._dialect: Dialect | None = DIALECTS.get(provider)
@@ -66,6 +75,11 @@ class StreamJudge:
         #: The first error event, if any.
         self.failure: StreamFailure | None = None
         self.events = 0
+        #: With ``watch_model`` set: the model the first event that names one names
+        #: (OpenAI's first chunk, Anthropic's ``message_start``, Gemini's first chunk),
+        #: for the drift check (:mod:`gateway.call.models`); None until then.
+        self.watch_model = False
+        self.model: str | None = None
 
     def observe(self, event: SseEvent) -> Any:
         """Judge one event; returns its ``data``, parsed as JSON when it is JSON."""
@@ -77,6 +91,8 @@ class StreamJudge:
         dialect = self._dialect
         if dialect is None:
             return data
+        if self.watch_model and self.model is None:
+            self.model = dialect.response_model(data)
         signal = dialect.stream_signal(name, data)
         if signal is END:
             self.complete = True

@@ -36,12 +36,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gateway.cost.prices import library_rates, preload
+from gateway.cost.prices import known_models, library_rates, preload
 from gateway.cost.rates import POLICY, Rates, cost_usd, upper_cost_usd
 from gateway.policy.budgets import PriceSpec
 from gateway.providers import DIALECTS, TokenUsage, genai_call, prompt_bytes
 
-__all__ = ["CallPrice", "Pricing", "Rates", "cost_usd", "preload", "upper_cost_usd"]
+__all__ = [
+    "CallPrice",
+    "Pricing",
+    "Rates",
+    "cost_usd",
+    "known_models",
+    "preload",
+    "priced_models",
+    "upper_cost_usd",
+]
 
 _MAX_KNOWN: Final = 1024
 _MAX_KNOWN_ENDPOINT: Final = 256
@@ -172,3 +181,11 @@ class Pricing:
         return CallPrice(
             dialect, call.request_model, rates, None, no_output=call.operation == "embeddings"
         )
+
+
+def priced_models(prices: Mapping[str, PriceSpec], usage: str) -> frozenset[str]:
+    """The model names with a price for a target of dialect ``usage`` (``"*"``: any):
+    the policy's ``prices`` and genai-prices' models at the dialect's provider."""
+    dialect = DIALECTS.get(usage)
+    provider = None if dialect is None else dialect.price_provider or None
+    return frozenset(prices) | known_models(provider)

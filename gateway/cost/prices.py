@@ -23,7 +23,7 @@ from typing import Any, Final
 from gateway.audit import get_logger
 from gateway.cost.rates import Rates, Tier
 
-__all__ = ["LIBRARY", "library_rates", "library_version", "preload"]
+__all__ = ["LIBRARY", "known_models", "library_rates", "library_version", "preload"]
 
 #: ``Rates.source`` of a price from the library.
 LIBRARY: Final = "genai-prices"
@@ -59,6 +59,17 @@ def library_rates(provider: str, model: str, now: datetime | None = None) -> Rat
     than tokens only. Never raises for an unknown model."""
     day = (now or datetime.now(UTC)).date().isoformat()
     return _cached(provider, model, day)
+
+
+def known_models(provider: str | None) -> frozenset[str]:
+    """The model ids genai-prices prices at ``provider`` (its id: ``openai``,
+    ``anthropic``, ``google``; None: every provider's); empty without the library."""
+    try:
+        from genai_prices import data_snapshot
+    except ImportError:
+        return frozenset()
+    providers = data_snapshot.get_snapshot().providers
+    return frozenset(str(m.id) for p in providers if provider in (None, p.id) for m in p.models)
 
 
 # Pure for the process (the library's snapshot never changes while it runs): a lookup

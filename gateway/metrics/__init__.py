@@ -39,6 +39,8 @@ call_chain_refusals_total              counter    reason (circular_call_detected
                                                   exceeded|ttl_expired|invalid_chain)
 agent_stops                            gauge      scope (agent|target|all): stops in force
 agent_stop_changes_total               counter    action (stop|resume), scope
+model_drift_total                      counter    target, sent, answered (models bounded as
+                                                  the gen_ai model labels)
 dead_letters_total                     counter    target
 dead_letters_dropped_total             counter    (none)
 approvals_total                        counter    event (approval_requested|approval_
@@ -371,6 +373,13 @@ class Metrics(Series):
                 self._cost_by_named.clear()
             self._cost_by_named[named] = child
         child.inc(max(usd, 0.0))
+
+    def observe_model_drift(self, target: str, sent: str, answered: str | None) -> None:
+        """Count one answer that named model ``answered``, not the ``sent`` one (models
+        bounded as for the gen_ai metrics; the target a policy name)."""
+        self._child(
+            self.model_drift, self._target(target), self._model(sent), self._model(answered)
+        ).inc()
 
     def observe_budget_rejection(self, budget: str) -> None:
         """Count one call a budget refused (the budget's policy name)."""

@@ -142,6 +142,11 @@ class Series:
             "by reason: circular_call_detected, max_depth_exceeded, ttl_expired, invalid_chain.",
             ["reason"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        self.model_drift = Counter(
+            "model_drift", "Answers that named another model than the one sent, by target and "
+            "the models sent and answered (model labels as for the gen_ai metrics).",
+            ["target", "sent", "answered"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
         # The operator's desk (README, "Approvals and dead letters").
         self.dead_letters = Counter(
             "dead_letters", "Calls kept as dead letters (retries exhausted, OUTCOME_UNKNOWN), "

@@ -9,6 +9,7 @@ agents:
   interpreter:
     token_ref: file:///var/run/egress/interpreter-token  # mounted only into its container
     targets: [search]
+    models: {allow: [gpt-4o-mini*]}      # models it may ask for (gateway.policy.modelrules)
 ```
 
 A caller is recognised by its UID first, then by its token (header
@@ -26,6 +27,7 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from gateway.policy import defaults as d
 from gateway.policy.budgets import BudgetSpec
+from gateway.policy.modelrules import ModelsSpec
 from gateway.policy.refs import InvalidSecretRef, parse_ref
 from gateway.policy.stores import StrictModel
 
@@ -34,11 +36,13 @@ _Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0
 
 class AgentSpec(StrictModel):
     """One agent: ``uid`` (the UID its processes run as) and/or ``token_ref`` (a secret
-    reference to its token), and the ``targets`` it may call (None: every target)."""
+    reference to its token), the ``targets`` it may call (None: every target) and the
+    ``models`` it may ask for on every one (:mod:`gateway.policy.modelrules`)."""
 
     uid: int | None = Field(None, ge=0, le=d.MAX_AGENT_UID)
     token_ref: str | None = None
     targets: list[_Name] | None = None
+    models: ModelsSpec | None = None  # the models it may ask for, with every target's rules
 
     @field_validator("token_ref")
     @classmethod

@@ -145,6 +145,8 @@ MAX_ARGUMENT_NUMBER: Final = 10.0**15
 #: room to spare).
 MAX_AGENT_UID: Final = 2**32 - 2
 MAX_AGENTS: Final = 64
+#: Entries of one ``models.allow`` or ``models.pin`` (a policy lists models, not a catalogue).
+MAX_MODEL_RULES: Final = 256
 #: The call chain (gateway/policy/chain.py, design.md "Agents calling agents"). Depth is
 #: the number of agents in the chain, this one included: 8 covers a planner, its
 #: executors and their tools' agents with room to spare; a longer chain is a loop or a

@@ -32,6 +32,7 @@ from gateway.policy.defaults import (
     DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
 )
 from gateway.policy.mcp import McpSpec, check_target
+from gateway.policy.modelrules import ModelsSpec, model_problems
 from gateway.policy.refs import check_ref as _check_ref
 from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec
 from gateway.policy.stores import StrictModel as _Strict
@@ -316,6 +317,7 @@ class TargetSpec(_Strict):
     forward_headers: list[str] = Field(default_factory=list)
     static_headers: dict[str, str] = Field(default_factory=dict)
     mcp: McpSpec | None = None  # an MCP server (gateway.policy.mcp)
+    models: ModelsSpec | None = None  # allow, pin, on_drift (gateway.policy.modelrules)
     approval: desk.ApprovalSpec | None = None  # calls held for a person's yes
     dead_letter: bool = False  # keep calls that failed for good (gateway.policy.desk)
     _mcp = model_validator(mode="after")(check_target)
@@ -492,6 +494,7 @@ class Policy(_Strict):
         problems += chain_problems(self.chain, has_vault)
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
         problems += controls_problems(self.controls, has_redis, has_vault)
+        problems += model_problems(self.targets, self.agents)
         operators = desk.all_operators(self.operators, self.controls.operator_token_ref)
         problems += desk.problems(operators, self.approvals, self.targets, has_redis)
         if problems:

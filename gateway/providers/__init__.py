@@ -16,7 +16,9 @@ key ``usage`` (``none`` reads nothing). The call path uses only the functions be
   :data:`SDK_HEADERS`, :data:`CREDENTIAL_HEADERS` and :data:`CREDENTIAL_QUERY`, what the
   providers' SDKs send (the drop-in route's intake, :mod:`gateway.call.proxy`).
 * :func:`genai_call` and :func:`response_model`: a call and its answer as the
-  OpenTelemetry GenAI semantic conventions describe them (provider, operation, models).
+  OpenTelemetry GenAI semantic conventions describe them (provider, operation, models);
+* :func:`request_model` and :func:`with_model`: the model a request asks for, and the
+  request rewritten to ask for another (model pins, failover), by the target's dialect.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ __all__ = [
     "genai_call",
     "output_cap",
     "prompt_bytes",
+    "request_model",
     "response_model",
+    "with_model",
 ]
 
 DIALECTS: Final[Mapping[str, Dialect]] = {
@@ -234,3 +238,26 @@ def response_model(provider: str, data: Any) -> str | None:
     if isinstance(data, list):  # stream events, or Gemini's JSON array of chunks
         return next((m for e in data if (m := dialect.response_model(e)) is not None), None)
     return dialect.response_model(data)
+
+
+def request_model(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> str | None:
+    """The model a request to ``endpoint`` with body ``parameters`` asks for, in dialect
+    ``provider`` (OpenAI and Anthropic: the body's ``model``; Gemini: the path's
+    ``models/{model}:method``); None when it names none or the dialect is unknown."""
+    dialect = DIALECTS.get(provider)
+    return dialect.request_model(endpoint, parameters) if dialect is not None else None
+
+
+def with_model(
+    provider: str, endpoint: str, parameters: Mapping[str, Any], model: str
+) -> tuple[str, Mapping[str, Any]]:
+    """``(endpoint, parameters)`` asking for ``model`` instead, in dialect ``provider``
+    (OpenAI and Anthropic: the body's ``model``, a shallow copy; Gemini: the path's
+    model). Pure: the inputs are not changed. Unchanged for an unknown dialect or a
+    request that names no model (a Gemini path without ``models/{model}:``)."""
+    dialect = DIALECTS.get(provider)
+    if dialect is None:
+        return endpoint, parameters
+    if dialect.request_model(endpoint, parameters) is None:
+        return endpoint, parameters
+    return dialect.with_model(endpoint, parameters, model)

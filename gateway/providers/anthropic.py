@@ -48,6 +48,7 @@ from gateway.providers.base import (
     FailureKind,
     StreamSignal,
     TokenUsage,
+    body_model,
     count,
     error_object,
     failure,
@@ -277,5 +278,6 @@ DIALECT: Final = Dialect(
     operation=operation,
     request_model=request_model,
     response_model=response_model,
+    with_model=body_model,
     cached_outside_input=True,  # input_tokens excludes cache reads and writes
 )

@@ -11,7 +11,10 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
   ``response_model(data)``: how the OpenTelemetry GenAI semantic conventions name the
   provider, the operation an endpoint is (``chat``, ``embeddings``...; None for an
   endpoint that is not a model call), the model a request asks for and the model an
-  answer (a JSON body, or one stream event) says it came from; ``cached_outside_input``:
+  answer (a JSON body, or one stream event) says it came from; ``with_model(endpoint,
+  parameters, model)``: the request asking for ``model`` instead (a new endpoint and
+  body; the inputs are not changed), how a pin or a fallback rewrites the model before
+  sending; ``cached_outside_input``:
   the dialect's ``input`` count leaves the cached tokens out (the conventions count them
   in), and its ``cached`` count is cache reads and writes together;
   ``reasoning_outside_output``: its ``reasoning`` count is not part of ``output`` (and
@@ -253,6 +256,20 @@ def _one_choice(_: Mapping[str, Any]) -> int:
     return 1
 
 
+def _keep_model(
+    endpoint: str, parameters: Mapping[str, Any], _: str
+) -> tuple[str, Mapping[str, Any]]:
+    return endpoint, parameters
+
+
+def body_model(
+    endpoint: str, parameters: Mapping[str, Any], model: str
+) -> tuple[str, dict[str, Any]]:
+    """``(endpoint, parameters)`` with the body's ``model`` set to ``model`` (a shallow
+    copy; the OpenAI and Anthropic dialects name the model in the body)."""
+    return endpoint, {**parameters, "model": model}
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """One provider's knowledge, as the call path uses it (see the module docstring)."""
@@ -277,6 +294,7 @@ class Dialect:
     operation: Callable[[str], str | None] = _no_operation
     request_model: Callable[[str, Mapping[str, Any]], str | None] = _no_request_model
     response_model: Callable[[Any], str | None] = _no_text
+    with_model: Callable[[str, Mapping[str, Any], str], tuple[str, Mapping[str, Any]]] = _keep_model
     cached_outside_input: bool = False
     reasoning_outside_output: bool = False
     price_provider: str = ""

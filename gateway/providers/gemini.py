@@ -242,6 +242,18 @@ def response_model(data: Any) -> str | None:
     return model_name(data.get("modelVersion")) if isinstance(data, dict) else None
 
 
+def with_model(
+    endpoint: str, parameters: Mapping[str, Any], model: str
+) -> tuple[str, Mapping[str, Any]]:
+    """``endpoint`` naming ``model`` in its path
+    (``/v1beta/models/{model}:generateContent`` or ``:streamGenerateContent``, any
+    method); an endpoint that names no model is kept. The body is kept as is."""
+    match = _MODEL_METHOD.search(endpoint)
+    if match is None:
+        return endpoint, parameters
+    return endpoint[: match.start(1)] + model + endpoint[match.end(1) :], parameters
+
+
 DIALECT: Final = Dialect(
     name="gemini",
     usage=usage,
@@ -265,4 +277,5 @@ DIALECT: Final = Dialect(
     operation=operation,
     request_model=request_model,
     response_model=response_model,
+    with_model=with_model,
 )

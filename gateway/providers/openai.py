@@ -40,6 +40,7 @@ from gateway.providers.base import (
     StreamFailure,
     StreamSignal,
     TokenUsage,
+    body_model,
     count,
     error_object,
     failure,
@@ -320,4 +321,5 @@ DIALECT: Final = Dialect(
     operation=operation,
     request_model=request_model,
     response_model=response_model,
+    with_model=body_model,
 )

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from gateway.audit.query.filters import Record, record_time
 from gateway.audit.query.reader import dumps
-from gateway.audit.query.summary import GroupStats, Summary
+from gateway.audit.query.summary import GroupStats, ModelStats, Summary
 
 #: (header, width, justify)
 _CALL_COLUMNS: Final = (
@@ -210,10 +210,27 @@ def _summary_table(title: str, groups: dict[str, GroupStats], total: GroupStats)
     return table
 
 
+def _models_table(models: dict[str, ModelStats]) -> Table:
+    table = Table(title="Calls by model", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("model", no_wrap=True)
+    table.add_column("calls", justify="right")
+    table.add_column("spend USD", justify="right")
+    table.add_column("drifted", justify="right")
+    table.add_column("answered instead", overflow="fold")
+    for name, stats in sorted(models.items()):
+        drift = ", ".join(f"{model} {count}" for model, count in sorted(stats.drift.items()))
+        drifted = sum(stats.drift.values())
+        table.add_row(name, str(stats.calls), f"{stats.cost_usd:.6f}", str(drifted), drift)
+    return table
+
+
 def print_summary(console: Console, summary: Summary) -> None:
-    """Two tables: by agent and by target, each with an ``all`` row."""
+    """Tables by agent and by target, each with an ``all`` row, then by model (when
+    any call named one)."""
     console.print(_summary_table("Calls by agent", summary.agents(), summary.total()))
     console.print(_summary_table("Calls by target", summary.targets(), summary.total()))
+    if summary.models:
+        console.print(_models_table(summary.models))
 
 
 def timeline(calls: Iterable[Record]) -> list[tuple[float, Record]]:

@@ -1,4 +1,9 @@
-"""Per-agent and per-target figures over a stream of audit records (pure, streaming).
+"""Per-agent, per-target and per-model figures over a stream of audit records (pure,
+streaming).
+
+A call's model is the one sent (``model_sent``, after a pin), else the one priced
+(``cost_model``); a call that names neither is not counted per model. Drift is a record's
+``model_drift`` (the answer named another model than the one sent).
 
 Memory grows with the number of agents and targets and with 8 bytes per call for the
 latencies (``array('d')``, kept exactly so that percentiles are exact), never with the
@@ -116,6 +121,38 @@ class GroupStats:
         }
 
 
+class ModelStats:
+    """Figures of one model: calls, known spend in USD, drifted answers by the model
+    the answer named."""
+
+    __slots__ = ("calls", "cost_usd", "drift")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.cost_usd = 0.0
+        self.drift: dict[str, int] = {}
+
+    def add(self, record: Record) -> None:
+        """Count one call record of this model."""
+        self.calls += 1
+        cost: Any = record.get("cost_usd")
+        if type(cost) in _NUMBERS:
+            self.cost_usd += cost
+        drift = record.get("model_drift")
+        if isinstance(drift, dict):
+            answered = _name(drift.get("answered"))
+            self.drift[answered] = self.drift.get(answered, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{calls, cost_usd, drift: {answered model: count}, drifted}``."""
+        return {
+            "calls": self.calls,
+            "cost_usd": round(self.cost_usd, 9),
+            "drifted": sum(self.drift.values()),
+            "drift": dict(sorted(self.drift.items())),
+        }
+
+
 def _name(value: Any) -> str:
     if type(value) is str and value:
         return value
@@ -131,6 +168,8 @@ class Summary:
     """
 
     pairs: dict[tuple[str, str], GroupStats] = field(default_factory=dict)
+    #: Figures per model (the model sent, else the one priced).
+    models: dict[str, ModelStats] = field(default_factory=dict)
     _merged: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def _pair(self, record: Record) -> GroupStats:
@@ -176,6 +215,12 @@ class Summary:
         if type(value) in _NUMBERS and value > 0:
             group.rate_limit_waits += 1
             group.rate_limit_wait_ms += value
+        value = get("model_sent") or get("cost_model")
+        if type(value) is str:
+            stats = self.models.get(value)
+            if stats is None:
+                stats = self.models[value] = ModelStats()
+            stats.add(record)
 
     def add_breaker_open(self, record: Record) -> None:
         """Count one ``breaker_state_change`` event whose ``new_state`` is ``open``."""
@@ -207,10 +252,12 @@ class Summary:
         return self._merged["total"]  # type: ignore[no-any-return]
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"agents": {name: figures}, "targets": {...}, "total": figures}``."""
+        """``{"agents": {name: figures}, "targets": {...}, "models": {model: ModelStats
+        figures}, "total": figures}``."""
         return {
             "agents": {k: v.to_dict() for k, v in self.agents().items()},
             "targets": {k: v.to_dict() for k, v in self.targets().items()},
+            "models": {k: v.to_dict() for k, v in sorted(self.models.items())},
             "total": self.total().to_dict(),
         }
 

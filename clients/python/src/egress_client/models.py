@@ -168,6 +168,16 @@ class ErrorPayload(BaseModel):
     stack_trace: str | None = None
 
 
+class ModelNames(BaseModel):
+    """The model a call asked for and the one the sidecar sent (a policy pin rewrites
+    an alias to its snapshot)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    requested: str
+    sent: str
+
+
 class ExternalCallResponse(BaseModel):
     """The sidecar's answer to every call, whatever happened.
 
@@ -175,7 +185,8 @@ class ExternalCallResponse(BaseModel):
     ``data`` its parsed body (null in the final event of a stream: the events carried
     it), ``latency_ms`` the wall time inside the sidecar, ``tokens_used`` the total tokens
     the upstream reported (null when none), ``replayed`` true for an answer replayed
-    from the sidecar's idempotency store.
+    from the sidecar's idempotency store, ``model`` the model asked for and the one sent
+    when the policy controls the target's models (null otherwise).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -189,6 +200,7 @@ class ExternalCallResponse(BaseModel):
     trace_id: str | None = None
     correlation_id: str | None = None
     replayed: bool = False
+    model: ModelNames | None = None
 
     def raise_for_error(self) -> Self:
         """Return ``self`` when the call succeeded; otherwise raise the typed
