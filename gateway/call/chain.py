@@ -29,12 +29,17 @@ async def chain_stage(
     ``chain.signing_key_ref`` (and the previous key) first when the policy names one:
     cached like any secret, and their errors (SECRET_NOT_FOUND, DEPENDENCY_FAILED...)
     are the call's. Raises :class:`~gateway.errors.CallChainRefused` (409)."""
+    seen = request.call_chain if request.call_chain is not None else ctx.chain_seen
+    if seen is None and spec.signing_key_ref is None:  # the common case: a chain starts
+        started = chain.start(ctx.agent_id, int(time.time() * 1000), request.timeout, spec)
+        if started is not None:
+            ctx.chain = started
+            return started
     keys = chain.NO_KEYS
     if spec.signing_key_ref is not None:
         deadline = ctx.started + request.timeout
         resolved = [await resolve(parse_ref(ref), ctx, deadline) for ref in spec.key_refs()]
         keys = chain.SigningKeys(*(r.secret for r in resolved if r is not None))
-    seen = request.call_chain if request.call_chain is not None else ctx.chain_seen
     ctx.chain = chain.decide(
         seen,
         own_agent=ctx.agent_id,
