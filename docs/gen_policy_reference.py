@@ -128,6 +128,77 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "targets.NAME.mcp.arguments.NAME.NAME.type": "JSON type of the argument",
     "targets.NAME.mcp.arguments.NAME.NAME.required": "the argument must be present",
     "targets.NAME.mcp.tools_rate_limit_group": "group that `tools/call` requests are counted in",
+    "targets.NAME.database": (
+        'a database reached by named statements only (README, "Database targets")'
+    ),
+    "targets.NAME.database.engine": (
+        "the database engine (PostgreSQL, through asyncpg: the `database` extra)"
+    ),
+    "targets.NAME.database.dsn": ("`postgresql://HOST[:PORT]/DBNAME`: never a user or password"),
+    "targets.NAME.database.credential": (
+        "who the sidecar connects as: a Vault role, or two secret references"
+    ),
+    "targets.NAME.database.credential.vault_database_role": (
+        "role of Vault's database secrets engine: one lease per sidecar"
+    ),
+    "targets.NAME.database.credential.mount": ("mount of the database secrets engine"),
+    "targets.NAME.database.credential.user_ref": (
+        "secret reference of the user (with `password_ref`)"
+    ),
+    "targets.NAME.database.credential.password_ref": ("secret reference of the password"),
+    "targets.NAME.database.pool": ("the connection pool"),
+    "targets.NAME.database.pool.max_size": ("most connections open at once"),
+    "targets.NAME.database.pool.acquire_timeout_s": (
+        "longest wait for a free connection (then CAPACITY_EXCEEDED), s"
+    ),
+    "targets.NAME.database.pool.max_lifetime_s": (
+        "a pool's life before it is replaced, s: shorter than the lease"
+    ),
+    "targets.NAME.database.session": ("limits set on each transaction with SET LOCAL (0: none)"),
+    "targets.NAME.database.session.statement_timeout_s": ("PostgreSQL's `statement_timeout`, s"),
+    "targets.NAME.database.session.lock_timeout_s": ("PostgreSQL's `lock_timeout`, s"),
+    "targets.NAME.database.statements": (
+        "the statements agents may run, by name (the endpoint `/NAME`)"
+    ),
+    "targets.NAME.database.statements.NAME": (
+        "one statement: exactly one SQL statement with `$1..$N` parameters"
+    ),
+    "targets.NAME.database.statements.NAME.mode": (
+        "`read` (GET, a READ ONLY transaction) or `write` (POST)"
+    ),
+    "targets.NAME.database.statements.NAME.sql": (
+        "the SQL, prepared at start and bound server-side; never templated"
+    ),
+    "targets.NAME.database.statements.NAME.params": ("the parameters, in `$1..$N` order"),
+    "targets.NAME.database.statements.NAME.params.name": (
+        "its name in the envelope's `parameters`"
+    ),
+    "targets.NAME.database.statements.NAME.params.type": ("JSON type of the value"),
+    "targets.NAME.database.statements.NAME.params.required": (
+        "the value must be given (else NULL when absent)"
+    ),
+    "targets.NAME.database.statements.NAME.params.pattern": (
+        "regular expression the whole string matches"
+    ),
+    "targets.NAME.database.statements.NAME.params.enum": ("the values allowed"),
+    "targets.NAME.database.statements.NAME.params.max_length": ("longest string, in characters"),
+    "targets.NAME.database.statements.NAME.params.min_length": ("shortest string, in characters"),
+    "targets.NAME.database.statements.NAME.params.minimum": ("smallest number"),
+    "targets.NAME.database.statements.NAME.params.maximum": ("largest number"),
+    "targets.NAME.database.statements.NAME.max_rows": ("most rows answered"),
+    "targets.NAME.database.statements.NAME.max_bytes": ("most bytes of JSON rows answered"),
+    "targets.NAME.database.statements.NAME.on_limit": (
+        "past a limit: truncate (`truncated: true`) or error (RESPONSE_TOO_LARGE)"
+    ),
+    "targets.NAME.database.statements.NAME.timeout_s": (
+        "the statement's own timeout, s (the session's and the call's bound it too)"
+    ),
+    "targets.NAME.database.statements.NAME.max_affected_rows": (
+        "a write touching more rows is rolled back (UPSTREAM_REJECTED)"
+    ),
+    "targets.NAME.database.statements.NAME.idempotent": (
+        "a write that may be sent again when its outcome was lost"
+    ),
     "rate_limit_groups": "token buckets shared by the calls that name them",
     "rate_limit_groups.NAME": "one group",
     "rate_limit_groups.NAME.requests_per_second": "sustained rate r: at most B + r*T calls "
@@ -171,6 +242,13 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "redis.connect_timeout_s": "timeout of a connection, in seconds",
     "audit": "where audit records go",
     "audit.sink": "`stdout` (JSON lines) or `file` (size-rotated)",
+    "audit.otlp": "also ship every audit line to an OpenTelemetry collector (OTLP/HTTP "
+    "logs) through a bounded on-disk spool; headers from `OTEL_EXPORTER_OTLP_LOGS_HEADERS`",
+    "audit.otlp.endpoint": "the collector's logs URL, e.g. `http://otel-collector:4318/v1/logs`",
+    "audit.otlp.timeout_s": "timeout of one export, in seconds",
+    "audit.otlp.spool_path": "directory of the spool (lines not yet accepted by the collector)",
+    "audit.otlp.spool_max_bytes": "spool size; past it the oldest lines are dropped from "
+    "shipping (still in the file or stdout sink)",
     "audit.path": "the file, with `sink: file`",
     "audit.payloads": "`summary` (sizes and hashes) or `none`",
     "audit.chain": "hash-chain the records (`seq`, `prev_hash`, `hash`)",

@@ -1,5 +1,5 @@
-"""Command line: ``egress-gateway serve | validate | call | init | demo | audit | stop |
-resume`` (and ``approvals``, ``dead-letters``, ``console``).
+"""Command line: ``egress-gateway serve | validate | call | init | inject | demo | audit |
+stop | resume`` (and ``approvals``, ``dead-letters``, ``console``).
 
 Process settings come from flags, or ``GATEWAY_*`` environment variables read once at
 start-up: GATEWAY_POLICY, GATEWAY_HOST, GATEWAY_PORT, GATEWAY_OPS_HOST, GATEWAY_OPS_PORT,
@@ -7,10 +7,12 @@ GATEWAY_UNIX_SOCKET (a path: the calls API on a Unix socket too), GATEWAY_LOOP
 (``auto``, ``asyncio`` or ``uvloop``: see :mod:`gateway.server.eventloop`),
 GATEWAY_LOG_FORMAT (``json`` or ``console``; default console when stdout is a terminal),
 GATEWAY_SHUTDOWN_ACCEPT_NEW_CALLS (``true`` or ``false``, over the policy's
-``server.shutdown.accept_new_calls``). ``call`` finds the sidecar at EGRESS_GATEWAY_URL,
-the variable the Helm chart sets in the agent's container (GATEWAY_URL, its former name,
-still works with a deprecation note). Exit codes: 0 success, 1 a failed check or call, 2
-usage; ``validate``'s warnings (stderr) leave the exit code 0.
+``server.shutdown.accept_new_calls``), GATEWAY_BUDGET_JOURNAL (a file that keeps local
+budget spend across a restart: :mod:`gateway.budgets.journal`). ``call`` finds the
+sidecar at EGRESS_GATEWAY_URL, the variable the Helm chart sets in the agent's container
+(GATEWAY_URL, its former name, still works with a deprecation note). Exit codes: 0
+success, 1 a failed check or call, 2 usage; ``validate``'s warnings (stderr) leave the
+exit code 0.
 """
 
 from __future__ import annotations
@@ -173,6 +175,21 @@ def _env_warnings(path: str, policy: PolicySet) -> list[str]:
     return warnings
 
 
+def _replica_warnings(path: str, policy: PolicySet, replicas: int | None) -> list[str]:
+    """One warning per ``scope: local`` budget when ``replicas`` (``--replicas``, what the
+    chart knows of the agent's Deployment) is more than one: each replica counts alone,
+    so together they may spend ``replicas`` times the limit."""
+    if not replicas or replicas < 2:
+        return []
+    return [
+        f"{path}: budgets.{name}.scope: warning: local budget with {replicas} replicas: each "
+        f"counts alone, so together they may spend {replicas} x {spec.limit_usd:g} USD; use "
+        "scope: cluster (Redis) to share one limit"
+        for name, spec in policy.policy.budgets.items()
+        if spec.scope == "local" and spec.limit_usd is not None  # max_calls only: no USD
+    ]
+
+
 def _model_warnings(policy: PolicySet) -> list[tuple[tuple[str, ...], str]]:
     """``models.allow`` globs that match no model with a price (likely a typo)."""
     from gateway.cost import priced_models
@@ -203,13 +220,33 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         else:
+            if args.check_database and _database_problems(path, policy):
+                failed = True
+                continue
             print(f"{path}: ok ({len(policy.targets)} targets, agent_id {policy.policy.agent_id})")
             if args.env_check:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
+            for warning in _replica_warnings(path, policy, args.replicas):
+                print(warning, file=sys.stderr)
             for loc, message in [*tool_cap_warnings(policy.policy), *_model_warnings(policy)]:
                 print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _database_problems(path: str, policy: PolicySet) -> bool:
+    """``validate --check-database``: prepare each statement of ``policy`` against its
+    live database; print each problem as ``FILE:LINE: key: problem``. True if any."""
+    from gateway.database.registry import check_statements
+    from gateway.policy.loader import problem_lines
+
+    try:
+        problems = asyncio.run(check_statements(policy))
+    except ValueError as exc:  # no engine installed, no Vault section...
+        problems = [(("targets",), str(exc))]
+    for line in problem_lines(path, problems):
+        print(line, file=sys.stderr)
+    return bool(problems)
 
 
 def _cmd_call(args: argparse.Namespace) -> int:
@@ -264,6 +301,19 @@ def _print_stream(resp: IO[bytes]) -> int:
         print("egress-gateway call: replayed the stored stream of this idempotency key; "
               "the upstream was not called again", file=sys.stderr)  # fmt: skip
     return 0 if final is not None and final.get("success") else 1
+
+
+def _cmd_inject(args: argparse.Namespace) -> int:
+    from gateway.inject import InjectionError, load_template
+    from gateway.inject.server import run
+
+    try:
+        template = load_template(args.template)
+    except InjectionError as exc:
+        print(f"egress-gateway inject: {exc}", file=sys.stderr)
+        return 1
+    asyncio.run(run(template, host=args.host, port=args.port, cert=args.tls_cert, key=args.tls_key))
+    return 0
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
@@ -340,6 +390,16 @@ def _add_init(sub: Any) -> None:
     p.set_defaults(func=_cmd_init)
 
 
+def _add_inject(sub: Any) -> None:
+    p = sub.add_parser("inject", help="serve the sidecar injection webhook (HTTPS)")
+    p.add_argument("--template", required=True, help="injection template JSON (the chart's)")
+    p.add_argument("--tls-cert", required=True, help="PEM certificate (chain) file")
+    p.add_argument("--tls-key", required=True, help="PEM private key file")
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")  # noqa: S104
+    p.add_argument("--port", type=int, default=8443, help="listen port (default 8443)")
+    p.set_defaults(func=_cmd_inject)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="egress-gateway",
@@ -358,6 +418,18 @@ def build_parser() -> argparse.ArgumentParser:
         dest="env_check",
         action="store_false",
         help="do not warn about env:// references whose variable is not set here",
+    )
+    p.add_argument(
+        "--check-database",
+        action="store_true",
+        help="prepare each database statement against its live database (with the "
+        "policy's credentials: Vault or secret references)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="replicas of the agent's Deployment, when known: warn about local budgets",
     )
     p.set_defaults(func=_cmd_validate)
 
@@ -381,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     desk_cli.register(sub)  # approvals, dead-letters, console
 
     _add_init(sub)
+    _add_inject(sub)
 
     p = sub.add_parser("demo", help="run the sidecar against local stand-ins for real APIs")
     p.add_argument("--policy", default="policies/demo.yaml")

@@ -38,7 +38,26 @@ CLAIMED: Final = (
 )
 CLAIM_LIMIT: Final = 256
 
-Api = Literal["envelope", "proxy", "mcp"]
+Api = Literal["envelope", "proxy", "mcp", "database"]
+
+
+class DatabaseFacts(NamedTuple):
+    """A database target's statement (:mod:`gateway.database`): its name, the SHA-256
+    (hex) of its SQL and of its parameters (None with ``audit.payloads: none``), the
+    database user, the rows answered, the SQLSTATE of an error, the seconds waited for a
+    pooled connection, the SQLSTATEs of transactions retried; None: not reached."""
+
+    statement: str | None
+    sql_sha256: str | None
+    params_sha256: str | None
+    user: str | None
+    rows: int | None
+    sqlstate: str | None
+    pool_wait_s: float | None
+    retries: tuple[str, ...]
+
+
+_NO_DATABASE: Final = DatabaseFacts(None, None, None, None, None, None, None, ())
 
 
 class LiveCall(Protocol):
@@ -125,6 +144,18 @@ class CallRecord(NamedTuple):
     chain: ChainDecision | None
     #: The models asked for, sent and answered (None: no ``models:`` rule applied).
     models: ModelFacts | None = None
+    #: A database target's statement (None for other calls).
+    database: DatabaseFacts | None = None
+
+
+def decision_of(call: CallRecord) -> str:
+    """The decision the audit record and the span give a call: ``replayed`` for an
+    idempotent replay; ``shadow_denied`` when allowed but a ``mode: shadow`` rule would
+    have refused it; else the egress decision (``invalid``, ``denied``, ``allowed``)."""
+    decision = "replayed" if call.replayed else call.decision
+    if call.shadow_denied and decision == "allowed":
+        return "shadow_denied"
+    return decision
 
 
 def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
@@ -135,9 +166,7 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
     if error is not None and error.code is ErrorCode.EGRESS_DENIED:
         warnings = [*warnings, f"egress denied: {error.message}"]  # the destination
     shadow = [*call.shadow_denied]  # a list of its own (the record's may be the context's)
-    decision = "replayed" if call.replayed else call.decision
-    if shadow and decision == "allowed":
-        decision = "shadow_denied"
+    decision = decision_of(call)
     latency = call.upstream_latency_s
     return {
         F.AGENT_ID: agent_id,
@@ -180,6 +209,23 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         **_chain(call.chain),
         **_caller(call, agent_id),
         **_models(call.models),
+        **_database(call.database),
+    }
+
+
+def _database(facts: DatabaseFacts | None) -> dict[str, Any]:
+    """A database target's statement: never a parameter's value, never a password."""
+    db = facts or _NO_DATABASE
+    wait = db.pool_wait_s
+    return {
+        F.DB_STATEMENT: db.statement,
+        F.DB_SQL_SHA256: db.sql_sha256,
+        F.DB_PARAMS_SHA256: db.params_sha256,
+        F.DB_USER: db.user,
+        F.DB_ROWS: db.rows,
+        F.DB_SQLSTATE: db.sqlstate,
+        F.DB_POOL_WAIT_MS: round(wait * 1000, 3) if wait is not None else None,
+        F.DB_RETRIES: list(db.retries) or None,
     }
 
 

@@ -110,6 +110,14 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
             if target == "openai" and success and number % 11 == 0
             else None
         ),
+        "db_statement": None,
+        "db_sql_sha256": None,
+        "db_params_sha256": None,
+        "db_user": None,
+        "db_rows": None,
+        "db_sqlstate": None,
+        "db_pool_wait_ms": None,
+        "db_retries": None,
     }
     return record
 

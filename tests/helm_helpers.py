@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "egress-gateway"
 #: The newest Kubernetes version the installed kubernetes-validate bundles schemas for.
 KUBE_VERSION = kubernetes_validate.latest_version()
-#: The Kubernetes versions the chart supports (1.29: native sidecars on by default; 1.33: GA).
-KUBE_VERSIONS = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
+#: The supported range (1.29: native sidecars on by default; 1.33: GA; 1.37: the newest
+#: schemas kubernetes-validate bundles).
+KUBE_VERSIONS = tuple(f"1.{minor}.0" for minor in range(29, 38))
 
 Manifests = dict[str, list[Any]]
 

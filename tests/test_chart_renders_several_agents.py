@@ -63,9 +63,11 @@ def test_agents_and_the_unix_socket_render(chart: helm.Chart) -> None:
     assert env_of(agent)["EGRESS_GATEWAY_SOCKET"] == SOCKET
     [volume] = [v for v in spec["volumes"] if v["name"] == "egress-gateway-socket"]
     assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}
-    # The policy's checksum covers the agents: a new agent rolls the pods.
-    other = render(chart, {**VALUES, "agents": AGENTS[:1]})
-    annotations = [pod_spec_annotations(m) for m in (manifests, other)]
+    # The policy's checksum covers the agents: a new agent rolls the pods (with
+    # policy.rollOnChange, off by default: hot reload takes the change in).
+    roll = {**VALUES, "policy": {"rollOnChange": True}}
+    both = [render(chart, roll), render(chart, {**roll, "agents": AGENTS[:1]})]
+    annotations = [pod_spec_annotations(m) for m in both]
     assert annotations[0]["checksum/policy"] != annotations[1]["checksum/policy"]
 
 

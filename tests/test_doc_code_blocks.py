@@ -88,9 +88,15 @@ NOT_RUN = {
     "vault policy write egress-sidecar-planner egress-sidecar-planner.hcl": _VAULT,
     "vault auth enable kubernetes": _VAULT,
     "vault auth enable approle": _VAULT,
+    "vault secrets enable database": "needs a Vault and a database's admin user; "
+    "tests/test_database_credentials_come_from_vault_leases.py makes the same role",
     "docker build -t registry.example.com/egress-gateway:0.1.0 .": "needs Docker; "
     "tests/test_dockerfile.py checks the Dockerfile",
     "helm install demo helm/egress-gateway -n agents \\": _CLUSTER,
+    "helm install gw helm/egress-gateway -n egress-system --create-namespace \\": (
+        "needs a Kubernetes cluster; tests/test_sidecar_injection.py renders the injector "
+        "and runs its webhook"
+    ),
     "$ kubectl logs deploy/demo-egress-gateway -c egress-gateway-validate": _CLUSTER,
     "OTEL_EXPORTER_OTLP_ENDPOINT=http://otel-collector.observability:4318   # /v1/traces is "
     "added": "needs a collector; tests/test_tracing.py exports to a receiver of its own",
@@ -121,6 +127,9 @@ NOT_POLICIES = {
     ("kubernetes.md", "# the Deployment's pod spec (with the includes of the previous section)"): (
         "a Kubernetes pod spec"
     ),
+    ("kubernetes.md", "# your agent's Deployment"): "a Kubernetes Deployment (the "
+    "injection annotations)",
+    ("kubernetes.md", "audit:"): "the chart's values (audit.volume)",
     ("operations.md", "sidecar:"): "the chart's values",
     ("operations.md", "grafanaDashboard:"): "the chart's values",
 }
@@ -177,6 +186,8 @@ def _as_policy(block: Block) -> str:
     for name in _named_targets(policy):
         policy["targets"].setdefault(name, {"usage": "openai"})
     for name, target in policy["targets"].items():
+        if "database" in target:
+            continue  # its DSN and statements are its host and endpoints
         target.setdefault("base_url", f"https://{name}.example")
         if "mcp" not in target:
             target.setdefault("endpoints", [{"path": "/**", "methods": ["POST"]}])

@@ -1,6 +1,6 @@
 """The Helm chart: rendered offline with helm-python-sdk (Helm's own engine, no binary, no
 cluster), every manifest validated with kubernetes-validate in strict mode (unknown fields
-are errors) for Kubernetes 1.29-1.33 and the newest schemas, and values.schema.json
+are errors) for Kubernetes 1.29-1.37, and values.schema.json
 enforced on wrong value types. Enforced egress and the NetworkPolicy: test_helm_egress.py."""
 
 from __future__ import annotations
@@ -176,8 +176,13 @@ def test_sidecar_is_locked_down_and_probed(chart: helm.Chart, values: dict[str, 
     assert env_of(agent)["EGRESS_GATEWAY_URL"] == f"http://127.0.0.1:{merged['sidecar']['port']}"
 
 
-def test_default_sidecar_is_a_regular_container(chart: helm.Chart) -> None:
-    spec = pod_spec(render(chart))
+def test_the_default_sidecar_is_native(chart: helm.Chart) -> None:
+    # The chart needs Kubernetes >= 1.29, where native sidecars are on by default.
+    assert pod_spec(render(chart)) == pod_spec(render(chart, {"sidecar": {"native": True}}))
+
+
+def test_a_non_native_sidecar_is_a_regular_container(chart: helm.Chart) -> None:
+    spec = pod_spec(render(chart, {"sidecar": {"native": False}}))
     assert [c["name"] for c in spec["containers"]] == ["agent", "egress-gateway"]
     assert init_names(spec) == ["egress-gateway-validate"]  # the policy check only
     assert "restartPolicy" not in sidecar(spec)
@@ -279,15 +284,18 @@ def test_policy_checksum_rolls_pods_on_change(chart: helm.Chart) -> None:
         found: dict[str, str] = deployment["spec"]["template"]["metadata"].get("annotations", {})
         return found
 
-    default = annotations(None)
+    roll = {"rollOnChange": True}
+    rolled = annotations({"policy": roll})
     changed_text = chart.values["policy"]["content"].replace("drain_s: 20", "drain_s: 15")
-    changed = annotations({"policy": {"content": changed_text}})
-    assert len(default["checksum/policy"]) == 64
-    assert default["checksum/policy"] != changed["checksum/policy"]
-    assert default["prometheus.io/port"] == "8182"
+    changed = annotations({"policy": {**roll, "content": changed_text}})
+    assert len(rolled["checksum/policy"]) == 64
+    assert rolled["checksum/policy"] != changed["checksum/policy"]
+    assert rolled["prometheus.io/port"] == "8182"
 
-    hot_reload_only = annotations({"policy": {"rollOnChange": False}})
+    # Off by default: hot reload takes a changed policy in without a restart.
+    hot_reload_only = annotations(None)
     assert "checksum/policy" not in hot_reload_only
+    assert hot_reload_only["prometheus.io/port"] == "8182"
     assert "prometheus.io/scrape" not in annotations({"metrics": {"prometheusAnnotations": False}})
 
 

@@ -97,8 +97,9 @@ def test_the_policy_is_validated_before_the_sidecar_starts(chart: helm.Chart, na
     if native:
         assert init_names(spec) == ["egress-gateway-validate", "egress-gateway"]
 
-    off = pod_spec(render(chart, {"policy": {"validateOnStart": False}}))
-    assert "initContainers" not in off
+    values = {"policy": {"validateOnStart": False}, "sidecar": {"native": native}}
+    off = pod_spec(render(chart, values))
+    assert init_names(off) == (["egress-gateway"] if native else [])  # no policy check
 
 
 # --- enforced egress --------------------------------------------------------------------
@@ -271,6 +272,25 @@ def test_network_policy_allows_dns_and_the_targets_ports(chart: helm.Chart) -> N
     # Vault from the values, Redis from a Secret (its default port).
     rules = egress_rules(render(chart, {**CUSTOM, "networkPolicy": {"enabled": True}}))
     assert tcp_ports(rules[1]) == [443, 6379, 8200]
+
+
+def test_network_policy_lets_through_what_egress_allow_allows(chart: helm.Chart) -> None:
+    rules = egress_rules(render(chart, {**ENFORCED, "networkPolicy": {"enabled": True}}))
+    assert tcp_ports(rules[1]) == [443]  # the default policy's target
+    assert rules[2:] == [
+        {
+            "to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
+            "ports": [
+                {"protocol": "TCP", "port": 8080},
+                {"protocol": "TCP", "port": 9000, "endPort": 9010},
+            ],
+        },
+        {
+            "to": [{"ipBlock": {"cidr": "fd00:20::/64"}}],
+            "ports": [{"protocol": "UDP", "port": 5000}],
+        },
+        {"to": [{"ipBlock": {"cidr": "192.0.2.7/32"}}]},  # every port and protocol
+    ]
 
 
 def test_network_policy_with_a_policy_the_chart_cannot_read(chart: helm.Chart) -> None:

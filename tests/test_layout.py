@@ -29,6 +29,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/upstream/client.py",
             "gateway/upstream/resolver.py",
             "gateway/server/app.py",
+            "gateway/inject/server.py",
             "gateway/api/http.py",
             "gateway/server/listeners.py",
             "gateway/server/ops.py",
@@ -53,6 +54,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/desk.py",
             "gateway/policy/mcp.py",
             "gateway/policy/modelrules.py",
+            "gateway/policy/database.py",
             "gateway/policy/loader.py",
             "gateway/call/intake.py",
         }
@@ -66,13 +68,15 @@ OWNERS: dict[str, frozenset[str]] = {
     "yaml": frozenset({"gateway/policy/loader.py"}),
     "hvac": frozenset({"gateway/secrets/vault.py", "gateway/secrets/vault_auth.py"}),
     "pybreaker": frozenset({"gateway/breaker.py"}),
+    "asyncpg": frozenset({"gateway/database/postgres.py"}),
     "aiolimiter": frozenset({"gateway/ratelimit/local.py"}),
     "redis": frozenset({"gateway/stores/redis.py"}),
     "orjson": frozenset({"gateway/fastjson.py"}),
     "uvloop": frozenset({"gateway/server/eventloop.py"}),
     "rich": frozenset({"gateway/audit/query/render.py"}),
-    # The SDK, the OTLP/HTTP exporter and the API: imported only when tracing is on.
-    "opentelemetry": frozenset({"gateway/telemetry/otel.py"}),
+    # The SDK, the OTLP/HTTP exporters and the API: imported only when tracing is on
+    # (otel.py) or audit lines are shipped over OTLP (otlp.py).
+    "opentelemetry": frozenset({"gateway/telemetry/otel.py", "gateway/audit/otlp.py"}),
     # MCP's SDK: the tests' server and client only; the sidecar speaks MCP itself.
     "mcp": frozenset(),
 }

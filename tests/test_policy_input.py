@@ -134,10 +134,23 @@ def test_the_yaml_value_key_is_read_as_a_plain_string() -> None:
 T = "targets: {t: {" + TARGET
 MCP = "targets: {t: {base_url: https://api.example.com, mcp: {arguments: {x: {a: {"
 OPERATOR = "\noperators: {o: {token_ref: env://OPERATOR_TOKEN}}"
+DB = (
+    "targets: {t: {database: {engine: postgresql, dsn: 'postgresql://db.example.com/x', "
+    "credential: {user_ref: 'env://U', password_ref: 'env://P'}, "
+)
+DB_POOL = DB + "statements: {s: {mode: read, sql: SELECT 1}}, "
+STATEMENT = DB + "statements: {s: {mode: read, sql: SELECT 1, "
 FLOAT_KEYS = {
+    "targets.t.database.pool.acquire_timeout_s": DB_POOL + "pool: {acquire_timeout_s: @}}}}",
+    "targets.t.database.pool.max_lifetime_s": DB_POOL + "pool: {max_lifetime_s: @}}}}",
+    "targets.t.database.session.statement_timeout_s": DB_POOL
+    + "session: {statement_timeout_s: @}}}}",
+    "targets.t.database.session.lock_timeout_s": DB_POOL + "session: {lock_timeout_s: @}}}}",
+    "targets.t.database.statements.s.timeout_s": STATEMENT + "timeout_s: @}}}}}",
     "targets.t.mcp.arguments.x.a.minimum": MCP + "minimum: @}}}}}}",
     "targets.t.mcp.arguments.x.a.maximum": MCP + "maximum: @}}}}}}",
     "server.drain_s": "server: {drain_s: @}",
+    "audit.otlp.timeout_s": "audit: {otlp: {endpoint: 'http://otel:4318', timeout_s: @}}",
     "server.reload_interval_s": "server: {reload_interval_s: @}",
     "targets.t.timeout_s": T + ", timeout_s: @}}",
     "targets.t.stream_idle_timeout_s": T + ", stream_idle_timeout_s: @}}",
@@ -180,6 +193,15 @@ FLOAT_KEYS = {
 
 #: Every bounded key with its upper bound (the named constant the model uses).
 UPPER_BOUNDS = {
+    "targets.t.database.pool.acquire_timeout_s": d.MAX_WAIT_S,
+    "targets.t.database.pool.max_lifetime_s": d.MAX_WAIT_S,
+    "targets.t.database.session.statement_timeout_s": d.MAX_WAIT_S,
+    "targets.t.database.session.lock_timeout_s": d.MAX_WAIT_S,
+    "targets.t.database.statements.s.timeout_s": d.MAX_WAIT_S,
+    "targets.t.database.pool.max_size": d.MAX_DB_POOL_SIZE,
+    "targets.t.database.statements.s.max_rows": d.MAX_DB_MAX_ROWS,
+    "targets.t.database.statements.s.max_bytes": d.MAX_BODY_BYTES,
+    "targets.t.database.statements.s.max_affected_rows": d.MAX_DB_AFFECTED_ROWS,
     "targets.t.mcp.arguments.x.a.minimum": d.MAX_ARGUMENT_NUMBER,
     "targets.t.mcp.arguments.x.a.maximum": d.MAX_ARGUMENT_NUMBER,
     "targets.t.mcp.arguments.x.a.min_length": d.MAX_ARGUMENT_LENGTH,
@@ -225,6 +247,8 @@ UPPER_BOUNDS = {
     "redis.pool_size": d.MAX_REDIS_POOL_SIZE,
     "audit.max_bytes": d.MAX_AUDIT_FILE_BYTES,
     "audit.backup_count": d.MAX_AUDIT_BACKUPS,
+    "audit.otlp.timeout_s": d.MAX_AUDIT_OTLP_TIMEOUT_S,
+    "audit.otlp.spool_max_bytes": d.MAX_AUDIT_SPOOL_BYTES,
     "chain.ttl_s": d.MAX_CHAIN_TTL_S,
     "chain.max_clock_skew_s": d.MAX_CHAIN_CLOCK_SKEW_S,
     "chain.max_depth": d.MAX_CHAIN_MAX_DEPTH,
@@ -234,6 +258,10 @@ UPPER_BOUNDS = {
     "dead_letters.max_bytes": d.MAX_DEAD_LETTERS_MAX_BYTES,
 }
 INT_KEYS = {
+    "targets.t.database.pool.max_size": DB_POOL + "pool: {max_size: @}}}}",
+    "targets.t.database.statements.s.max_rows": STATEMENT + "max_rows: @}}}}}",
+    "targets.t.database.statements.s.max_bytes": STATEMENT + "max_bytes: @}}}}}",
+    "targets.t.database.statements.s.max_affected_rows": STATEMENT + "max_affected_rows: @}}}}}",
     "targets.t.mcp.arguments.x.a.min_length": MCP + "min_length: @}}}}}}",
     "targets.t.mcp.arguments.x.a.max_length": MCP + "max_length: @}}}}}}",
     "server.max_request_bytes": "server: {max_request_bytes: @}",
@@ -250,6 +278,9 @@ INT_KEYS = {
     "redis.pool_size": "redis: {pool_size: @}",
     "audit.max_bytes": "audit: {max_bytes: @}",
     "audit.backup_count": "audit: {backup_count: @}",
+    "audit.otlp.spool_max_bytes": (
+        "audit: {otlp: {endpoint: 'http://otel:4318', spool_max_bytes: @}}"
+    ),
     "budgets.b.max_output_tokens": (
         "budgets: {b: {limit_usd: 1, window: daily, max_output_tokens: @}}"
     ),

@@ -58,7 +58,7 @@ def promtool(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
 def test_promtool_checks_the_rules() -> None:
     done = promtool("check", "rules", str(ALERTS))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 11 rules found" in done.stdout
+    assert "SUCCESS: 17 rules found" in done.stdout
 
 
 @needs_promtool
@@ -193,7 +193,14 @@ def _policy(upstream: str) -> str:
             "tight": {"requests_per_second": 0.001, "burst": 1, "max_queue_s": 0},
         },
         telemetry={"models": ["fake-model-1", "fake-model-1-*"]},
-    )
+        # Cost, a budget's spend against its limit and shadow denials get data: a
+        # shadow budget far below what the load costs (it never refuses).
+        prices={"fake-model-1": {"input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}},
+        budgets={
+            "llm-daily": {"limit_usd": 0.0001, "window": "daily", "mode": "shadow",
+                          "applies_to": {"target": "llm"}, "max_output_tokens": 16},
+        },
+    )  # fmt: skip
 
 
 @pytest.fixture

@@ -94,7 +94,7 @@ def test_prometheus_rule_is_the_plain_rules_file(chart: helm.Chart, tmp_path: Pa
         [promtool, "check", "rules", str(rendered)], capture_output=True, text=True, check=False
     )
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 11 rules found" in check.stdout
+    assert "SUCCESS: 17 rules found" in check.stdout
 
 
 def test_lint_passes_strict_with_both_enabled() -> None:
@@ -118,3 +118,34 @@ def test_wrong_values_fail_the_schema(
     with pytest.raises(helm.HelmValuesError) as caught:
         chart.render(values, name="demo")
     assert where in str(caught.value)
+
+
+def _alerts() -> list[dict[str, Any]]:
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+
+
+def test_every_alert_links_its_runbook_section() -> None:
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    headings = {line.removeprefix("### ") for line in operations.splitlines()}
+    base = "https://github.com/egress-gateway/egress-gateway/blob/main/docs/operations.md"
+    for rule in _alerts():
+        name = rule["alert"]
+        assert rule["annotations"]["runbook_url"] == f"{base}#{name.lower()}", name
+        assert name in headings, f"docs/operations.md has no '### {name}' runbook"
+
+
+def test_alerts_page_once_per_outage_not_per_pod() -> None:
+    for rule in _alerts():
+        expr = " ".join(rule["expr"].split())
+        assert " by (" in expr, rule["alert"]
+        for by in expr.split(" by (")[1:]:
+            assert "instance" not in by.split(")")[0], rule["alert"]
+
+
+def test_the_runbook_base_is_a_value(chart: helm.Chart) -> None:
+    values = {**ENABLED, "prometheusRule": {"enabled": True, "runbookBaseUrl": "https://wiki/ops/"}}
+    rule = manifests(chart, values)["PrometheusRule/demo-egress-gateway"]
+    urls = [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert urls
+    assert all(u.startswith("https://wiki/ops#egressgateway") for u in urls)

@@ -262,9 +262,43 @@ async def test_without_a_traceparent_the_trace_is_the_one_trace_id_names(
     assert attrs(client)["error.type"] == "400"
     assert upstream.seen[0].headers["traceparent"].split("-")[2] == client.span_id.hex()
     # A target the policy does not know: no GenAI attributes, no target, one span.
-    assert denied.name == "egress "
+    assert denied.name == "egress denied"  # named by its decision: no target was known
     assert attrs(denied)["error.type"] == "PERMISSION_DENIED"
     assert not [k for k in attrs(denied) if k.startswith("gen_ai.") or k == "egress.target"]
+    await sidecar.gateway.aclose()
+
+
+async def test_a_shadow_denial_and_an_invalid_call_say_so_in_their_spans(
+    sidecar_factory: Callable[..., Awaitable[Sidecar]],
+    upstream_factory: Callable[..., Awaitable[FakeUpstream]],
+    collector: Collector,
+    tracing_env: Callable[[str], None],
+) -> None:
+    tracing_env(collector.endpoint)
+
+    async def answer(_: web.Request) -> web.StreamResponse:
+        return web.json_response(chat_answer())
+
+    upstream = await upstream_factory(answer)
+    sidecar = await _sidecar(
+        sidecar_factory,
+        upstream,
+        prices={"fake-model-1": {"input_usd_per_mtok": 1000.0, "output_usd_per_mtok": 1000.0}},
+        budgets={"tiny": {"limit_usd": 0.001, "window": "daily", "mode": "shadow",
+                          "max_output_tokens": 16}},
+    )  # fmt: skip
+    status, _ = await sidecar.call(envelope())
+    assert status == 200  # a shadow rule never refuses
+    status, _ = await sidecar.call(envelope(timeout="5"))  # "5" is not a number
+    assert status == 400
+
+    await wait_for(lambda: len(collector.server_spans()) == 2, 10)
+    shadowed, invalid = sorted(collector.server_spans(), key=lambda sp: sp.start_time_unix_nano)
+    assert attrs(shadowed)["egress.decision"] == "shadow_denied"
+    rules = attrs(shadowed)["egress.shadow_denied"]  # an array value
+    assert [v.string_value for v in rules.values] == ["budget:tiny"]
+    assert invalid.name == "egress invalid"
+    assert attrs(invalid)["egress.decision"] == "invalid"
     await sidecar.gateway.aclose()
 
 

@@ -104,9 +104,12 @@ async def test_b12_through_the_sidecar(vault_lab: VaultLab, upstream, sidecar_fa
     assert denied["error_code"] == "SECRET_ACCESS_DENIED"
 
 
-async def test_vault_unreachable_is_retryable_and_not_ready(
+async def test_vault_unreachable_is_retryable_and_the_sidecar_stays_ready(
     vault_lab: VaultLab, upstream, sidecar_factory
 ):
+    """One Vault is shared by every sidecar: its outage is reported by /readyz but does
+    not make the pod NotReady (every agent pod would leave its Services at once); the
+    calls that need it answer retryably."""
     token_file = vault_lab.write("b12-dead.token", vault_lab.token(["b12-reader"]))
     dead = f"http://127.0.0.1:{free_port()}"
     policy = compile_policy(
@@ -115,8 +118,10 @@ async def test_vault_unreachable_is_retryable_and_not_ready(
     )
     sc = await sidecar_factory(policy)
     async with sc.session.get(sc.url + "/readyz") as resp:
-        assert resp.status == 503
-        assert (await resp.json())["checks"]["secrets"] is False
+        assert resp.status == 200
+        body = await resp.json()
+    assert body["status"] == "ready"
+    assert body["checks"]["secrets"] is False  # reported, not gating
     status, answer = await sc.call(envelope(api_key_ref="vault://fake-openai-key"))
     assert status == 502
     assert answer["error"]["code"] == "DEPENDENCY_FAILED"

@@ -42,7 +42,7 @@ import secrets
 import socket
 import sys
 import threading
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Final
 
@@ -91,16 +91,20 @@ class _Sink:
     def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
         self.handler: RotatingFile | None = None
+        #: Where every line also goes (audit.otlp's spool), after the sink has it.
+        self.tee: Callable[[str], None] | None = None
         self._lock = threading.Lock()
 
     def msg(self, line: str) -> None:
         if self.handler is not None:
             # It locks, rolls over before a line would reach max_bytes, flushes.
             self.handler.write(line)
-            return
-        with self._lock:
-            self.stream.write(line + "\n")
-            self.stream.flush()
+        else:
+            with self._lock:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+        if self.tee is not None:
+            self.tee(line)
 
     def to_stream(self, stream: IO[str]) -> None:
         self.close()
@@ -354,8 +358,10 @@ class AuditLog:
     ``stream`` (default stdout, not closed here); with ``sink: file`` they are appended to
     ``spec.path`` and rotated by size (as stdlib ``RotatingFileHandler`` does: past
     ``max_bytes`` the file becomes ``path.1``, older ones shift up to
-    ``path.<backup_count>``; no ``max_bytes``: never rotated). ``spec.chain`` turns on
-    the hash chain (seq 1 at construction). ``agent_id`` goes into events;
+    ``path.<backup_count>``; no ``max_bytes``: never rotated). With ``spec.otlp`` every
+    line is also shipped to an OpenTelemetry collector (:mod:`gateway.audit.otlp`).
+    ``spec.chain`` turns on the hash chain (seq 1 at construction). ``agent_id`` goes into
+    events;
     ``sidecar_id`` defaults to :func:`new_sidecar_id`. Raises ``OSError`` if the file
     cannot be opened.
 
@@ -383,6 +389,12 @@ class AuditLog:
             if spec.chain:
                 link = _file_link(spec.path)  # before the sink may add a newline to it
             self._sink.to_file(spec.path, spec.max_bytes or 0, spec.backup_count)
+        self._otlp = None
+        if spec.otlp is not None:
+            from gateway.audit.otlp import OtlpShipper  # opentelemetry: only when asked
+
+            self._otlp = OtlpShipper(spec.otlp)
+            self._sink.tee = self._otlp.ship
         # An audit file is for machines: always JSON. A stream is rendered in the format
         # of the process (set_log_format), a chained record after its hash is taken.
         on_stream = spec.sink == "stdout"
@@ -439,6 +451,15 @@ class AuditLog:
             self._log.info(name, **record)
 
     @property
+    def shipping(self) -> tuple[int, int] | None:
+        """With ``audit.otlp``: (lines dropped from the full spool so far, bytes spooled
+        and not yet accepted by the collector); None without it."""
+        otlp = self._otlp
+        if otlp is None:
+            return None
+        return otlp.spool.dropped, otlp.spool.pending_bytes
+
+    @property
     def write_failures(self) -> int:
         """Audit lines the file sink could not write so far (0 for stdout)."""
         handler = self._sink.handler
@@ -449,6 +470,9 @@ class AuditLog:
         with self._lock:
             if self._sink.handler is not None:
                 self._sink.to_stream(sys.stdout)
+            otlp, self._otlp, self._sink.tee = self._otlp, None, None
+        if otlp is not None:
+            otlp.close()  # ships what is spooled, for a bounded time; the rest stays spooled
 
     async def aclose(self) -> None:
         """:meth:`close`, for an ``AsyncExitStack``."""

@@ -91,7 +91,7 @@ class AuditRecord(BaseModel):
     tokens_reasoning: int | None = None
     # Which API the call came in by (added in 1.x): the envelope (``POST /v1/calls``) or a
     # drop-in provider route (``/proxy/{target}/...``, an SDK pointed at the sidecar).
-    api: Literal["envelope", "proxy", "mcp"] = "envelope"
+    api: Literal["envelope", "proxy", "mcp", "database"] = "envelope"
     # Cost (added in 1.x): USD from the call's usage and its model's price, null when
     # unknown with ``cost_reason`` saying why (gateway.cost: no_dialect, no_price,
     # usage_unknown, not_sent, not_billed...); the model priced and its source (``policy`` or
@@ -133,6 +133,18 @@ class AuditRecord(BaseModel):
     model_requested: str | None = None
     model_sent: str | None = None
     model_drift: dict[str, str] | None = None
+    # Database targets (added in 1.x; ``api: database``): the statement's name, the
+    # SHA-256 of its SQL and of its parameters as canonical JSON (never their values),
+    # the database user, the rows answered, the SQLSTATE of an error, the wait for a
+    # pooled connection, and the SQLSTATEs of transactions retried; null for other calls.
+    db_statement: str | None = None
+    db_sql_sha256: str | None = None
+    db_params_sha256: str | None = None
+    db_user: str | None = None
+    db_rows: int | None = None
+    db_sqlstate: str | None = None
+    db_pool_wait_ms: float | None = None
+    db_retries: list[str] | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -210,6 +222,14 @@ class Fields:
     MODEL_REQUESTED: Final = "model_requested"
     MODEL_SENT: Final = "model_sent"
     MODEL_DRIFT: Final = "model_drift"
+    DB_STATEMENT: Final = "db_statement"
+    DB_SQL_SHA256: Final = "db_sql_sha256"
+    DB_PARAMS_SHA256: Final = "db_params_sha256"
+    DB_USER: Final = "db_user"
+    DB_ROWS: Final = "db_rows"
+    DB_SQLSTATE: Final = "db_sqlstate"
+    DB_POOL_WAIT_MS: Final = "db_pool_wait_ms"
+    DB_RETRIES: Final = "db_retries"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

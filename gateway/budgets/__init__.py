@@ -39,6 +39,7 @@ from gateway.policy.budgets import BudgetSpec
 
 if TYPE_CHECKING:
     from gateway.budgets.cluster import ClusterBudgets
+    from gateway.budgets.journal import BudgetJournal
 
 __all__ = ["NANO_USD", "Applied", "Booking", "Budgets", "LocalLedger", "to_nano"]
 
@@ -78,10 +79,19 @@ class Booking:
 
 
 class LocalLedger:
-    """Spend per budget and bucket, in this process."""
+    """Spend per budget and bucket, in this process; with a ``journal``, starting from
+    what it recorded and recording every change to it before the call goes out (spend
+    kept across a restart: :mod:`gateway.budgets.journal`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, journal: BudgetJournal | None = None) -> None:
+        self._journal = journal
         self._spent: dict[str, dict[int, int]] = {}
+        if journal is not None:
+            self._spent = {name: dict(b) for name, b in journal.totals.items()}
+
+    def _record(self, changes: list[tuple[str, int, int]]) -> None:
+        if self._journal is not None and self._journal.record(changes):
+            self._journal.compact(self._spent)
 
     def spent(self, budget: Applied, now_s: float) -> int:
         """The budget's spend in its current window (nano-USD)."""
@@ -117,6 +127,7 @@ class LocalLedger:
             buckets[bucket] = buckets.get(bucket, 0) + amount
             self._forget(budget, buckets, bucket)
             booked.append((budget, bucket))
+        self._record([(b.name, k, self._spent[b.name][k]) for b, k in booked])
         return None, booked, shadow
 
     def adjust(self, name: str, bucket: int, delta: int) -> None:
@@ -124,10 +135,14 @@ class LocalLedger:
         if buckets is None or bucket not in buckets:
             return  # the bucket has left its window
         buckets[bucket] = max(buckets[bucket] + delta, 0)
+        self._record([(name, bucket, buckets[bucket])])
 
     def keep_only(self, names: set[str]) -> None:
-        for name in set(self._spent) - names:
+        gone = set(self._spent) - names
+        for name in gone:
             del self._spent[name]
+        if gone and self._journal is not None:
+            self._journal.compact(self._spent)
 
     @staticmethod
     def _forget(budget: Applied, buckets: dict[int, int], current: int) -> None:
@@ -175,7 +190,8 @@ def _window_words(spec: BudgetSpec) -> str:
 
 class Budgets:
     """The budgets of a policy, by name. ``cluster`` books the ``scope: cluster`` ones
-    in Redis (without it they are counted per process); ``clock`` gives epoch seconds."""
+    in Redis (without it they are counted per process); ``journal`` keeps the local
+    spend across a restart; ``clock`` gives epoch seconds."""
 
     def __init__(
         self,
@@ -183,9 +199,10 @@ class Budgets:
         *,
         cluster: ClusterBudgets | None = None,
         clock: Callable[[], float] = time.time,
+        journal: BudgetJournal | None = None,
     ) -> None:
         self.cluster = cluster
-        self.ledger = LocalLedger()
+        self.ledger = LocalLedger(journal)
         self._clock = clock
         self.update(specs)
 
@@ -202,6 +219,24 @@ class Budgets:
 
     def __bool__(self) -> bool:
         return bool(self._budgets)
+
+    def levels(self) -> list[tuple[str, str, float | None, float]]:
+        """Each budget as (name, scope, spent USD in its current window or None, limit
+        USD), for the metrics. Spent is None for a cluster budget (its spend is in Redis,
+        read only by admissions); a cluster budget counted here because this sidecar runs
+        without Redis reports this sidecar's spend."""
+        now = self._clock()
+        return [
+            (
+                b.name,
+                b.spec.scope,
+                None
+                if b.spec.scope == "cluster" and self.cluster is not None
+                else self.ledger.spent(b, now) / NANO_USD,
+                b.limit / NANO_USD,
+            )
+            for b in self._budgets
+        ]
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Each budget as the operator's console shows it: ``name``, ``limit_usd``,

@@ -123,6 +123,10 @@ class Attempts:
     model_gate: Callable[[str], GatewayError | None] | None = None
     #: Read the model a relayed stream names (the judge's ``model``), for the record.
     watch_model: bool = False
+    #: The "send" of a target that is not spoken to over HTTP (a database target's
+    #: statement, :meth:`gateway.database.registry.Databases.run`), given the attempt's
+    #: timeout in seconds; None: the HTTP request through ``upstream``.
+    send: Callable[[float], Awaitable[UpstreamResponse]] | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
     #: A 401 made the credential be resolved again (once per call).
     refreshed: bool = field(default=False, init=False)
@@ -176,12 +180,7 @@ class Attempts:
         permit = self.breaker.acquire(attempt_timeout_s=attempt_timeout) if self.breaker else None
         log.attempts += 1
         try:
-            answer = await telemetry.current().send(
-                self.upstream,
-                self.outbound,
-                timeout_s=attempt_timeout,
-                stream=self.relay is not None,
-            )
+            answer = await self._send(attempt_timeout)
         except TransportError as exc:
             log.sent, log.billed = log.sent or exc.sent, log.billed or exc.sent
             _settle(permit, None, exc.kind)
@@ -273,6 +272,15 @@ class Attempts:
         error = status_error(answer, retry_after, self.target.name, hint, parsed)
         retryable = status_retryable(answer.status, self.target.spec.retry.retry_on, hint)
         return Outcome(error, retryable, retry_after_s=retry_after)
+
+    def _send(self, timeout_s: float) -> Awaitable[UpstreamResponse]:
+        """The attempt's send: :attr:`send` when given (a database target's statement),
+        else the HTTP request through the upstream client."""
+        if self.send is not None:
+            return self.send(timeout_s)
+        return telemetry.current().send(
+            self.upstream, self.outbound, timeout_s=timeout_s, stream=self.relay is not None
+        )
 
     async def _before_resend(self) -> None:
         if self.before_resend is not None:

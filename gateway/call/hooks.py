@@ -2,7 +2,8 @@
 
 The pipeline runs the same stages for every API; where an API reads a kind of target its
 own way (an MCP target's rules on an envelope's ``parameters``, on an MCP route's body,
-or refused on a drop-in route), its entry point hands the pipeline its
+or refused on a drop-in route; a database target's statement bound from an envelope,
+refused on a drop-in route), its entry point hands the pipeline its
 :class:`CallHooks` (:data:`ENVELOPE`, :data:`ROUTE`, :data:`DROP_IN`; the MCP rules are
 :mod:`gateway.call.mcp`'s), so that no stage branches on the API.
 """
@@ -14,8 +15,9 @@ from typing import Any, Final, Protocol
 from gateway.call import mcp
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
+from gateway.database import DbLog, bind
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
-from gateway.errors import PermissionDenied
+from gateway.errors import InvalidPayload, PermissionDenied
 from gateway.policy import CompiledTarget
 
 
@@ -68,6 +70,10 @@ class _Envelope(_Exchanges):
         ctx: CallContext,
         relay: Relay | None,
     ) -> tuple[ExternalCallRequest, Relay | None]:
+        if target.spec.database is not None:  # a named statement (gateway.database)
+            ctx.api, ctx.db = "database", DbLog()
+            ctx.db_call = bind(request, target.spec.database.statements)
+            return request, None
         if target.spec.mcp is None:
             return request, relay
         return mcp.check_envelope(request, target, ctx), None
@@ -108,6 +114,12 @@ class _DropIn:
                 f"target {target.name!r} is an MCP server: point the MCP client at "
                 f"/mcp/{target.name}",
                 details={"reason": "mcp_route_only"},
+            )
+        if target.spec.database is not None:
+            raise InvalidPayload(
+                f"target {target.name!r} is a database: call it with an envelope naming a "
+                "statement (POST /v1/calls), not through a drop-in route",
+                details={"reason": "not_for_database", "target": target.name},
             )
         return request, relay
 

@@ -53,6 +53,7 @@ from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
+from gateway.database.registry import Databases
 from gateway.deadletters import DeadLetters
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
@@ -96,8 +97,11 @@ class Pipeline:
         tracer: telemetry.Telemetry = telemetry.NO_TELEMETRY,
         budgets: Budgets | None = None,
         controls: Controls | None = None,
+        databases: Databases | None = None,
     ) -> None:
         self.groups = groups
+        #: The engines of database targets (gateway.database); none without such targets.
+        self.databases = databases
         #: The stop switch and the repeated-call breaker (gateway.agents.controls).
         self.controls = controls if controls is not None else Controls()
         #: Cost budgets (local unless built with a cluster) and the policy's prices.

@@ -16,6 +16,7 @@ from typing import Any
 from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.call.attempts import AttemptLog
+from gateway.database import DbLog, StatementCall
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
 from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget
@@ -27,6 +28,7 @@ from gateway.record import (
     CLAIMED,
     Api,
     CallRecord,
+    DatabaseFacts,
     ModelFacts,
     StreamFacts,
     refusal_record,
@@ -73,6 +75,9 @@ class CallContext:
     #: The API the call came in by: ``proxy`` for the drop-in provider routes, ``mcp``
     #: for ``/mcp/{target}``.
     api: Api = "envelope"
+    #: A database target's statement (``api: database``), and what running it learned.
+    db_call: StatementCall | None = None
+    db: DbLog | None = None
     #: Drop-in routes: the request headers an SDK sent that go upstream beneath the
     #: policy's own (:mod:`gateway.call.proxy`); empty for envelopes.
     passthrough_headers: dict[str, str] = field(default_factory=dict)
@@ -150,6 +155,7 @@ class CallContext:
                 self.policy_sha256,
                 self.chain,
                 self._models(),
+                _database(self.db_call, self.db),
             ),
         )
 
@@ -161,6 +167,22 @@ class CallContext:
         relayed = self.attempt_log.relayed
         answered = relayed.judge.model if relayed is not None else self.answered_model
         return ModelFacts(choice.requested, choice.sent, answered)
+
+
+def _database(call: StatementCall | None, log: DbLog | None) -> DatabaseFacts | None:
+    if call is None:
+        return None
+    log = log or DbLog()
+    return DatabaseFacts(
+        call.name,
+        call.sql_sha256,
+        call.params_sha256,
+        log.user,
+        log.rows,
+        log.sqlstate,
+        log.pool_wait_s,
+        tuple(log.retries),
+    )
 
 
 def audit_record(ctx: CallContext, response: ExternalCallResponse) -> dict[str, Any]:
@@ -197,6 +219,9 @@ def observe(metrics: Metrics, call: CallRecord, response: ExternalCallResponse) 
         metrics.observe_model_drift(target, models.sent, models.answered)
     if response.error is not None and response.error.code is ErrorCode.CALL_CHAIN_REFUSED:
         metrics.observe_chain_refusal(str(response.error.details.get("reason", "")))
+    if call.database is not None and call.database.statement is not None:  # a policy name
+        code = response.error.code.value if response.error else "success"
+        metrics.observe_statement(target, call.database.statement, code)
     for _ in range(call.attempts - 1):  # none for 0 or 1 attempt
         metrics.observe_retry(target)
     genai = outcome_of(call, response) if not call.replayed else None  # a replay: no operation

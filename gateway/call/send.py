@@ -4,7 +4,8 @@ In order (:func:`forward`): the outbound request (:mod:`gateway.call.outbound`; 
 digest and ``traceparent`` into the record), the rate-limit group's token estimate, the
 secret (:func:`resolve`, inside the deadline), the cost reservation
 (:mod:`gateway.call.spend`: refused here, nothing goes out), the attempts
-(:class:`gateway.call.attempts.Attempts`), then the answer's usage settles the cost and
+(:class:`gateway.call.attempts.Attempts`; a database target's attempt runs its statement
+instead of an HTTP request: :func:`_statement`), then the answer's usage settles the cost and
 the group's estimate (a failure releases what it may). The pipeline's context is the
 only thing written: the stages it calls return their results.
 """
@@ -15,6 +16,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gateway import telemetry
@@ -28,7 +30,7 @@ from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames
-from gateway.errors import CapacityExceeded, GatewayError
+from gateway.errors import CapacityExceeded, GatewayError, InternalError
 from gateway.policy import CompiledTarget, PolicySet
 from gateway.policy.egress import Decision
 from gateway.policy.refs import SecretRef
@@ -65,7 +67,7 @@ async def forward(
         request=request,
         outbound=with_credential(draft, target, resolved, pipe.credentials),
         deadline=deadline,
-        has_idempotency_key=ctx.idempotency_key is not None,
+        has_idempotency_key=_keyed(ctx),
         rng=pipe.rng,
         relay=relay,
         started=ctx.started,
@@ -81,6 +83,7 @@ async def forward(
         model_gate=gate,
         watch_model=ctx.model is not None,
     )
+    attempts.send = _statement(pipe, policy, target.name, ctx)
     ctx.attempt_log = attempts.log
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
     cost = spend.price(
@@ -121,6 +124,32 @@ def _model_gate(
     return (
         functools.partial(models.drift, choice, target=target.name) if choice.refuse_drift else None
     )
+
+
+def _keyed(ctx: CallContext) -> bool:
+    """Whether a request the upstream may have acted on may be sent again (with retry's
+    other rules): it carries an idempotency key. A database never sees the key (the
+    sidecar's store replays by it, but a statement sent again runs again): there, only
+    a statement marked ``idempotent``."""
+    if ctx.db_call is not None:
+        return ctx.db_call.spec.idempotent
+    return ctx.idempotency_key is not None
+
+
+def _statement(
+    pipe: Pipeline, policy: PolicySet, target: str, ctx: CallContext
+) -> Callable[[float], Awaitable[UpstreamResponse]] | None:
+    """A database target's "send" (:meth:`gateway.database.registry.Databases.run`), or
+    None for an HTTP target. With ``audit.payloads: none`` the parameters' hash is not
+    kept either."""
+    call, log, databases = ctx.db_call, ctx.db, pipe.databases
+    if call is None or log is None:
+        return None
+    if databases is None:
+        raise InternalError("a database target without its engines", details={"target": target})
+    if policy.policy.audit.payloads != "summary":
+        call = ctx.db_call = replace(call, params_sha256=None)
+    return lambda timeout_s: databases.run(target, call, timeout_s=timeout_s, log=log)
 
 
 def _outbound(

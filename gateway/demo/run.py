@@ -36,7 +36,7 @@ def _repoint(policy: PolicySet, port: int) -> PolicySet:
     """The policy with its loopback stand-in targets moved to ``port``."""
     targets: dict[str, TargetSpec] = {}
     for name, target in policy.policy.targets.items():
-        url = URL(target.base_url)
+        url = URL(target.base_url or "")
         if url.host == "127.0.0.1" and url.port == DEMO_UPSTREAM_PORT:
             target = target.model_copy(update={"base_url": str(url.with_port(port))})
         targets[name] = target

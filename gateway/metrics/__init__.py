@@ -35,6 +35,13 @@ secrets_ready                          gauge      (none): 1 usable, 0 Vault with
 build_info                             gauge      version, python (always 1)
 policy_info                            gauge      agent_id, digest (always 1)
 mcp_requests_total                     counter    target, method, tool, outcome
+database_statements_total              counter    target, statement, outcome (success or
+                                                  the error code)
+budget_spent_usd                       gauge      budget, scope (local budgets: this
+                                                  sidecar's spend in the current window)
+budget_limit_usd                       gauge      budget, scope (every budget's limit)
+audit_shipping_dropped_total           counter    (none; with audit.otlp) spool overflow
+audit_shipping_pending_bytes           gauge      (none; with audit.otlp) not yet shipped
 call_chain_refusals_total              counter    reason (circular_call_detected|max_depth_
                                                   exceeded|ttl_expired|invalid_chain)
 agent_stops                            gauge      scope (agent|target|all): stops in force
@@ -80,7 +87,7 @@ base units, ``_total`` for counters, ``_seconds`` for durations.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from prometheus_client import (
@@ -92,12 +99,10 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.registry import Collector
 
 from gateway.envelope import ErrorCode
-from gateway.metrics.series import NAMESPACE, Series
+from gateway.metrics.series import BudgetLevel, Series, Watched
 
 if TYPE_CHECKING:
     from gateway.breaker import BreakerState
@@ -167,7 +172,7 @@ class Metrics(Series):
         self._cost_by_named: dict[tuple[str, str | None], Any] = {}
         Series.__init__(self, self.registry)
         r = self.registry
-        self._watched = _Watched()
+        self._watched = Watched()
         r.register(self._watched)
         # Label values known in advance start at 0, so that rate() and alerts see a series
         # before the first event (Prometheus "avoid missing metrics").
@@ -222,6 +227,7 @@ class Metrics(Series):
         for group in self._groups:
             self._child(self.ratelimit_rejections, group)
             self._child(self.ratelimit_wait, group)
+            self._child(self.redis_fallbacks, group)
 
     def _child(self, metric: Counter | Histogram, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: prometheus-client validates the values
@@ -420,6 +426,11 @@ class Metrics(Series):
         are bounded by the caller (:func:`gateway.call.mcp.metric_labels`)."""
         self._child(self.mcp_requests, self._target(target or "_none"), method, tool, outcome).inc()
 
+    def observe_statement(self, target: str, statement: str, outcome: str) -> None:
+        """Count one named statement of a database target; ``statement`` is a policy
+        name (the call was bound to it), ``outcome`` ``success`` or an error code."""
+        self._child(self.database_statements, self._target(target), statement, outcome).inc()
+
     def observe_retry(self, target: str) -> None:
         """Count one retry (an upstream attempt after the first)."""
         self._child(self.retries, self._target(target)).inc()
@@ -470,12 +481,21 @@ class Metrics(Series):
         self._child(self.policy_reloads, result).inc()
 
     def watch(
-        self, *, audit_failures: Callable[[], int], secrets_ready: Callable[[], bool]
+        self,
+        *,
+        audit_failures: Callable[[], int],
+        secrets_ready: Callable[[], bool],
+        budgets: Callable[[], Iterable[BudgetLevel]] = tuple,
+        audit_shipping: Callable[[], tuple[int, int] | None] = lambda: None,
     ) -> None:
-        """Read, at each scrape, the audit sink's write failures so far and whether the
-        secret store is usable (``/readyz``'s ``secrets`` check)."""
+        """Read, at each scrape, the audit sink's write failures so far, whether the
+        secret store is usable (``/readyz``'s ``secrets`` check), each budget's (name,
+        scope, spent USD or None when not known here, limit USD), and with ``audit.otlp``
+        the spool's (lines dropped, bytes not yet shipped)."""
         self._watched.audit_failures = audit_failures
         self._watched.secrets_ready = secrets_ready
+        self._watched.budgets = budgets
+        self._watched.audit_shipping = audit_shipping
 
     # --- exposition -----------------------------------------------------------------------
 
@@ -487,24 +507,3 @@ class Metrics(Series):
         """
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
-
-
-class _Watched(Collector):
-    """Values the sidecar holds elsewhere, read when scraped."""
-
-    def __init__(self) -> None:
-        self.audit_failures: Callable[[], int] = lambda: 0
-        self.secrets_ready: Callable[[], bool] = lambda: True
-
-    def collect(self) -> Iterator[Metric]:
-        failures = CounterMetricFamily(
-            f"{NAMESPACE}_audit_write_failures",
-            "Audit lines the audit file sink could not write (disk full, unwritable path).",
-        )
-        failures.add_metric([], self.audit_failures())
-        yield failures
-        yield GaugeMetricFamily(
-            f"{NAMESPACE}_secrets_ready",
-            "1 when the secret store is usable (no Vault, or Vault with a valid token), else 0.",
-            value=1 if self.secrets_ready() else 0,
-        )

@@ -8,13 +8,18 @@ is owned by this package.
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 import gateway
 
 NAMESPACE: Final = "egress_gateway"
+#: A budget at a scrape: (name, scope, spent USD or None where not counted here, limit USD).
+BudgetLevel = tuple[str, str, float | None, float]
 
 # LLM calls run for tens of seconds; the top buckets keep them apart from the fast ones.
 CALL_BUCKETS_S: Final = (
@@ -100,6 +105,10 @@ class Series:
             "mcp_requests", "JSON-RPC requests to MCP targets, by method, tool and outcome.",
             ["target", "method", "tool", "outcome"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        self.database_statements = Counter(
+            "database_statements", "Named statements of database targets, by outcome.",
+            ["target", "statement", "outcome"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
         self.inflight = Gauge(
             "inflight_calls", "Calls currently inside the sidecar.",
             namespace=NAMESPACE, registry=r,
@@ -173,3 +182,56 @@ class Series:
             "agent_stop_changes", "Stops and resumes asked through this sidecar's ops API.",
             ["action", "scope"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+
+
+class Watched(Collector):
+    """Values the sidecar holds elsewhere, read when scraped."""
+
+    def __init__(self) -> None:
+        self.audit_failures: Callable[[], int] = lambda: 0
+        self.secrets_ready: Callable[[], bool] = lambda: True
+        self.budgets: Callable[[], Iterable[BudgetLevel]] = tuple
+        self.audit_shipping: Callable[[], tuple[int, int] | None] = lambda: None
+
+    def collect(self) -> Iterator[Metric]:
+        failures = CounterMetricFamily(
+            f"{NAMESPACE}_audit_write_failures",
+            "Audit lines the audit file sink could not write (disk full, unwritable path).",
+        )
+        failures.add_metric([], self.audit_failures())
+        yield failures
+        yield GaugeMetricFamily(
+            f"{NAMESPACE}_secrets_ready",
+            "1 when the secret store is usable (no Vault, or Vault with a valid token), else 0.",
+            value=1 if self.secrets_ready() else 0,
+        )
+        spent = GaugeMetricFamily(
+            f"{NAMESPACE}_budget_spent_usd",
+            "Spend (booked and reserved) of a local budget in its current window, in USD.",
+            labels=["budget", "scope"],
+        )
+        limit = GaugeMetricFamily(
+            f"{NAMESPACE}_budget_limit_usd",
+            "A budget's limit per window, in USD.",
+            labels=["budget", "scope"],
+        )
+        for name, scope, spent_usd, limit_usd in self.budgets():
+            limit.add_metric([name, scope], limit_usd)
+            if spent_usd is not None:
+                spent.add_metric([name, scope], spent_usd)
+        yield spent
+        yield limit
+        shipping = self.audit_shipping()
+        if shipping is not None:
+            dropped = CounterMetricFamily(
+                f"{NAMESPACE}_audit_shipping_dropped",
+                "Audit lines dropped from the OTLP spool when it was full (still in the "
+                "file or stdout sink).",
+            )
+            dropped.add_metric([], shipping[0])
+            yield dropped
+            yield GaugeMetricFamily(
+                f"{NAMESPACE}_audit_shipping_pending_bytes",
+                "Bytes of audit lines spooled and not yet accepted by the OTLP collector.",
+                value=shipping[1],
+            )

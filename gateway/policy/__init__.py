@@ -50,6 +50,7 @@ from gateway.policy.models import (
     TargetSpec,
 )
 from gateway.policy.stores import (
+    AuditOtlpSpec,
     AuditSpec,
     RedisSpec,
     SecretsSpec,
@@ -82,6 +83,7 @@ __all__ = [
     "FORBIDDEN_FORWARD_HEADERS",
     "HEADER_NAME",
     "HEADER_VALUE_FORBIDDEN",
+    "AuditOtlpSpec",
     "AuditSpec",
     "BreakerSpec",
     "Cidr",

@@ -119,7 +119,14 @@ def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
         if tail:
             parts = parts[:-1]
         rules.append((parts, tail, frozenset(rule.methods)))
-    base = URL(spec.base_url)
+    if spec.database is not None:
+        # Each statement is one endpoint, /NAME: GET for a read, POST for a write. The
+        # DSN (no credential in it) stands for the base URL, so records name the host.
+        for statement, stmt in spec.database.statements.items():
+            rules.append(
+                ((statement,), False, frozenset({"GET" if stmt.mode == "read" else "POST"}))
+            )
+    base = URL(spec.base_url or (spec.database.dsn if spec.database else ""))
     if spec.mcp is not None:
         # The MCP endpoint is base_url itself: its path becomes the one endpoint (so an
         # envelope names it, and the URL is exactly base_url), on the bare origin.
@@ -145,7 +152,7 @@ def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
 def mcp_endpoint(target: CompiledTarget) -> str:
     """The endpoint of an MCP target: the path of its policy ``base_url`` (``/`` if none),
     percent-encoded as written."""
-    return URL(target.spec.base_url).raw_path or "/"
+    return URL(target.spec.base_url or "").raw_path or "/"
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,6 +119,15 @@ MAX_TOKENS_PER_MINUTE: Final = 10**12
 #: An audit file's rotation size is compared with a file offset, an int64 (``off_t``).
 MAX_AUDIT_FILE_BYTES: Final = 2**63 - 1
 MAX_AUDIT_BACKUPS: Final = 1000
+#: audit.otlp (docs/audit.md): seconds per export request; the spool's bound in bytes
+#: (32 MiB: 10 minutes at ~35 records/s of 1.5 KB), at least one segment (1 MiB), at
+#: most what a file offset counts.
+DEFAULT_AUDIT_OTLP_TIMEOUT_S: Final = 10.0
+MAX_AUDIT_OTLP_TIMEOUT_S: Final = 60.0
+DEFAULT_AUDIT_SPOOL_BYTES: Final = 32 * 1024 * 1024
+MIN_AUDIT_SPOOL_BYTES: Final = 1024 * 1024
+MAX_AUDIT_SPOOL_BYTES: Final = 2**63 - 1
+DEFAULT_AUDIT_SPOOL_PATH: Final = "/tmp/egress-gateway/audit-spool"  # noqa: S108 - the pod's /tmp
 #: Telemetry (docs/operations.md). A ratio is a probability; a model label list longer
 #: than this is a cardinality problem, not a dashboard.
 DEFAULT_TRACE_SAMPLE_RATIO: Final = 1.0
@@ -177,6 +186,23 @@ MAX_REPEAT_EXEMPT: Final = 200
 #: A tool cap (a budget's ``max_calls``) is counted like spend, in integer nano-units
 #: inside Redis's Lua (exact below 2**53): the same bound as MAX_BUDGET_USD.
 MAX_BUDGET_CALLS: Final = 1_000_000
+#: Database targets (gateway/policy/database.py). A pool of 4 serves one agent's calls
+#: (they come one at a time, a few at once); 100 is past what a database gives one
+#: client. A pool wait of 2 s, then CAPACITY_EXCEEDED. A connection lives 5 minutes at
+#: most, well inside a Vault lease (1 hour by default). A statement runs 5 s and waits
+#: 1 s for a lock by default (an agent waits on it). 1,000 rows and 1 MiB of JSON answer
+#: a question; a million rows is an export, not a call.
+DEFAULT_DB_POOL_SIZE: Final = 4
+MAX_DB_POOL_SIZE: Final = 100
+DEFAULT_DB_ACQUIRE_TIMEOUT_S: Final = 2.0
+DEFAULT_DB_MAX_LIFETIME_S: Final = 300.0
+DEFAULT_DB_STATEMENT_TIMEOUT_S: Final = 5.0
+DEFAULT_DB_LOCK_TIMEOUT_S: Final = 1.0
+DEFAULT_DB_MAX_ROWS: Final = 1000
+MAX_DB_MAX_ROWS: Final = 1_000_000
+DEFAULT_DB_MAX_BYTES: Final = 1024 * 1024
+MIN_DB_MAX_BYTES: Final = 1024
+MAX_DB_AFFECTED_ROWS: Final = 10**9
 
 # -- the operator's desk: approvals and dead letters (gateway.policy.desk) --------------
 #: How long an approval request waits for a decision, and an approval for its call, s.

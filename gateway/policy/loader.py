@@ -24,7 +24,7 @@ import difflib
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import yaml
@@ -471,6 +471,16 @@ def _read_text(path: str | os.PathLike[str]) -> str:
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise fail(line, f"the policy is not UTF-8 text (byte 0x{raw[exc.start]:02x})") from None
+
+
+def problem_lines(
+    path: str | os.PathLike[str], problems: Sequence[tuple[KeyPath, str]]
+) -> list[str]:
+    """``problems`` (key path, message) found later in the valid policy at ``path``, as
+    ``FILE:LINE: key.path: problem`` lines (``validate --check-database``)."""
+    source = str(path)
+    _, root, document = _parse(_read_text(path), source)
+    return [_problem_line(source, document.line_of(root, k), k, m) for k, m in problems]
 
 
 def load_policy(path: str | os.PathLike[str]) -> PolicySet:

@@ -88,6 +88,8 @@ def check_target(spec: Any) -> Any:
     """A ``TargetSpec`` validator (after): a target without ``mcp`` needs ``endpoints``;
     an MCP target has none (its ``base_url`` is the endpoint) and no ``idempotency``
     (JSON-RPC ids, not HTTP keys, pair its requests and answers)."""
+    if spec.database is not None:
+        return spec  # gateway.policy.database.check_target
     if spec.mcp is None and not spec.endpoints:
         raise ValueError("a target needs 'endpoints' (or 'mcp' for an MCP server)")
     if spec.mcp is not None and spec.endpoints is not None:

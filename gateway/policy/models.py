@@ -23,6 +23,8 @@ from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 from gateway.policy.chain import ChainSpec, chain_problems
 from gateway.policy.controls import ControlsSpec, controls_problems
+from gateway.policy.database import DatabaseSpec, database_problems
+from gateway.policy.database import check_target as check_database_target
 
 # Re-exported: gateway.idempotency.memory imports them from here.
 from gateway.policy.defaults import (
@@ -297,7 +299,7 @@ class IdempotencySpec(_Strict):
 
 
 class TargetSpec(_Strict):
-    base_url: str
+    base_url: str | None  # required; a database target has none (it has its DSN)
     credential: CredentialSpec | None = None
     endpoints: list[EndpointRule] | None = Field(None, min_length=1)  # required unless mcp
     rate_limit_group: Name | None = None
@@ -320,11 +322,23 @@ class TargetSpec(_Strict):
     models: ModelsSpec | None = None  # allow, pin, on_drift (gateway.policy.modelrules)
     approval: desk.ApprovalSpec | None = None  # calls held for a person's yes
     dead_letter: bool = False  # keep calls that failed for good (gateway.policy.desk)
+    database: DatabaseSpec | None = None  # named statements (gateway.policy.database)
     _mcp = model_validator(mode="after")(check_target)
+    _database = model_validator(mode="after")(check_database_target)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_base_url(cls, data: Any) -> Any:
+        # A database target's base_url is its DSN: absent, not "Field required".
+        if isinstance(data, dict) and "database" in data and "base_url" not in data:
+            return {**data, "base_url": None}
+        return data
 
     @field_validator("base_url")
     @classmethod
-    def _base_url(cls, v: str) -> str:
+    def _base_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         # The messages do not echo the URL: user info or a query may hold a credential.
         url = URL(v)
         if url.scheme not in ("http", "https") or not url.host:
@@ -470,7 +484,10 @@ class Policy(_Strict):
                 if ref.startswith("vault://") and self.secrets.vault is None:
                     message = f"{ref!r} needs a secrets.vault section"
                     problem("targets", name, "credential", message=message)
-            host = URL(target.base_url).host or ""
+            db = target.database
+            if db is not None:
+                problems += database_problems(name, db, self.secrets.vault is not None)
+            host = (db.host() if db else URL(target.base_url or "").host) or ""
             try:
                 address = ipaddress.ip_address(host)
             except ValueError:
@@ -480,7 +497,7 @@ class Policy(_Strict):
                     f"{host} is not allowed by the egress policy (not a public address, or in "
                     "egress.deny_cidrs); list it in egress.allow_cidrs to allow it"
                 )
-                problem("targets", name, "base_url", message=message)
+                problem("targets", name, "database" if db else "base_url", message=message)
             idempotency = target.idempotency
             if idempotency and idempotency.scope == "cluster" and self.redis is None:
                 problem("targets", name, "idempotency", "scope", message=no_redis)

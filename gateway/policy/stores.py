@@ -68,8 +68,22 @@ class RedisSpec(StrictModel):
     connect_timeout_s: float = Field(d.DEFAULT_REDIS_TIMEOUT_S, gt=0, le=d.MAX_REDIS_TIMEOUT_S)
 
 
+class AuditOtlpSpec(StrictModel):
+    """``audit.otlp``: ship every audit line to an OpenTelemetry collector (OTLP/HTTP
+    logs), beside the file or stdout sink, through a bounded on-disk spool. Headers
+    (a collector's token) come from OTEL_EXPORTER_OTLP_LOGS_HEADERS, never the policy."""
+
+    endpoint: str = Field(pattern=r"^https?://[^\s]+$")  # e.g. http://otel-collector:4318/v1/logs
+    timeout_s: float = Field(d.DEFAULT_AUDIT_OTLP_TIMEOUT_S, gt=0, le=d.MAX_AUDIT_OTLP_TIMEOUT_S)
+    spool_path: str = d.DEFAULT_AUDIT_SPOOL_PATH
+    spool_max_bytes: int = Field(
+        d.DEFAULT_AUDIT_SPOOL_BYTES, ge=d.MIN_AUDIT_SPOOL_BYTES, le=d.MAX_AUDIT_SPOOL_BYTES
+    )
+
+
 class AuditSpec(StrictModel):
     sink: Literal["stdout", "file"] = "stdout"
+    otlp: AuditOtlpSpec | None = None
     path: str | None = None
     payloads: Literal["none", "summary"] = "summary"
     chain: bool = False

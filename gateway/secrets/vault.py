@@ -132,6 +132,22 @@ def select_field(ref: SecretRef, loc: KvLocation, data: Mapping[str, Any]) -> st
 
 
 @dataclass(frozen=True, slots=True)
+class DatabaseLease:
+    """Credentials issued by Vault's database secrets engine (``GET /v1/MOUNT/creds/ROLE``):
+    a user and password valid for ``lease_s`` seconds from ``obtained_at``
+    (``time.monotonic()``), renewable up to the role's ``max_ttl``. ``login_generation``
+    is the Vault login they were issued under (a re-login rotates them)."""
+
+    user: str
+    password: Secret
+    lease_id: str
+    lease_s: float
+    renewable: bool
+    obtained_at: float
+    login_generation: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Entry:
     secret: Secret
     fresh_until: float  # time.monotonic()
@@ -203,6 +219,96 @@ class VaultResolver:
         except SecretBackendUnavailable as exc:
             return self._stale_or_raise(ref, loc, exc)
         return ResolvedSecret(secret)
+
+    @property
+    def login_generation(self) -> int:
+        """Counts the sidecar's Vault logins: a lease issued under an older one is rotated."""
+        return self._auth.generation
+
+    async def database_credentials(self, mount: str, role: str) -> DatabaseLease:
+        """New credentials for ``role`` from the database secrets engine on ``mount``
+        (OpenBao/Vault ``GET /v1/MOUNT/creds/ROLE``). Raises SecretAccessDenied (403,
+        login refused), SecretNotFound (no such role) or SecretBackendUnavailable."""
+        where = f"database role {role!r} on mount {mount!r}"
+
+        def read() -> Any:
+            return self._client.secrets.database.generate_credentials(role, mount_point=mount)
+
+        resp = await self._vault_call(where, read)
+        data = resp.get("data") or {}
+        user, password = data.get("username"), data.get("password")
+        if not isinstance(user, str) or not isinstance(password, str) or not password:
+            raise SecretNotFound(
+                f"{where}: Vault's answer has no username and password",
+                details={"reason": "field_missing", "vault_path": f"/v1/{mount}/creds/{role}"},
+            )
+        return DatabaseLease(
+            user,
+            Secret(password),
+            str(resp.get("lease_id") or ""),
+            float(resp.get("lease_duration") or 0),
+            bool(resp.get("renewable")),
+            time.monotonic(),
+            self._auth.generation,
+        )
+
+    async def renew_lease(self, lease_id: str, increment_s: float) -> float:
+        """Renew a lease (``PUT /v1/sys/leases/renew``); the seconds Vault granted (less
+        than asked near the role's ``max_ttl``). Raises as :meth:`database_credentials`."""
+
+        def renew() -> Any:
+            return self._client.sys.renew_lease(lease_id, increment=int(increment_s))
+
+        resp = await self._vault_call("lease renewal", renew)
+        return float(resp.get("lease_duration") or 0)
+
+    async def lease_alive(self, lease_id: str) -> bool:
+        """Whether Vault still holds the lease (``PUT /v1/sys/leases/lookup``): False once
+        it was revoked or expired. Raises as :meth:`database_credentials` (a 400 for an
+        unknown lease is False)."""
+        try:
+            await self._vault_call("lease lookup", lambda: self._client.sys.read_lease(lease_id))
+        except SecretNotFound:
+            return False
+        return True
+
+    async def revoke_lease(self, lease_id: str) -> None:
+        """Revoke a lease now (``PUT /v1/sys/leases/revoke``): Vault drops the database
+        user. Raises as :meth:`database_credentials`."""
+        await self._vault_call("lease revocation", lambda: self._client.sys.revoke_lease(lease_id))
+
+    async def _vault_call(self, where: str, fn: Any) -> Any:
+        """``fn`` (a blocking hvac call) with a token, one re-login after a 403 on an
+        expired token; hvac's errors translated (module docstring)."""
+        details: dict[str, Any] = {"reason": "vault_forbidden", "vault_operation": where}
+        for attempt in range(2):
+            try:
+                generation = await self._auth.ensure_token()
+                try:
+                    return await self._run(fn)
+                except hvac_exc.Forbidden as exc:
+                    if attempt == 0 and await self._auth.recover(generation):
+                        continue
+                    raise SecretAccessDenied(
+                        f"{where}: Vault denied the sidecar's token", details=details
+                    ) from exc
+            except (VaultUnavailable, *UNAVAILABLE_ERRORS) as exc:
+                raise SecretBackendUnavailable(
+                    f"{where}: Vault at {self._settings.address} is unavailable",
+                    details={**details, "reason": "vault_unavailable"},
+                    retry_after_s=UNAVAILABLE_HOLD_S,
+                ) from exc
+            except LoginRejected as exc:
+                raise SecretAccessDenied(
+                    f"{where}: the sidecar cannot log in to Vault: {exc}",
+                    details={**details, "reason": exc.reason},
+                ) from exc
+            except hvac_exc.VaultError as exc:
+                raise SecretNotFound(
+                    f"{where}: Vault rejected the request ({type(exc).__name__})",
+                    details={**details, "reason": "vault_rejected"},
+                ) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def invalidate(self, ref: SecretRef) -> None:
         """Forget the cached value of ``ref`` (the upstream rejected it: maybe rotated)."""

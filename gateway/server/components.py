@@ -14,15 +14,11 @@ Parts built, in order: the listeners' settings (read by ``server.app`` at start)
 audit log, the outbound client, the price data, the secret resolvers, the Redis client
 and cluster limits, the idempotency stores, telemetry, the rate-limit groups, the
 circuit breakers, the budgets, the operator's controls (stop switch, repeated-call
-breaker, tool caps), the pipeline, the agents who may call, and the metrics'
-policy labels. A component that must read something before it can take in a policy
-(the agents' tokens) has an ``async prepare(policy, parts)``, which a reload awaits for
-every component before any applies the policy.
-circuit breakers, the budgets, the pipeline, the agents who may call, the operator's
-desk (approvals, dead letters), and the metrics' policy labels. A component that must
-read something before it can take in a policy (the agents' tokens) has an ``async
-prepare(policy, parts)``, which a reload awaits for every component before any applies
-the policy.
+breaker, tool caps), the database targets' engines, the pipeline, the agents who may
+call, the operator's desk (approvals, dead letters), and the metrics' policy labels. A
+component that must read something before it can take in a policy (the agents' tokens)
+has an ``async prepare(policy, parts)``, which a reload awaits for every component
+before any applies the policy.
 """
 
 from __future__ import annotations
@@ -46,6 +42,7 @@ from gateway.breaker import BreakerState, CircuitBreakers, breaker_specs
 from gateway.budgets import Budgets
 from gateway.call.pipeline import Pipeline
 from gateway.cost import Pricing
+from gateway.database.registry import Databases, engine_class
 from gateway.deadletters import DeadLetters
 from gateway.idempotency.memory import MemoryIdempotencyStore
 from gateway.idempotency.scopes import IdempotencyStores
@@ -97,6 +94,7 @@ class Parts:
     breakers: CircuitBreakers
     budgets: Budgets
     controls: Controls
+    databases: Databases
     pipeline: Pipeline
     agents: Agents
 
@@ -326,7 +324,13 @@ class CostBudgets:
             from gateway.budgets.cluster import ClusterBudgets
 
             cluster = ClusterBudgets(parts.cluster_limits)
-        parts.budgets = Budgets(policy.policy.budgets, cluster=cluster)
+        journal = None
+        if path := os.environ.get("GATEWAY_BUDGET_JOURNAL"):  # the chart sets it
+            from gateway.budgets.journal import BudgetJournal
+
+            journal = BudgetJournal(path)
+            stack.callback(journal.close)
+        parts.budgets = Budgets(policy.policy.budgets, cluster=cluster, journal=journal)
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
         parts.budgets.update(policy.policy.budgets)
@@ -369,6 +373,29 @@ class AgentControls:
         parts.controls.caps.update(policy.policy.budgets)
 
 
+class DatabaseTargets:
+    """The engines of the database targets (:mod:`gateway.database.registry`): their
+    pools opened and statements prepared at start, the leases revoked at close; a
+    reload gives a changed ``database:`` section a new engine."""
+
+    keys: ClassVar = Keys(hot=("targets",))
+
+    async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
+        parts.databases = Databases(parts.resolvers)
+        stack.push_async_callback(parts.databases.aclose)
+        parts.databases.apply(policy)
+        await parts.databases.start()
+
+    async def prepare(self, policy: PolicySet, parts: Parts) -> None:
+        """Refuse a reload that adds a database target without the engine installed
+        (ValueError), before any component takes the policy in."""
+        if any(t.spec.database is not None for t in policy.targets.values()):
+            engine_class()
+
+    def apply(self, policy: PolicySet, parts: Parts) -> None:
+        parts.databases.apply(policy)
+
+
 class Calls:
     """The pipeline, handed the parts above; each call reads the policy it started with
     (targets, envelope rules, ``agent_id``, ``server.debug``, ``chain``...)."""
@@ -388,6 +415,7 @@ class Calls:
             tracer=parts.tracer,
             budgets=parts.budgets,
             controls=parts.controls,
+            databases=parts.databases,
         )
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
@@ -462,10 +490,12 @@ class MetricLabels:
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         self.apply(policy, parts)
-        log, resolvers = parts.audit, parts.resolvers
+        log, resolvers, budgets = parts.audit, parts.resolvers, parts.budgets
         parts.metrics.watch(
             audit_failures=lambda: log.write_failures,
             secrets_ready=lambda: secrets_ready(resolvers),
+            budgets=budgets.levels,
+            audit_shipping=lambda: log.shipping,
         )
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
@@ -489,6 +519,7 @@ COMPONENTS: Final[tuple[type[Component], ...]] = (
     Breakers,
     CostBudgets,
     AgentControls,
+    DatabaseTargets,
     Calls,
     AgentIdentities,
     Desk,

@@ -211,21 +211,24 @@ class Gateway:
             await resources.aclose()
 
     def ready(self) -> tuple[bool, dict[str, object]]:
-        """Readiness and why: policy loaded, secret store usable (a valid Vault token when
-        Vault is configured), not draining. ``checks["redis"]`` (with a ``redis:``
-        section) is the last Redis operation's outcome, "unused", "ok" or "unavailable":
-        reported, never gating, as every sidecar shares the one Redis; calls answer for
-        an outage themselves (fail-open groups fall back, the others refuse, retryable)."""
+        """Readiness and why: policy loaded, not draining. ``checks["secrets"]`` (the
+        secret store usable: a valid Vault token when Vault is configured) and
+        ``checks["redis"]`` (with a ``redis:`` section: the last Redis operation's
+        outcome, "unused", "ok" or "unavailable") are reported, never gating: every
+        sidecar shares the one Vault and the one Redis, so gating on them would take
+        every agent pod out of its Services at once in an outage, and calls answer for an
+        outage themselves (cached secrets still serve; SECRET_NOT_FOUND or a retryable
+        DEPENDENCY_FAILED otherwise; fail-open groups fall back, the others refuse,
+        retryable). The ``egress_gateway_secrets_ready`` metric and its alert say it."""
         pipeline = self.pipeline
-        secrets_ok = pipeline is not None and secrets_ready(pipeline.resolvers)
         checks: dict[str, object] = {
             "policy_loaded": pipeline is not None,
             "draining": self.draining,
-            "secrets": secrets_ok,
+            "secrets": pipeline is not None and secrets_ready(pipeline.resolvers),
         }
         if self.redis is not None:
             checks["redis"] = self.redis.state
-        return pipeline is not None and secrets_ok and not self.draining, checks
+        return pipeline is not None and not self.draining, checks
 
     async def call(
         self, body: bytes, *, relay: Relay | None = None, identity: Identity | None = None

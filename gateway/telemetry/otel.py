@@ -7,7 +7,9 @@ Imported only when tracing is on. Spans of one call:
   else the span is a root in the trace whose id :func:`gateway.tracing.trace_id_of`
   gives the envelope's ``trace_id`` (so one agent transaction is one trace, as the
   outbound ``traceparent`` always said). Named ``{operation} {model}`` for a model call,
-  else ``egress {target}``; it carries the call's outcome and its GenAI attributes
+  else ``egress {target}`` (``egress {decision}``, e.g. ``egress invalid``, when no target
+  was established); it carries the call's outcome (``egress.decision``: ``shadow_denied``
+  when a ``mode: shadow`` rule would have refused it) and its GenAI attributes
   (:mod:`gateway.telemetry.genai`).
 * ``CLIENT`` span per upstream attempt (retries are one span each, with
   ``http.request.resend_count``); the upstream's ``traceparent`` names it as parent. A
@@ -46,6 +48,7 @@ import gateway
 from gateway.audit import get_logger
 from gateway.errors import GatewayError
 from gateway.providers import GenAICall
+from gateway.record import decision_of
 from gateway.telemetry import (
     STAGE_SUBJECTS,
     CallTrace,
@@ -254,10 +257,18 @@ class OtelCallTrace(CallTrace):
         span = self._server()
         target = record.target.name if record.target is not None else None
         outcome = g.outcome_of(record, response)
-        span.update_name(g.span_name(outcome.call if outcome else None, f"egress {target or ''}"))
+        # As the audit record says it (gateway.record.decision_of): allowed, but a mode:
+        # shadow rule would have refused it, is shadow_denied.
+        decision = decision_of(record)
+        # A call refused before its target was known (an invalid envelope) is named by
+        # its decision, never "egress " with nothing after it.
+        fallback = f"egress {target}" if target else f"egress {decision}"
+        span.update_name(g.span_name(outcome.call if outcome else None, fallback))
         attrs = g.outcome_attributes(outcome)
         attrs["http.response.status_code"] = status
-        attrs["egress.decision"] = "replayed" if record.replayed else record.decision
+        attrs["egress.decision"] = decision
+        if record.shadow_denied:
+            span.set_attribute("egress.shadow_denied", list(record.shadow_denied))
         attrs["egress.agent_id"] = record.agent_id
         attrs["egress.attempts"] = record.attempts
         if target is not None:

@@ -57,6 +57,7 @@ def _add_filters(parser: argparse.ArgumentParser, *, with_trace: bool = True) ->
         ("--target", "target_system"),
         ("--endpoint", "endpoint (path)"),
         ("--code", "error code, e.g. CAPACITY_EXCEEDED"),
+        ("--decision", "allowed, denied, invalid, replayed or shadow_denied"),
         ("--policy", "policy_sha256, the digest of the policy that decided (a prefix: ab12*)"),
     ]
     if with_trace:
@@ -172,6 +173,7 @@ def _filters(args: argparse.Namespace, trace: tuple[str, ...] | None = None) -> 
         target=values("target"),
         endpoint=values("endpoint"),
         code=values("code"),
+        decision=values("decision"),
         policy=values("policy"),
         failed=args.failed,
         since=args.since,

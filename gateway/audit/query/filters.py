@@ -84,6 +84,7 @@ class Filters:
     target: tuple[str, ...] = ()
     endpoint: tuple[str, ...] = ()
     code: tuple[str, ...] = ()
+    decision: tuple[str, ...] = ()
     #: ``policy_sha256``: calls and policy records (start, reload) of these policies.
     policy: tuple[str, ...] = ()
     failed: bool = False
@@ -134,6 +135,7 @@ class Filters:
             ("correlation_id", self.correlation),
             ("endpoint", self.endpoint),
             ("error_code", self.code),
+            ("decision", self.decision),
         ):
             if values:
                 checks.append(_text_match(field, values))

@@ -65,8 +65,12 @@ def _ms(value: Any) -> str:
 
 
 def outcome(record: Record) -> str:
-    """``ok``, the error code, with `` (replay)`` for replayed results."""
-    text = "ok" if record.get("success") is True else _text(record.get("error_code"))
+    """``ok``, ``shadow_denied`` (answered, and a ``mode: shadow`` rule would have
+    refused it), or the error code; `` (replay)`` for replayed results."""
+    if record.get("success") is True:
+        text = "shadow_denied" if record.get("decision") == "shadow_denied" else "ok"
+    else:
+        text = _text(record.get("error_code"))
     return f"{text} (replay)" if record.get("replayed") is True else text
 
 
@@ -173,41 +177,79 @@ def _codes(stats: GroupStats, top: int = 3) -> str:
     return text + (f", +{len(ordered) - top} more" if len(ordered) > top else "")
 
 
-def _summary_table(title: str, groups: dict[str, GroupStats], total: GroupStats) -> Table:
+#: Summary columns: (header, right-justified, in the compact table too).
+_SUMMARY_COLUMNS: Final = (
+    ("calls", True, True),
+    ("ok %", True, True),
+    ("shadow", True, True),
+    ("replays", True, False),
+    ("errors", False, True),
+    ("p50 ms", True, False),
+    ("p95 ms", True, True),
+    ("p99 ms", True, False),
+    ("retries", True, False),
+    ("tok in", True, True),
+    ("tok out", True, True),
+    ("tok cached", True, False),
+    ("rl waits (ms)", True, False),
+    ("breaker opens", True, False),
+    ("spend USD", True, True),
+)
+
+
+def _summary_cells(stats: GroupStats) -> dict[str, str]:
+    figures = stats.to_dict()
+    latency = figures["latency_ms"]
+    waits = figures["rate_limit_waits"]
+    unknown = f" (+{stats.cost_unknown} ?)" if stats.cost_unknown else ""
+    return {
+        "calls": str(stats.calls),
+        "ok %": _percent(stats),
+        "shadow": str(stats.shadow_denied),
+        "replays": str(stats.replays),
+        "errors": _codes(stats),
+        "p50 ms": _ms(latency["p50"]),
+        "p95 ms": _ms(latency["p95"]),
+        "p99 ms": _ms(latency["p99"]),
+        "retries": str(stats.retries),
+        "tok in": str(stats.tokens_input),
+        "tok out": str(stats.tokens_output),
+        "tok cached": str(stats.tokens_cached),
+        "rl waits (ms)": f"{waits['count']} ({waits['total_ms']:.0f})",
+        "breaker opens": str(stats.breaker_opens),
+        "spend USD": f"{stats.cost_usd:.6f}{unknown}",
+    }
+
+
+def _summary_table(
+    title: str, groups: dict[str, GroupStats], total: GroupStats, *, compact: bool = False
+) -> Table:
+    """The table of ``groups`` and an ``all`` row; ``compact``: the columns that matter
+    most only (calls, ok %, shadow denials, errors, p95, tokens, spend)."""
+    columns = [(name, right) for name, right, brief in _SUMMARY_COLUMNS if brief or not compact]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column(title.split()[-1], no_wrap=True)
-    for name in ("calls", "ok %", "replays"):
-        table.add_column(name, justify="right")
-    table.add_column("errors", overflow="fold")
-    for name in ("p50 ms", "p95 ms", "p99 ms", "retries", "tok in", "tok out", "tok cached"):
-        table.add_column(name, justify="right")
-    table.add_column("rl waits (ms)", justify="right")
-    table.add_column("breaker opens", justify="right")
-    table.add_column("spend USD", justify="right")
+    for name, right in columns:
+        if right:
+            table.add_column(name, justify="right")
+        else:
+            table.add_column(name, overflow="fold")
     rows = sorted(groups.items())
     for index, (name, stats) in enumerate([*rows, ("all", total)]):
-        figures = stats.to_dict()
-        latency = figures["latency_ms"]
-        waits = figures["rate_limit_waits"]
-        table.add_row(
-            name,
-            str(stats.calls),
-            _percent(stats),
-            str(stats.replays),
-            _codes(stats),
-            _ms(latency["p50"]),
-            _ms(latency["p95"]),
-            _ms(latency["p99"]),
-            str(stats.retries),
-            str(stats.tokens_input),
-            str(stats.tokens_output),
-            str(stats.tokens_cached),
-            f"{waits['count']} ({waits['total_ms']:.0f})",
-            str(stats.breaker_opens),
-            f"{stats.cost_usd:.6f}" + (f" (+{stats.cost_unknown} ?)" if stats.cost_unknown else ""),
-            end_section=index == len(rows) - 1,
-        )
+        cells = _summary_cells(stats)
+        table.add_row(name, *(cells[c] for c, _ in columns), end_section=index == len(rows) - 1)
     return table
+
+
+def _fitting_table(
+    console: Console, title: str, groups: dict[str, GroupStats], total: GroupStats
+) -> Table:
+    """The full table if it fits the console's width, else the compact one."""
+    table = _summary_table(title, groups, total)
+    unbounded = console.options.update_width(_WIDE * 4)  # its natural width, not squeezed
+    if console.measure(table, options=unbounded).maximum <= console.width:
+        return table
+    return _summary_table(title, groups, total, compact=True)
 
 
 def _models_table(models: dict[str, ModelStats]) -> Table:
@@ -225,10 +267,11 @@ def _models_table(models: dict[str, ModelStats]) -> Table:
 
 
 def print_summary(console: Console, summary: Summary) -> None:
-    """Tables by agent and by target, each with an ``all`` row, then by model (when
-    any call named one)."""
-    console.print(_summary_table("Calls by agent", summary.agents(), summary.total()))
-    console.print(_summary_table("Calls by target", summary.targets(), summary.total()))
+    """Tables by agent and by target, each with an ``all`` row (the compact columns when
+    the full table does not fit the terminal; a pipe or file gets the full one), then by
+    model (when any call named one)."""
+    console.print(_fitting_table(console, "Calls by agent", summary.agents(), summary.total()))
+    console.print(_fitting_table(console, "Calls by target", summary.targets(), summary.total()))
     if summary.models:
         console.print(_models_table(summary.models))
 

@@ -59,6 +59,7 @@ class GroupStats:
         "rate_limit_waits",
         "replays",
         "retries",
+        "shadow_denied",
         "succeeded",
         "tokens_cached",
         "tokens_input",
@@ -67,6 +68,7 @@ class GroupStats:
 
     def __init__(self) -> None:
         self.calls = self.succeeded = self.replays = self.retries = 0
+        self.shadow_denied = 0  # answered, and a mode: shadow rule would have refused it
         self.tokens_input = self.tokens_output = self.tokens_cached = 0
         self.rate_limit_waits = 0
         self.rate_limit_wait_ms = 0.0
@@ -81,6 +83,7 @@ class GroupStats:
         self.calls += other.calls
         self.succeeded += other.succeeded
         self.replays += other.replays
+        self.shadow_denied += other.shadow_denied
         self.retries += other.retries
         self.tokens_input += other.tokens_input
         self.tokens_output += other.tokens_output
@@ -102,6 +105,7 @@ class GroupStats:
             "succeeded": self.succeeded,
             "success_rate": self.succeeded / self.calls if self.calls else None,
             "replays": self.replays,
+            "shadow_denied": self.shadow_denied,
             "error_codes": dict(sorted(self.error_codes.items(), key=lambda kv: (-kv[1], kv[0]))),
             "latency_ms": {name: percentile(ordered, q) for name, q in PERCENTILES},
             "retries": self.retries,
@@ -192,6 +196,8 @@ class Summary:
             group.error_codes[code] = group.error_codes.get(code, 0) + 1
         if get("replayed") is True:
             group.replays += 1
+        if get("decision") == "shadow_denied":
+            group.shadow_denied += 1
         value: Any = get("latency_ms")
         group.latencies_ms.append(value if type(value) in _NUMBERS else 0.0)
         value = get("attempts")

@@ -17,19 +17,29 @@ goes back; a ``prev_hash`` that is not the previous record's ``hash`` (the previ
 record was replaced); a record of a chained sidecar without chain fields; a start that
 continues a record missing from before it (records cut before a restart); a chain first
 met past seq 1 whose ``chain_start`` (the hash its start continued) is a record given
-before it (its first records cut after a restart). What a plain
+before it (its first records cut after a restart).
+
+Fields added after writing (a log collector's ``k8s.pod``, ``host``...) are not part of
+the chain and do not break it: a record whose ``hash`` matches it without some of the
+fields the sidecar never writes (:func:`written_part`) verifies, with a note naming the
+added fields. That is sound: the hash matches only the exact set of fields, and values,
+that the sidecar wrote, so a field edited or removed, or one of its own fields removed,
+is still "record edited". What a plain
 hash chain cannot show: records cut from the very start or end of the log, or a log
 rewritten wholesale with new hashes; keep the latest ``hash`` elsewhere to catch those.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from itertools import combinations
+from typing import IO, Any, Final
 
 from gateway.audit.query.reader import Malformed, entries
 from gateway.audit.schema import (
+    AUDIT_FIELDS,
     CHAIN_CONTINUED_EVENT,
     GENESIS_HASH,
     PREV_SEQ,
@@ -37,6 +47,40 @@ from gateway.audit.schema import (
     Fields,
     record_hash,
 )
+
+#: Fields the sidecar writes: the call record's, and those of its other audit events
+#: (chain continued, policy reload, breaker state change).
+WRITTEN_FIELDS: Final = frozenset(AUDIT_FIELDS) | {
+    PREV_SIDECAR_ID,
+    PREV_SEQ,
+    "policy",
+    "targets",
+    "changed_targets",
+    "restart_needed_for",
+    "old_state",
+    "new_state",
+}
+#: Fields outside WRITTEN_FIELDS searched for the ones added after writing (2**N hashes
+#: at most per record): an event field the list above misses is still found.
+MAX_FOREIGN_FIELDS: Final = 8
+
+
+def written_part(record: dict[str, Any], stored: str) -> list[str] | None:
+    """The fields added to ``record`` after it was written ([] for none), found as the
+    largest set of fields outside :data:`WRITTEN_FIELDS` whose removal makes the record
+    hash to ``stored``; None when no such set exists (the record was edited)."""
+    if record_hash(record) == stored:
+        return []
+    foreign = sorted(k for k in record if k not in WRITTEN_FIELDS)
+    if not foreign or len(foreign) > MAX_FOREIGN_FIELDS:
+        return None
+    # Most likely first: everything foreign added, then fewer and fewer of them.
+    for size in range(len(foreign), 0, -1):
+        for added in combinations(foreign, size):
+            kept = {k: v for k, v in record.items() if k not in added}
+            if record_hash(kept) == stored:
+                return list(added)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +113,8 @@ class Verification:
     chains: int = 0
     breaks: list[Break] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Fields added after writing (not part of the chain), with how many records had each.
+    added_fields: Counter[str] = field(default_factory=Counter)
 
     @property
     def ok(self) -> bool:
@@ -85,6 +131,7 @@ class Verification:
                 for b in self.breaks
             ],
             "notes": self.notes,
+            "added_fields": dict(sorted(self.added_fields.items())),
         }
 
 
@@ -125,13 +172,19 @@ def verify(sources: Iterable[str], *, stdin: IO[bytes] | None = None) -> Verific
             problem = _link_problem(seq, prev, last.get(sidecar), result, sidecar, where)
         if problem:
             result.breaks.append(Break(source, line, seq, problem))
-        if record_hash(record) != stored:
+        added = written_part(record, stored)
+        if added is None:
             result.breaks.append(
                 Break(source, line, seq, "hash does not match the record: record edited")
             )
+        else:
+            result.added_fields.update(added)
         last[sidecar] = _Link(seq, stored, where)
     if result.chained == 0:
         result.notes.append("no chained records found (is audit.chain true?)")
+    if result.added_fields:
+        fields = ", ".join(f"{k} ({n})" for k, n in sorted(result.added_fields.items()))
+        result.notes.append(f"fields added after writing, not part of the chain: {fields}")
     return result
 
 

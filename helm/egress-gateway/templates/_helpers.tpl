@@ -7,6 +7,9 @@ own root context and this chart's values:
   in this chart:                         (dict "root" $ "gateway" $.Values)
   in an agent chart depending on it:     (dict "root" $ "gateway" (index $.Values "egress-gateway"))
 
+An optional "replicas" key (the Deployment's replicas) lets the policy check warn about
+local budgets that each replica counts alone.
+
 What an agent's pod needs, in two includes (three with sidecar.native false):
 
   egress-gateway.initContainers           list items for initContainers: the policy check
@@ -222,6 +225,7 @@ fails the render with a message naming the keys to fix.
 {{- if le ($g.terminationGracePeriodSeconds | float64) $drain }}
 {{- fail (printf "egress-gateway: terminationGracePeriodSeconds (%v) must exceed the policy's server.drain_s (%v)" $g.terminationGracePeriodSeconds $drain) }}
 {{- end }}
+{{- include "egress-gateway.validateAudit" (dict "gateway" $g "policy" $policy) }}
 {{- $auth := dict }}
 {{- with $policy.secrets }}{{ with .vault }}{{ with .auth }}{{ $auth = . }}{{ end }}{{ end }}{{ end }}
 {{- $k8sAuth := eq (toString (default "" $auth.method)) "kubernetes" }}
@@ -273,6 +277,9 @@ API binds 127.0.0.1 only and gets no containerPort; only the ops port is declare
       value: "0.0.0.0"
     - name: GATEWAY_OPS_PORT
       value: {{ $g.sidecar.opsPort | int | quote }}
+    {{- /* Local budget spend kept across a restart of the sidecar, on the pod's /tmp. */}}
+    - name: GATEWAY_BUDGET_JOURNAL
+      value: /tmp/egress-gateway/budgets.journal
     {{- if $g.sidecar.native }}
     {{- /* Stopped only after the agent has exited: no one is left to send a new call,
     so the drain refuses them and ends as soon as nothing is in flight. As a regular
@@ -349,6 +356,10 @@ API binds 127.0.0.1 only and gets no containerPort; only the ops port is declare
       readOnly: true
     - name: egress-gateway-tmp
       mountPath: /tmp
+    {{- if (($g.audit).volume).type }}
+    - name: egress-gateway-audit
+      mountPath: {{ $g.audit.volume.mountPath | quote }}
+    {{- end }}
     {{- if $g.vault.kubernetesAuth.enabled }}
     - name: egress-gateway-vault-token
       mountPath: {{ dir $g.vault.kubernetesAuth.tokenPath | quote }}
@@ -383,6 +394,32 @@ mounted as a directory (no subPath) so updates arrive by the kubelet's symlink s
 - name: egress-gateway-tmp
   emptyDir:
     sizeLimit: {{ $g.sidecar.tmpSizeLimit | quote }}
+{{- with (($g.audit).volume) }}
+{{- if eq .type "emptyDir" }}
+- name: egress-gateway-audit
+  emptyDir:
+    sizeLimit: {{ .size | quote }}
+{{- else if eq .type "ephemeral" }}
+- name: egress-gateway-audit
+  ephemeral:
+    volumeClaimTemplate:
+      spec:
+        accessModes: ["ReadWriteOnce"]
+        {{- with .storageClassName }}
+        storageClassName: {{ . | quote }}
+        {{- end }}
+        resources:
+          requests:
+            storage: {{ .size | quote }}
+{{- else if eq .type "persistentVolumeClaim" }}
+{{- if not .claimName }}
+{{- fail "egress-gateway: audit.volume.type persistentVolumeClaim needs audit.volume.claimName" }}
+{{- end }}
+- name: egress-gateway-audit
+  persistentVolumeClaim:
+    claimName: {{ .claimName | quote }}
+{{- end }}
+{{- end }}
 {{- if $g.vault.kubernetesAuth.enabled }}
 - name: egress-gateway-vault-token
   projected:
@@ -425,7 +462,9 @@ message; env:// variables that sidecar.extraEnv does not set are warnings (exit 
 - name: egress-gateway-validate
   image: {{ include "egress-gateway.image" . | quote }}
   imagePullPolicy: {{ $g.image.pullPolicy }}
-  args: ["validate", "/etc/egress-gateway/policy.yaml"]
+  {{- /* .replicas: the agent Deployment's replicas, when the caller knows them; past
+  one, local budgets are warned about (each replica counts alone). */}}
+  args: ["validate", "/etc/egress-gateway/policy.yaml"{{ if gt (int (default 0 .replicas)) 1 }}, "--replicas", {{ .replicas | int | quote }}{{ end }}]
   {{- with $g.sidecar.extraEnv }}
   env:
     {{- toYaml . | nindent 4 }}
@@ -559,4 +598,83 @@ policy, with their defaults 8200 and 6379), and networkPolicy.extraPorts.
 {{- $ports = append $ports (. | int) }}
 {{- end }}
 {{- $ports | uniq | sortAlpha | toJson }}
+{{- end }}
+
+{{/* The injector's name, and the labels of its pods (which the webhook never injects). */}}
+{{- define "egress-gateway.injectorName" -}}
+{{- printf "%s-injector" (include "egress-gateway.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "egress-gateway.injectorSelectorLabels" -}}
+{{ include "egress-gateway.selectorLabels" . }}
+app.kubernetes.io/component: injector
+egress-gateway.io/injector: "true"
+{{- end }}
+
+{{/*
+The injection template (JSON, the shape gateway/inject/patch.py reads): what the named
+templates above give a hand-written agent pod, with the sidecar always native.
+*/}}
+{{- define "egress-gateway.injectionTemplate" -}}
+{{- $values := deepCopy .gateway }}
+{{- $_ := set $values.sidecar "native" true }}
+{{- $ctx := dict "root" .root "gateway" $values }}
+{{- $tpl := dict
+  "initContainers" (include "egress-gateway.initContainers" $ctx | fromYamlArray)
+  "containers" list
+  "volumes" (include "egress-gateway.volumes" $ctx | fromYamlArray)
+  "labels" (include "egress-gateway.podLabels" $ctx | fromYaml)
+  "agentEnv" (include "egress-gateway.agentEnv" $ctx | fromYamlArray)
+  "policyVolume" "egress-gateway-policy" }}
+{{- toJson $tpl }}
+{{- end }}
+
+{{/* A Kubernetes quantity ("64Mi", "1Gi", "500M", "1048576") as bytes; fails on others. */}}
+{{- define "egress-gateway.quantityBytes" -}}
+{{- $q := toString . }}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- $unit := trimPrefix $num $q }}
+{{- $mult := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 }}
+{{- if or (not $num) (not (hasKey $mult $unit)) }}
+{{- fail (printf "egress-gateway: %q is not a size this chart reads (e.g. 64Mi, 1Gi, 500M)" $q) }}
+{{- end }}
+{{- mulf (float64 $num) (index $mult $unit) | int64 }}
+{{- end }}
+
+{{/*
+The audit file sink against the volume it is written to: the path must be on /tmp or on
+audit.volume, and the rotation (max_bytes x (backup_count + 1)), with the OTLP spool when
+it shares the volume, must fit that volume: a file that outgrows an emptyDir's sizeLimit
+gets the pod evicted.
+*/}}
+{{- define "egress-gateway.validateAudit" -}}
+{{- $g := .gateway }}
+{{- $audit := default dict .policy.audit }}
+{{- if eq (toString $audit.sink) "file" }}
+{{- $path := toString $audit.path }}
+{{- $vol := default dict (default dict $g.audit).volume }}
+{{- $name := "" }}{{ $size := 0 }}
+{{- if and $vol.type (hasPrefix (printf "%s/" (trimSuffix "/" $vol.mountPath)) $path) }}
+{{- $name = "audit.volume.size" }}{{ $size = include "egress-gateway.quantityBytes" $vol.size | int64 }}
+{{- else if hasPrefix "/tmp/" $path }}
+{{- $name = "sidecar.tmpSizeLimit" }}{{ $size = include "egress-gateway.quantityBytes" $g.sidecar.tmpSizeLimit | int64 }}
+{{- else }}
+{{- fail (printf "egress-gateway: the policy's audit.path (%s) is on no writable volume (the root filesystem is read-only): put it under /tmp or set audit.volume and put it under audit.volume.mountPath (%s)" $path (default "/var/log/egress-gateway" $vol.mountPath)) }}
+{{- end }}
+{{- if not $audit.max_bytes }}
+{{- fail (printf "egress-gateway: the policy's audit sink file has no max_bytes, so it grows without bound on a volume of %s (%s): set audit.max_bytes and audit.backup_count" (toString (ternary $vol.size $g.sidecar.tmpSizeLimit (eq $name "audit.volume.size"))) $name) }}
+{{- end }}
+{{- $keep := add1 (hasKey $audit "backup_count" | ternary ($audit.backup_count | int64) 5) }}
+{{- $rotation := mul ($audit.max_bytes | int64) $keep }}
+{{- $spool := 0 }}
+{{- with $audit.otlp }}
+{{- $spoolPath := default "/tmp/egress-gateway/audit-spool" .spool_path }}
+{{- if or (and (eq $name "sidecar.tmpSizeLimit") (hasPrefix "/tmp/" $spoolPath)) (and (eq $name "audit.volume.size") (hasPrefix $vol.mountPath $spoolPath)) }}
+{{- $spool = default 33554432 .spool_max_bytes | int64 }}
+{{- end }}
+{{- end }}
+{{- if gt (add $rotation $spool) $size }}
+{{- fail (printf "egress-gateway: the audit file's rotation (max_bytes %d x %d files = %d bytes%s) is larger than its volume (%s: %d bytes): lower audit.max_bytes or audit.backup_count, or give it a larger volume (audit.volume)" ($audit.max_bytes | int64) $keep $rotation (ternary (printf ", plus the OTLP spool's %d" $spool) "" (gt $spool 0)) $name $size) }}
+{{- end }}
+{{- end }}
 {{- end }}
