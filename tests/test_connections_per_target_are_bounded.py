@@ -53,7 +53,8 @@ async def test_a_call_past_the_target_s_connections_is_refused_after_its_wait(
     up = await upstream_factory(held)
     target = openai_target(up.url, max_connections=2, connection_wait_s=0.2)
     sc = await sidecar_factory(compile_policy({"fake-openai": target}))
-    env = envelope(max_retries=0, timeout=30)
+    priced = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "ping"}]}
+    env = envelope(max_retries=0, timeout=30, parameters=priced)
     first = [asyncio.create_task(sc.call(env)) for _ in range(2)]
     await asyncio.wait_for(held.all_seen.wait(), 30)
 
@@ -65,6 +66,9 @@ async def test_a_call_past_the_target_s_connections_is_refused_after_its_wait(
     assert body["error"]["details"]["reason"] == "connection_pool_full"
     assert body["error"]["details"]["max_connections"] == 2
     assert held.seen == 2  # the third never reached the upstream
+    # Nothing was sent: the call's spend is released, not kept as possibly billed.
+    refused = [r for r in sc.audit_records() if r["error_code"] == "CAPACITY_EXCEEDED"]
+    assert [r["cost_reason"] for r in refused] == ["not_sent"]
     held.release.set()
     for status, body in await asyncio.gather(*first):
         assert status == 200, body

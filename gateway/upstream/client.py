@@ -64,6 +64,8 @@ _READ_CHUNK: Final = 64 * 1024
 _LARGE_BODY: Final = 512 * 1024
 #: The slices a large body is written in (asyncio's write high-water mark).
 _SLICE_BYTES: Final = 64 * 1024
+#: ``details.reason`` of the CAPACITY_EXCEEDED of an attempt that got no connection.
+POOL_FULL: Final = "connection_pool_full"
 
 
 class _SlicedBytes(aiohttp.payload.Payload):
@@ -274,7 +276,7 @@ class Upstream:
             limit = target.spec.max_connections
             raise CapacityExceeded(
                 f"target {target.name!r}: all {limit} connections stayed busy for {bound:.3g} s",
-                details={"reason": "connection_pool_full", "max_connections": limit},
+                details={"reason": POOL_FULL, "max_connections": limit},
             ) from None
         if self._on_pool_wait is not None:
             self._on_pool_wait(target.name, time.monotonic() - began, True)
