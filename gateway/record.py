@@ -38,7 +38,7 @@ CLAIMED: Final = (
 )
 CLAIM_LIMIT: Final = 256
 
-Api = Literal["envelope", "proxy", "mcp", "database"]
+Api = Literal["envelope", "proxy", "mcp", "database", "a2a"]
 
 
 class DatabaseFacts(NamedTuple):
@@ -206,6 +206,12 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         F.MCP_REQUEST_ID: None,
         F.MCP_IS_ERROR: None,
         F.MCP_ERROR_CODE: None,
+        # Set per JSON-RPC request by gateway.call.a2a.audit_records.
+        F.A2A_METHOD: None,
+        F.A2A_REQUEST_ID: None,
+        F.A2A_TASK_ID: None,
+        F.A2A_CONTEXT_ID: None,
+        F.A2A_ERROR_CODE: None,
         **_chain(call.chain),
         **_caller(call, agent_id),
         **_models(call.models),

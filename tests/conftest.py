@@ -258,6 +258,20 @@ def _test_openai_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_OPENAI_KEY", "sk-fake-TEST-0001-NOTREAL")
 
 
+@pytest.fixture(autouse=True)
+def _operational_log_stream_restored() -> Iterator[None]:
+    """A test that runs the CLI in-process (``capsys``) points the process-wide
+    operational log at pytest's capture stream, which is closed after that test: the
+    stream is put back, so that a later test's log lines do not hit a closed file."""
+    from gateway.audit import log as audit_log
+
+    sink = audit_log._ops_sink
+    stream = sink.stream
+    yield
+    if sink.stream is not stream:
+        sink.to_stream(stream)
+
+
 async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
     """Poll ``predicate`` until true, failing the test after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

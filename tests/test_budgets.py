@@ -315,7 +315,7 @@ def held_upstream(body: dict[str, Any], release_at: int):
 async def test_concurrent_calls_hold_the_stated_bound(
     upstream_factory, sidecar_factory, excess_tokens: int
 ):
-    """README bound: spend <= limit + K * max(actual - reserved) for K calls in flight.
+    """The budgets page's bound: spend <= limit + K * max(actual - reserved) for K calls in flight.
     With an output cap and a text prompt the reservation is an upper bound (excess 0);
     an upstream that bills more than the estimate (images, server-side state) shows
     the K * excess term."""

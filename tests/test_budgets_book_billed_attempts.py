@@ -3,7 +3,7 @@
 A call resent after an attempt that may have been billed (the request was sent and its
 answer lost, its answer cut mid-way, or refused at a redirect after the upstream
 answered) books each such attempt, since the provider may have charged for it; a resend
-the budget cannot cover is not sent. The bound of README "Cost and budgets" holds across
+the budget cannot cover is not sent. The bound of docs/features/budgets.md holds across
 retries. Real sidecar, loopback upstream counting its hits.
 """
 
@@ -84,7 +84,7 @@ async def test_a_call_refused_at_a_redirect_was_sent_and_keeps_its_reservation(
     upstream_factory: Any, sidecar_factory: Any
 ) -> None:
     """A refused redirect (another origin) comes after the upstream had the request and
-    answered it: the call was sent (README: it keeps its reservation, cost unknown), not
+    answered it: the call was sent (the budgets page: it keeps its reservation, cost unknown), not
     'not_sent' with its reservation released."""
     elsewhere: FakeUpstream = await upstream_factory()
 

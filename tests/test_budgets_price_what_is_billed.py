@@ -56,7 +56,7 @@ async def test_calls_that_are_not_model_calls_pass_an_enforced_budget(
 
 
 def test_estimates_count_every_billed_input_the_request_carries() -> None:
-    """The upper estimate must not be below the bill (README "Bound": 0 overshoot for text
+    """The upper estimate must not be below the bill (budgets page, "Bound": 0 overshoot for text
     with an output cap). OpenAI bills the legacy ``functions`` and a ``response_format``
     schema as input like ``tools``; Gemini's ``cachedContent`` brings in a whole cached
     context (up to the model's window) that is not in the request, like the Responses

@@ -91,15 +91,20 @@ async def test_b03_client_errors_not_retried(upstream_factory, sidecar_factory, 
 
     up = await upstream_factory(reject)
     sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url)}))
-    answered, answer = await sc.call(envelope(max_retries=3))
-    assert up.hits == 1
-    assert answered == http
-    assert answer["success"] is False
-    assert answer["status_code"] == status
-    assert answer["error"]["code"] == code
-    assert answer["error"]["retryable"] is False
-    assert answer["latency_ms"] < 500
-    assert answer["data"] == body
+    latencies = []
+    for calls in range(1, 4):
+        answered, answer = await sc.call(envelope(max_retries=3))
+        assert up.hits == calls  # one attempt per call: not retried
+        assert answered == http
+        assert answer["success"] is False
+        assert answer["status_code"] == status
+        assert answer["error"]["code"] == code
+        assert answer["error"]["retryable"] is False
+        assert answer["data"] == body
+        latencies.append(answer["latency_ms"])
+    # The case's bound, on the best of three calls: a loaded machine slows some calls, a
+    # backoff would slow every one.
+    assert min(latencies) < 500
 
 
 # -- B04: a lost answer to a POST is resent with the same idempotency key ----------------

@@ -378,21 +378,21 @@ async def test_the_trace_context_reaches_the_upstream(upstream_factory, sidecar_
     assert parent_id != f"{span_id:016x}"  # the sidecar's own span for the outbound call
 
 
-# -- the README's example, against the demo's stand-ins ------------------------------------
+# -- the docs' example (docs/api/envelope.md), against the demo's stand-ins -----------------
 
 
-def _readme_blocks() -> tuple[str, str]:
-    text = (CLIENT.parent.parent / "README.md").read_text()
+def _doc_blocks() -> tuple[str, str]:
+    text = (CLIENT.parent.parent / "docs" / "api" / "envelope.md").read_text()
     section = text.split("\n## Python client\n", 1)[1].split("\n## ", 1)[0]
     code, after = section.split("```python\n", 1)[1].split("```\n", 1)
     output = after.split("```\n", 1)[1].split("```", 1)[0]  # the plain block after it
     return code, output
 
 
-def test_the_readmes_example_runs_against_the_demo(tmp_path: Path) -> None:
+def test_the_docs_example_runs_against_the_demo(tmp_path: Path) -> None:
     """``python -m gateway.demo.serve`` (stand-ins, OpenBao when installed, the sidecar
-    with policies/demo.yaml), then the README's code as a separate program."""
-    code, expected = _readme_blocks()
+    with policies/demo.yaml), then the code of docs/api/envelope.md as a separate program."""
+    code, expected = _doc_blocks()
     root = CLIENT.parent.parent
     demo = subprocess.Popen(
         [sys.executable, "-m", "gateway.demo.serve", "--port", "0", "--upstream-port", "0",

@@ -18,13 +18,16 @@ from gateway.idempotency import (
     Proceed,
     Replay,
 )
-from gateway.idempotency.redis import MAX_POLL_S, RedisIdempotencyStore
+from gateway.idempotency.redis import RedisIdempotencyStore
 from gateway.policy import RedisSpec
 from gateway.stores.redis import RedisClient
-from tests.conftest import turns_until
+from tests.conftest import RULED_OUT_S, SOON_S
 from tests.redis_fixtures import SHARED_URL, free_port
 
 MakeStore = Callable[..., RedisIdempotencyStore]
+
+#: Polls too far apart to answer a waiter within SOON_S: only a wake-up can.
+NO_POLLS = {"min_poll_s": RULED_OUT_S, "max_poll_s": RULED_OUT_S}
 
 
 def now() -> float:
@@ -33,11 +36,13 @@ def now() -> float:
 
 @pytest.fixture
 async def make_store(redis_prefix: str) -> AsyncIterator[MakeStore]:
-    """``make_store(url=...)``: a store on its own client, as another sidecar would have."""
+    """``make_store(url=..., **polls)``: a store on its own client, as another sidecar
+    would have."""
     made: list[RedisIdempotencyStore] = []
 
-    def make(url: str = SHARED_URL) -> RedisIdempotencyStore:
-        store = RedisIdempotencyStore(RedisClient(RedisSpec(key_prefix=redis_prefix), url=url))
+    def make(url: str = SHARED_URL, **polls: float) -> RedisIdempotencyStore:
+        client = RedisClient(RedisSpec(key_prefix=redis_prefix), url=url)
+        store = RedisIdempotencyStore(client, **polls)
         made.append(store)
         return store
 
@@ -80,39 +85,37 @@ async def test_abandon_frees_the_key_and_wakes_waiters(make_store: MakeStore) ->
     a, b = make_store(), make_store()
     owner = await a.begin("t:k2", "fp", lease_s=5)
     assert isinstance(owner, Proceed)
-    waiter = asyncio.create_task(b.wait("t:k2", "fp", deadline=now() + 5))
+    waiter = asyncio.create_task(b.wait("t:k2", "fp", deadline=now() + RULED_OUT_S))
     await a.abandon("t:k2", "someone-else")  # not the owner: no-op
     assert isinstance(await b.begin("t:k2", "fp", lease_s=5), InFlight)
     await a.abandon("t:k2", owner.token)
-    started = now()
-    assert await waiter is None
-    assert now() - started <= MAX_POLL_S + 0.1
+    assert await asyncio.wait_for(waiter, SOON_S) is None  # by a poll, not at the deadline
     assert isinstance(await b.begin("t:k2", "fp", lease_s=5), Proceed)
 
 
 async def test_waiter_gets_the_answer_from_another_sidecar(make_store: MakeStore) -> None:
-    a, b = make_store(), make_store()
+    a, b = make_store(**NO_POLLS), make_store()
     owner = await a.begin("t:k3", "fp", lease_s=5)
     assert isinstance(owner, Proceed)
-    waiters = [asyncio.create_task(b.wait("t:k3", "fp", deadline=now() + 5)) for _ in range(3)]
-    local = asyncio.create_task(a.wait("t:k3", "fp", deadline=now() + 5))
+    far = now() + RULED_OUT_S
+    waiters = [asyncio.create_task(b.wait("t:k3", "fp", deadline=far)) for _ in range(3)]
+    local = asyncio.create_task(a.wait("t:k3", "fp", deadline=far))
     await asyncio.sleep(0.02)
-    assert not any(w.done() for w in waiters)
-    completed_at = now()
+    assert not any(w.done() for w in [*waiters, local])
     assert await a.complete("t:k3", owner.token, b"answer", ttl_s=5)
-    await turns_until(local.done)  # same process: woken at once, not by a poll
-    assert await local == b"answer"
-    assert [await w for w in waiters] == [b"answer"] * 3
-    assert now() - completed_at <= MAX_POLL_S + 0.1  # another process: within one poll
+    # Same process: a polls every 45 s, so only complete's wake-up answers it this soon.
+    assert await asyncio.wait_for(local, SOON_S) == b"answer"
+    # Another process: by b's polls, not at the deadline.
+    assert await asyncio.wait_for(asyncio.gather(*waiters), SOON_S) == [b"answer"] * 3
     assert await b.wait("t:k3", "other-fp", deadline=now() + 5) is None
 
 
 async def test_wait_gives_up_at_the_deadline(make_store: MakeStore) -> None:
-    a = make_store()
+    a = make_store(**NO_POLLS)  # a wait that overran its deadline to the next poll: 45 s
     assert isinstance(await a.begin("t:k4", "fp", lease_s=5), Proceed)
     started = now()
     assert await a.wait("t:k4", "fp", deadline=started + 0.15) is None
-    assert 0.14 <= now() - started < 0.5
+    assert 0.14 <= now() - started < SOON_S
     assert await a.wait("t:unknown", "fp", deadline=now() + 5) is None
 
 
@@ -121,8 +124,8 @@ async def test_a_lost_owner_blocks_the_key_only_for_its_lease(make_store: MakeSt
     lost = await crashed.begin("t:k5", "fp", lease_s=0.1)
     assert isinstance(lost, Proceed)
     started = now()
-    assert await b.wait("t:k5", "fp", deadline=now() + 5) is None  # the lease ran out
-    assert now() - started < 0.1 + MAX_POLL_S + 0.1
+    assert await b.wait("t:k5", "fp", deadline=now() + RULED_OUT_S) is None  # lease ran out
+    assert now() - started < SOON_S  # at the lease's end, not at the deadline
     taken = await b.begin("t:k5", "fp", lease_s=5)
     assert isinstance(taken, Proceed)
     assert not await crashed.complete("t:k5", lost.token, b"late", ttl_s=5)  # refused
@@ -135,19 +138,19 @@ async def test_completed_answer_expires_after_ttl(make_store: MakeStore) -> None
     owner = await a.begin("t:k6", "fp", lease_s=5)
     assert isinstance(owner, Proceed)
     assert await a.complete("t:k6", owner.token, b"x", ttl_s=0.05)
-    deadline = now() + 2
+    deadline = now() + SOON_S
     while isinstance(await a.begin("t:k6", "fp", lease_s=5), Replay):
         assert now() < deadline, "the answer did not expire"
         await asyncio.sleep(0.01)
 
 
 async def test_aclose_wakes_waiters(make_store: MakeStore) -> None:
-    a = make_store()
+    a = make_store(**NO_POLLS)  # only aclose's wake-up ends the wait this soon
     assert isinstance(await a.begin("t:k7", "fp", lease_s=5), Proceed)
-    waiter = asyncio.create_task(a.wait("t:k7", "fp", deadline=now() + 5))
+    waiter = asyncio.create_task(a.wait("t:k7", "fp", deadline=now() + RULED_OUT_S))
     await asyncio.sleep(0.01)
     await a.aclose()
-    assert await asyncio.wait_for(waiter, 1) is None
+    assert await asyncio.wait_for(waiter, SOON_S) is None
     await a.aclose()  # idempotent
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from gateway.policy import RateLimitGroupSpec, RedisSpec, parse_policy
 from gateway.ratelimit import RateLimitGroup, RateLimitGroups
 from gateway.ratelimit.cluster import ClusterLimits, ClusterRateLimitGroup
 from gateway.stores.redis import FAIL_FAST_S, RedisClient, RedisUnavailable, redis_url
-from tests.conftest import CountWaits, wait_for
+from tests.conftest import SOON_S, CountWaits, wait_for
 from tests.redis_fixtures import (
     SHARED_URL,
     PrivateRedis,
@@ -106,9 +107,15 @@ async def test_bookings_from_three_sidecars_keep_the_bound(
     assert all(b.booked for b in bookings)
     instants = [b.at_us for b in bookings]
     assert_bound_us(instants, burst, rate)
-    # And not stricter than needed: n bookings span (n - burst) slots of 1/rate (+ rounding).
-    span_s = (max(instants) - min(instants)) / US
-    assert span_s <= (n - burst) / rate + 0.05
+    # And not stricter than needed, on Redis' clock whatever the scripts' spread in time:
+    # a booking that had to wait is booked one slot of 1/rate (rounded up to the
+    # microsecond) after the booking before it, not later.
+    slot_us = math.ceil(US / rate)
+    ordered = sorted(bookings, key=lambda b: b.at_us)
+    assert any(b.at_us > b.now_us for b in ordered)  # the bound was reached
+    for before, after in itertools.pairwise(ordered):
+        if after.at_us > after.now_us:
+            assert after.at_us - before.at_us <= slot_us, (before, after)
 
 
 async def test_random_arrivals_with_refusals_keep_the_bound(make_group: MakeGroup) -> None:
@@ -164,10 +171,11 @@ async def test_acquire_sleeps_until_the_booked_instant(make_group: MakeGroup) ->
         "s", spec(requests_per_second=10.0), on_admit=lambda _, t: admitted.append(t)
     )
     waits = await asyncio.gather(*(g.acquire(deadline=FAR) for g in (a, b, a, b)))
-    assert sorted(waits)[-1] >= 0.29  # the 4th waited three slots of 0.1 s
-    admitted.sort()
-    gaps = [y - x for x, y in itertools.pairwise(admitted)]
-    assert min(gaps) >= 0.09  # one admission per slot, across both "sidecars"
+    # One admission per slot of 0.1 s, across both "sidecars": the k-th waited k slots
+    # at least (all four arrived before the first booking; a late wake-up only adds).
+    for k, waited in enumerate(sorted(waits)):
+        assert waited >= 0.1 * k - 0.01, (k, waits)
+    assert len(admitted) == 4
     assert a.queued == b.queued == 0
 
 
@@ -289,7 +297,7 @@ async def test_a_hung_redis_costs_one_timeout_per_fail_fast_window() -> None:
     try:
         started = now()
         await group.acquire(deadline=FAR)  # waits for the timeout, then falls back
-        assert 0.1 <= now() - started < 0.5
+        assert 0.1 <= now() - started < SOON_S  # one timeout (0.2 s), not a hang
         for _ in range(10):
             counted = CountWaits(group.acquire(deadline=FAR))
             await counted

@@ -37,11 +37,14 @@ from tests.processes import ROOT, Process
 from tests.redis_fixtures import SHARED_URL, PrivateRedis
 
 #: Spread allowed between a booked admission instant (Redis' clock) and the request's
-#: arrival at the upstream, in seconds: event-loop lateness and loopback HTTP on a busy
-#: 2-core machine running 3 sidecars and the test (measured: 10 to 25 ms). docs/cluster.md
-#: states the bound B + r*(T + J) with J this spread. Three local limiters instead of the
-#: shared one exceed the bound by about 2 s here.
-JITTER_S = 0.1
+#: arrival at the upstream, in seconds: event-loop lateness and loopback HTTP of 3
+#: sidecars and the test (10 to 25 ms on an idle 2-core machine; a sidecar process
+#: descheduled on a loaded one releases its booked calls together, up to ~0.5 s late).
+#: docs/cluster.md states the bound B + r*(T + J) with J this spread. Still caught: three
+#: local limiters instead of the shared one exceed the bound by about 2 s here, and a
+#: shared bucket at twice the rate by about 1.4 s. The exact bound, on the booked
+#: instants themselves, is tests/test_cluster_ratelimit.py's.
+JITTER_S = 1.0
 
 StartSidecars = Callable[..., Awaitable[list[Process]]]
 

@@ -363,9 +363,11 @@ async def test_a_deadlock_is_retried_and_the_write_lands(lab: Any) -> None:
         call = asyncio.create_task(lab.call("bump_both", "POST", parameters={"a": 1, "b": 2}))
         for _ in range(500):  # until the sidecar's UPDATE waits on row 2 (bounded)
             # Outside the blocker's transaction, which would see one snapshot of it.
+            # This session's schema only: another run of the suite may share the server.
             waiting = await watcher.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND query LIKE '%price + 1%'"
+                " AND query LIKE $1",
+                f"%{schema}.items SET price = price + 1%",
             )
             if waiting or call.done():
                 break
@@ -463,12 +465,16 @@ async def test_a_sidecar_serves_statements_on_the_envelope_route_only(
     assert proxied["db_statement"] is None
 
 
-async def _waiting_on_a_lock(watcher: Any, calls: list[asyncio.Task[Any]], count: int) -> None:
-    """Until ``count`` statements of the sidecar wait on a lock (bounded)."""
+async def _waiting_on_a_lock(
+    watcher: Any, calls: list[asyncio.Task[Any]], count: int, schema: str
+) -> None:
+    """Until ``count`` statements of the sidecar wait on a lock (bounded); this session's
+    schema only, since another run of the suite may share the server."""
     for _ in range(500):
         waiting = await watcher.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE '%price + 1 WHERE id = $1'"
+            " AND query LIKE $1",
+            f"%{schema}.items SET price = price + 1 WHERE id = $1",
         )
         if waiting >= count or any(c.done() for c in calls):
             break
@@ -490,7 +496,7 @@ async def test_a_full_pool_answers_capacity_exceeded(lab: Any) -> None:
             asyncio.create_task(lab.call("lock_one", "POST", parameters={"id": 7}))
             for _ in range(2)  # the pool's two connections, each waiting on the row
         ]
-        await _waiting_on_a_lock(watcher, calls, 2)
+        await _waiting_on_a_lock(watcher, calls, 2, schema)
         _, answer = await lab.call("count")
         record = lab.records[-1]
         await tx.rollback()
@@ -515,10 +521,11 @@ async def test_a_write_lost_after_it_was_sent_is_outcome_unknown(lab: Any) -> No
         await tx.start()
         await blocker.execute(f"UPDATE {schema}.items SET price = price WHERE id = 8")
         call = asyncio.create_task(lab.call("lock_one", "POST", parameters={"id": 8}))
-        await _waiting_on_a_lock(watcher, [call], 1)
+        await _waiting_on_a_lock(watcher, [call], 1, schema)
         await watcher.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE wait_event_type = 'Lock' AND query LIKE '%price + 1 WHERE id = $1'"
+            " WHERE wait_event_type = 'Lock' AND query LIKE $1",
+            f"%{schema}.items SET price = price + 1 WHERE id = $1",
         )
         _, answer = await call
         await tx.rollback()

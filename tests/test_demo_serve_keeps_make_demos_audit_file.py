@@ -1,6 +1,6 @@
 """``python -m gateway.demo.serve`` writes its own audit file (demo-serve-audit.jsonl), so
-that it never overwrites the demo-audit.jsonl that ``make demo`` wrote and the README's
-audit walkthrough reads."""
+that it never overwrites the demo-audit.jsonl that ``make demo`` wrote and the audit
+walkthrough of docs/audit.md reads."""
 
 from __future__ import annotations
 

@@ -100,6 +100,9 @@ NOT_RUN = {
     "$ kubectl logs deploy/demo-egress-gateway -c egress-gateway-validate": _CLUSTER,
     "OTEL_EXPORTER_OTLP_ENDPOINT=http://otel-collector.observability:4318   # /v1/traces is "
     "added": "needs a collector; tests/test_tracing.py exports to a receiver of its own",
+    "export CHAIN_KEY=$(openssl rand -hex 32)              # the fleet's key, on both "
+    "sidecars": "two sidecars and two A2A agents of the user's: bench/two_agents_loop.py runs "
+    "the same walkthrough with a2a-sdk agents, and tests/test_agents_calling_agents.py asserts it",
     "apt-get install -y wrk   # the load generator (Debian package)": "the benchmark: "
     "installs a Debian package and runs ~20 minutes (bench/, not in CI)",
     "apt-get install -y wrk   # once: the load generator, from the Debian packages": "the "

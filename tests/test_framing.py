@@ -174,7 +174,8 @@ async def test_br_and_zstd_without_their_decoders_are_refused_by_the_parser(
 
 #: Requests aiohttp's HTTP parser refuses before any handler runs, each with a valid
 #: envelope pipelined behind it: the answer is aiohttp's 400 text, the connection closes,
-#: and neither request reaches the upstream. README, "Calling the sidecar", lists them.
+#: and neither request reaches the upstream. docs/getting-started.md, "Calling the sidecar",
+#: lists them.
 PARSER_REFUSALS: dict[str, bytes] = {
     "duplicate-content-length": request(ENVELOPE, ("Content-Length", str(len(ENVELOPE)))),
     "conflicting-content-length": request(ENVELOPE, ("Content-Length", "5")),
@@ -359,7 +360,7 @@ async def test_after_a_408_the_rest_of_the_body_is_waited_for_no_longer_than_lin
 
 
 def test_the_listener_limits_are_documented_with_their_defaults() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert f"{KEEPALIVE_TIMEOUT_S:g} s" in readme
-    assert f"{BODY_TIMEOUT_S:g} s" in readme
-    assert f"{LINGERING_TIME_S:g} s" in readme
+    page = (ROOT / "docs" / "running.md").read_text()
+    assert f"{KEEPALIVE_TIMEOUT_S:g} s" in page
+    assert f"{BODY_TIMEOUT_S:g} s" in page
+    assert f"{LINGERING_TIME_S:g} s" in page

@@ -8,10 +8,11 @@ Content-Encodings the body has or has not, oversize headers, bad methods and pat
 HTTP/1.0, pipelining) go to a real sidecar listener in front of a recording loopback
 upstream. For every example:
 
-* each answer is a well-formed ExternalCallResponse JSON with the HTTP status the README
-  "Error codes" table gives its code, and the code is never UNKNOWN; or, for malformed
-  HTTP only, aiohttp's own plain-text 400, after which the connection is closed and
-  nothing more is answered (README, "Calling the sidecar");
+* each answer is a well-formed ExternalCallResponse JSON with the HTTP status the
+  "Error codes" table of docs/api/envelope.md gives its code, and the code is never
+  UNKNOWN; or, for malformed HTTP only, aiohttp's own plain-text 400, after which the
+  connection is closed and nothing more is answered (docs/getting-started.md, "Calling
+  the sidecar");
 * each JSON answer has exactly one audit record, valid against the schema, and what
   the agent got is what it says; aiohttp's own answers have none;
 * a refusal forwarded nothing, and the upstream saw exactly one request per answered
@@ -77,9 +78,9 @@ REFUSALS = frozenset(
 
 
 def documented_statuses() -> dict[str, frozenset[int]]:
-    """Each error code's HTTP statuses, read from the README's "Error codes" table
-    (``4xx`` is every 4xx status)."""
-    text = (ROOT / "README.md").read_text()
+    """Each error code's HTTP statuses, read from the "Error codes" table of
+    docs/api/envelope.md (``4xx`` is every 4xx status)."""
+    text = (ROOT / "docs" / "api" / "envelope.md").read_text()
     table = text.split("### Error codes", 1)[1].split("\n\n| code |", 1)[1].split("\n\n")[0]
     statuses: dict[str, frozenset[int]] = {}
     for row in table.splitlines()[2:]:
@@ -95,7 +96,7 @@ def documented_statuses() -> dict[str, frozenset[int]]:
 DOCUMENTED = documented_statuses()
 
 
-def test_the_readme_table_is_read_whole() -> None:
+def test_the_error_code_table_is_read_whole() -> None:
     from gateway.envelope import ErrorCode
 
     assert set(DOCUMENTED) == {code.value for code in ErrorCode}
@@ -542,7 +543,8 @@ def raw_requests(draw: st.DrawFn) -> list[bytes]:
 
 
 #: What aiohttp's parser (llhttp) says when it answers a request itself: the start of its
-#: 400 text. README, "Calling the sidecar", lists these inputs; a new one fails the run.
+#: 400 text. docs/getting-started.md, "Calling the sidecar", lists these inputs; a new one
+#: fails the run.
 PARSER_REFUSAL_MESSAGES = (
     # the request line
     "Invalid method",

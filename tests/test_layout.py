@@ -53,6 +53,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/policy/controls.py",
             "gateway/policy/desk.py",
             "gateway/policy/mcp.py",
+            "gateway/policy/a2a.py",
             "gateway/policy/modelrules.py",
             "gateway/policy/database.py",
             "gateway/policy/loader.py",
@@ -79,6 +80,9 @@ OWNERS: dict[str, frozenset[str]] = {
     "opentelemetry": frozenset({"gateway/telemetry/otel.py", "gateway/audit/otlp.py"}),
     # MCP's SDK: the tests' server and client only; the sidecar speaks MCP itself.
     "mcp": frozenset(),
+    # A2A Agent Card signatures (JWS); A2A's SDK: the tests' agents and clients only.
+    "jwt": frozenset({"gateway/agents/card.py"}),
+    "a2a": frozenset(),
 }
 #: A program of its own beside the sidecar (its stand-in upstreams and console output):
 #: it may import what it needs, and nothing imports it.

@@ -198,9 +198,12 @@ async def test_the_sdk_through_the_sidecar(sidecar: Sidecar, sse_server: McpTest
     assert refused["error_code"] == "PERMISSION_DENIED"
     assert refused["attempts"] == 0
     assert {r["method"] for r in records} >= {"POST", "GET", "DELETE"}  # each audited too
+    # In the order the client sent them (the SDK numbers its requests), not the order the
+    # records were written: a call's record may follow its answer, so under load the next
+    # call's record can be written first.
     calls_audited = [
         (r["mcp_tool"], r["decision"], r["error_code"], r["mcp_is_error"])
-        for r in records
+        for r in sorted(records, key=lambda r: int(r["mcp_request_id"] or -1))
         if r["mcp_method"] == "tools/call"
     ]
     assert calls_audited == [

@@ -1,9 +1,9 @@
 """The published contract: ``GET /openapi.json`` and ``docs/openapi.json``.
 
-The document is current, valid OpenAPI 3.1, agrees with the README's error-code table,
-is served by both listeners, and every answer of a real sidecar conforms to it: a set of
-answers made on purpose (success, stream, each family of refusal and failure), then
-schemathesis against a live ``python -m gateway serve`` (bounded examples).
+The document is current, valid OpenAPI 3.1, agrees with the error-code table of
+docs/api/envelope.md, is served by both listeners, and every answer of a real sidecar
+conforms to it: a set of answers made on purpose (success, stream, each family of refusal
+and failure), then schemathesis against a live ``python -m gateway serve`` (bounded examples).
 """
 
 from __future__ import annotations
@@ -63,19 +63,19 @@ def test_it_describes_what_exists_and_nothing_else() -> None:
     assert schemas["ExternalCallRequest"]["additionalProperties"] is False
 
 
-def _readme_codes() -> dict[str, tuple[str, str]]:
-    text = (ROOT / "README.md").read_text()
+def _documented_codes() -> dict[str, tuple[str, str]]:
+    text = (ROOT / "docs" / "api" / "envelope.md").read_text()
     section = text.split("### Error codes", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([A-Z_]+)` \| ([^|]+) \| ([^|]+) \|", section, re.MULTILINE)
     return {code: (http.strip(), retryable.strip()) for code, http, retryable in rows}
 
 
-def test_every_error_code_has_the_readmes_status_and_retryable_flag() -> None:
-    readme = _readme_codes()
+def test_every_error_code_has_the_documented_status_and_retryable_flag() -> None:
+    documented = _documented_codes()
     codes = DOC["x-error-codes"]
-    assert set(codes) == set(readme) == {code.value for code in ErrorCode}
+    assert set(codes) == set(documented) == {code.value for code in ErrorCode}
     for code, entry in codes.items():
-        http, retryable = readme[code]
+        http, retryable = documented[code]
         assert retryable.startswith("yes" if entry["retryable"] else "no"), code
         for status in entry["http_status"]:
             upstreams = status.startswith("4") and "4xx" in http  # "the upstream's 4xx"

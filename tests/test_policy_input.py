@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel
 
 from gateway.cli import main
-from gateway.policy import PolicyError, load_policy, parse_policy
+from gateway.policy import PolicyError, a2a, load_policy, parse_policy
 from gateway.policy import defaults as d
 from gateway.policy import models as m
 from gateway.server.runtime import Gateway
@@ -133,6 +133,7 @@ def test_the_yaml_value_key_is_read_as_a_plain_string() -> None:
 #: Every float key of the policy, as a YAML snippet with ``@`` for the value.
 T = "targets: {t: {" + TARGET
 MCP = "targets: {t: {base_url: https://api.example.com, mcp: {arguments: {x: {a: {"
+A2A = "targets: {t: {base_url: https://agent.example.com, a2a: {"
 OPERATOR = "\noperators: {o: {token_ref: env://OPERATOR_TOKEN}}"
 DB = (
     "targets: {t: {database: {engine: postgresql, dsn: 'postgresql://db.example.com/x', "
@@ -186,6 +187,9 @@ FLOAT_KEYS = {
     ),
     "chain.ttl_s": "chain: {ttl_s: @}",
     "chain.max_clock_skew_s": "chain: {max_clock_skew_s: @}",
+    "targets.t.a2a.task_ttl_s": A2A + "task_ttl_s: @}}}",
+    "targets.t.a2a.card.ttl_s": A2A + "card: {ttl_s: @}}}}",
+    "inbound.timeout_s": "inbound: {agent_url: http://127.0.0.1:9000, timeout_s: @}",
     "targets.t.approval.ttl_s": T + ", approval: {tools: [x], ttl_s: @}}}" + OPERATOR,
     "targets.t.approval.retry_after_s": (
         T + ", approval: {tools: [x], retry_after_s: @}}}" + OPERATOR
@@ -254,6 +258,9 @@ UPPER_BOUNDS = {
     "audit.otlp.spool_max_bytes": d.MAX_AUDIT_SPOOL_BYTES,
     "chain.ttl_s": d.MAX_CHAIN_TTL_S,
     "chain.max_clock_skew_s": d.MAX_CHAIN_CLOCK_SKEW_S,
+    "targets.t.a2a.task_ttl_s": a2a.MAX_TASK_TTL_S,
+    "targets.t.a2a.card.ttl_s": a2a.MAX_CARD_TTL_S,
+    "inbound.timeout_s": a2a.MAX_INBOUND_TIMEOUT_S,
     "chain.max_depth": d.MAX_CHAIN_MAX_DEPTH,
     "targets.t.approval.ttl_s": d.MAX_APPROVAL_TTL_S,
     "targets.t.approval.retry_after_s": d.MAX_APPROVAL_TTL_S,

@@ -33,7 +33,7 @@ NOW = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 
 
 def reference_cap(parameters: Mapping[str, Any]) -> int:
-    """The definition (README, "Token-aware rate limits"): the largest cap of any dialect."""
+    """The definition (docs/features/rate-limits.md): the largest cap of any dialect."""
     config = parameters.get("generationConfig")
     gemini = positive_cap(config.get("maxOutputTokens")) if isinstance(config, Mapping) else 0
     keys = ("max_tokens", "max_completion_tokens", "max_output_tokens")

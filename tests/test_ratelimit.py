@@ -14,7 +14,7 @@ from gateway.policy import RateLimitGroupSpec
 from gateway.providers import estimate_tokens
 from gateway.ratelimit import MAX_PROVIDER_HOLD_S, RateLimitGroup, RateLimitGroups
 from gateway.ratelimit.local import _Bucket
-from tests.conftest import CountWaits, turns_until
+from tests.conftest import SOON_S, CountWaits, turns_until
 
 FAR = 1e9  # a deadline that never binds
 #: Rounding of a computed wait (the group rounds to milliseconds at most).
@@ -76,16 +76,21 @@ async def test_bound_holds_in_every_window(burst: int, rate: float) -> None:
         return await group.acquire(deadline=FAR)
 
     tasks = []
-    for _ in range(calls):
+    for i in range(calls):
         tasks.append(asyncio.create_task(one()))
-        if rng.random() < 0.3:
+        # The first 2B + 1 arrive together, so that some call waits however slowly a
+        # loaded machine runs the sleeps that spread the rest.
+        if i >= 2 * burst and rng.random() < 0.3:
             await asyncio.sleep(rng.random() * 0.02)  # irregular arrivals, not synchronisation
     waits = await asyncio.gather(*tasks)
     assert len(admitted) == calls
-    assert_bound(admitted, burst, rate)
-    # Not overly strict either: the span is close to the minimum the bound allows.
+    assert_bound(admitted, burst, rate)  # on the limiter's own admission instants: exact
+    # Not stalled either: a loaded machine lengthens the span by its late wake-ups, so
+    # over-strictness is shown exactly by the computed waits (test_retry_after_is_the_real_
+    # time_until_capacity, test_deadline_shorter_than_max_queue_rejects_at_once); here,
+    # no timer far too long.
     span = max(admitted) - min(admitted)
-    assert span <= (calls - burst) / rate + 0.25
+    assert span < (calls - burst) / rate + SOON_S
     assert max(waits) > 0
 
 
@@ -140,12 +145,14 @@ async def test_retry_after_is_the_real_time_until_capacity() -> None:
     counted = CountWaits(group.acquire(deadline=FAR))
     with pytest.raises(CapacityExceeded) as info:
         await counted
+    refused = now()  # the refusal read the clock between t0 and this
     assert counted.waits == 0  # computed, not waited for
     exc = info.value
     assert exc.details == {"group": "g", "reason": "queue_timeout", "queued": 0}
-    # 0.2 s from the admissions (at or after ``first``), less the time since: bracketed
-    # by the clock's readings, whatever the machine's speed.
-    assert 0.2 - (t0 - first) - EPS <= exc.retry_after_s <= 0.2 + EPS
+    # 0.2 s from the admissions (at or after ``first``), less the time until the refusal
+    # (at most ``refused``): bracketed by the clock's readings, whatever the machine's
+    # speed (the process may be descheduled between two readings, without any await).
+    assert 0.2 - (refused - first) - EPS <= exc.retry_after_s <= 0.2 + EPS
     promised = t0 + exc.retry_after_s
 
     # The real time until capacity: probe with a zero budget until admitted.
@@ -195,12 +202,15 @@ async def test_deadline_shorter_than_max_queue_rejects_at_once() -> None:
     counted = CountWaits(group.acquire(deadline=t0 + 0.05))
     with pytest.raises(CapacityExceeded) as info:
         await counted
+    refused = now()  # the refusal read the clock between t0 and this
     assert counted.waits == 0  # computed, not waited for
     assert info.value.details["reason"] == "deadline"
-    assert 0.2 - (t0 - first) - EPS <= info.value.retry_after_s <= 0.2 + EPS
-    # A deadline long enough is waited for, and the wait matches the prediction.
-    waited = await group.acquire(deadline=deadline_in(1.0))
-    assert waited == pytest.approx(0.2, abs=0.05)
+    assert 0.2 - (refused - first) - EPS <= info.value.retry_after_s <= 0.2 + EPS
+    # A deadline long enough is waited for, and the wait is the predicted one at least
+    # (a loaded machine can only add to it: the wake-up is late, never early).
+    t1 = now()
+    waited = await group.acquire(deadline=deadline_in(SOON_S))
+    assert 0.2 - (t1 - first) - EPS <= waited <= now() - t1 + EPS
 
 
 async def test_waiting_call_returns_seconds_waited() -> None:
@@ -208,8 +218,9 @@ async def test_waiting_call_returns_seconds_waited() -> None:
     assert await group.acquire(deadline=FAR) == 0.0
     t0 = now()
     waited = await group.acquire(deadline=FAR)
-    assert waited == pytest.approx(0.05, abs=0.02)
-    assert now() - t0 == pytest.approx(waited, abs=0.02)
+    # One slot of 1/20 s at least (late wake-ups can only add), and what was waited: not
+    # the planned wait nor 0, at most the time the call took.
+    assert 0.05 - EPS <= waited <= now() - t0 + EPS
 
 
 async def test_cancelled_waiter_frees_its_turn() -> None:
@@ -226,7 +237,7 @@ async def test_cancelled_waiter_frees_its_turn() -> None:
         await b
     assert group.queued == 1
     waited = await c
-    assert waited == pytest.approx(0.1, abs=0.04)  # took b's slot, not 0.2 s
+    assert 0.1 - EPS <= waited < 0.2 - EPS  # took b's slot, not the next one at 0.2 s
     assert len(admitted) == 2
 
 
@@ -252,7 +263,7 @@ async def test_large_token_request_is_not_starved() -> None:
     await poll_until(lambda: group.queued == 5)
     waits = await asyncio.gather(large, *small)
     assert order == ["large", "s0", "s1", "s2", "s3"]
-    assert waits[0] == pytest.approx(0.3, abs=0.05)
+    assert waits[0] >= 0.3 - EPS  # its 3 tokens at 10/s; late wake-ups only add
     assert waits[1:] == sorted(waits[1:])
 
 
@@ -339,9 +350,11 @@ async def test_tokens_ignored_without_a_token_limit() -> None:
 async def test_hold_for_delays_then_admits() -> None:
     group = RateLimitGroup("g", spec(requests_per_second=1000.0, burst=10))
     group.hold_for(0.1, reason="retry-after")
-    assert 0.05 < group.held_for_s() <= 0.1
+    held = group.held_for_s()
+    assert 0 < held <= 0.1
+    t0 = now()
     waited = await group.acquire(deadline=FAR)
-    assert waited == pytest.approx(0.1, abs=0.04)
+    assert held - EPS <= waited <= now() - t0 + EPS  # the hold, waited (not skipped)
 
 
 async def test_hold_past_budget_rejects_new_and_waiting_calls() -> None:

@@ -116,7 +116,7 @@ class Lab:
                 api_key_ref=...,
                 parameters=parameters,
                 max_retries=2,
-                timeout=5,
+                timeout=30,  # a deadline no refusal waits for, even on a loaded machine
             )
         )
 
@@ -331,7 +331,7 @@ async def test_followed_redirects_carry_only_the_policys_credential(
 
 
 async def test_302_to_a_post_is_answered_as_is(lab: Lab) -> None:
-    """301/302/303 after a POST are not followed (README, "Egress rules")."""
+    """301/302/303 after a POST are not followed (docs/features/egress.md)."""
     answered, answer = await lab.call("in-query", "POST", 302, b"/v1/y")
     assert answered == 502
     assert answer["status_code"] == 302

@@ -1,4 +1,4 @@
-"""The repeated-call breaker (README, "Stopping an agent"): the same agent, target,
+"""The repeated-call breaker (docs/features/stopping.md): the same agent, target,
 endpoint or MCP tool and canonical arguments more than ``max_repeats`` times within
 ``window_s`` is REPEATED_CALL (429, not retryable), counted in one sidecar (local) or
 across sidecars through the real Redis (cluster); shadow mode records and lets it go;

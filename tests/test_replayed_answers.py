@@ -94,7 +94,7 @@ async def test_concurrent_idempotent_answers_are_each_their_own(
     for _round in range(2):  # the first: all go upstream; the second: all replayed
         answers = await asyncio.gather(*(sc.call(env(n)) for n in range(60)))
         for n, (status, answer) in enumerate(answers):
-            assert status == 200
+            assert status == 200, answer.get("error")
             assert answer["correlation_id"] == f"corr-{n}"
             assert answer["data"]["echo"] == n
             assert len(answer["data"]["text"]) == n * 97 % 5000

@@ -1,4 +1,4 @@
-"""The memory request bodies in flight may hold is bounded (README, "Memory ceiling").
+"""The memory request bodies in flight may hold is bounded (docs/performance.md, "Memory ceiling").
 
 A real ``gateway serve`` process takes concurrent 8 MB bodies on all three routes, its
 upstream (real, on loopback) holding every request it got until each body was either
@@ -34,7 +34,7 @@ from tests.conftest import FakeUpstream, Sidecar, compile_policy, policy_yaml, w
 from tests.processes import Process
 
 MiB = 1024 * 1024
-#: The idle RSS the README states (a fresh sidecar measures ~62 MiB; the ceiling is this
+#: The idle RSS docs/performance.md states (a fresh sidecar measures ~62 MiB; the ceiling is this
 #: plus the budget, ``server.max_inflight_request_bytes``).
 STATED_IDLE_RSS = 64 * MiB
 BODY_BYTES = 8_000_000

@@ -1,4 +1,4 @@
-"""The stop switch across real sidecar processes on a real Redis (README, "Stopping an
+"""The stop switch across real sidecar processes on a real Redis (docs, "Stopping an
 agent"): a stop asked through one sidecar's ops listener cancels the calls in flight and
 ends the open streams on every sidecar within 2 s (the OpenAI SDK's stream and the MCP
 SDK's tool call end with their usual errors), a sidecar started afterwards refuses at
@@ -35,7 +35,7 @@ __all__ = ["private_redis", "redis_prefix"]  # fixtures, imported for pytest
 
 TOKEN = "op-TEST-token-0007-NOTREAL"  # a test's fake operator token
 AGENT = "planner"
-#: The contract: every sidecar obeys a stop within 2 s (README, "Stopping an agent").
+#: The contract: every sidecar obeys a stop within 2 s (docs/features/stopping.md).
 PROPAGATION_BOUND_S = 2.0
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -1,4 +1,4 @@
-"""Tool caps (README, "Stopping an agent"): a budget's ``max_calls`` per window on the MCP
+"""Tool caps (docs/features/stopping.md): a budget's ``max_calls`` per window on the MCP
 tools or endpoints its ``applies_to.tool`` glob names, counted before the call, in one
 sidecar or across sidecars on the real Redis (no overshoot: admission is atomic), with
 the refusal BUDGET_EXCEEDED naming the tool; shadow mode; validation of the keys."""

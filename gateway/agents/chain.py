@@ -315,3 +315,55 @@ def with_headers(headers: Mapping[str, str], decision: ChainDecision) -> dict[st
     the agent set, whatever their case: the sidecar's chain is the only one sent."""
     kept = {k: v for k, v in headers.items() if k.lower() not in CHAIN_HEADERS}
     return {**kept, **decision.headers()}
+
+
+def admit(
+    seen: Mapping[str, str] | None,
+    *,
+    own_agent: str,
+    now_ms: int,
+    timeout_s: float,
+    spec: ChainSpec,
+    keys: SigningKeys = NO_KEYS,
+) -> ChainDecision:
+    """The chain decision of a call *to* this sidecar's agent (the inbound route): the
+    chain ``seen`` (request headers, or a message's ``metadata`` read as headers) is
+    checked as :func:`decide` checks it, with this agent as the one called, and passed
+    to the agent as it came (its ``agents``, deadline and signature: the agent's own
+    calls extend it). Refused (``invalid_chain``) without a chain under
+    ``chain.require_signed_inbound``; a call without a chain otherwise starts none.
+    Never raises: a refusal is the decision's ``error``."""
+    received = from_headers(seen) if seen is not None else Received()
+    if received.agents is None and received.problem is None and spec.require_signed_inbound:
+        received = Received(problem="the call carries no chain (chain.require_signed_inbound)")
+    received = _authenticated(received, spec, keys)
+    if received.problem is not None:
+        return _refused(received, (), None, "invalid_chain", received.problem)
+    agents = received.agents or ()
+    if not agents:
+        return ChainDecision((), (), None, remaining_s=timeout_s)
+    deadline = received.deadline_ms
+    ttl_ms = round(spec.ttl_s * 1000)
+    if deadline is None:
+        deadline = now_ms + ttl_ms
+    elif deadline > now_ms + ttl_ms + round(spec.max_clock_skew_s * 1000):
+        problem = "the chain's deadline is further ahead than chain.ttl_s allows"
+        return _refused(received, (), None, "invalid_chain", problem)
+    if own_agent in agents:
+        message = f"agent {own_agent!r} is already in the call chain: the call would loop"
+        return _refused(received, (*agents, own_agent), deadline, "circular_call_detected", message)
+    if len(agents) + 1 > spec.max_depth:
+        depth = len(agents) + 1
+        message = f"the call chain would be {depth} agents deep (chain.max_depth: {spec.max_depth})"
+        return _refused(received, (*agents, own_agent), deadline, "max_depth_exceeded", message)
+    if deadline <= now_ms:
+        message = f"the call chain's deadline passed {now_ms - deadline} ms ago"
+        return _refused(received, agents, deadline, "ttl_expired", message)
+    return ChainDecision(
+        received=agents,
+        agents=agents,
+        deadline_ms=deadline,
+        signature=received.signature,
+        verified=received.signature is not None and keys.current is not None,
+        remaining_s=min(timeout_s, (deadline - now_ms) / 1000),
+    )

@@ -91,7 +91,7 @@ class AuditRecord(BaseModel):
     tokens_reasoning: int | None = None
     # Which API the call came in by (added in 1.x): the envelope (``POST /v1/calls``) or a
     # drop-in provider route (``/proxy/{target}/...``, an SDK pointed at the sidecar).
-    api: Literal["envelope", "proxy", "mcp", "database"] = "envelope"
+    api: Literal["envelope", "proxy", "mcp", "database", "a2a"] = "envelope"
     # Cost (added in 1.x): USD from the call's usage and its model's price, null when
     # unknown with ``cost_reason`` saying why (gateway.cost: no_dialect, no_price,
     # usage_unknown, not_sent, not_billed...); the model priced and its source (``policy`` or
@@ -112,6 +112,13 @@ class AuditRecord(BaseModel):
     mcp_request_id: str | None = None
     mcp_is_error: bool | None = None
     mcp_error_code: int | None = None
+    # A2A targets (added in 1.x; ``api: a2a``): one record per JSON-RPC request, its
+    # method and id, the task and context it concerns, and a JSON-RPC error's code.
+    a2a_method: str | None = None
+    a2a_request_id: str | None = None
+    a2a_task_id: str | None = None
+    a2a_context_id: str | None = None
+    a2a_error_code: int | None = None
     # Who called (added in 1.x): how ``agent_id`` was established (``uid``: the kernel's
     # word about the calling process; ``token``: the agent's token; ``policy``: the
     # policy's agent_id; null: not established, the call refused ``unknown_agent``), a
@@ -213,6 +220,11 @@ class Fields:
     MCP_REQUEST_ID: Final = "mcp_request_id"
     MCP_IS_ERROR: Final = "mcp_is_error"
     MCP_ERROR_CODE: Final = "mcp_error_code"
+    A2A_METHOD: Final = "a2a_method"
+    A2A_REQUEST_ID: Final = "a2a_request_id"
+    A2A_TASK_ID: Final = "a2a_task_id"
+    A2A_CONTEXT_ID: Final = "a2a_context_id"
+    A2A_ERROR_CODE: Final = "a2a_error_code"
     AGENT_AUTH: Final = "agent_auth"
     AGENT_CLAIMED: Final = "agent_claimed"
     PEER_UID: Final = "peer_uid"

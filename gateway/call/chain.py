@@ -12,39 +12,57 @@ import time
 from collections.abc import Awaitable, Callable
 
 from gateway.agents import chain
+from gateway.agents.chain_memory import ChainMemory
 from gateway.call.record import CallContext
 from gateway.envelope import ExternalCallRequest
 from gateway.policy.chain import ChainSpec
 from gateway.policy.refs import SecretRef, parse_ref
 from gateway.secrets import ResolvedSecret
+from gateway.tracing import trace_id_of
 
 #: How the pipeline resolves a secret reference within a deadline (monotonic seconds).
 Resolve = Callable[[SecretRef, CallContext, float], Awaitable[ResolvedSecret | None]]
 
 
 async def chain_stage(
-    spec: ChainSpec, request: ExternalCallRequest, ctx: CallContext, resolve: Resolve
+    spec: ChainSpec,
+    request: ExternalCallRequest,
+    ctx: CallContext,
+    resolve: Resolve,
+    memory: ChainMemory | None = None,
 ) -> chain.ChainDecision:
     """The call's chain decision (``ctx.chain`` is set to it, refused or not). Resolves
     ``chain.signing_key_ref`` (and the previous key) first when the policy names one:
     cached like any secret, and their errors (SECRET_NOT_FOUND, DEPENDENCY_FAILED...)
-    are the call's. Raises :class:`~gateway.errors.CallChainRefused` (409)."""
-    seen = request.call_chain if request.call_chain is not None else ctx.chain_seen
-    if seen is None and spec.signing_key_ref is None:  # the common case: a chain starts
-        started = chain.start(ctx.agent_id, int(time.time() * 1000), request.timeout, spec)
-        if started is not None:
-            ctx.chain = started
-            return started
+    are the call's. Raises :class:`~gateway.errors.CallChainRefused` (409).
+
+    A call that carries no chain gets the one ``memory`` remembers for its W3C trace
+    (an agent that leaves the chain out keeps its depth). A call to this sidecar's agent
+    (``ctx.chain_inbound``: the inbound route) is admitted, not extended
+    (:func:`gateway.agents.chain.admit`), and remembered in ``memory``."""
     keys = chain.NO_KEYS
     if spec.signing_key_ref is not None:
         deadline = ctx.started + request.timeout
         resolved = [await resolve(parse_ref(ref), ctx, deadline) for ref in spec.key_refs()]
         keys = chain.SigningKeys(*(r.secret for r in resolved if r is not None))
+    seen = request.call_chain if request.call_chain is not None else ctx.chain_seen
+    now_ms = int(time.time() * 1000)
+    if ctx.chain_inbound:
+        return _admitted(spec, request, ctx, keys, memory, now_ms)
+    if seen is None and memory is not None:
+        seen = memory.recall([("trace", trace_key(request))], now_ms)
+    if seen is None and keys.current is None and ctx.target_agent is None:
+        # The common case, a chain that starts here: decide()'s decision without its
+        # header rules (gateway.agents.chain.start).
+        started = chain.start(ctx.agent_id, now_ms, request.timeout, spec)
+        if started is not None:
+            ctx.chain = started
+            return started
     ctx.chain = chain.decide(
         seen,
         own_agent=ctx.agent_id,
-        target_agent=None,  # A2A targets (a later step) name the agent they call
-        now_ms=int(time.time() * 1000),
+        target_agent=ctx.target_agent,  # an A2A target's a2a.agent_id
+        now_ms=now_ms,
         timeout_s=request.timeout,
         spec=spec,
         keys=keys,
@@ -52,3 +70,39 @@ async def chain_stage(
     if ctx.chain.error is not None:
         raise ctx.chain.error
     return ctx.chain
+
+
+def _admitted(
+    spec: ChainSpec,
+    request: ExternalCallRequest,
+    ctx: CallContext,
+    keys: chain.SigningKeys,
+    memory: ChainMemory | None,
+    now_ms: int,
+) -> chain.ChainDecision:
+    """The inbound route's decision: the chain that came (else the one remembered for
+    the task or context asked about) admitted, and remembered for the trace and task."""
+    ids = ctx.a2a_ids()
+    seen = ctx.chain_seen
+    if seen is None and memory is not None:
+        seen = memory.recall([("task", ids[0]), ("context", ids[1])], now_ms)
+    ctx.chain = chain.admit(
+        seen, own_agent=ctx.agent_id, now_ms=now_ms, timeout_s=request.timeout, spec=spec,
+        keys=keys,
+    )  # fmt: skip
+    if ctx.chain.error is not None:
+        raise ctx.chain.error
+    if memory is not None:
+        keys_ = [("trace", trace_key(request)), ("task", ids[0]), ("context", ids[1])]
+        memory.remember(keys_, ctx.chain)
+    return ctx.chain
+
+
+def trace_key(request: ExternalCallRequest) -> str:
+    """The W3C trace id of ``request``: its ``traceparent``'s, else the one its
+    ``trace_id`` maps to (:func:`gateway.tracing.trace_id_of`)."""
+    parent = next((v for k, v in request.headers.items() if k.lower() == "traceparent"), "")
+    parts = parent.strip().split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+        return parts[1].lower()
+    return trace_id_of(request.trace_id)

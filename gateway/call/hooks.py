@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Final, Protocol
 
-from gateway.call import mcp
+from gateway.call import a2a, mcp
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.database import DbLog, bind
@@ -70,6 +70,7 @@ class _Envelope(_Exchanges):
         ctx: CallContext,
         relay: Relay | None,
     ) -> tuple[ExternalCallRequest, Relay | None]:
+        _agent_route_only(target)
         if target.spec.database is not None:  # a named statement (gateway.database)
             ctx.api, ctx.db = "database", DbLog()
             ctx.db_call = bind(request, target.spec.database.statements)
@@ -115,6 +116,7 @@ class _DropIn:
                 f"/mcp/{target.name}",
                 details={"reason": "mcp_route_only"},
             )
+        _agent_route_only(target)
         if target.spec.database is not None:
             raise InvalidPayload(
                 f"target {target.name!r} is a database: call it with an envelope naming a "
@@ -133,7 +135,40 @@ class _DropIn:
         return None
 
 
+class _A2a:
+    """The A2A route (``/a2a/{target}``): checked at intake
+    (:func:`gateway.call.a2a.a2a_intake`); a message carries the chain in its
+    ``metadata`` (:func:`gateway.call.a2a.checked`); its answer read
+    (:func:`gateway.call.a2a.read_answer`); one record per JSON-RPC request."""
+
+    def checked(
+        self,
+        request: ExternalCallRequest,
+        target: CompiledTarget,
+        ctx: CallContext,
+        relay: Relay | None,
+    ) -> tuple[ExternalCallRequest, Relay | None]:
+        return a2a.checked(request, ctx, relay)
+
+    answered = staticmethod(a2a.read_answer)
+    records = staticmethod(a2a.audit_records)
+
+    def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
+        return None
+
+
+def _agent_route_only(target: CompiledTarget) -> None:
+    """An A2A target is reached at ``/a2a/{target}`` only: elsewhere its requests would
+    pass unread (methods, the chain in the message, the card unchecked)."""
+    if target.spec.a2a is not None:
+        raise PermissionDenied(
+            f"target {target.name!r} is an A2A agent: point the A2A client at /a2a/{target.name}",
+            details={"reason": "a2a_route_only"},
+        )
+
+
 #: The hooks of each API's pipeline entry point.
 ENVELOPE: Final = _Envelope()
 ROUTE: Final = _Route()
 DROP_IN: Final = _DropIn()
+A2A: Final = _A2a()

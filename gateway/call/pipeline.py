@@ -28,14 +28,15 @@ from collections.abc import Callable
 
 from gateway import telemetry
 from gateway.agents.approvals import Approvals, MemoryApprovalStore
+from gateway.agents.chain_memory import ChainMemory
 from gateway.agents.controls import Controls
 from gateway.agents.identity import Identity, policy_identity
 from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
+from gateway.call import a2a, mcp, send
 from gateway.call import hooks as api_hooks
-from gateway.call import mcp, send
 from gateway.call import models as model_rules
 from gateway.call.chain import chain_stage
 from gateway.call.hooks import CallHooks
@@ -124,6 +125,8 @@ class Pipeline:
         self.tracer = tracer
         #: Set by the runtime when it cancels calls that outlived the drain time.
         self.aborting = False
+        #: The chains that reached the agent (the inbound route), for its own calls.
+        self.chains = ChainMemory()
         #: Each target's credential, per secret (rebuilt on reload, gone with the pipeline).
         self.credentials = Credentials()
         #: The JSON of the answer an idempotent call stored last, for the server to send.
@@ -194,6 +197,28 @@ class Pipeline:
             policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay, api_hooks.ROUTE
         )
 
+    async def handle_a2a(
+        self,
+        http: a2a.A2aRequest,
+        *,
+        ctx: CallContext,
+        tasks: a2a.TaskClock,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+        card_key: str | None = None,
+    ) -> tuple[int, ExternalCallResponse]:
+        """Run one request of ``/a2a/{target}`` (:func:`gateway.call.a2a.a2a_intake`; its
+        tasks' clocks ``tasks``, the card's public key ``card_key``): the same stages;
+        ``ctx`` is the caller's (the upstream's answer, ``ctx.a2a``)."""
+        policy = self.policy
+        return await self._run(
+            policy,
+            ctx,
+            lambda: a2a.a2a_intake(http, policy, ctx, tasks, refuse, card_key),
+            relay,
+            api_hooks.A2A,
+        )
+
     async def _run(
         self,
         policy: PolicySet,
@@ -219,7 +244,11 @@ class Pipeline:
             identity.admit(request.target_system)
             ctx.decision = "denied"
             ctx.chain = await chain_stage(
-                policy.policy.chain, request, ctx, functools.partial(send.resolve, self)
+                policy.policy.chain,
+                request,
+                ctx,
+                functools.partial(send.resolve, self),
+                self.chains,
             )
             decision = egress_rules.decide(policy, request)
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref

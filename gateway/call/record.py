@@ -104,6 +104,19 @@ class CallContext:
     #: applied) and the model a whole answer named (a stream's: its judge's).
     model: ModelChoice | None = None
     answered_model: str | None = None
+    #: The agent the call goes to, when its target is an agent (``a2a.agent_id``): the
+    #: chain decision's target agent, set by the API's intake; and an A2A request
+    #: (gateway.providers.a2a.A2aExchange) or card fetch (gateway.call.a2a.CardFetch), as
+    #: read (typed loosely: gateway.call.a2a imports this module).
+    target_agent: str | None = None
+    a2a: Any = None
+    #: A call to this sidecar's agent (the inbound route): its chain is admitted, not
+    #: extended (gateway.call.chain).
+    chain_inbound: bool = False
+
+    def a2a_ids(self) -> tuple[str | None, str | None]:
+        """The A2A task and context ids the call concerns (None when not an A2A call)."""
+        return (getattr(self.a2a, "task_id", None), getattr(self.a2a, "context_id", None))
 
     def record(self) -> CallRecord:
         """What the call learned, frozen: this context with its attempts' log."""

@@ -110,10 +110,19 @@ def _kind(reply: Any) -> str:
 
 class RedisIdempotencyStore:
     """Implements :class:`gateway.idempotency.base.IdempotencyStore` in Redis (see the
-    module docstring). Does not own ``client``: the runtime closes it."""
+    module docstring). Does not own ``client``: the runtime closes it. ``wait`` polls
+    first after ``min_poll_s`` and at most every ``max_poll_s`` seconds (tests set both
+    long, to show that only ``complete`` / ``abandon`` woke a waiter)."""
 
-    def __init__(self, client: RedisClient) -> None:
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        min_poll_s: float = MIN_POLL_S,
+        max_poll_s: float = MAX_POLL_S,
+    ) -> None:
         self.client = client
+        self._poll_s = (min_poll_s, max_poll_s)
         self._begin = client.script(_BEGIN)
         self._complete = client.script(_COMPLETE)
         self._abandon = client.script(_ABANDON)
@@ -158,7 +167,7 @@ class RedisIdempotencyStore:
             self._wake(key)
 
     async def wait(self, key: str, fingerprint: str, *, deadline: float) -> bytes | None:
-        interval = MIN_POLL_S
+        interval, longest = self._poll_s
         while not self._closed:
             reply = await self._fail_closed(self._peek([self.redis_key(key)], [fingerprint]))
             kind = _kind(reply)
@@ -175,7 +184,7 @@ class RedisIdempotencyStore:
                     await event.wait()
             except TimeoutError:
                 pass
-            interval = min(interval * 2, MAX_POLL_S)
+            interval = min(interval * 2, longest)
         return None
 
     async def aclose(self) -> None:

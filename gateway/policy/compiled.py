@@ -10,11 +10,15 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gateway.envelope import HttpMethod
+from gateway.policy.a2a import CARD_PATHS
 from gateway.policy.mcp import MCP_METHODS
 from gateway.policy.models import Policy, TargetSpec
 from gateway.urls import URL
 
 _UNSEEN: Final = object()
+_GET: Final[frozenset[HttpMethod]] = frozenset({"GET"})
+_POST: Final[frozenset[HttpMethod]] = frozenset({"POST"})
 #: Distinct (endpoint, method) verdicts remembered per target, for endpoints of at most
 #: _MAX_REMEMBERED_PATH characters: at most ~0.4 MB per target whatever agents send.
 _MAX_VERDICTS: Final = 1024
@@ -133,6 +137,10 @@ def _compile_target(name: str, spec: TargetSpec) -> CompiledTarget:
         segments = tuple(p for p in base.raw_path.split("/") if p)
         rules.append((segments, False, MCP_METHODS))
         base = base.origin()
+    if spec.a2a is not None:  # the card's paths (GET) and the JSON-RPC endpoint (POST)
+        rules += [(tuple(p.strip("/").split("/")), False, _GET) for p in CARD_PATHS]
+        rpc = tuple(p for p in spec.a2a.rpc_path.split("/") if p)
+        rules.append((rpc, False, _POST))
     return CompiledTarget(
         name=name,
         spec=spec,
@@ -172,9 +180,26 @@ class PolicySet:
     ) -> PolicySet:
         if sha256 is None:
             sha256 = hashlib.sha256(policy.model_dump_json().encode()).hexdigest()
-        return cls(
-            policy=policy,
-            source=source,
-            targets={n: _compile_target(n, t) for n, t in policy.targets.items()},
-            sha256=sha256,
-        )
+        targets = {n: _compile_target(n, t) for n, t in policy.targets.items()}
+        if policy.inbound is not None and INBOUND_TARGET not in targets:
+            targets[INBOUND_TARGET] = _compile_target(INBOUND_TARGET, _inbound(policy))
+        return cls(policy=policy, source=source, targets=targets, sha256=sha256)
+
+
+#: The target of the inbound route (``/a2a/in/{path}``): the agent's own A2A server.
+INBOUND_TARGET: Final = "a2a-inbound"
+
+
+def _inbound(policy: Policy) -> TargetSpec:
+    """The policy's ``inbound`` as a target: any path, GET and POST, one attempt (the
+    caller's sidecar retries), no breaker (it is this sidecar's own agent)."""
+    assert policy.inbound is not None
+    return TargetSpec.model_validate(
+        {
+            "base_url": policy.inbound.agent_url,
+            "endpoints": [{"path": "/**", "methods": ["GET", "POST"]}],
+            "timeout_s": policy.inbound.timeout_s,
+            "retry": {"max_retries": 0},
+            "circuit_breaker": None,
+        }
+    )

@@ -65,7 +65,7 @@ DEFAULT_VAULT_CACHE_TTL_S: Final = 300.0
 DEFAULT_VAULT_STALE_IF_ERROR_S: Final = 3600.0
 DEFAULT_VAULT_TIMEOUT_S: Final = 5.0
 DEFAULT_K8S_JWT_PATH: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-DEFAULT_REDIS_TIMEOUT_S: Final = 0.5
+DEFAULT_REDIS_TIMEOUT_S: Final = 2.0
 
 # Bounds, in one place, each with its reason: what the runtime can honour, or past which
 # a setting no longer means what it says. (Counts and sizes are Python ints and durations

@@ -90,7 +90,7 @@ def check_target(spec: Any) -> Any:
     (JSON-RPC ids, not HTTP keys, pair its requests and answers)."""
     if spec.database is not None:
         return spec  # gateway.policy.database.check_target
-    if spec.mcp is None and not spec.endpoints:
+    if spec.mcp is None and spec.a2a is None and not spec.endpoints:
         raise ValueError("a target needs 'endpoints' (or 'mcp' for an MCP server)")
     if spec.mcp is not None and spec.endpoints is not None:
         raise ValueError(

@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
 from gateway.policy import desk
+from gateway.policy.a2a import A2aSpec, InboundSpec, check_a2a_target
 from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
 from gateway.policy.chain import ChainSpec, chain_problems
@@ -324,6 +325,8 @@ class TargetSpec(_Strict):
     dead_letter: bool = False  # keep calls that failed for good (gateway.policy.desk)
     database: DatabaseSpec | None = None  # named statements (gateway.policy.database)
     _mcp = model_validator(mode="after")(check_target)
+    a2a: A2aSpec | None = None  # an A2A agent (gateway.policy.a2a)
+    _a2a = model_validator(mode="after")(check_a2a_target)
     _database = model_validator(mode="after")(check_database_target)
 
     @model_validator(mode="before")
@@ -455,6 +458,8 @@ class Policy(_Strict):
     budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
     prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
     chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
+    #: The local agent's own A2A server, behind ``/a2a/in/{path}`` (gateway.policy.a2a).
+    inbound: InboundSpec | None = None  # the agent's own A2A server, behind /a2a/in
     agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
     controls: ControlsSpec = Field(default_factory=ControlsSpec)  # gateway.policy.controls
     operators: dict[Name, desk.OperatorSpec] = Field(default_factory=dict)  # gateway.policy.desk

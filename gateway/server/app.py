@@ -9,13 +9,16 @@ Routes of the calls listener (loopback by default):
   envelope, answered as the provider would (:mod:`gateway.api.proxy`).
 * ``ANY /mcp/{target}``: an MCP client's streamable HTTP, its tool calls checked by the
   target's ``mcp`` rules (:mod:`gateway.api.mcp`).
+* ``/a2a/{target}``: an A2A client's JSON-RPC and its card, methods checked by the
+  target's ``a2a`` rules, the call chain carried; ``/a2a/in/{path}``: calls to this
+  sidecar's own agent (``inbound.agent_url``), their chain admitted (:mod:`gateway.api.a2a`).
 * ``GET /healthz`` (alive), ``/readyz`` (ready), ``/openapi.json`` (both listeners).
 
 The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/readyz``,
 ``/metrics``, ``/openapi.json``, the stop switch (:mod:`gateway.server.ops`) and the
 approvals and dead letters (:mod:`gateway.server.desk`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
-``/proxy`` and ``/mcp`` in that route's shape: :func:`gateway.api.http.edge_errors`).
+``/proxy``, ``/mcp`` and ``/a2a`` in that route's shape: :func:`gateway.api.http.edge_errors`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from aiohttp import web
 
 from gateway import openapi
 from gateway.agents.identity import identify
-from gateway.api import envelope, http, mcp, proxy
+from gateway.api import a2a, envelope, http, mcp, proxy
 from gateway.api.admission import ByteBudget
 from gateway.api.envelope import CALLS_PATH
 from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, BUDGET_KEY, BUDGET_LIMIT_KEY, Handler
@@ -145,10 +148,14 @@ def create_app(
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
     app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))
     app.router.add_route("*", mcp.MCP_ROUTE, mcp.handler(gateway))
+    app.router.add_route("*", a2a.INBOUND_ROUTE, a2a.inbound_handler(gateway))  # before a target's
+    app.router.add_route("*", a2a.A2A_ROUTE, a2a.handler(gateway))
+    app.router.add_route("*", a2a.CARD_ROUTE, a2a.handler(gateway))
     # The answer of each route family to the paths under it that its route misses.
     app[http.EDGES_KEY] = {
         proxy.PREFIX: proxy.unmatched(gateway),
         mcp.PREFIX: mcp.unmatched(gateway),
+        a2a.PREFIX: a2a.unmatched(gateway),
     }
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)

@@ -400,7 +400,9 @@ class Calls:
     """The pipeline, handed the parts above; each call reads the policy it started with
     (targets, envelope rules, ``agent_id``, ``server.debug``, ``chain``...)."""
 
-    keys: ClassVar = Keys(hot=("agent_id", "envelope", "targets", "server.debug", "chain"))
+    keys: ClassVar = Keys(
+        hot=("agent_id", "envelope", "targets", "server.debug", "chain", "inbound")
+    )
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         parts.pipeline = Pipeline(

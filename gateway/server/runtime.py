@@ -19,15 +19,17 @@ from typing import IO, TYPE_CHECKING, Any
 from gateway import audit
 from gateway.agents.identity import Agents, Identity
 from gateway.audit.schema import POLICY_RELOAD_EVENT, POLICY_START_EVENT, Fields
+from gateway.call.a2a import A2aRequest, CardFetch, TaskClock
 from gateway.call.mcp import McpRequest
 from gateway.call.pipeline import Pipeline
 from gateway.call.proxy import ProxyRequest
 from gateway.call.record import CallContext, refusal_record
 from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallResponse
-from gateway.errors import GatewayError, ShuttingDown, error_response
+from gateway.errors import GatewayError, PermissionDenied, ShuttingDown, error_response
 from gateway.metrics import Metrics
 from gateway.policy import PolicyError, PolicySet, load_policy
+from gateway.policy.refs import parse_ref
 from gateway.secrets.factory import secrets_ready
 from gateway.server import components
 from gateway.server.components import COMPONENTS, Component, Parts
@@ -92,6 +94,11 @@ class Gateway:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        #: When each A2A task was first seen (a2a.task_ttl_s), and the agents' cards
+        #: checked (target -> monotonic expiry), so that a verified card is not fetched
+        #: per request; both bounded, and gone with this runtime.
+        self.a2a_tasks = TaskClock()
+        self._cards: dict[str, float] = {}
 
     async def start(self) -> None:
         """Build every component of the list (:mod:`gateway.server.components`), in
@@ -289,6 +296,83 @@ class Gateway:
             refuse,
             relay,
         )
+
+    async def a2a(
+        self,
+        http: A2aRequest,
+        *,
+        ctx: CallContext,
+        refuse: GatewayError | None = None,
+        relay: Relay | None = None,
+    ) -> tuple[int, ExternalCallResponse]:
+        """Run one request of ``/a2a/{target}`` (:meth:`Pipeline.handle_a2a`), tracked and
+        refused while draining exactly as :meth:`call`. Under ``a2a.card.verify`` the
+        card's public key is resolved first, and a JSON-RPC request waits for a verified
+        card: fetched (its own call, audited) when none was checked within
+        ``a2a.card.ttl_s``; a card that fails refuses the request (nothing forwarded)."""
+        target = self.policy.targets.get(http.target)
+        spec = target.spec.a2a if target is not None else None
+        key = None
+        if refuse is None and spec is not None and spec.card.verify and not http.inbound:
+            key, refuse = spec.card.public_key, None
+            if key is None:
+                key, refuse = await self._card_key(spec.card.public_key_ref)
+            if refuse is None and not http.card and not self._card_fresh(http.target):
+                refuse = await self._fetch_card(http, key)
+
+        async def run(
+            pipeline: Pipeline, refuse: GatewayError | None, relay: Relay | None
+        ) -> tuple[int, ExternalCallResponse]:
+            return await pipeline.handle_a2a(
+                http, ctx=ctx, tasks=self.a2a_tasks, refuse=refuse, relay=relay, card_key=key
+            )
+
+        status, response = await self._tracked(run, refuse, relay)
+        if isinstance(ctx.a2a, CardFetch) and ctx.a2a.card is not None and spec is not None:
+            self._card_checked(http.target, spec.card.ttl_s)
+        return status, response
+
+    async def _card_key(self, ref: str | None) -> tuple[str | None, GatewayError | None]:
+        """The card's public key (a secret reference, resolved as any), or the error."""
+        pipeline = self.pipeline
+        if pipeline is None or ref is None:
+            return None, None
+        try:
+            resolved = await pipeline.resolvers.resolve(parse_ref(ref))
+        except GatewayError as exc:
+            return None, exc
+        return resolved.secret.reveal(), None
+
+    def _card_fresh(self, target: str) -> bool:
+        return self._cards.get(target, 0.0) > time.monotonic()
+
+    def _card_checked(self, target: str, ttl_s: float) -> None:
+        if len(self._cards) >= len(self.policy.targets) + 1:
+            self._cards.clear()  # targets renamed by reloads: bounded by the policy's
+        self._cards[target] = time.monotonic() + ttl_s
+
+    async def _fetch_card(self, http: A2aRequest, key: str | None) -> GatewayError | None:
+        """Fetch and check the card of ``http``'s target (its own call and audit record):
+        None when it passed, else the error that refuses ``http``."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            return None
+        fetch = A2aRequest("GET", http.target, "/.well-known/agent-card.json", http.headers, b"")
+        ctx = CallContext(time.monotonic(), self.policy.policy.agent_id)
+        _, response = await self._tracked(
+            lambda p, r, _: p.handle_a2a(fetch, ctx=ctx, tasks=self.a2a_tasks, refuse=r,
+                                         card_key=key),
+            None,
+            None,
+        )  # fmt: skip
+        if response.error is None and isinstance(ctx.a2a, CardFetch) and ctx.a2a.card:
+            spec = self.policy.targets[http.target].spec.a2a
+            self._card_checked(http.target, spec.card.ttl_s if spec else 0.0)
+            return None
+        error = response.error
+        message = error.message if error is not None else "the card could not be read"
+        details = dict(error.details) if error is not None else {"reason": "card_invalid"}
+        return PermissionDenied(f"the agent's card was refused: {message}", details=details)
 
     async def _tracked(
         self,

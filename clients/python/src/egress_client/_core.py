@@ -30,7 +30,7 @@ from egress_client.models import (
 )
 from egress_client.sse import ServerSentEvent
 
-#: The sidecar's calls listener by default (its README, "Running it"); the sidecar's own
+#: The sidecar's calls listener by default (its docs, docs/running.md); the sidecar's own
 #: ``egress-gateway call`` reads the same variable.
 DEFAULT_BASE_URL: Final = "http://127.0.0.1:8181"
 #: Where the sidecar is: the variable the Helm chart sets for the agent, then the older
@@ -44,7 +44,7 @@ EVENT_STREAM: Final = "text/event-stream"
 
 
 class CallOptions(TypedDict, total=False):
-    """The envelope's optional fields (the sidecar's README, "The envelope contract"),
+    """The envelope's optional fields (the sidecar's docs/api/envelope.md),
     plus the ids, which are found for the caller when not given (:mod:`egress_client.ids`)."""
 
     api_key_ref: str | None

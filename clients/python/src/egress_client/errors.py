@@ -3,7 +3,7 @@
 The sidecar's answer decides: ``code``, ``retryable`` and ``suggested_retry_after`` are
 copied from its ``ErrorPayload`` (the sidecar may say ``retryable: false`` for a code
 that usually is, e.g. after an upstream's ``x-should-retry: false``). The class is only
-the code, so that ``except CapacityExceeded`` reads like the README's table::
+the code, so that ``except CapacityExceeded`` reads like the sidecar's error-code table::
 
     EgressError                 any code; a code newer than this client raises this
     ├── InvalidPayload          INVALID_PAYLOAD       400/413  no

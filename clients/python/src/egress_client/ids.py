@@ -7,8 +7,8 @@ installed and a span is recording: its trace-id, 32 hex digits, which the sideca
 as the W3C trace-id as is, and its span-id); a new random id.
 
 With an OpenTelemetry span, the envelope's ``headers`` also get its W3C ``traceparent``
-(and ``tracestate``), which the sidecar continues on the outbound call (its README,
-"Tracing"): the upstream's spans join the agent's trace.
+(and ``tracestate``), which the sidecar continues on the outbound call (its
+docs/operations.md): the upstream's spans join the agent's trace.
 """
 
 from __future__ import annotations

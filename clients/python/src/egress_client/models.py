@@ -1,4 +1,4 @@
-"""The envelope contract, as the agent sees it (the sidecar's README, "The envelope contract").
+"""The envelope contract, as the agent sees it (the sidecar's docs/api/envelope.md).
 
 These models mirror the sidecar's own (``gateway/envelope.py``) field for field: the
 sidecar's test suite compares their JSON Schemas and round-trips them through a real

@@ -1,6 +1,6 @@
 """When ``call_with_retries`` tries again (pure: no clock, no I/O).
 
-The error contract (the sidecar's README, "Error codes") is what decides: only an error
+The error contract (the sidecar's docs/api/envelope.md) is what decides: only an error
 with ``retryable: true`` is retried, never OUTCOME_UNKNOWN (the call may have been
 processed), and never past the caller's deadline. The wait is the sidecar's
 ``suggested_retry_after`` when it gave one, lengthened by up to ``jitter`` of itself (never
