@@ -365,13 +365,6 @@ class Controls:
         self.repeats = repeats if repeats is not None else RepeatedCalls(None)
         self.caps = caps if caps is not None else CallCaps({})
 
-    @property
-    def counting(self) -> bool:
-        """True when a call must be counted before it goes (a repeated-call rule or a
-        tool cap): :meth:`check` then may wait on Redis; else the stop switch alone
-        (:meth:`StopSwitch.check`, synchronous) decides."""
-        return self.repeats.spec is not None or bool(self.caps)
-
     async def check(
         self,
         agent: str,

@@ -256,12 +256,9 @@ class Pipeline:
             request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
             ctx.request = request
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
-            if self.controls.counting:
-                ctx.shadow_denied += await self.controls.check(
-                    ctx.agent_id, decision.target.name, request, ctx.mcp
-                )
-            else:  # nothing to count: the stop switch alone, without a coroutine
-                self.controls.stops.check(ctx.agent_id, decision.target.name)
+            ctx.shadow_denied += await self.controls.check(
+                ctx.agent_id, decision.target.name, request, ctx.mcp
+            )
             ctx.decision = "allowed"
             if decision.shadow_rule is not None:
                 ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
