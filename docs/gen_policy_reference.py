@@ -47,6 +47,18 @@ NAME: Final = "NAME"
 #: Descriptions of keys whose model says nothing next to them (the key path, with NAME).
 DESCRIPTIONS: Final[dict[str, str]] = {
     "version": "the policy format's version; always `1`",
+    "targets.NAME.credential.refs": "a key pool: secret references used in order when the "
+    "call names none; a key rests after a 429 or a quota refusal and the next serves "
+    "(not with `default_ref`)",
+    "targets.NAME.fallbacks": "options tried in order when the target fails before "
+    "anything reached the agent (docs/features/failover.md)",
+    "targets.NAME.fallbacks.target": "the policy's target to send the call to instead",
+    "targets.NAME.fallbacks.model": "the model to name there instead; `null`: the request's own",
+    "targets.NAME.fallback_on": "answers that also fail over besides outages "
+    "(`context_length_exceeded`: to a fallback with a longer context)",
+    "targets.NAME.first_byte_timeout_s": "longest wait for a stream's first event, in "
+    "seconds; past it STREAM_INTERRUPTED `first_byte_timeout` (a fallback may serve); "
+    "`null`: `stream_idle_timeout_s`",
     "agent_id": "the agent this sidecar serves: audit records' `agent_id`, `failed_agent`",
     "server": "the sidecar's listeners and process limits",
     "server.host": "address of the calls listener (envelope, drop-in, MCP)",

@@ -179,9 +179,17 @@ class TargetBreaker:
     """The circuit breaker of one target. Use from one event loop (or one thread)."""
 
     def __init__(
-        self, target: str, spec: BreakerSpec, *, on_state_change: StateChangeHook | None = None
+        self,
+        target: str,
+        spec: BreakerSpec,
+        *,
+        on_state_change: StateChangeHook | None = None,
+        model: str | None = None,
     ) -> None:
         self.target = target
+        #: The model this breaker is for (a provider-dialect target's per-model breaker).
+        self.model = model
+        self._whose = f"target {target!r}" + (f" for model {model!r}" if model else "")
         self.spec = spec
         self._storage = CircuitMemoryStorage(STATE_CLOSED)
         self._cb = CircuitBreaker(
@@ -224,10 +232,10 @@ class TargetBreaker:
             wait = self.seconds_until_probe()
             if wait > 0:
                 raise CircuitOpen(
-                    f"the circuit breaker of target {self.target!r} is open after "
+                    f"the circuit breaker of {self._whose} is open after "
                     f"{self.spec.fail_max} failed attempts in a row; the next probe may "
                     f"go in {wait:.3f} s, retry then",
-                    details={"target": self.target, "state": "open"},
+                    details=self._details("open"),
                     retry_after_s=wait,
                 )
             self._cb.half_open()
@@ -236,15 +244,21 @@ class TargetBreaker:
             if self._probe_until is not None and now < self._probe_until:
                 wait = max(self._probe_until - now, MIN_PROBE_RETRY_AFTER_S)
                 raise CircuitOpen(
-                    f"the circuit breaker of target {self.target!r} is half-open and its "
+                    f"the circuit breaker of {self._whose} is half-open and its "
                     f"probe call is in flight; retry in {wait:.3f} s",
-                    details={"target": self.target, "state": "half_open"},
+                    details=self._details("half_open"),
                     retry_after_s=wait,
                 )
             self._generation += 1
             self._probe_until = now + max(attempt_timeout_s, 0.0)
             return Permit(self, self._generation, probe=True)
         return Permit(self, self._generation, probe=False)
+
+    def _details(self, state: str) -> dict[str, str]:
+        details = {"target": self.target, "state": state}
+        if self.model is not None:
+            details["model"] = self.model
+        return details
 
     def update(self, spec: BreakerSpec) -> None:
         """Apply new limits, keeping the current state and counts."""
@@ -281,17 +295,40 @@ def breaker_specs(targets: Mapping[str, TargetSpec]) -> dict[str, BreakerSpec | 
     return {name: target.circuit_breaker for name, target in targets.items()}
 
 
+#: Models of one target with a breaker of their own (agents name the models: bounded);
+#: beyond these, a model shares the target's breaker.
+MAX_MODEL_BREAKERS: Final = 32
+
+
 class CircuitBreakers:
-    """The breakers of a policy's targets, by target name (see :func:`breaker_specs`)."""
+    """The breakers of a policy's targets, by target name (see :func:`breaker_specs`),
+    and per model on a provider-dialect target (:meth:`get` with ``model``): one failing
+    model must not refuse every model of its target."""
 
     def __init__(self, specs: Mapping[str, BreakerSpec | None]) -> None:
         self._hooks: list[StateChangeHook] = []
         self._breakers: dict[str, TargetBreaker] = {}
+        self._models: dict[tuple[str, str], TargetBreaker] = {}
+        self._model_counts: dict[str, int] = {}
         self.update(specs)
 
-    def get(self, target: str) -> TargetBreaker | None:
-        """The target's breaker, or None if it has none."""
-        return self._breakers.get(target)
+    def get(self, target: str, model: str | None = None) -> TargetBreaker | None:
+        """The breaker of ``target``'s ``model`` (made on first use, with the target's
+        limits; the target's own past :data:`MAX_MODEL_BREAKERS` models), or the target's
+        breaker when ``model`` is None; None if the target has no breaker."""
+        if model is None:
+            return self._breakers.get(target)
+        breaker = self._models.get((target, model))
+        if breaker is not None:
+            return breaker
+        shared = self._breakers.get(target)
+        count = self._model_counts.get(target, 0)
+        if shared is None or count >= MAX_MODEL_BREAKERS:
+            return shared
+        breaker = TargetBreaker(target, shared.spec, on_state_change=self._dispatch, model=model)
+        self._models[(target, model)] = breaker
+        self._model_counts[target] = count + 1
+        return breaker
 
     def on_state_change(self, callback: StateChangeHook) -> None:
         """Call ``callback(target, old_state, new_state)`` on every state change (for
@@ -312,6 +349,18 @@ class CircuitBreakers:
                 breaker.update(spec)
             breakers[target] = breaker
         self._breakers = breakers
+        models: dict[tuple[str, str], TargetBreaker] = {}
+        for key, breaker in self._models.items():  # a model's breaker follows its target's
+            shared = breakers.get(key[0])
+            if shared is None:
+                continue
+            if breaker.spec != shared.spec:
+                breaker.update(shared.spec)
+            models[key] = breaker
+        self._models = models
+        self._model_counts = {}
+        for target, _ in models:
+            self._model_counts[target] = self._model_counts.get(target, 0) + 1
 
     def _dispatch(self, target: str, old: BreakerState, new: BreakerState) -> None:
         for hook in self._hooks:

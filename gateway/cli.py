@@ -202,6 +202,7 @@ def _model_warnings(policy: PolicySet) -> list[tuple[tuple[str, ...], str]]:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
     from gateway.policy.controls import tool_cap_warnings
+    from gateway.policy.failover import fallback_warnings
 
     failed = False
     for path in args.files:
@@ -227,6 +228,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if args.env_check:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
+            for loc, message in fallback_warnings(policy.policy.targets):
+                key = ".".join(map(str, loc))
+                print(f"{path}: {key}: warning: {message}", file=sys.stderr)
             for warning in _replica_warnings(path, policy, args.replicas):
                 print(warning, file=sys.stderr)
             for loc, message in [*tool_cap_warnings(policy.policy), *_model_warnings(policy)]:

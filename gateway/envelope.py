@@ -172,6 +172,18 @@ class ErrorPayload(BaseModel):
     stack_trace: str | None = None
 
 
+class ServedBy(BaseModel):
+    """Who answered a call to a target with ``fallbacks``: the policy's ``target`` and
+    the ``model`` the request named there (null for a target without a provider
+    dialect, or none named). A call that failed over names its fallback (README,
+    "Failover")."""
+
+    model_config = ConfigDict(frozen=True)
+
+    target: str
+    model: str | None = None
+
+
 class ModelNames(BaseModel):
     """The model a call asked for and the one sent (a ``models.pin`` rewrites an alias
     to its snapshot before sending); on answers of targets with ``models:`` rules."""
@@ -188,8 +200,10 @@ class ExternalCallResponse(BaseModel):
     ``status_code`` is the upstream's HTTP status when there was one, ``data`` its parsed
     body (JSON as is; anything else as ``{"content_type": ..., "text": ...}``),
     ``latency_ms`` the wall time spent inside the sidecar, ``tokens_used`` the total token
-    count the upstream reported (null when it reported none), ``model`` the model asked
-    for and the one sent, under ``models:`` rules (null otherwise).
+    count the upstream reported (null when it reported none), ``served_by`` the target
+    and model that answered a call to a target with ``fallbacks`` (null for any other
+    target, whose answer is its own, and when no upstream answered well), ``model`` the
+    model asked for and the one sent, under ``models:`` rules (null otherwise).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -203,6 +217,7 @@ class ExternalCallResponse(BaseModel):
     trace_id: str | None = None
     correlation_id: str | None = None
     replayed: bool = False
+    served_by: ServedBy | None = None
     model: ModelNames | None = None
 
 

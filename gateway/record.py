@@ -20,7 +20,7 @@ from typing import Any, Final, Literal, NamedTuple, Protocol
 from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.audit.schema import Fields as F
-from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
+from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse, ServedBy
 from gateway.policy import CompiledTarget
 from gateway.policy.egress import origin_label
 from gateway.providers import TokenUsage
@@ -142,6 +142,10 @@ class CallRecord(NamedTuple):
     policy_sha256: str | None
     #: What the call chain stage decided (:mod:`gateway.call.chain`; None: not reached).
     chain: ChainDecision | None
+    #: Who answered (target and model; None: no upstream answered well) and, for a
+    #: target with ``fallbacks``, every option tried (gateway.call.send.fail_over).
+    served_by: ServedBy | None = None
+    tried: list[dict[str, Any]] | None = None
     #: The models asked for, sent and answered (None: no ``models:`` rule applied).
     models: ModelFacts | None = None
     #: A database target's statement (None for other calls).
@@ -156,6 +160,22 @@ def decision_of(call: CallRecord) -> str:
     if call.shadow_denied and decision == "allowed":
         return "shadow_denied"
     return decision
+
+
+#: Fields set per JSON-RPC request by gateway.call.mcp.audit_records and
+#: gateway.call.a2a.audit_records: None in a call's own record.
+_PER_JSONRPC_REQUEST: dict[str, Any] = {
+    F.MCP_METHOD: None,
+    F.MCP_TOOL: None,
+    F.MCP_REQUEST_ID: None,
+    F.MCP_IS_ERROR: None,
+    F.MCP_ERROR_CODE: None,
+    F.A2A_METHOD: None,
+    F.A2A_REQUEST_ID: None,
+    F.A2A_TASK_ID: None,
+    F.A2A_CONTEXT_ID: None,
+    F.A2A_ERROR_CODE: None,
+}
 
 
 def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
@@ -200,20 +220,15 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         F.HTTP_PATH: None,
         F.HTTP_STATUS: None,
         **_stream_and_cost(call, shadow),
-        # Set per JSON-RPC request by gateway.call.mcp.audit_records.
-        F.MCP_METHOD: None,
-        F.MCP_TOOL: None,
-        F.MCP_REQUEST_ID: None,
-        F.MCP_IS_ERROR: None,
-        F.MCP_ERROR_CODE: None,
-        # Set per JSON-RPC request by gateway.call.a2a.audit_records.
-        F.A2A_METHOD: None,
-        F.A2A_REQUEST_ID: None,
-        F.A2A_TASK_ID: None,
-        F.A2A_CONTEXT_ID: None,
-        F.A2A_ERROR_CODE: None,
+        **_PER_JSONRPC_REQUEST,
         **_chain(call.chain),
         **_caller(call, agent_id),
+        F.SERVED_BY: (
+            {"target": call.served_by.target, "model": call.served_by.model}
+            if call.served_by is not None and response.success
+            else None
+        ),
+        F.TRIED: call.tried,
         **_models(call.models),
         **_database(call.database),
     }

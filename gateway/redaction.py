@@ -206,9 +206,21 @@ def register(value: str) -> None:
 
 def scrub(text: str) -> str:
     """``text`` with every registered secret value, in each of its forms, replaced by
-    ``[REDACTED]``."""
+    ``[REDACTED]``; a secret hidden by JSON ``\\uXXXX`` escapes too (see
+    :func:`scrub_bytes`)."""
     if not _values:
         return text
+    scrubbed = _scrub_forms(text)
+    if "\\" in scrubbed:
+        plain = _ESCAPED_ASCII.sub(_unescape, scrubbed)
+        if plain != scrubbed:
+            cleaned = _scrub_forms(plain)
+            if cleaned != plain:
+                return cleaned
+    return scrubbed
+
+
+def _scrub_forms(text: str) -> str:
     for entry in tuple(_values.values()):
         for form in entry.b64:
             if form in text:
@@ -248,9 +260,44 @@ def nesting_depth(value: Any, limit: int = MAX_REDACT_DEPTH + 1) -> int:
 
 
 def scrub_bytes(data: bytes) -> bytes:
-    """:func:`scrub` for UTF-8 encoded text (the answer and audit line writers)."""
+    """:func:`scrub` for UTF-8 encoded text (the answer and audit line writers); a
+    secret hidden by JSON ``\\uXXXX`` escapes (RFC 8259, section 7: any character may be
+    written so) is found too, and the text then comes back with those escapes of printable
+    ASCII written plainly (the same JSON value) and the secret redacted."""
     if not _values:
         return data
+    scrubbed = _scrub_forms_bytes(data)
+    if b"\\" in scrubbed:
+        plain = _ESCAPED_ASCII_BYTES.sub(_unescape_bytes, scrubbed)
+        if plain != scrubbed:
+            cleaned = _scrub_forms_bytes(plain)
+            if cleaned != plain:
+                return cleaned
+    return scrubbed
+
+
+#: A JSON ``\\u00XX`` escape of printable ASCII, or ``\\/``, not itself escaped.
+_ESCAPED_ASCII_BYTES: Final = re.compile(rb"(?<!\\)((?:\\\\)*)\\(?:u00([2-7][0-9a-fA-F])|/)")
+_ESCAPED_ASCII: Final = re.compile(r"(?<!\\)((?:\\\\)*)\\(?:u00([2-7][0-9a-fA-F])|/)")
+#: Escapes kept as they are: the quote, the backslash and DEL mean something written plain.
+_KEPT_ESCAPED: Final = frozenset({0x22, 0x5C, 0x7F})
+
+
+def _unescape_bytes(match: re.Match[bytes]) -> bytes:
+    code = int(match.group(2), 16) if match.group(2) else 0x2F
+    if code in _KEPT_ESCAPED:
+        return match.group(0)
+    return match.group(1) + bytes((code,))
+
+
+def _unescape(match: re.Match[str]) -> str:
+    code = int(match.group(2), 16) if match.group(2) else 0x2F
+    if code in _KEPT_ESCAPED:
+        return match.group(0)
+    return match.group(1) + chr(code)
+
+
+def _scrub_forms_bytes(data: bytes) -> bytes:
     for entry in tuple(_values.values()):
         for form in entry.raw_b64:
             if form in data:

@@ -107,6 +107,10 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "policy_sha256": POLICY_DIGESTS[number % 2],
         "call_chain": [agent],
         "call_chain_depth": 1,
+        "served_by": {"target": target, "model": "gpt-4o-mini" if llm else None}
+        if success
+        else None,
+        "tried": None,
         # openai calls under models: rules, one in 11 answered by another model
         "model_requested": "gpt-4o-mini" if target == "openai" else None,
         "model_sent": "gpt-4o-mini-2024-07-18" if target == "openai" else None,

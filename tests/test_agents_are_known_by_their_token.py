@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from multidict import CIMultiDict
 
 from gateway.policy import load_policy
 from tests.conftest import compile_policy, envelope, openai_target, policy_yaml
@@ -130,3 +131,46 @@ async def test_a_reload_reads_the_tokens_again(
     assert refused["problems"] == [
         f"{path}:1: agents.interpreter.token_ref: the agent token 'file://{token_file}' is empty"
     ]
+
+
+async def test_an_identity_header_sent_twice_with_two_values_is_refused(sidecar: Any) -> None:
+    """A second copy of ``x-egress-agent`` or of the token header is read, not ignored:
+    two different values are no one's identity (the first copy alone decided before)."""
+    sc = sidecar
+    cases = {
+        "tr-two-claims": (
+            [
+                ("x-egress-agent-token", TOKEN),
+                ("x-egress-agent", "interpreter"),
+                ("x-egress-agent", "reviewer"),
+            ],
+            "agent_mismatch",
+        ),
+        "tr-two-tokens": (
+            [("x-egress-agent-token", TOKEN), ("x-egress-agent-token", OTHER)],
+            "unknown_agent",
+        ),
+    }
+    for trace, (pairs, reason) in cases.items():
+        async with sc.session.post(
+            sc.url + "/v1/calls", json=envelope(trace_id=trace), headers=CIMultiDict(pairs)
+        ) as resp:
+            body = await resp.json()
+        assert (resp.status, body["error"]["details"]["reason"]) == (403, reason), trace
+    same = CIMultiDict([("x-egress-agent-token", TOKEN), ("x-egress-agent-token", TOKEN)])
+    async with sc.session.post(
+        sc.url + "/v1/calls", json=envelope(trace_id="tr-same"), headers=same
+    ) as resp:
+        assert resp.status == 200  # the same value twice is one identity
+
+
+async def test_who_calls_is_settled_before_an_a2a_body_is_read(sidecar: Any) -> None:
+    """An A2A request from no known agent is refused as such (``unknown_agent``), whatever
+    its body: a body that is not JSON does not turn the refusal into a parse error."""
+    sc = sidecar
+    async with sc.session.post(
+        sc.url + "/a2a/fake-openai", data=b"{bad", headers={"Content-Type": "application/json"}
+    ) as resp:
+        body = await resp.json()
+    assert body["error"]["data"]["egress_code"] == "PERMISSION_DENIED", body
+    assert body["error"]["data"]["reason"] == "unknown_agent", body

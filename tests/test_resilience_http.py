@@ -204,9 +204,8 @@ async def test_half_open_lets_exactly_one_probe_through(upstream_factory, sideca
     sc = await sidecar_factory(compile_policy({"fake-openai": target}))
     for _ in range(3):
         await sc.call(envelope(max_retries=0))
-    await wait_for(
-        lambda: sc.gateway.pipeline.breakers.get("fake-openai").seconds_until_probe() == 0
-    )
+    breaker = sc.gateway.pipeline.breakers.get("fake-openai", "fake-model-1")  # the model's
+    await wait_for(lambda: breaker.seconds_until_probe() == 0)
     probe = asyncio.create_task(sc.call(envelope(max_retries=0, timeout=10)))
     await wait_for(lambda: up.hits == 4)
     blocked = [await sc.call(envelope(max_retries=0)) for _ in range(5)]

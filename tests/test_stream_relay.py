@@ -21,7 +21,16 @@ from gateway.errors import DeadlineExceeded, StreamInterrupted
 from tests.conftest import compile_policy, envelope, openai_target
 from tests.test_streams import A_START, CHAT_USAGE, chat, sse
 
-STREAM_ENV = envelope(parameters={"model": "m", "stream": True, "messages": []})
+# It asks for the usage its upstreams send (stream_options.include_usage), so the relay
+# owes it every byte they send.
+STREAM_ENV = envelope(
+    parameters={
+        "model": "m",
+        "stream": True,
+        "messages": [],
+        "stream_options": {"include_usage": True},
+    }
+)
 
 
 class Streamer:

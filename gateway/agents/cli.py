@@ -37,8 +37,8 @@ def register(sub: Any) -> None:
     ):
         p = sub.add_parser(action, help=text)
         which = p.add_mutually_exclusive_group(required=True)
-        which.add_argument("--agent", help="the agent id to stop")
-        which.add_argument("--target", help="the target (policy name) to stop")
+        which.add_argument("--agent", help=f"the agent id to {action}")
+        which.add_argument("--target", help=f"the target (policy name) to {action}")
         which.add_argument("--all", action="store_true", help="every call of the sidecars")
         p.add_argument("--reason", required=action == "stop", help="why (audited)")
         p.add_argument("--by", default=None, help="who asks (default: your user name)")

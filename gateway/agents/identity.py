@@ -251,8 +251,19 @@ def identify(transport: Transport | None, headers: Mapping[str, str], agents: Ag
             uid = peers.peer_uid(sock)
             if uid is not None and listener == "tcp":
                 _TCP_OWNERS[transport] = uid
-    seen = Seen(listener, uid, headers.get(TOKEN_HEADER), headers.get(CLAIM_HEADER))
+    seen = Seen(listener, uid, _only(headers, TOKEN_HEADER), _only(headers, CLAIM_HEADER))
     return establish(seen, agents)
+
+
+def _only(headers: Mapping[str, str], name: str) -> str | None:
+    """The value of header ``name``; a header sent more than once with different values
+    is all of them, comma-joined (RFC 9110, section 5.3), which no token or agent id
+    matches: refused, never decided by its first copy alone."""
+    getall = getattr(headers, "getall", None)
+    values = getall(name, ()) if getall is not None else ()
+    if len(set(values)) > 1:
+        return ",".join(values)
+    return headers.get(name)
 
 
 def build_agents(

@@ -29,6 +29,7 @@ from gateway.agents.identity import Agents, Identity, identify
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.call.proxy import (
+    SERVED_BY_HEADER,
     ProxyRequest,
     answer_ids,
     egress_headers,
@@ -38,6 +39,7 @@ from gateway.call.proxy import (
     passback_reason,
     replayed_body,
     request_ids,
+    served_by_value,
 )
 from gateway.call.record import CallContext
 from gateway.call.relay import AGENT_STALLED, Relay
@@ -219,6 +221,9 @@ class _Exchange:
         ids = id_headers(request.trace_id, request.correlation_id) if request else {}
         if answer is not None:
             headers = [*passback_headers(answer.headers), *ids.items(), *model_headers(self.ctx)]
+            served = self.ctx.served_by
+            if served is not None:  # the attempt whose stream this is
+                headers.append((SERVED_BY_HEADER, served_by_value(served)))
             return Head(answer.status, headers, passback_reason(answer.reason))
         headers = [("Content-Type", "text/event-stream"), *ids.items()]
         headers.append(("x-egress-replayed", "true"))

@@ -134,6 +134,14 @@ class AuditRecord(BaseModel):
     # its depth; null when the call ended before its chain was read, or it was unreadable.
     call_chain: list[str] | None = None
     call_chain_depth: int | None = None
+    # Failover (added in 1.x; README "Failover"), for a target with ``fallbacks`` (null
+    # for any other): who answered, ``{target, model}`` (null when none answered well);
+    # every option tried in order: ``{target, model, api_key_ref (a reference name, never a key),
+    # attempts, outcome (an error code or "ok"), upstream_status, reason (e.g. a
+    # transport failure's kind: connect, reset, timeout), response_bytes,
+    # duration_ms}``.
+    served_by: dict[str, str | None] | None = None
+    tried: list[dict[str, Any]] | None = None
     # Models under control (added in 1.x; the target's or the agent's ``models:``): the
     # model the request asked for, the one sent (after a pin), and ``{sent, answered}``
     # when the answer named another model than the one sent; null without a models rule.
@@ -231,6 +239,8 @@ class Fields:
     POLICY_SHA256: Final = "policy_sha256"
     CALL_CHAIN: Final = "call_chain"
     CALL_CHAIN_DEPTH: Final = "call_chain_depth"
+    SERVED_BY: Final = "served_by"
+    TRIED: Final = "tried"
     MODEL_REQUESTED: Final = "model_requested"
     MODEL_SENT: Final = "model_sent"
     MODEL_DRIFT: Final = "model_drift"

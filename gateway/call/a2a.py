@@ -158,7 +158,7 @@ def a2a_intake(
     }
     exchange = None
     if http.method == "POST" and not http.card:  # read for any target: the refusal's id
-        exchange = ctx.a2a = _parse(http.body)
+        exchange = ctx.a2a = _parse(http.body, refuse)
         ctx.chain_seen = ctx.chain_seen or rpc.chain_in_body(exchange.body)
     if refuse is not None:
         raise refuse
@@ -245,10 +245,15 @@ def _body(data: bytes) -> dict[str, str]:
     return {"content_type": "application/json", "base64": base64.b64encode(data).decode()}
 
 
-def _parse(body: bytes) -> rpc.A2aExchange:
+def _parse(body: bytes, refuse: Exception | None = None) -> rpc.A2aExchange:
+    """The JSON-RPC request of ``body``. Raises ``refuse`` when the body cannot be read and
+    the request is refused anyway (who calls, the body's size: settled first), else
+    InvalidPayload."""
     try:
         return rpc.parse_request(body)
     except rpc.A2aProtocolError as exc:
+        if refuse is not None:
+            raise refuse from None
         raise InvalidPayload(
             f"not an A2A JSON-RPC request: {exc.message}",
             details={"reason": exc.reason, "jsonrpc_code": exc.code},

@@ -117,6 +117,10 @@ class Attempts:
     tokens_reserved: int = 0
     breaker: TargetBreaker | None = None
     refresh_credential: Callable[[], Awaitable[Credential | None]] | None = None
+    #: A key pool's next key after a 429 or quota refusal (gateway.call.keys): awaited
+    #: with the wait the upstream asked for (seconds; None: none) and whether the key is
+    #: spent (quota); None when every key rests.
+    next_key: Callable[[float | None, bool], Awaitable[Credential | None]] | None = None
     #: Where a 2xx event stream goes as it arrives (the agent asked for a stream).
     relay: Relay | None = None
     started: float = 0.0
@@ -125,6 +129,9 @@ class Attempts:
     #: its answer lost or cut): books that attempt's cost (a budget's reservation) and
     #: raises to stop the resend (BudgetExceeded).
     before_resend: Callable[[], Awaitable[None]] | None = None
+    #: What the agent gets of a relayed stream's whole events (None: all of them as
+    #: they came): removes what the sidecar added (gateway.providers.asking_usage).
+    rewrite: Callable[[bytes], bytes] | None = None
     #: The drift check of a relayed stream (:attr:`gateway.call.relay.Relayed.gate`):
     #: its events are held until one names a model, and refused by it.
     model_gate: Callable[[str], GatewayError | None] | None = None
@@ -183,7 +190,7 @@ class Attempts:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             return Outcome(deadline_error("waiting for rate-limit capacity")), None
-        attempt_timeout = min(self.target.spec.timeout_s, remaining)
+        attempt_timeout = min(self.target.attempt_timeout_s, remaining)
         permit = self.breaker.acquire(attempt_timeout_s=attempt_timeout) if self.breaker else None
         log.attempts += 1
         try:
@@ -278,6 +285,12 @@ class Attempts:
         retry_after = parse_retry_after(answer.headers, time.time())
         if retry_after is None and hint is not None and hint.retry_after_s is not None:
             retry_after = min(hint.retry_after_s, MAX_RETRY_AFTER_S)  # e.g. Gemini RetryInfo
+        quota = hint is not None and hint.verdict == "quota"
+        if self.next_key is not None and (answer.status == 429 or quota):
+            credential = await self.next_key(retry_after, quota)
+            if credential is not None:  # the pool's next key serves, at once
+                self.outbound = replace(self.outbound, credential=credential)
+                return Outcome(refreshed=True)
         error = status_error(answer, retry_after, self.target.name, hint, parsed)
         retryable = status_retryable(answer.status, self.target.spec.retry.retry_on, hint)
         return Outcome(error, retryable, retry_after_s=retry_after)
@@ -318,6 +331,8 @@ class Attempts:
                 deadline=self.deadline,
                 idle_timeout_s=self.target.spec.stream_idle_timeout_s,
                 max_bytes=self.max_response_bytes,
+                first_event_timeout_s=self.target.spec.first_byte_timeout_s,
+                rewrite=self.rewrite,
             )
         except GatewayError as exc:
             return exc

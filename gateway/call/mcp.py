@@ -98,12 +98,7 @@ def mcp_intake(
     if refuse is not None:
         raise refuse
     if http.method not in MCP_METHODS:
-        raise InvalidPayload(
-            f"method {printable(http.method[:32])} is not part of MCP's streamable HTTP "
-            "transport (POST, GET, DELETE)",
-            details={"reason": "method", "http_status": 405},
-            http_status=405,
-        )
+        raise _method_not_mcp(http.method)
     raw: dict[str, Any] = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
@@ -125,18 +120,11 @@ def mcp_intake(
         ctx.mcp = rpc.McpExchange(spec, [])
     if target is not None and spec is None:
         ctx.decision = "denied"
-        raise PermissionDenied(
-            f"target {target.name!r} is not an MCP server (it has no 'mcp' section): use "
-            f"/proxy/{target.name}/... or an envelope",
-            details={"reason": "not_an_mcp_target", "target_system": target.name},
-        )
+        raise _not_an_mcp_target(target)
     if exchange is not None and target is not None:
         problem = rpc.header_problem(exchange.messages, headers)
         if problem is not None:
-            raise InvalidPayload(
-                f"the MCP headers do not match the body: {problem}",
-                details={"reason": "mcp_header_mismatch", "jsonrpc_code": rpc.HEADER_MISMATCH},
-            )
+            raise _header_mismatch(problem)
         _check(exchange, target, ctx)
         group = _group(exchange, target)
         if group is not None:
@@ -149,12 +137,42 @@ def mcp_intake(
             "base64": base64.b64encode(http.body).decode(),
         }
     intake = parse_request(raw)
-    ctx.passthrough_headers = {
+    ctx.passthrough_headers = _passed_headers(headers)
+    return intake
+
+
+def _passed_headers(headers: dict[str, str]) -> dict[str, str]:
+    """The agent's MCP headers passed to the server as they are (session, protocol
+    version, ``Mcp-Param-*``)."""
+    return {
         k: v
         for k, v in headers.items()
         if k in rpc.PASSED_HEADERS or k.startswith(rpc.MCP_PARAM_PREFIX)
     }
-    return intake
+
+
+def _method_not_mcp(method: str) -> InvalidPayload:
+    return InvalidPayload(
+        f"method {printable(method[:32])} is not part of MCP's streamable HTTP "
+        "transport (POST, GET, DELETE)",
+        details={"reason": "method", "http_status": 405},
+        http_status=405,
+    )
+
+
+def _not_an_mcp_target(target: CompiledTarget) -> PermissionDenied:
+    return PermissionDenied(
+        f"target {target.name!r} is not an MCP server (it has no 'mcp' section): use "
+        f"/proxy/{target.name}/... or an envelope",
+        details={"reason": "not_an_mcp_target", "target_system": target.name},
+    )
+
+
+def _header_mismatch(problem: str) -> InvalidPayload:
+    return InvalidPayload(
+        f"the MCP headers do not match the body: {problem}",
+        details={"reason": "mcp_header_mismatch", "jsonrpc_code": rpc.HEADER_MISMATCH},
+    )
 
 
 def _decode(body: bytes, repeated: list[str]) -> Any:

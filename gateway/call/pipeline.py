@@ -49,6 +49,7 @@ from gateway.call.intake import (
     printable,
     refuse_lone_surrogates,
 )
+from gateway.call.keys import KeyPools
 from gateway.call.outbound import Credentials
 from gateway.call.proxy import ProxyRequest, proxy_intake
 from gateway.call.record import CLAIMED, CallContext, observe
@@ -129,6 +130,8 @@ class Pipeline:
         self.chains = ChainMemory()
         #: Each target's credential, per secret (rebuilt on reload, gone with the pipeline).
         self.credentials = Credentials()
+        #: When each pooled key (credential.refs) may serve again (gateway.call.keys).
+        self.keys = KeyPools()
         #: The JSON of the answer an idempotent call stored last, for the server to send.
         self.rendered = Rendered()
         #: The operator's desk (agents/approvals.py, deadletters/): replaced by the runtime's.

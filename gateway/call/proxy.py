@@ -26,7 +26,8 @@ same stages as an envelope. :func:`proxy_intake` builds the request:
   the trace-id of a valid ``traceparent``, else generated), ``x-egress-timeout``
   (seconds; else the SDK's own timeout: ``x-stainless-timeout``,
   ``x-stainless-read-timeout``, ``X-Server-Timeout``, at most 600; on a streamed
-  request the first two are read timeouts, so 600; else 30), and
+  request the first two are read timeouts, so 600; else 30, or 600 for a streamed
+  request, whose gaps ``stream_idle_timeout_s`` bounds), and
   ``Idempotency-Key`` (the envelope's ``idempotency_key``; for a target without
   ``idempotency`` in the policy it is forwarded as it came, for the upstream to dedupe).
 * retries: ``x-stainless-retry-count`` above 0 means the SDK is itself retrying this
@@ -57,6 +58,7 @@ from gateway.envelope import (
     MAX_TIMEOUT_S,
     ErrorPayload,
     ExternalCallResponse,
+    ServedBy,
 )
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.policy import CompiledTarget, PolicySet
@@ -91,6 +93,8 @@ _OWN_PREFIX: Final = "x-egress-"
 _PASSED: Final = SDK_HEADERS | {"accept"}
 TRACE_ID_HEADER: Final = "x-egress-trace-id"
 CORRELATION_ID_HEADER: Final = "x-egress-correlation-id"
+#: Who answered (README, "Failover"): ``target=NAME; model=MODEL``.
+SERVED_BY_HEADER: Final = "x-egress-served-by"
 _SECRET_REF_HEADER: Final = "x-egress-secret-ref"  # noqa: S105 - a header name
 _TIMEOUT_HEADER: Final = "x-egress-timeout"
 _IDEMPOTENCY_HEADER: Final = "idempotency-key"
@@ -170,33 +174,12 @@ def proxy_intake(
         raise refuse
     method = http.method
     if method not in METHODS:
-        raise InvalidPayload(
-            f"method {printable(method[:32])} is not forwarded (allowed: "
-            f"{', '.join(sorted(METHODS))})",
-            details={"reason": "method", "http_status": 405},
-            http_status=405,
-        )
+        raise _method_not_forwarded(method)
     target = policy.targets.get(http.target)
-    forward = target.forward_headers if target is not None else frozenset()
     credential = target.spec.credential if target is not None else None
     own_query = credential.query_param if credential is not None else None
     dropped = CREDENTIAL_QUERY | AGENT_QUERY_CREDENTIALS | ({own_query} if own_query else set())
-    connection = {t.strip() for t in headers.get("connection", "").lower().split(",")}
-    agent_headers: dict[str, str] = {}
-    passthrough: dict[str, str] = {}
-    for name, value in headers.items():
-        if name in HOP_BY_HOP or name in connection or name in CREDENTIAL_HEADERS:
-            continue
-        if not value.isascii() and not _is_utf8(value) and _forwarded(name, forward, target):
-            raise _not_utf8(name)
-        if name in TRACE_HEADERS or name in forward:
-            agent_headers[name] = value
-        elif name in _PASSED:  # not the idempotency header: the key goes as the target says
-            passthrough[name] = value
-        elif name == _IDEMPOTENCY_HEADER and (target is None or target.spec.idempotency is None):
-            # No idempotency of the sidecar's for this target: the SDK's key (Stripe's
-            # SDK sends one on every POST and its retries) is the upstream's to dedupe on.
-            passthrough[name] = value
+    agent_headers, passthrough = _split_headers(headers, target)
     raw: dict[str, Any] = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
@@ -290,6 +273,42 @@ def _hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text.lower())
 
 
+def _method_not_forwarded(method: str) -> InvalidPayload:
+    return InvalidPayload(
+        f"method {printable(method[:32])} is not forwarded (allowed: {', '.join(sorted(METHODS))})",
+        details={"reason": "method", "http_status": 405},
+        http_status=405,
+    )
+
+
+def _split_headers(
+    headers: dict[str, str], target: CompiledTarget | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The agent's headers as (those the envelope carries: trace headers and the target's
+    ``forward_headers``; those passed to the upstream as they are: the SDKs' own, and the
+    SDK's idempotency key when the sidecar keeps none for the target). Hop-by-hop and
+    credential headers go nowhere. Raises :class:`InvalidPayload` for a forwarded value
+    that is not UTF-8."""
+    forward = target.forward_headers if target is not None else frozenset()
+    connection = {t.strip() for t in headers.get("connection", "").lower().split(",")}
+    agent_headers: dict[str, str] = {}
+    passthrough: dict[str, str] = {}
+    for name, value in headers.items():
+        if name in HOP_BY_HOP or name in connection or name in CREDENTIAL_HEADERS:
+            continue
+        if not value.isascii() and not _is_utf8(value) and _forwarded(name, forward, target):
+            raise _not_utf8(name)
+        if name in TRACE_HEADERS or name in forward:
+            agent_headers[name] = value
+        elif name in _PASSED:  # not the idempotency header: the key goes as the target says
+            passthrough[name] = value
+        elif name == _IDEMPOTENCY_HEADER and (target is None or target.spec.idempotency is None):
+            # No idempotency of the sidecar's for this target: the SDK's key (Stripe's
+            # SDK sends one on every POST and its retries) is the upstream's to dedupe on.
+            passthrough[name] = value
+    return agent_headers, passthrough
+
+
 def _query(items: Iterable[tuple[str, str]], dropped: Iterable[str]) -> dict[str, Any]:
     """The query items as the envelope's ``query`` (a repeated name as a list), without
     those an upstream could read as a credential (:data:`AGENT_QUERY_CREDENTIALS`, the
@@ -341,7 +360,9 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     each gap between chunks, not the stream (openai-python and anthropic-sdk-python,
     ``_build_headers``), so there they are not the deadline: :data:`MAX_TIMEOUT_S` is,
     and the SDK, which hangs up after such a gap, and ``stream_idle_timeout_s`` bound
-    the gaps."""
+    the gaps. A streamed request without any timeout header (a plain HTTP client) gets
+    :data:`MAX_TIMEOUT_S` too, not the 30 s default: its stall is found by
+    ``stream_idle_timeout_s``, well before."""
     given = egress_timeout(headers)
     if given is not None:
         return given
@@ -357,7 +378,9 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
             continue
         if math.isfinite(seconds) and seconds > 0:
             return min(seconds, MAX_TIMEOUT_S)
-    return DEFAULT_TIMEOUT_S
+    # A plain HTTP client's stream: a long generation may outlast 30 s; its gaps are
+    # bounded by the target's stream_idle_timeout_s (60 s by default), well under this.
+    return MAX_TIMEOUT_S if streamed else DEFAULT_TIMEOUT_S
 
 
 def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
@@ -493,11 +516,26 @@ def model_headers(ctx: CallContext) -> list[tuple[str, str]]:
 
 def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
     """The id headers of a drop-in or MCP answer: the call's ids, else those the request
-    claimed."""
-    return id_headers(
+    claimed; and ``x-egress-served-by`` when an upstream answered well."""
+    ids = id_headers(
         response.trace_id or ctx.claimed.get("trace_id"),
         response.correlation_id or ctx.claimed.get("correlation_id"),
     )
+    if response.served_by is not None:
+        ids[SERVED_BY_HEADER] = served_by_value(response.served_by)
+    return ids
+
+
+def served_by_value(served: ServedBy) -> str:
+    """``x-egress-served-by``: ``target=NAME`` and, when the request named one,
+    ``; model=MODEL`` (the request's model written in ASCII escapes where it is not
+    printable ASCII: a header value cannot carry it)."""
+    if served.model is None:
+        return f"target={served.target}"
+    model = served.model
+    if not (model.isascii() and model.isprintable()):
+        model = model.encode("unicode_escape").decode("ascii")
+    return f"target={served.target}; model={model}"
 
 
 def replayed_body(response: ExternalCallResponse) -> tuple[str | None, bytes] | None:

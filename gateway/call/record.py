@@ -17,7 +17,7 @@ from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.call.attempts import AttemptLog
 from gateway.database import DbLog, StatementCall
-from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse
+from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse, ServedBy
 from gateway.metrics import Metrics, Outcome
 from gateway.policy import CompiledTarget
 from gateway.policy.modelrules import ModelChoice
@@ -100,6 +100,12 @@ class CallContext:
     #: or an envelope, whose ``call_chain`` says), and what the chain stage decided.
     chain_seen: dict[str, str] | None = None
     chain: ChainDecision | None = None
+    #: Who answered (the target and model of the serving attempt; None: none did), the
+    #: options a call with ``fallbacks`` tried (gateway.call.send.fail_over; None:
+    #: none), and the attempts made on the options before the last.
+    served_by: ServedBy | None = None
+    tried: list[dict[str, Any]] | None = None
+    prior_attempts: int = 0
     #: The models decision (:mod:`gateway.call.models`; None: no ``models:`` rule
     #: applied) and the model a whole answer named (a stream's: its judge's).
     model: ModelChoice | None = None
@@ -158,7 +164,7 @@ class CallContext:
                 self.budgets,
                 [*self.warnings, *log.warnings],
                 shadow,
-                log.attempts,
+                log.attempts + self.prior_attempts,
                 log.upstream_latency_s,
                 log.response_bytes,
                 log.rate_limit_wait_s,
@@ -167,6 +173,8 @@ class CallContext:
                 self.identity,
                 self.policy_sha256,
                 self.chain,
+                self.served_by,
+                self.tried,
                 self._models(),
                 _database(self.db_call, self.db),
             ),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.call.sse import EventTooLarge, SseDecoder, complete_events
-from gateway.call.stream import StreamJudge
+from gateway.call.stream import StreamJudge, malformed_error
 from gateway.errors import DeadlineExceeded, GatewayError, ResponseTooLarge, StreamInterrupted
 from gateway.upstream import TransportError
 
@@ -93,24 +93,31 @@ async def relay_stream(
     deadline: float,
     idle_timeout_s: float,
     max_bytes: int,
+    first_event_timeout_s: float | None = None,
+    rewrite: Callable[[bytes], bytes] | None = None,
 ) -> Relayed:
     """Relay ``stream`` (an open :class:`gateway.upstream.client.UpstreamStream`) to
     ``relay`` until its end, recording in ``done`` what was relayed (also when it fails).
     Raises the GatewayError its end calls for (a judged failure, STREAM_INTERRUPTED,
     AGENT_TIMEOUT, RESPONSE_TOO_LARGE); the agent hanging up is STREAM_INTERRUPTED with
-    reason ``agent_disconnected``. The upstream stream is always closed on return."""
+    reason ``agent_disconnected``. The upstream stream is always closed on return.
+    ``first_event_timeout_s`` (a target's ``first_byte_timeout_s``) bounds the wait for
+    the first whole event instead of ``idle_timeout_s``: past it, STREAM_INTERRUPTED
+    with reason ``first_byte_timeout``, nothing relayed (a fallback may serve).
+    ``rewrite`` (whole events -> what the agent gets of them) removes what the sidecar
+    added to the request (:func:`gateway.providers.asking_usage`); the events are
+    judged as the upstream sent them. A malformed event (:attr:`StreamJudge.malformed`)
+    ends the stream after the read that carried it."""
     judge = done.judge
     decoder = SseDecoder(max_bytes)
     held = bytearray()  # bytes after the last whole event, not relayed yet
-    # One timer for the whole relay, moved only when its bound changes: the gap to the
-    # next chunk is bounded by min(idle timeout, deadline), a write to the agent by the
-    # deadline. With a deadline nearer than the idle timeout (the usual case) both are
-    # the deadline and the timer never moves; two timers per chunk were ~40% of the
-    # relay's own cost per chunk.
+    # One timer for the whole relay, moved only when its bound changes (see _arm).
     loop_deadline = _loop_time(deadline)
     loop = asyncio.get_running_loop()
     sending = False
     tail = bytearray()  # events a gate held to the stream's end
+    gap = idle_timeout_s if first_event_timeout_s is None else first_event_timeout_s
+    first = first_event_timeout_s is not None  # no whole event came yet
     try:
         try:
             async with asyncio.timeout_at(loop_deadline) as timer:
@@ -118,18 +125,13 @@ async def relay_stream(
                     if deadline - time.monotonic() <= 0:
                         raise _deadline(judge)
                     sending = False
-                    _arm(timer, min(loop.time() + idle_timeout_s, loop_deadline))
+                    _arm(timer, min(loop.time() + gap, loop_deadline))
                     try:
                         chunk = await stream.read()
                     except TransportError as exc:
-                        raise StreamInterrupted(
-                            f"{exc.message} after {judge.events} events",
-                            details={"reason": "reset", "target": judge.target},
-                        ) from None
+                        raise _reset(judge, exc) from None
                     if not chunk:
-                        for event in decoder.close():
-                            judge.observe(event)
-                        tail = _ungated(done, judge)  # held to the end: no model named
+                        tail = _ended(decoder, judge, done)
                         break
                     done.bytes += len(chunk)
                     if done.bytes > max_bytes:
@@ -137,66 +139,136 @@ async def relay_stream(
                     searched = len(held)  # held has no event end: a new one is in chunk
                     held += chunk
                     cut = complete_events(held, searched)
-                    gone = False
-                    fed = done.gate is not None
+                    gone, fed = False, done.gate is not None
                     if fed:  # judged before it is relayed: the model decides
                         _feed(decoder, judge, chunk, max_bytes)
                     if cut:  # else no whole event yet: nothing is relayed half-way
                         whole, held = bytes(held[:cut]), held[cut:]
+                        gap, first = idle_timeout_s, False
                         if fed:
-                            done.waiting += whole
-                            whole = _released(done, judge)
+                            whole = _released(done, judge, whole)
+                    if cut and whole and rewrite is not None:
+                        whole = rewrite(whole)
                     if cut and whole:
-                        # Relayed before it is judged: the verdict is only read at the
-                        # end, and judging first made the agent's first byte wait for
-                        # the parse of every event in the chunk (often all of a fast
-                        # upstream's).
                         sending = True
                         _arm(timer, loop_deadline)
-                        try:
-                            await _send(relay, done, whole, started)
-                        except AgentGone:
-                            gone = True
+                        gone = await _relayed(relay, done, whole, started)
                     if not fed:
                         _feed(decoder, judge, chunk, max_bytes)
+                    if judge.malformed:  # ended there: its SDK raises on such an event
+                        raise malformed_error(judge.target, judge.events)
                     if gone:
-                        raise StreamInterrupted(
-                            f"the agent hung up after {judge.events} events; the upstream "
-                            "request was closed",
-                            details={"reason": "agent_disconnected", "target": judge.target},
-                        )
+                        raise _agent_gone(judge)
         except TimeoutError:
-            if sending:
-                raise _stalled(judge) from None
-            if timer.when() == loop_deadline:
-                raise _deadline(judge) from None
-            raise StreamInterrupted(
-                f"the stream from target {judge.target!r} sent nothing for "
-                f"{idle_timeout_s:.3g} s (stream_idle_timeout_s)",
-                details={"reason": "idle_timeout", "target": judge.target},
+            at_deadline = timer.when() == loop_deadline
+            raise _timed_out(
+                judge, sending, at_deadline, idle_timeout_s, first, first_event_timeout_s
             ) from None
     finally:
         await stream.aclose()
-    error = judge.verdict(status=200)
+    await _finish(relay, done, tail, held, started, loop_deadline, rewrite)
+    return done
+
+
+async def _relayed(relay: Relay, done: Relayed, whole: bytes, started: float) -> bool:
+    """Send ``whole`` events to the agent; True when the agent has hung up. They are
+    relayed before they are judged: the verdict is only read at the end, and judging
+    first made the agent's first byte wait for the parse of every event in the chunk
+    (often all of a fast upstream's)."""
+    try:
+        await _send(relay, done, whole, started)
+    except AgentGone:
+        return True
+    return False
+
+
+def _timed_out(
+    judge: StreamJudge,
+    sending: bool,
+    at_deadline: bool,
+    idle_timeout_s: float,
+    first: bool,
+    first_event_timeout_s: float | None,
+) -> GatewayError:
+    """What the relay's one timer firing means: the agent stalled a write (``sending``),
+    the deadline passed (the timer stood at it), no first event came in time (``first``),
+    or the upstream went idle."""
+    if sending:
+        return _stalled(judge)
+    if at_deadline:
+        return _deadline(judge)
+    if first:
+        return _no_first_event(judge, first_event_timeout_s)
+    return _idle(judge, idle_timeout_s)
+
+
+async def _finish(
+    relay: Relay,
+    done: Relayed,
+    tail: bytearray,
+    held: bytearray,
+    started: float,
+    loop_deadline: float,
+    rewrite: Callable[[bytes], bytes] | None,
+) -> None:
+    """The upstream closed: raise the stream's verdict if it failed, else relay what is
+    left (the events a gate held to the end, then an unterminated last event), each
+    through ``rewrite`` when given."""
+    error = done.judge.verdict(status=200)
     if error is not None:
         raise error  # an unfinished last event is dropped: the final event says why
+    if tail and rewrite is not None:
+        tail = bytearray(rewrite(bytes(tail)))
+    if rewrite is not None and held.strip():
+        held = bytearray(rewrite(bytes(held) + b"\n\n").rstrip(b"\r\n"))
     if tail:
-        with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
-            try:
-                async with asyncio.timeout_at(loop_deadline):
-                    await _send(relay, done, bytes(tail), started)
-            except TimeoutError:
-                raise _stalled(judge) from None
+        await _send_last(relay, done, bytes(tail), started, loop_deadline)
     if held.strip():
         # A last event without its blank line that still completed the stream (``data:
         # [DONE]`` right before the close): closed here, so it cannot run into ours.
-        with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
-            try:
-                async with asyncio.timeout_at(loop_deadline):
-                    await _send(relay, done, bytes(held) + b"\n\n", started)
-            except TimeoutError:
-                raise _stalled(judge) from None
-    return done
+        await _send_last(relay, done, bytes(held) + b"\n\n", started, loop_deadline)
+
+
+def _ended(decoder: SseDecoder, judge: StreamJudge, done: Relayed) -> bytearray:
+    """The upstream closed: ``judge`` observes the decoder's last events; returns the
+    events a gate held to the end (no model named), to relay after the verdict."""
+    for event in decoder.close():
+        judge.observe(event)
+    return _ungated(done, judge)
+
+
+async def _send_last(
+    relay: Relay, done: Relayed, data: bytes, started: float, loop_deadline: float
+) -> None:
+    """Relay ``data`` after a good verdict, by the deadline (else AGENT_STALLED)."""
+    with contextlib.suppress(AgentGone):  # the call ended well; the agent just left
+        try:
+            async with asyncio.timeout_at(loop_deadline):
+                await _send(relay, done, data, started)
+        except TimeoutError:
+            raise _stalled(done.judge) from None
+
+
+def _reset(judge: StreamJudge, exc: TransportError) -> GatewayError:
+    return StreamInterrupted(
+        f"{exc.message} after {judge.events} events",
+        details={"reason": "reset", "target": judge.target},
+    )
+
+
+def _agent_gone(judge: StreamJudge) -> GatewayError:
+    return StreamInterrupted(
+        f"the agent hung up after {judge.events} events; the upstream request was closed",
+        details={"reason": "agent_disconnected", "target": judge.target},
+    )
+
+
+def _idle(judge: StreamJudge, idle_timeout_s: float) -> GatewayError:
+    return StreamInterrupted(
+        f"the stream from target {judge.target!r} sent nothing for "
+        f"{idle_timeout_s:.3g} s (stream_idle_timeout_s)",
+        details={"reason": "idle_timeout", "target": judge.target},
+    )
 
 
 def _feed(decoder: SseDecoder, judge: StreamJudge, chunk: bytes, max_bytes: int) -> None:
@@ -208,10 +280,12 @@ def _feed(decoder: SseDecoder, judge: StreamJudge, chunk: bytes, max_bytes: int)
         raise _too_large(judge, max_bytes) from None
 
 
-def _released(done: Relayed, judge: StreamJudge) -> bytes:
-    """The held events to relay now: all of them once an event named a model that
-    ``done.gate`` lets pass (then the gate is lifted), none before. Raises the gate's
-    error for a model it refuses (nothing of the stream was relayed)."""
+def _released(done: Relayed, judge: StreamJudge, whole: bytes) -> bytes:
+    """Hold ``whole`` (events the gate sees before they are relayed); the held events to
+    relay now: all of them once an event named a model that ``done.gate`` lets pass
+    (then the gate is lifted), none before. Raises the gate's error for a model it
+    refuses (nothing of the stream was relayed)."""
+    done.waiting += whole
     if done.gate is None or judge.model is None:
         return b""
     return bytes(_ungated(done, judge))
@@ -228,6 +302,12 @@ def _ungated(done: Relayed, judge: StreamJudge) -> bytearray:
 
 
 def _arm(timer: asyncio.Timeout, when: float) -> None:
+    """Move the relay's one timer to ``when`` (loop clock) if it is not there already.
+
+    The gap to the next chunk is bounded by min(idle timeout, deadline), a write to the
+    agent by the deadline. With a deadline nearer than the idle timeout (the usual case)
+    both are the deadline and the timer never moves; two timers per chunk were ~40% of
+    the relay's own cost per chunk."""
     if timer.when() != when:
         timer.reschedule(when)
 
@@ -266,6 +346,14 @@ def _deadline(judge: StreamJudge) -> GatewayError:
         f"the call's deadline passed while target {judge.target!r} was streaming "
         f"({judge.events} events relayed)",
         details={"reason": "deadline", "target": judge.target},
+    )
+
+
+def _no_first_event(judge: StreamJudge, timeout_s: float | None) -> GatewayError:
+    return StreamInterrupted(
+        f"the stream from target {judge.target!r} sent no event within "
+        f"{timeout_s or 0:.3g} s (first_byte_timeout_s)",
+        details={"reason": "first_byte_timeout", "target": judge.target},
     )
 
 

@@ -13,7 +13,11 @@
 * Waits are exponential backoff with full jitter (``uniform(0, min(cap, base * 2**n))``,
   AWS Architecture Blog, "Exponential Backoff And Jitter"), unless the upstream said how
   long to wait: ``retry-after-ms`` (milliseconds, OpenAI and Anthropic) or ``Retry-After``
-  (delay-seconds or an HTTP-date, RFC 9110 section 10.2.3).
+  (delay-seconds or an HTTP-date, RFC 9110 section 10.2.3). A 429 that said nothing
+  waits at least :data:`RATE_LIMITED_FLOOR_S` (within the cap).
+* After the target's attempts failed (:func:`next_option`): the next of its
+  ``fallbacks``, for a failure :func:`failover_reason` names, while nothing reached the
+  agent and time is left.
 * What next after an attempt (:func:`next_step`): its :class:`Outcome` and the call's
   :class:`RetryBudget` (retries and time) give one :class:`Step`: retry after a wait,
   or stop. A 2xx stream that ended before its terminal marker is judged by what reached
@@ -38,6 +42,9 @@ if TYPE_CHECKING:
 
 #: An answer's Retry-After beyond this is treated as this (a day): it bounds arithmetic.
 MAX_RETRY_AFTER_S: Final = 86400.0
+#: The least wait before retrying a 429 that said nothing of when (seconds; never more
+#: than the target's ``backoff_max_s``): full jitter alone can resend it at once.
+RATE_LIMITED_FLOOR_S: Final = 1.0
 
 
 def parse_retry_after(headers: Mapping[str, str], now_epoch_s: float) -> float | None:
@@ -173,6 +180,114 @@ def next_step(
     wait = outcome.retry_after_s
     if wait is None:
         wait = backoff_s(retry_number, budget.backoff_base_s, budget.backoff_max_s, rng)
+        if outcome.error.status_code == 429:
+            # Full jitter may draw ~0: a rate limit retried at once is refused again.
+            wait = max(wait, min(RATE_LIMITED_FLOOR_S, budget.backoff_max_s))
     if now + wait >= budget.deadline:
         return Step("stop", "deadline", wait_s=wait)
     return Step("retry", "backoff", wait_s=wait, resend=outcome.resend)
+
+
+#: Why a call moved to its next fallback (the ``reason`` label of
+#: ``egress_gateway_failovers_total`` and of each attempt in the audit record).
+FailoverReason = Literal[
+    "upstream_5xx",
+    "rate_limited",
+    "quota",
+    "connect",
+    "first_byte_timeout",
+    "circuit_open",
+    "stream_failed",
+    "context_length_exceeded",
+]
+
+#: Phrases of the providers' context-window refusals (OpenAI's ``code``; Anthropic's
+#: "prompt is too long"; Gemini's "exceeds the maximum number of tokens").
+_CONTEXT_LENGTH: Final = (
+    "context_length_exceeded",
+    "prompt is too long",
+    "maximum number of tokens",
+)
+
+
+def failover_reason(
+    error: GatewayError, *, relayed: bool, fallback_on: Collection[str], provider: bool = False
+) -> FailoverReason | None:
+    """Why the call may move to its next fallback after its target's attempts ended in
+    ``error``, or None when it may not (pure). Never once a byte reached the agent
+    (``relayed``): a cut stream is the agent's STREAM_INTERRUPTED, never spliced. The
+    retryable failures move on (a 5xx or 529, a 429 or a quota refusal, a connection
+    never made or reset before the answer, no answer within the attempt's limit, an open
+    breaker, a stream that ended before reaching the agent); a refusal of the request
+    itself (400, 401/403, a content filter) does not, unless ``fallback_on`` lists its
+    kind (``context_length_exceeded``). A passed deadline leaves no time to move.
+    ``provider``: the target speaks a provider dialect, where a request lost after it
+    was sent (OUTCOME_UNKNOWN: reset or silent before any answer byte) costs tokens at
+    most, never a side effect, so it moves on too."""
+    if relayed:
+        return None
+    code = error.code.value
+    details = error.details
+    if code == "CIRCUIT_OPEN":
+        return "circuit_open"
+    if code == "QUOTA_EXHAUSTED" and details.get("source") == "upstream":
+        return "quota"
+    if code == "CAPACITY_EXCEEDED" and details.get("source") == "upstream":
+        return "rate_limited"
+    if code == "DEPENDENCY_FAILED" and "upstream_status" in details:
+        return "upstream_5xx"
+    if code == "DEPENDENCY_FAILED" and details.get("reason") in ("connect", "reset"):
+        return "connect"
+    if code == "AGENT_TIMEOUT" and details.get("reason") == "attempt_timeout":
+        return "first_byte_timeout"
+    if code == "STREAM_INTERRUPTED":
+        return "stream_failed"
+    if code == "OUTCOME_UNKNOWN" and provider:
+        return "first_byte_timeout" if details.get("reason") == "timeout" else "connect"
+    if (
+        "context_length_exceeded" in fallback_on
+        and code == "UPSTREAM_REJECTED"
+        and _says_context_length(error.data)
+    ):
+        return "context_length_exceeded"
+    return None
+
+
+def _says_context_length(data: object) -> bool:
+    """True when an error body (``{"error": {...}}``) names a context-window refusal."""
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict):
+        return False
+    said = " ".join(str(error.get(k, "")) for k in ("code", "type", "message")).lower()
+    return any(phrase in said for phrase in _CONTEXT_LENGTH)
+
+
+class Option(NamedTuple):
+    """What to do after a target's attempts failed: ``fallback`` to option ``choice`` of
+    the target's ``fallbacks`` for ``reason``, or ``stop`` (``reason`` None: not a
+    failure to move on from; else no option or no time left)."""
+
+    action: Literal["fallback", "stop"]
+    choice: int = -1
+    reason: FailoverReason | None = None
+
+
+def next_option(
+    error: GatewayError,
+    tried: int,
+    options: int,
+    *,
+    relayed: bool,
+    fallback_on: Collection[str],
+    now: float,
+    deadline: float,
+    provider: bool = False,
+) -> Option:
+    """The call's next option after its ``tried``-th fallback failed (0: the primary)
+    with ``error`` (pure): the next of ``options`` fallbacks while time is left before
+    ``deadline`` (``time.monotonic()`` seconds), else stop. ``relayed``, ``fallback_on``
+    and ``provider`` as :func:`failover_reason` reads them."""
+    reason = failover_reason(error, relayed=relayed, fallback_on=fallback_on, provider=provider)
+    if reason is None or tried >= options or now >= deadline:
+        return Option("stop", reason=reason)
+    return Option("fallback", tried, reason)

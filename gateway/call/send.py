@@ -17,29 +17,178 @@ import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway import telemetry
 from gateway.agents import chain
 from gateway.agents.repeats import call_names
 from gateway.call import models, spend
-from gateway.call.attempts import Attempts, deadline_error
+from gateway.call.attempts import AttemptLog, Attempts, deadline_error
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.outbound import Draft, with_credential
 from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
-from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames
-from gateway.errors import CapacityExceeded, GatewayError, InternalError
+from gateway.call.retry import next_option
+from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames, ServedBy
+from gateway.errors import CapacityExceeded, GatewayError, InternalError, QuotaExhausted
 from gateway.policy import CompiledTarget, PolicySet
+from gateway.policy import egress as egress_rules
 from gateway.policy.egress import Decision
+from gateway.policy.failover import FallbackSpec
+from gateway.policy.models import TargetSpec
 from gateway.policy.refs import SecretRef
-from gateway.providers import estimate_tokens, extract_usage, response_model
+from gateway.providers import (
+    asking_usage,
+    estimate_tokens,
+    extract_usage,
+    request_model,
+    response_model,
+    with_model,
+)
 from gateway.secrets import ResolvedSecret
 from gateway.upstream import Credential, UpstreamResponse
 
 if TYPE_CHECKING:
     from gateway.call.pipeline import Pipeline
+
+
+async def fail_over(
+    pipe: Pipeline,
+    policy: PolicySet,
+    request: ExternalCallRequest,
+    decision: Decision,
+    ctx: CallContext,
+    deadline: float,
+    relay: Relay | None = None,
+) -> ExternalCallResponse:
+    """The call sent to its target, then to each fallback that
+    :func:`gateway.call.retry.next_option` allows, all inside ``deadline``: only while
+    nothing reached the agent. When every option failed, raises the target's own error
+    (a fallback's refusal never masks the cause), or, once bytes were relayed, the
+    error that cut them. Each option tried goes into ``ctx.tried``."""
+    spec = decision.target.spec
+    original, tried = request, 0
+    first: tuple[GatewayError, AttemptLog] | None = None
+    ctx.tried = []
+    while True:
+        started = time.monotonic()
+        try:
+            model = request_model(decision.target.spec.usage, request.endpoint, request.parameters)
+            ctx.served_by = ServedBy(target=decision.target.name, model=model)
+            response = await forward(pipe, policy, request, decision, ctx, deadline, relay)
+        except GatewayError as exc:
+            ctx.tried.append(_tried_entry(ctx, started, exc))
+            first = first or (exc, ctx.attempt_log)
+            relayed = relay is not None and relay.started
+            moved = _next_fallback(
+                pipe, policy, spec, original, decision.target.name, exc, tried, relayed, ctx,
+                deadline,
+            )  # fmt: skip
+            if moved is None:
+                ctx.served_by = None
+                if relayed or not tried:
+                    raise
+                # The target's own error and answer (a drop-in route passes it on), the
+                # record counting every option's attempts.
+                ctx.prior_attempts += ctx.attempt_log.attempts - first[1].attempts
+                ctx.attempt_log = first[1]
+                raise first[0] from None
+            ctx.prior_attempts += ctx.attempt_log.attempts
+            tried, request, decision = moved
+            ctx.api_key_ref = decision.api_key_ref
+            ctx.rate_limit_group = decision.target.spec.rate_limit_group
+        else:
+            ctx.tried.append(_tried_entry(ctx, started, None))
+            return response
+
+
+def _next_fallback(
+    pipe: Pipeline,
+    policy: PolicySet,
+    spec: TargetSpec,
+    original: ExternalCallRequest,
+    source: str,
+    error: GatewayError,
+    tried: int,
+    relayed: bool,
+    ctx: CallContext,
+    deadline: float,
+) -> tuple[int, ExternalCallRequest, Decision] | None:
+    """The next fallback of ``spec`` after option ``tried`` (0: the target) failed with
+    ``error``, as :func:`gateway.call.retry.next_option` decides: ``(options tried, its
+    request, its decision)``, or None to stop. A fallback the egress rules refuse
+    (the endpoint not allowed there) is recorded in ``ctx.tried`` and passed over."""
+    while True:
+        option = next_option(
+            error,
+            tried,
+            len(spec.fallbacks),
+            relayed=relayed,
+            fallback_on=spec.fallback_on,
+            now=time.monotonic(),
+            deadline=deadline,
+            provider=spec.usage != "none",
+        )
+        if option.action == "stop" or option.reason is None:
+            return None
+        tried += 1
+        chosen = spec.fallbacks[option.choice]
+        pipe.metrics.observe_failover(source, chosen.target, option.reason)
+        try:
+            request, decision = fallback_call(policy, original, chosen)
+        except GatewayError as refused:
+            assert ctx.tried is not None
+            ctx.tried.append(_tried_entry(ctx, time.monotonic(), refused, chosen))
+            continue
+        return tried, request, decision
+
+
+def fallback_call(
+    policy: PolicySet, request: ExternalCallRequest, option: FallbackSpec
+) -> tuple[ExternalCallRequest, Decision]:
+    """``request`` sent to fallback ``option`` instead: its target, its model named
+    (:func:`gateway.providers.with_model`, the dialect's own place), its default secret
+    and rate-limit group; decided by the egress rules like any call (raises
+    PermissionDenied when the endpoint is not allowed there)."""
+    target = policy.targets.get(option.target)
+    endpoint, parameters = request.endpoint, request.parameters
+    if target is not None and option.model is not None and isinstance(parameters, dict):
+        endpoint, named = with_model(target.spec.usage, endpoint, parameters, option.model)
+        parameters = dict(named)
+    moved = request.model_copy(
+        update={
+            "target_system": option.target,
+            "endpoint": endpoint,
+            "parameters": parameters,
+            "api_key_ref": None,
+            "rate_limit_group": None,
+        }
+    )
+    return moved, egress_rules.decide(policy, moved)
+
+
+def _tried_entry(
+    ctx: CallContext, started: float, error: GatewayError | None, option: FallbackSpec | None = None
+) -> dict[str, Any]:
+    """One option in the audit record: its target, model, secret reference (its name),
+    attempts, outcome (an error code, or ``ok``), upstream status, the error's reason (a
+    transport failure's kind), bytes, duration (ms)."""
+    log = ctx.attempt_log
+    served = ctx.served_by
+    refused_before = option is not None  # never sent: the egress rules refused it
+    return {
+        "target": option.target if option else (served.target if served else None),
+        "model": option.model if option else (served.model if served else None),
+        "api_key_ref": None if refused_before else ctx.api_key_ref,
+        "attempts": 0 if refused_before else log.attempts,
+        "outcome": "ok" if error is None else error.code.value,
+        "upstream_status": None if error is None else error.status_code,
+        # a transport failure's kind (connect, reset, timeout) or the error's own reason
+        "reason": None if error is None else error.details.get("reason"),
+        "response_bytes": None if refused_before else log.response_bytes,
+        "duration_ms": round((time.monotonic() - started) * 1000, 3),
+    }
 
 
 async def forward(
@@ -52,8 +201,14 @@ async def forward(
     relay: Relay | None = None,
 ) -> ExternalCallResponse:
     """Send the call: its request, its secret, its reservations, its attempts; answer
-    with the upstream's 2xx answer. Raises the GatewayError that ended the attempts."""
+    with the upstream's 2xx answer. Raises the GatewayError that ended the attempts. A
+    target with ``fallbacks`` goes through :func:`fail_over`, which sends each option
+    here (``ctx.tried`` set). A model call of a provider dialect takes its model's
+    circuit breaker (one failing model must not refuse the target's others)."""
     target = decision.target
+    if target.spec.fallbacks and ctx.tried is None:
+        return await fail_over(pipe, policy, request, decision, ctx, deadline, relay)
+    request, decision, rewrite, pool = _prepared(pipe, policy, request, decision, ctx, relay)
     gate = _model_gate(ctx, target, request)
     draft = _outbound(policy, request, target, ctx)
     group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
@@ -70,11 +225,11 @@ async def forward(
         has_idempotency_key=_keyed(ctx),
         rng=pipe.rng,
         relay=relay,
+        rewrite=rewrite,
         started=ctx.started,
         max_response_bytes=policy.policy.server.max_response_bytes,
         group=group,
         tokens_reserved=reserved,
-        breaker=pipe.breakers.get(target.name),
         refresh_credential=(
             refresher(pipe, decision, ctx, deadline)
             if resolved is not None and resolved.from_cache
@@ -83,8 +238,7 @@ async def forward(
         model_gate=gate,
         watch_model=ctx.model is not None,
     )
-    attempts.send = _statement(pipe, policy, target.name, ctx)
-    ctx.attempt_log = attempts.log
+    _wire(pipe, policy, attempts, pool, ctx, deadline)
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
     cost = spend.price(
         pipe.budgets,
@@ -97,6 +251,7 @@ async def forward(
     )
     rates = cost.price.rates  # the record: the model priced, where its price came from
     ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
+    attempts.breaker = pipe.breakers.get(target.name, cost.price.model)  # a model call's
     if cost.applying:  # else no budget applies: nothing to reserve
         await _reserve(pipe, cost, request, ctx)
     attempts.before_resend = lambda: _rebook(pipe, cost, ctx)
@@ -109,6 +264,59 @@ async def forward(
         if group is not None:
             pipe.metrics.observe_ratelimit_wait(group.name, attempts.log.rate_limit_wait_s)
     return _answered(pipe, answer, attempts, cost, ctx)
+
+
+def _prepared(
+    pipe: Pipeline,
+    policy: PolicySet,
+    request: ExternalCallRequest,
+    decision: Decision,
+    ctx: CallContext,
+    relay: Relay | None,
+) -> tuple[ExternalCallRequest, Decision, Callable[[bytes], bytes] | None, list[str] | None]:
+    """The request as sent (a relayed stream asking for its usage: :func:`_asking_usage`,
+    with what removes it from the agent's events), its decision (a key pool's first key
+    not resting: :func:`_pooled`) and the pool (None: none); all as they are for a call
+    neither relayed nor pooled."""
+    target, rewrite = decision.target, None
+    if relay is None and not target.key_pool:  # the request goes as it is
+        return request, decision, None, None
+    if relay is not None and request.parameters:
+        request, rewrite = _asking_usage(request, target)
+    pool = _pool(target, request)
+    if pool is not None:
+        decision = _pooled(pipe, policy, request, target, pool, ctx)
+    return request, decision, rewrite, pool
+
+
+def _wire(
+    pipe: Pipeline,
+    policy: PolicySet,
+    attempts: Attempts,
+    pool: list[str] | None,
+    ctx: CallContext,
+    deadline: float,
+) -> None:
+    """Give ``attempts`` a database target's send (:func:`_statement`) and a key pool's
+    rotation (:func:`next_key`), and the context its log."""
+    target, request = attempts.target, attempts.request
+    attempts.send = _statement(pipe, policy, target.name, ctx)
+    ctx.attempt_log = attempts.log
+    if pool is not None:
+        attempts.next_key = next_key(pipe, policy, request, target, pool, ctx, deadline)
+
+
+def _asking_usage(
+    request: ExternalCallRequest, target: CompiledTarget
+) -> tuple[ExternalCallRequest, Callable[[bytes], bytes] | None]:
+    """A relayed stream that does not ask for its usage asks for it: the books need it
+    (:func:`gateway.providers.asking_usage`); with what removes it from the events the
+    agent gets. Else ``request`` as it is, and None."""
+    asked = asking_usage(target.spec.usage, request.endpoint, request.parameters)
+    if asked is None:
+        return request, None
+    parameters, rewrite = asked
+    return request.model_copy(update={"parameters": parameters}), rewrite
 
 
 def _model_gate(
@@ -250,7 +458,78 @@ def _answered(
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
         model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
+        served_by=ctx.served_by,  # a target with fallbacks: who answered
     )
+
+
+def _pool(target: CompiledTarget, request: ExternalCallRequest) -> list[str] | None:
+    """The target's key pool (``credential.refs``) when the call names no key of its
+    own, else None."""
+    if not target.key_pool or request.api_key_ref is not None:
+        return None
+    return list(target.key_pool)
+
+
+def _pooled(
+    pipe: Pipeline,
+    policy: PolicySet,
+    request: ExternalCallRequest,
+    target: CompiledTarget,
+    pool: list[str],
+    ctx: CallContext,
+) -> Decision:
+    """The decision for the pool's first key not resting; raises the upstream's error
+    when every key rests (QUOTA_EXHAUSTED when every one is spent, else
+    CAPACITY_EXCEEDED), with the time until the first serves again."""
+    now = time.monotonic()
+    ref = pipe.keys.pick(target.name, pool, now)
+    if ref is None:
+        until = pipe.keys.until(target.name, pool)
+        wait = max((until or now) - now, 0.0)
+        details = {"target": target.name, "source": "upstream", "reason": "every_key_resting"}
+        if pipe.keys.spent(target.name, pool):
+            raise QuotaExhausted(
+                f"every key of target {target.name!r} is out of quota or credit",
+                details=details,
+                retry_after_s=wait,
+            )
+        raise CapacityExceeded(
+            f"every key of target {target.name!r} is rate limited; the first serves again "
+            f"in {wait:.3g} s",
+            details=details,
+            retry_after_s=wait,
+        )
+    ctx.api_key_ref = ref
+    return egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
+
+
+def next_key(
+    pipe: Pipeline,
+    policy: PolicySet,
+    request: ExternalCallRequest,
+    target: CompiledTarget,
+    pool: list[str],
+    ctx: CallContext,
+    deadline: float,
+) -> Callable[[float | None, bool], Awaitable[Credential | None]]:
+    """What rests the call's key after a 429 or quota refusal (for the wait asked, else
+    :data:`gateway.call.keys.COOL_DOWN_S`) and gives the pool's next key (None: every
+    key rests); the record names the key that serves (its reference)."""
+
+    async def rotate(wait_s: float | None, spent: bool) -> Credential | None:
+        now = time.monotonic()
+        assert ctx.api_key_ref is not None
+        pipe.keys.cool(target.name, ctx.api_key_ref, wait_s, now, spent=spent)
+        ref = pipe.keys.pick(target.name, pool, now)
+        if ref is None:
+            return None
+        ctx.warnings.append(f"key {ctx.api_key_ref} rests; key {ref} serves")
+        decision = egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
+        resolved = await resolve(pipe, decision.ref, ctx, deadline)
+        ctx.api_key_ref = ref
+        return pipe.credentials.of(target, resolved)
+
+    return rotate
 
 
 def refresher(

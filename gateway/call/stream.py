@@ -51,6 +51,18 @@ def _judged_data(data: str) -> Any:
         return data
 
 
+def _not_json(text: str) -> bool:
+    """True when ``text`` (an event's data that the judge could not read as JSON) is not
+    JSON at all; JSON too deep to read is JSON (kept as its text, not malformed)."""
+    try:
+        json.loads(text)
+    except RecursionError:
+        return False
+    except ValueError:
+        return True
+    return False  # pragma: no cover - the judge's reader had failed on it
+
+
 class StreamJudge:
     """Feed it every event with :meth:`observe`; at the end, :meth:`verdict` says whether
     the stream is a success (None) or the error to answer with."""
@@ -61,6 +73,7 @@ class StreamJudge:
         "complete",
         "events",
         "failure",
+        "malformed",
         "model",
         "target",
         "watch_model",
@@ -75,6 +88,8 @@ class StreamJudge:
         #: The first error event, if any.
         self.failure: StreamFailure | None = None
         self.events = 0
+        #: Events of a provider dialect whose data looked like JSON and was not.
+        self.malformed = 0
         #: With ``watch_model`` set: the model the first event that names one names
         #: (OpenAI's first chunk, Anthropic's ``message_start``, Gemini's first chunk),
         #: for the drift check (:mod:`gateway.call.models`); None until then.
@@ -82,8 +97,18 @@ class StreamJudge:
         self.model: str | None = None
 
     def observe(self, event: SseEvent) -> Any:
-        """Judge one event; returns its ``data``, parsed as JSON when it is JSON."""
-        return self.observe_data(event.event, _judged_data(event.data))
+        """Judge one event; returns its ``data``, parsed as JSON when it is JSON. A
+        provider's event whose data starts like JSON and is not (a malformed event) is
+        counted in :attr:`malformed`: its SDK would raise on it."""
+        data = _judged_data(event.data)
+        if (
+            data.__class__ is str
+            and data[:1] in ("{", "[")
+            and data != "[DONE]"  # OpenAI's terminal marker, not JSON by design
+            and self._dialect is not None
+        ):
+            self.malformed += _not_json(data)
+        return self.observe_data(event.event, data)
 
     def observe_data(self, name: str | None, data: Any) -> Any:
         """Judge one event given its type and parsed data (a JSON-array stream's item)."""
@@ -126,6 +151,8 @@ class StreamJudge:
             details["upstream_status"] = status
         if failure is not None:
             return stream_failure_error(failure, details)
+        if self.malformed:
+            return malformed_error(self.target, self.events)
         if self.complete:
             return None
         return StreamInterrupted(
@@ -133,6 +160,17 @@ class StreamJudge:
             "without its terminal marker: the answer is incomplete",
             details={**details, "reason": "no_terminal_marker"},
         )
+
+
+def malformed_error(target: str, events: int) -> StreamInterrupted:
+    """A provider stream that carried a malformed event (data that starts like JSON and
+    is not): the stream ends there with an error, never judged a success (the agent's
+    SDK would raise on the event)."""
+    return StreamInterrupted(
+        f"the stream from target {target!r} carried a malformed event (not JSON) after "
+        f"{events - 1} events; the stream was ended there",
+        details={"target": target, "events": events, "reason": "malformed_event"},
+    )
 
 
 def judge_body(

@@ -154,7 +154,14 @@ async def _run(
         await sidecar.cleanup()
         await stand_ins.cleanup()
         audit_file.close()
+    return _report(console, rows, streamed, audit_path)
 
+
+def _report(
+    console: Console, rows: list[tuple[str, ...]], streamed: list[str], audit_path: str
+) -> int:
+    """Print the answers' table, the streamed events and where the audit records are;
+    returns the exit status: 1 when an answer was not the one expected, else 0."""
     table = Table(title="Agent envelopes through the egress sidecar")
     for column in (
         "example",

@@ -20,6 +20,8 @@ call_duration_seconds                  histogram  target
 upstream_duration_seconds              histogram  target
 tokens_total                           counter    target, kind (input|output|cached)
 retries_total                          counter    target
+failovers_total                        counter    from, to (targets), reason (a
+                                                  gateway.call.retry.FailoverReason)
 ratelimit_wait_seconds                 histogram  group
 ratelimit_rejections_total             counter    group
 upstream_pool_wait_seconds             histogram  target (only calls that found all busy)
@@ -434,6 +436,11 @@ class Metrics(Series):
     def observe_retry(self, target: str) -> None:
         """Count one retry (an upstream attempt after the first)."""
         self._child(self.retries, self._target(target)).inc()
+
+    def observe_failover(self, source: str, to: str, reason: str) -> None:
+        """Count a call moved from target ``source`` to its fallback ``to`` for ``reason``
+        (policy names and a fixed enum)."""
+        self._child(self.failovers, self._target(source), self._target(to), reason).inc()
 
     def observe_ratelimit_wait(self, group: str, wait_s: float) -> None:
         """Record the time a call waited for its rate-limit group, in seconds."""

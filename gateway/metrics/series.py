@@ -40,7 +40,11 @@ class Series:
     :class:`gateway.metrics.Metrics` records into them)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
+        self._declare(registry)
+        self.build_info.info({"version": gateway.__version__, "python": platform.python_version()})
+
+    def _declare(self, r: CollectorRegistry) -> None:
+        """Declarations only: each family, registered in ``r``."""
         self.calls = Counter(
             "calls", "Calls answered, by target, outcome and error code (OK on success).",
             ["target", "outcome", "code"], namespace=NAMESPACE, registry=r,
@@ -61,6 +65,10 @@ class Series:
         self.retries = Counter(
             "retries", "Upstream attempts beyond the first, by target.",
             ["target"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
+        self.failovers = Counter(
+            "failovers", "Calls moved to a fallback, by the target left, the one tried, why.",
+            ["from", "to", "reason"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
         self.ratelimit_wait = Histogram(
             "ratelimit_wait_seconds", "Time a call queued for rate-limit capacity, in seconds.",
@@ -117,7 +125,6 @@ class Series:
             "build", "The sidecar's version and the Python that runs it.",
             namespace=NAMESPACE, registry=r,
         )  # fmt: skip
-        self.build_info.info({"version": gateway.__version__, "python": platform.python_version()})
         self.policy_info = Info(
             "policy", "The policy in force: its agent_id and a digest of its content.",
             namespace=NAMESPACE, registry=r,

@@ -52,6 +52,19 @@ class CompiledTarget:
     decisions: dict[tuple[str | None, str | None], Any] = field(
         default_factory=dict, repr=False, compare=False
     )
+    #: The longest one attempt may take (seconds): ``timeout_s``, or the target's
+    #: ``first_byte_timeout_s`` when shorter (a silent upstream gives way to a fallback;
+    #: it bounds a streamed answer's headers, a whole answer all of it).
+    attempt_timeout_s: float = field(init=False, repr=False, compare=False)
+    #: The key pool (``credential.refs``; empty: none), read on every call.
+    key_pool: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        first_byte = self.spec.first_byte_timeout_s
+        cap = self.spec.timeout_s if first_byte is None else min(first_byte, self.spec.timeout_s)
+        object.__setattr__(self, "attempt_timeout_s", cap)  # frozen: set once, here
+        credential = self.spec.credential
+        object.__setattr__(self, "key_pool", tuple(credential.refs) if credential else ())
 
     def allows(self, path: str, method: str) -> bool | None:
         """True if allowed, False if the path matches but not the method, None if no rule."""

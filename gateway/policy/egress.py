@@ -289,64 +289,34 @@ def same_query_name(name: str, credential_param: str) -> bool:
 
 def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
     """Check ``request`` against ``policy``. Raises :class:`PermissionDenied`."""
+    # Each refusal is built by a helper below: the common path makes no extra call.
     target = policy.targets.get(request.target_system)
     if target is None:
-        raise PermissionDenied(
-            f"target_system {request.target_system!r} is not in this sidecar's policy "
-            f"(known: {', '.join(sorted(policy.targets))})",
-            details={"reason": "unknown_target", "target_system": request.target_system},
-        )
+        raise _unknown_target(policy, request)
     problem = endpoint_problem(request.endpoint)
     if problem is not None:
-        raise PermissionDenied(
-            f"endpoint must be a clean absolute path on target {target.name!r} "
-            f"({problem.replace('_', ' ')}); the host comes from the policy only",
-            details={"reason": "endpoint_not_a_path", "problem": problem},
-        )
+        raise _endpoint_not_a_path(target, problem)
     allowed = target.allows(request.endpoint, request.method)
     if not allowed:
-        reason = "method_not_allowed" if allowed is False else "endpoint_not_allowed"
-        raise PermissionDenied(
-            f"{request.method} {request.endpoint} is not allowed on target {target.name!r} "
-            "by the policy's endpoint allowlist",
-            details={"reason": reason, "method": request.method, "endpoint": request.endpoint},
-        )
+        raise _endpoint_not_allowed(target, request, allowed)
     ref = request.api_key_ref
     credential = target.spec.credential
     if credential is None:
         if ref is not None:
-            raise PermissionDenied(
-                f"target {target.name!r} takes no credential; do not send api_key_ref",
-                details={"reason": "ref_not_allowed", "api_key_ref": loggable_ref(ref)},
-            )
+            raise _ref_not_taken(target, ref)
     else:
-        ref = ref or credential.default_ref
+        ref = ref or credential.default_ref or (credential.refs[0] if credential.refs else None)
         if ref is None:
-            raise PermissionDenied(
-                f"target {target.name!r} needs an api_key_ref (it has no default_ref)",
-                details={"reason": "ref_missing"},
-            )
+            raise _ref_missing(target)
         if ref not in target.permitted_refs:
-            shown = loggable_ref(ref)
-            raise PermissionDenied(
-                f"api_key_ref {shown!r} may not be sent to target {target.name!r}",
-                details={"reason": "ref_not_allowed", "api_key_ref": shown},
-            )
+            raise _ref_not_permitted(target, ref)
     if credential is not None and credential.query_param is not None:
         _check_query_names(target, request, credential.query_param)
     for name, value in request.headers.items():
         if HEADER_VALUE_FORBIDDEN.search(value) or not HEADER_NAME.match(name):
-            raise InvalidPayload(
-                f"header {name!r}: names must be RFC 9110 tokens and values may not "
-                "contain control characters (CR, LF, NUL...)",
-                details={"reason": "invalid_header", "header": name[:64]},
-            )
+            raise _invalid_header(name)
         if name.lower() not in target.forward_headers and name.lower() not in TRACE_HEADERS:
-            raise PermissionDenied(
-                f"header {name!r} may not be set by the agent on target {target.name!r} "
-                "(the policy's forward_headers lists those that may)",
-                details={"reason": "header_not_allowed", "header": name},
-            )
+            raise _header_not_allowed(target, name)
     shadow_rule = target.shadow_rule(request.endpoint, request.method)
     # The same few (ref, rule) pairs call after call: each decided once per target; the
     # Decision is frozen, so calls share it. Both halves come from the policy (the ref is
@@ -357,6 +327,72 @@ def decide(policy: PolicySet, request: ExternalCallRequest) -> Decision:
         decision = Decision(target, ref, parsed, shadow_rule)
         target.decisions[(ref, shadow_rule)] = decision
     return decision
+
+
+def _unknown_target(policy: PolicySet, request: ExternalCallRequest) -> PermissionDenied:
+    return PermissionDenied(
+        f"target_system {request.target_system!r} is not in this sidecar's policy "
+        f"(known: {', '.join(sorted(policy.targets))})",
+        details={"reason": "unknown_target", "target_system": request.target_system},
+    )
+
+
+def _endpoint_not_a_path(target: CompiledTarget, problem: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"endpoint must be a clean absolute path on target {target.name!r} "
+        f"({problem.replace('_', ' ')}); the host comes from the policy only",
+        details={"reason": "endpoint_not_a_path", "problem": problem},
+    )
+
+
+def _endpoint_not_allowed(
+    target: CompiledTarget, request: ExternalCallRequest, allowed: bool | None
+) -> PermissionDenied:
+    """``allowed`` False: the path is listed but not for this method; None: not listed."""
+    reason = "method_not_allowed" if allowed is False else "endpoint_not_allowed"
+    return PermissionDenied(
+        f"{request.method} {request.endpoint} is not allowed on target {target.name!r} "
+        "by the policy's endpoint allowlist",
+        details={"reason": reason, "method": request.method, "endpoint": request.endpoint},
+    )
+
+
+def _ref_not_taken(target: CompiledTarget, ref: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"target {target.name!r} takes no credential; do not send api_key_ref",
+        details={"reason": "ref_not_allowed", "api_key_ref": loggable_ref(ref)},
+    )
+
+
+def _ref_missing(target: CompiledTarget) -> PermissionDenied:
+    return PermissionDenied(
+        f"target {target.name!r} needs an api_key_ref (it has no default_ref)",
+        details={"reason": "ref_missing"},
+    )
+
+
+def _ref_not_permitted(target: CompiledTarget, ref: str) -> PermissionDenied:
+    shown = loggable_ref(ref)
+    return PermissionDenied(
+        f"api_key_ref {shown!r} may not be sent to target {target.name!r}",
+        details={"reason": "ref_not_allowed", "api_key_ref": shown},
+    )
+
+
+def _invalid_header(name: str) -> InvalidPayload:
+    return InvalidPayload(
+        f"header {name!r}: names must be RFC 9110 tokens and values may not "
+        "contain control characters (CR, LF, NUL...)",
+        details={"reason": "invalid_header", "header": name[:64]},
+    )
+
+
+def _header_not_allowed(target: CompiledTarget, name: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"header {name!r} may not be set by the agent on target {target.name!r} "
+        "(the policy's forward_headers lists those that may)",
+        details={"reason": "header_not_allowed", "header": name},
+    )
 
 
 def _check_query_names(target: CompiledTarget, request: ExternalCallRequest, param: str) -> None:

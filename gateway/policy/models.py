@@ -34,6 +34,7 @@ from gateway.policy.defaults import (
 from gateway.policy.defaults import (
     DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
 )
+from gateway.policy.failover import FallbackOn, FallbackSpec, fallback_problems
 from gateway.policy.mcp import McpSpec, check_target
 from gateway.policy.modelrules import ModelsSpec, model_problems
 from gateway.policy.refs import check_ref as _check_ref
@@ -198,6 +199,9 @@ class CredentialSpec(_Strict):
     format: str = "{secret}"
     default_ref: str | None = None
     allowed_refs: list[str] = Field(default_factory=list)
+    #: A key pool (gateway.call.keys): used in order, a key cooling after a 429 or a
+    #: quota refusal, the next serving; the call's key when it names none.
+    refs: list[str] = Field(default_factory=list, max_length=32)
 
     @field_validator("header")
     @classmethod
@@ -220,7 +224,7 @@ class CredentialSpec(_Strict):
             _check_ref(v)
         return v
 
-    @field_validator("allowed_refs")
+    @field_validator("allowed_refs", "refs")
     @classmethod
     def _refs_ok(cls, v: list[str]) -> list[str]:
         for ref in v:
@@ -231,12 +235,16 @@ class CredentialSpec(_Strict):
     def _placement(self) -> CredentialSpec:
         if (self.header is None) == (self.query_param is None):
             raise ValueError("set exactly one of 'header' or 'query_param'")
-        if self.default_ref is None and not self.allowed_refs:
-            raise ValueError("set 'default_ref' or 'allowed_refs' (which secrets may go here)")
+        if self.default_ref is None and not self.allowed_refs and not self.refs:
+            raise ValueError(
+                "set 'default_ref', 'allowed_refs' or 'refs' (which secrets may go here)"
+            )
+        if self.refs and self.default_ref is not None:
+            raise ValueError("set 'refs' (a key pool) or 'default_ref', not both")
         return self
 
     def permitted_refs(self) -> frozenset[str]:
-        refs = set(self.allowed_refs)
+        refs = set(self.allowed_refs) | set(self.refs)
         if self.default_ref:
             refs.add(self.default_ref)
         return frozenset(refs)
@@ -320,6 +328,10 @@ class TargetSpec(_Strict):
     forward_headers: list[str] = Field(default_factory=list)
     static_headers: dict[str, str] = Field(default_factory=dict)
     mcp: McpSpec | None = None  # an MCP server (gateway.policy.mcp)
+    #: Failover (gateway.policy.failover): ordered options, rules, the first-byte limit.
+    fallbacks: list[FallbackSpec] = Field(default_factory=list, max_length=8)
+    fallback_on: list[FallbackOn] = Field(default_factory=list)
+    first_byte_timeout_s: float | None = Field(None, gt=0, le=d.MAX_WAIT_S)
     models: ModelsSpec | None = None  # allow, pin, on_drift (gateway.policy.modelrules)
     approval: desk.ApprovalSpec | None = None  # calls held for a person's yes
     dead_letter: bool = False  # keep calls that failed for good (gateway.policy.desk)
@@ -471,7 +483,7 @@ class Policy(_Strict):
         """Keys that refer to other sections. Raises one ``cross_reference`` error whose
         ``ctx["problems"]`` is a tuple of ``(key path tuple, message)``, so the loader can
         name each key and its line."""
-        problems: list[tuple[tuple[str, ...], str]] = []
+        problems: list[tuple[tuple[str | int, ...], str]] = []
 
         def problem(*loc: str, message: str) -> None:
             problems.append((loc, message))
@@ -516,7 +528,7 @@ class Policy(_Strict):
         problems += chain_problems(self.chain, has_vault)
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
         problems += controls_problems(self.controls, has_redis, has_vault)
-        problems += model_problems(self.targets, self.agents)
+        problems += [*fallback_problems(self.targets), *model_problems(self.targets, self.agents)]
         operators = desk.all_operators(self.operators, self.controls.operator_token_ref)
         problems += desk.problems(operators, self.approvals, self.targets, has_redis)
         if problems:
@@ -524,7 +536,9 @@ class Policy(_Strict):
                 "cross_reference",
                 "{summary}",
                 {
-                    "summary": "\n".join(f"{'.'.join(loc)}: {msg}" for loc, msg in problems),
+                    "summary": "\n".join(
+                        f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems
+                    ),
                     "problems": tuple(problems),
                 },
             )

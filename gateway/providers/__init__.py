@@ -24,7 +24,7 @@ key ``usage`` (``none`` reads nothing). The call path uses only the functions be
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from gateway import fastjson
@@ -48,6 +48,7 @@ __all__ = [
     "ErrorHint",
     "GenAICall",
     "TokenUsage",
+    "asking_usage",
     "delta_text",
     "drop_in_dialect",
     "error_hint",
@@ -225,6 +226,20 @@ def genai_call(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> G
             _KNOWN_CALLS.clear()
         _KNOWN_CALLS[key] = call
     return call
+
+
+def asking_usage(
+    provider: str, endpoint: str, parameters: Mapping[str, Any]
+) -> tuple[dict[str, Any], Callable[[bytes], bytes]] | None:
+    """A relayed stream that does not ask for its usage, by ``provider``'s dialect (an
+    OpenAI chat stream without ``stream_options.include_usage``): its parameters asking
+    for it, and what removes from its whole events what the asking added, so the agent
+    gets the stream it asked for and the books get the usage. None: nothing to ask."""
+    dialect = DIALECTS.get(provider)
+    if dialect is None:
+        return None
+    asked = dialect.asking_usage(endpoint, parameters)
+    return None if asked is None else (asked, dialect.unasked_usage_removed)
 
 
 def response_model(provider: str, data: Any) -> str | None:

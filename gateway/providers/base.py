@@ -248,6 +248,14 @@ def _no_operation(_: str) -> str | None:
     return None
 
 
+def _asks_nothing(_: str, __: Mapping[str, Any]) -> dict[str, Any] | None:
+    return None
+
+
+def _unchanged(events: bytes) -> bytes:
+    return events
+
+
 def _no_request_model(_: str, __: Mapping[str, Any]) -> str | None:
     return None
 
@@ -293,6 +301,11 @@ class Dialect:
     provider_name: str = ""
     operation: Callable[[str], str | None] = _no_operation
     request_model: Callable[[str, Mapping[str, Any]], str | None] = _no_request_model
+    #: ``(endpoint, parameters)`` -> the parameters of a stream that asks for its usage
+    #: (None: it does, or is no such stream); and what removes, from whole events, what
+    #: that asking added (the agent gets the stream it asked for).
+    asking_usage: Callable[[str, Mapping[str, Any]], dict[str, Any] | None] = _asks_nothing
+    unasked_usage_removed: Callable[[bytes], bytes] = _unchanged
     response_model: Callable[[Any], str | None] = _no_text
     with_model: Callable[[str, Mapping[str, Any], str], tuple[str, Mapping[str, Any]]] = _keep_model
     cached_outside_input: bool = False

@@ -29,6 +29,7 @@ Sources:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any, Final
@@ -271,6 +272,58 @@ def operation(endpoint: str) -> str | None:
     return next((op for end, op in _OPERATIONS if path.endswith(end)), None)
 
 
+def asking_usage(endpoint: str, parameters: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The parameters of a streamed chat completion that does not ask for its usage,
+    asking for it (``stream_options.include_usage: true``, the agent's other stream
+    options kept); None when the request is not such a stream (pure)."""
+    if parameters.get("stream") is not True or not endpoint.rstrip("/").endswith(
+        "/chat/completions"
+    ):
+        return None
+    options = parameters.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return None  # the agent's own (odd) value: the upstream judges it, untouched
+    if options is not None and options.get("include_usage") is True:
+        return None
+    return {**parameters, "stream_options": {**(options or {}), "include_usage": True}}
+
+
+#: ``"usage":null``, as OpenAI writes it in each chunk once usage is asked for.
+_NULL_USAGE: Final = re.compile(rb',\s*"usage"\s*:\s*null')
+
+
+def unasked_usage_removed(events: bytes) -> bytes:
+    """Whole SSE ``events`` (bytes) of a chat stream whose usage the sidecar asked for,
+    as the agent who did not ask would have had them: without the usage chunk (its
+    ``choices`` empty, its ``usage`` an object) and without the ``"usage":null`` member
+    of the other chunks (pure; any other event unchanged)."""
+    if b'"usage"' not in events:
+        return events
+    kept = []
+    for event in re.split(rb"(?<=\n\n)|(?<=\r\n\r\n)", events):
+        if b'"usage"' in event:
+            if _is_usage_chunk(event):
+                continue
+            event = _NULL_USAGE.sub(b"", event)
+        kept.append(event)
+    return b"".join(kept)
+
+
+def _is_usage_chunk(event: bytes) -> bool:
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            try:
+                data = json.loads(line[5:])
+            except ValueError:
+                return False
+            return (
+                isinstance(data, dict)
+                and data.get("choices") == []
+                and isinstance(data.get("usage"), dict)
+            )
+    return False
+
+
 def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
     """The body's ``model``."""
     del endpoint
@@ -320,6 +373,8 @@ DIALECT: Final = Dialect(
     hidden_context_keys=("previous_response_id", "conversation"),
     operation=operation,
     request_model=request_model,
+    asking_usage=asking_usage,
+    unasked_usage_removed=unasked_usage_removed,
     response_model=response_model,
     with_model=body_model,
 )

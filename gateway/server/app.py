@@ -255,15 +255,7 @@ async def serve(
         gateway.reload,
         interval_s=gateway.policy.policy.server.reload_interval_s,
     )
-    reloads: set[asyncio.Task[bool]] = set()
-
-    def on_sighup() -> None:
-        task = asyncio.create_task(gateway.reload(), name="policy-reload-sighup")
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-        task.add_done_callback(lambda _: watcher.mark_seen())
-
-    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    _reload_on_sighup(loop, gateway, watcher)
     # handler_cancellation off (aiohttp's default, made explicit): an agent hanging up
     # must not cancel its call half-way (Gateway.call).
     runner = make_runner(create_app(gateway), handler_cancellation=False)
@@ -287,26 +279,7 @@ async def serve(
         if started is not None:
             started.set()
         await stop.wait()
-        server = gateway.policy.policy.server
-        began = time.monotonic()
-        _log.info(
-            "draining",
-            inflight=gateway.inflight,
-            drain_s=server.drain_s,
-            accept_new_calls=bool(accept),
-            quiet_s=server.shutdown.quiet_s,
-            waiting_for=f"{gateway.inflight} calls in flight, at most {server.drain_s:g} s "
-            "(a second Ctrl-C exits at once)",
-        )
-        cancelled = await gateway.drain(
-            server.drain_s, accept_new_calls=bool(accept), quiet_s=server.shutdown.quiet_s
-        )
-        _log.info(
-            "drained",
-            cancelled=cancelled,
-            served_while_draining=gateway.served_while_draining,
-            waited_s=round(time.monotonic() - began, 3),
-        )
+        await _drain(gateway, bool(accept))
     finally:
         await watcher.aclose()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -314,6 +287,47 @@ async def serve(
         if ops_runner is not None:
             await ops_runner.cleanup()
         await runner.cleanup()
+
+
+def _reload_on_sighup(
+    loop: asyncio.AbstractEventLoop, gateway: Gateway, watcher: PolicyWatcher
+) -> None:
+    """SIGHUP reloads the policy now (a task kept until it ends); the watcher then takes
+    the file as seen, so that it does not reload it again."""
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def on_sighup() -> None:
+        task = asyncio.create_task(gateway.reload(), name="policy-reload-sighup")
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+        task.add_done_callback(lambda _: watcher.mark_seen())
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+
+
+async def _drain(gateway: Gateway, accept: bool) -> None:
+    """The drain after the stop signal, logged as it begins and ends (``draining``,
+    ``drained``), under the policy in force then (:meth:`Gateway.drain`)."""
+    server = gateway.policy.policy.server
+    began = time.monotonic()
+    _log.info(
+        "draining",
+        inflight=gateway.inflight,
+        drain_s=server.drain_s,
+        accept_new_calls=accept,
+        quiet_s=server.shutdown.quiet_s,
+        waiting_for=f"{gateway.inflight} calls in flight, at most {server.drain_s:g} s "
+        "(a second Ctrl-C exits at once)",
+    )
+    cancelled = await gateway.drain(
+        server.drain_s, accept_new_calls=accept, quiet_s=server.shutdown.quiet_s
+    )
+    _log.info(
+        "drained",
+        cancelled=cancelled,
+        served_while_draining=gateway.served_while_draining,
+        waited_s=round(time.monotonic() - began, 3),
+    )
 
 
 def _exit_now() -> None:

@@ -305,9 +305,7 @@ class Upstream:
             try:
                 # aiohttp warns that large bytes bodies may block the loop: a large one
                 # is written in slices with the same Content-Length, never copied.
-                data: bytes | _SlicedBytes | None = body
-                if body is not None and len(body) > _LARGE_BODY:
-                    data = _SlicedBytes(body)
+                data = body if body is None or len(body) <= _LARGE_BODY else _SlicedBytes(body)
                 resp = await session.request(
                     method,
                     url,
@@ -318,29 +316,9 @@ class Upstream:
                     timeout=timeout,
                 )
                 if resp.status < 200:
-                    # Only a 101 gets here (aiohttp's parser skips the other 1xx, RFC 9110
-                    # 15.2): a protocol switch the sidecar never asks for. The connection
-                    # no longer speaks HTTP, so it is dropped unread (a body read would
-                    # wait for the peer to close it); the attempt judges the status.
-                    resp.close()
-                    return UpstreamResponse(
-                        status=resp.status,
-                        reason=resp.reason or "",
-                        headers=resp.headers,
-                        content_type=None,
-                        body=b"",
-                        elapsed_s=time.monotonic() - started,
-                    )
+                    return _protocol_switch(resp, started)
                 if stream and resp.status < 300 and _is_event_stream(resp):
-                    return UpstreamResponse(
-                        status=resp.status,
-                        reason=resp.reason or "",
-                        headers=resp.headers,
-                        content_type=_escaped(resp.headers.get("Content-Type")),
-                        body=b"",
-                        elapsed_s=time.monotonic() - started,
-                        stream=self._stream(session, resp, url, state),
-                    )
+                    return self._streamed(session, resp, url, started, state)
                 async with resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
                         next_hop = self._redirect(request, url, method, resp)
@@ -369,9 +347,25 @@ class Upstream:
                     )
             except aiohttp.ClientError as exc:
                 raise _translate(exc, url, state.sent, request.target.name) from None
-        raise PermissionDenied(
-            f"{origin_label(url)} redirected more than {MAX_REDIRECTS} times",
-            details={"reason": "too_many_redirects"},
+        raise _too_many_redirects(url)
+
+    def _streamed(
+        self,
+        session: aiohttp.ClientSession,
+        resp: aiohttp.ClientResponse,
+        url: URL,
+        started: float,
+        state: _Attempt,
+    ) -> UpstreamResponse:
+        """A 2xx event stream, answered before its body: the body is relayed as it comes."""
+        return UpstreamResponse(
+            status=resp.status,
+            reason=resp.reason or "",
+            headers=resp.headers,
+            content_type=_escaped(resp.headers.get("Content-Type")),
+            body=b"",
+            elapsed_s=time.monotonic() - started,
+            stream=self._stream(session, resp, url, state),
         )
 
     def _check_literal(self, url: URL) -> None:
@@ -479,6 +473,30 @@ class _CutStream(Exception):
     def __init__(self, body: bytes) -> None:
         super().__init__("stream cut")
         self.body = body
+
+
+def _too_many_redirects(url: URL) -> PermissionDenied:
+    return PermissionDenied(
+        f"{origin_label(url)} redirected more than {MAX_REDIRECTS} times",
+        details={"reason": "too_many_redirects"},
+    )
+
+
+def _protocol_switch(resp: aiohttp.ClientResponse, started: float) -> UpstreamResponse:
+    """The answer to a 1xx that reached the caller, its body unread."""
+    # Only a 101 gets here (aiohttp's parser skips the other 1xx, RFC 9110 15.2): a
+    # protocol switch the sidecar never asks for. The connection no longer speaks HTTP,
+    # so it is dropped unread (a body read would wait for the peer to close it); the
+    # attempt judges the status.
+    resp.close()
+    return UpstreamResponse(
+        status=resp.status,
+        reason=resp.reason or "",
+        headers=resp.headers,
+        content_type=None,
+        body=b"",
+        elapsed_s=time.monotonic() - started,
+    )
 
 
 def _escaped(value: str | None) -> str | None:

@@ -57,6 +57,7 @@ from egress_client.models import (
     ExternalCallRequest,
     ExternalCallResponse,
     RequestBody,
+    ServedBy,
 )
 from egress_client.retry import RetryPolicy
 from egress_client.sse import ServerSentEvent, SSEDecoder
@@ -99,6 +100,7 @@ __all__ = [
     "SchemaMismatch",
     "SecretAccessDenied",
     "SecretNotFound",
+    "ServedBy",
     "ServerSentEvent",
     "ShuttingDown",
     "SidecarUnavailable",

@@ -168,6 +168,17 @@ class ErrorPayload(BaseModel):
     stack_trace: str | None = None
 
 
+class ServedBy(BaseModel):
+    """Who answered a call to a target with ``fallbacks``: the policy's ``target`` and
+    the ``model`` the request named there (null: the target has no provider dialect, or
+    none was named). A call that failed over names its fallback."""
+
+    model_config = ConfigDict(frozen=True)
+
+    target: str
+    model: str | None = None
+
+
 class ModelNames(BaseModel):
     """The model a call asked for and the one the sidecar sent (a policy pin rewrites
     an alias to its snapshot)."""
@@ -185,8 +196,10 @@ class ExternalCallResponse(BaseModel):
     ``data`` its parsed body (null in the final event of a stream: the events carried
     it), ``latency_ms`` the wall time inside the sidecar, ``tokens_used`` the total tokens
     the upstream reported (null when none), ``replayed`` true for an answer replayed
-    from the sidecar's idempotency store, ``model`` the model asked for and the one sent
-    when the policy controls the target's models (null otherwise).
+    from the sidecar's idempotency store, ``served_by`` the target and model that
+    answered a call to a target with ``fallbacks`` (null for any other target, when
+    none answered well, or from an older sidecar), ``model`` the model asked for and
+    the one sent when the policy controls the target's models (null otherwise).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -200,6 +213,7 @@ class ExternalCallResponse(BaseModel):
     trace_id: str | None = None
     correlation_id: str | None = None
     replayed: bool = False
+    served_by: ServedBy | None = None
     model: ModelNames | None = None
 
     def raise_for_error(self) -> Self:

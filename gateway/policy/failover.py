@@ -1,0 +1,107 @@
+"""A target's failover policy (design.md, "Failover and key pools"; README, "Failover").
+
+``fallbacks:`` is an ordered list of ``{target, model}``: when the target's own attempts
+end in a retryable failure before any byte reached the agent, the call is sent to the
+next option, its model rewritten (:func:`gateway.providers.with_model`), inside the
+same deadline. Only the target's own list is tried (a fallback's ``fallbacks`` are not
+followed). ``fallback_on`` adds non-retryable answers that still move on
+(``context_length_exceeded``: toward a model with a larger window).
+``first_byte_timeout_s`` bounds each attempt's wait for the upstream's answer (its
+headers), so a silent primary cannot spend the whole deadline.
+
+:func:`fallback_problems` is what ``validate`` refuses (key path, message):
+an unknown target, another dialect, an MCP target (its checks are its own), a fallback
+to itself with the same model, a cycle between targets. :func:`fallback_warnings`: a
+``first_byte_timeout_s`` above the target's ``timeout_s`` (it would never act).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from gateway.policy.budgets import ModelName
+from gateway.policy.stores import StrictModel
+
+#: Non-retryable failures a rule may still fail over on (``fallback_on``).
+FallbackOn = Literal["context_length_exceeded"]
+
+
+class FallbackSpec(StrictModel):
+    """One fallback: the policy's ``target`` to send to and the ``model`` to name
+    instead (None: the request's own model)."""
+
+    target: str
+    model: ModelName | None = None
+
+
+#: (key path, message); a list index is an int, so the loader finds its line.
+Problem = tuple[tuple[str | int, ...], str]
+
+
+def fallback_problems(targets: Mapping[str, Any]) -> list[Problem]:
+    """Problems of the targets' ``fallbacks`` (``targets``: name -> TargetSpec): an
+    unknown target, a target of another ``usage`` dialect, an MCP target on either side,
+    the target itself without another model, a cycle (A falls back to B, which falls
+    back to A)."""
+    problems: list[Problem] = []
+    for name, spec in targets.items():
+        for index, option in enumerate(spec.fallbacks):
+            loc = ("targets", name, "fallbacks", index, "target")
+            other = targets.get(option.target)
+            if other is None:
+                known = ", ".join(sorted(targets))
+                problems.append((loc, f"no target {option.target!r} (known: {known})"))
+            elif other.usage != spec.usage:
+                problems.append(
+                    (
+                        loc,
+                        f"{option.target!r} speaks the {other.usage!r} dialect, not "
+                        f"{spec.usage!r}: a fallback must take the same request",
+                    )
+                )
+            elif spec.mcp is not None or other.mcp is not None:
+                # The MCP checks (tools, listings) are the target's own: not carried over.
+                problems.append((loc, "an MCP target neither has nor is a fallback"))
+            elif option.target == name and option.model is None:
+                problems.append((loc, "a target cannot fall back to itself with the same model"))
+        cycle = _cycle_from(name, targets)
+        if cycle:
+            problems.append(
+                (("targets", name, "fallbacks"), f"a fallback cycle: {' -> '.join(cycle)}")
+            )
+    return problems
+
+
+def _cycle_from(start: str, targets: Mapping[str, Any]) -> list[str]:
+    """A path of fallbacks from ``start`` back to ``start`` through other targets, or []."""
+    stack: list[tuple[str, list[str]]] = [(start, [start])]
+    seen: set[str] = set()
+    while stack:
+        name, path = stack.pop()
+        spec = targets.get(name)
+        for option in spec.fallbacks if spec is not None else ():
+            if option.target == name:
+                continue  # the same target with another model: not a cycle
+            if option.target == start:
+                return [*path, start]
+            if option.target not in seen:
+                seen.add(option.target)
+                stack.append((option.target, [*path, option.target]))
+    return []
+
+
+def fallback_warnings(targets: Mapping[str, Any]) -> list[Problem]:
+    """Warnings for ``validate``: a ``first_byte_timeout_s`` not below the target's
+    ``timeout_s`` never acts (the attempt's own timeout ends it first)."""
+    warnings: list[Problem] = []
+    for name, spec in targets.items():
+        limit = spec.first_byte_timeout_s
+        if limit is not None and limit >= spec.timeout_s:
+            warnings.append(
+                (
+                    ("targets", name, "first_byte_timeout_s"),
+                    f"{limit:g} s is not below timeout_s ({spec.timeout_s:g} s): it never acts",
+                )
+            )
+    return warnings
