@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck docs docs-check unit fuzz bench bench-quick bench-stream bench-peers clean
+.PHONY: demo test lint typecheck docs docs-check unit fuzz bench bench-quick bench-stream bench-streams bench-peers clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,11 @@ bench-stream: $(VENV)/.fast
 	$(BIN)/python bench/stream.py $(BENCH_ARGS)
 
 # Optional, not in CI: LiteLLM, the Portkey gateway and nginx beside the sidecar and the
+# 1,000 paced streams open at once through both routes (and nginx when installed):
+# added time to first byte and per chunk, CPU per chunk, RSS per open stream.
+bench-streams: $(VENV)/.fast
+	$(BIN)/python bench/streams.py $(BENCH_ARGS)
+
 # pass-through in one run (installed on first use into bench/.peers/; ~10 minutes).
 bench-peers: $(VENV)/.fast
 	$(BIN)/python bench/peers.py $(BENCH_ARGS)

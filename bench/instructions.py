@@ -1,7 +1,8 @@
 """Instructions per call of the sidecar, counted by callgrind (not a test).
 
     python bench/instructions.py [--calls 200] [--warmup 300] [--variant full]
-                                 [--keep DIR] [--annotate] [CHECKOUT ...]
+                                 [--route envelope|drop-in] [--keep DIR] [--annotate]
+                                 [CHECKOUT ...]
 
 Requests per second on a shared 2-core machine drift by 30 % between runs; instruction
 counts do not (the same code, inputs and PYTHONHASHSEED give the same count to ~0.3 %,
@@ -15,9 +16,10 @@ checkout's bench/run.py) under ``valgrind --tool=callgrind --instr-atstart=no``;
 keep-alive connection sends ``--warmup`` envelopes uninstrumented (imports, caches,
 connection pool), then instrumentation is switched on with ``callgrind_control`` for
 ``--calls`` envelopes (each its own correlation_id, so each derives a new idempotency
-key), switched off and dumped. Printed: instructions (Ir) of the sidecar process per
-call, one JSON line per checkout. Needs valgrind (Debian package). ~1 minute per
-checkout.
+key), switched off and dumped. ``--route drop-in`` sends the same chat body to
+``/proxy/openai/v1/chat/completions`` instead (the SDK path). Printed: instructions
+(Ir) of the sidecar process per call, one JSON line per checkout. Needs valgrind
+(Debian package). ~1 minute per checkout.
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def count(
-    checkout: Path, *, calls: int, warmup: int, variant: str, keep: Path | None = None
+    checkout: Path,
+    *,
+    calls: int,
+    warmup: int,
+    variant: str,
+    keep: Path | None = None,
+    route: str = "envelope",
 ) -> dict[str, object]:
     """Run one checkout's sidecar under callgrind; return its instructions per call.
 
@@ -69,14 +77,18 @@ def count(
         host, port = sidecar.address.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=120)
         template = bench_run.envelope_template()
+        path = "/v1/calls"
+        if route == "drop-in":
+            template = json.dumps(bench_run.PARAMETERS)
+            path = "/proxy/openai/v1/chat/completions"
 
         def send(n: int, tag: str) -> None:
             for i in range(n):
                 body = template.replace("@ID@", f"{tag}-{i}").encode()
-                conn.request("POST", "/v1/calls", body, {"content-type": "application/json"})
+                conn.request("POST", path, body, {"content-type": "application/json"})
                 answer = conn.getresponse()
                 doc = json.loads(answer.read())
-                if answer.status != 200 or not doc.get("success"):
+                if answer.status != 200 or not (route == "drop-in" or doc.get("success")):
                     raise RuntimeError(f"unexpected answer {answer.status}: {doc}")
 
         send(warmup, "warmup")
@@ -112,6 +124,8 @@ def count(
         "checkout": str(checkout),
         "commit": commit,
         "calls": calls,
+        "route": route,
+        "variant": variant,
         "instructions_per_call": round(total / calls),
     }
     if kept is not None:
@@ -153,6 +167,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--variant", default="full", help="a policy variant of bench/run.py")
+    parser.add_argument("--route", choices=("envelope", "drop-in"), default="envelope")
     parser.add_argument("--keep", type=Path, help="keep each callgrind.out in this folder")
     parser.add_argument("--annotate", action="store_true",
                         help="print the inclusive profile per call (implies --keep)")  # fmt: skip
@@ -162,7 +177,7 @@ def main() -> int:
         keep = Path(tempfile.mkdtemp(prefix="bench-instr-keep-"))
     for checkout in args.checkouts:
         result = count(checkout.resolve(), calls=args.calls, warmup=args.warmup,
-                       variant=args.variant, keep=keep)  # fmt: skip
+                       variant=args.variant, keep=keep, route=args.route)  # fmt: skip
         print(json.dumps(result), flush=True)
         if args.annotate and "kept" in result:
             print(annotate(Path(str(result["kept"])), calls=args.calls), flush=True)

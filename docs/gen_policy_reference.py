@@ -98,6 +98,8 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "targets.NAME.rate_limit_group": "rate-limit group used when the call names none",
     "targets.NAME.timeout_s": "cap of one attempt, in seconds",
     "targets.NAME.stream_idle_timeout_s": "longest gap between two chunks of a stream, in s",
+    "targets.NAME.max_connections": "connections open to the target at once (a call or stream: 1)",
+    "targets.NAME.connection_wait_s": "longest wait for a free connection, then CAPACITY_EXCEEDED",
     "targets.NAME.retry": "which failures are retried and how long to wait",
     "targets.NAME.retry.max_retries": "retries at most (the envelope's `max_retries` is capped)",
     "targets.NAME.retry.backoff_base_s": "first backoff, doubled per retry (full jitter)",

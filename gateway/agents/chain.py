@@ -261,6 +261,22 @@ def decide(
     )
 
 
+def start(own_agent: str, now_ms: int, timeout_s: float, spec: ChainSpec) -> ChainDecision | None:
+    """:func:`decide`'s decision for a call that came with no chain, when the fleet signs
+    none (no keys): a chain of this agent alone, deadline ``now_ms + ttl``; the same
+    decision, without reading headers or checking what cannot fail. None when the
+    rules could refuse it after all (a ttl under a millisecond): :func:`decide` then."""
+    ttl_ms = round(spec.ttl_s * 1000)
+    if ttl_ms <= 0:
+        return None
+    return ChainDecision(
+        received=(),
+        agents=(own_agent,),
+        deadline_ms=now_ms + ttl_ms,
+        remaining_s=min(timeout_s, ttl_ms / 1000),
+    )
+
+
 def _authenticated(received: Received, spec: ChainSpec, keys: SigningKeys) -> Received:
     """``received``, or its refusal when the fleet signs chains and its signature fails
     (or is missing under ``require_signed_inbound``)."""

@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -143,6 +143,36 @@ def check_reason(reason: str) -> str:
     return text
 
 
+class _Tracked:
+    """:meth:`StopSwitch.track`'s block: a class, not a generator context manager, as it
+    wraps every call (a generator-based one costs about three times the instructions)."""
+
+    __slots__ = ("_agent", "_switch", "_target", "_task")
+
+    def __init__(self, switch: StopSwitch, agent: str, target: str | None) -> None:
+        self._switch, self._agent, self._target = switch, agent, target
+        self._task: asyncio.Task[Any] | None = None
+
+    def __enter__(self) -> None:
+        task = self._task = asyncio.current_task()
+        if task is not None:  # not in a task: nothing to cancel
+            self._switch._inflight[task] = (self._agent, self._target)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        task = self._task
+        if task is None:
+            return
+        switch = self._switch
+        switch._inflight.pop(task, None)
+        stop = switch._cancelled.pop(task, None)
+        if kind is not None and issubclass(kind, asyncio.CancelledError):
+            if stop is None or task.uncancel() > 0:
+                return  # another cancellation: it propagates
+            raise stop.error() from None
+
+
 class StopSwitch:
     """The stops in force on this sidecar, the calls in flight they can cancel, and (with
     ``cluster``, a :class:`~gateway.stores.redis.RedisClient`) the shared state.
@@ -188,27 +218,12 @@ class StopSwitch:
                 details={"scope": "all", "name": None, "reason": STATE_UNAVAILABLE},
             )
 
-    @contextlib.contextmanager
-    def track(self, agent: str, target: str | None) -> Iterator[None]:
+    def track(self, agent: str, target: str | None) -> _Tracked:
         """Register the current task as a call of ``agent`` to ``target`` while the block
         runs: a stop that covers it cancels it, and the block raises AGENT_STOPPED
         instead of CancelledError (another cancellation, such as the agent hanging up or
         the shutdown, still propagates)."""
-        task = asyncio.current_task()
-        if task is None:  # not in a task: nothing to cancel
-            yield
-            return
-        self._inflight[task] = (agent, target)
-        try:
-            yield
-        except asyncio.CancelledError:
-            stop = self._cancelled.pop(task, None)
-            if stop is None or task.uncancel() > 0:
-                raise
-            raise stop.error() from None
-        finally:
-            self._inflight.pop(task, None)
-            self._cancelled.pop(task, None)
+        return _Tracked(self, agent, target)
 
     @property
     def inflight(self) -> int:
@@ -375,6 +390,6 @@ class Controls:
             shadow += await self.caps.check(target, agent, call_names(request, exchange))
         return shadow
 
-    def track(self, agent: str, target: str | None) -> contextlib.AbstractContextManager[None]:
+    def track(self, agent: str, target: str | None) -> _Tracked:
         """See :meth:`StopSwitch.track`."""
         return self.stops.track(agent, target)

@@ -238,6 +238,12 @@ def identify(transport: Transport | None, headers: Mapping[str, str], agents: Ag
     connection's owner once per connection (``transport`` weakly referenced)."""
     sock = transport.get_extra_info("socket") if transport is not None else None
     listener: Listener = "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
+    if not agents.agents and listener == "tcp":
+        # No agents: section, a TCP caller: the policy's identity (no UID, no token to
+        # read), checked against a claim; what establish() decides, without its inputs.
+        claim = headers.get(CLAIM_HEADER)
+        identity = agents.default_identity
+        return identity if claim is None else identity.with_claim(claim)
     uid = None
     if listener == "unix" or agents.reads_uid:
         uid = _TCP_OWNERS.get(transport) if listener == "tcp" else None

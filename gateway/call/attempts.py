@@ -51,7 +51,14 @@ from gateway.errors import (
 from gateway.policy import CompiledTarget
 from gateway.providers import ErrorHint, error_hint
 from gateway.ratelimit import RateLimitGroup, provider_hold_s
-from gateway.upstream import Credential, OutboundRequest, TransportError, Upstream, UpstreamResponse
+from gateway.upstream import (
+    POOL_FULL,
+    Credential,
+    OutboundRequest,
+    TransportError,
+    Upstream,
+    UpstreamResponse,
+)
 
 _new_budget = tuple.__new__
 
@@ -196,9 +203,11 @@ class Attempts:
             # Interrupted while sending, it may have gone out; refused by the egress
             # checks (PermissionDenied, EgressDenied) before connecting, it did not,
             # unless the refusal is of the upstream's redirect: it had the request.
+            # Nor did one refused for want of a connection (all the target's were busy).
             log.sent = log.sent or (
-                not isinstance(exc, PermissionDenied | EgressDenied)
+                not isinstance(exc, PermissionDenied | EgressDenied | CapacityExceeded)
                 or exc.details.get("reason") in _REFUSED_REDIRECTS
+                or (isinstance(exc, CapacityExceeded) and exc.details.get("reason") != POOL_FULL)
             )
             log.billed = log.billed or log.sent
             if permit is not None:

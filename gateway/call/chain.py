@@ -51,6 +51,13 @@ async def chain_stage(
         return _admitted(spec, request, ctx, keys, memory, now_ms)
     if seen is None and memory is not None:
         seen = memory.recall([("trace", trace_key(request))], now_ms)
+    if seen is None and keys.current is None and ctx.target_agent is None:
+        # The common case, a chain that starts here: decide()'s decision without its
+        # header rules (gateway.agents.chain.start).
+        started = chain.start(ctx.agent_id, now_ms, request.timeout, spec)
+        if started is not None:
+            ctx.chain = started
+            return started
     ctx.chain = chain.decide(
         seen,
         own_agent=ctx.agent_id,

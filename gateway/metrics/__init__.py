@@ -24,6 +24,8 @@ failovers_total                        counter    from, to (targets), reason (a
                                                   gateway.call.retry.FailoverReason)
 ratelimit_wait_seconds                 histogram  group
 ratelimit_rejections_total             counter    group
+upstream_pool_wait_seconds             histogram  target (only calls that found all busy)
+upstream_pool_rejections_total         counter    target
 redis_fallbacks_total                  counter    group
 breaker_state                          gauge      target (0 closed, 1 half-open, 2 open)
 breaker_transitions_total              counter    target, to
@@ -223,6 +225,7 @@ class Metrics(Series):
         self._groups = frozenset(groups)
         for target in targets:
             self._child(self.retries, target)
+            self._child(self.pool_rejections, target)
         for group in self._groups:
             self._child(self.ratelimit_rejections, group)
             self._child(self.ratelimit_wait, group)
@@ -451,6 +454,14 @@ class Metrics(Series):
     def observe_ratelimit_rejection(self, group: str) -> None:
         """Count one call the rate-limit group refused (CAPACITY_EXCEEDED)."""
         self._child(self.ratelimit_rejections, self._group(group)).inc()
+
+    def observe_pool_wait(self, target: str, wait_s: float, admitted: bool) -> None:
+        """Record a wait for one of ``target``'s connections (all were busy), in seconds;
+        a wait that was not ``admitted`` ended in CAPACITY_EXCEEDED and is counted too."""
+        name = self._target(target)
+        self._child(self.pool_wait, name).observe(max(wait_s, 0.0))
+        if not admitted:
+            self._child(self.pool_rejections, name).inc()
 
     def observe_redis_fallback(self, group: str) -> None:
         """Count one call a cluster-scope group admitted with its local limiter (fail-open)

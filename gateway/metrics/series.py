@@ -78,6 +78,16 @@ class Series:
             "ratelimit_rejections", "Calls refused because the group could not admit in time.",
             ["group"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        self.pool_wait = Histogram(
+            "upstream_pool_wait_seconds",
+            "Time a call waited for one of its target's connections (all were busy), in seconds.",
+            ["target"], namespace=NAMESPACE, registry=r, buckets=WAIT_BUCKETS_S,
+        )  # fmt: skip
+        self.pool_rejections = Counter(
+            "upstream_pool_rejections",
+            "Calls refused because none of their target's connections freed up in time.",
+            ["target"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
         self.redis_fallbacks = Counter(
             "redis_fallbacks",
             "Calls a fail-open cluster group admitted locally because Redis was unavailable.",

@@ -37,6 +37,16 @@ DEFAULT_RELOAD_INTERVAL_S: Final = 2.0
 DEFAULT_TARGET_TIMEOUT_S: Final = 30.0
 #: Longest gap between two chunks of a relayed stream.
 DEFAULT_STREAM_IDLE_TIMEOUT_S: Final = 60.0
+#: Connections one target may hold open at once (each call or open stream holds one).
+#: Above what one sidecar process serves (about 1,000-2,000 open paced streams on a core,
+#: docs/performance.md "Round three"; each also holds an inbound socket), so by default
+#: the inbound side, not this pool, is the limit; a policy lowers it to spare an upstream.
+DEFAULT_MAX_CONNECTIONS: Final = 4096
+#: A process's file descriptors bound its connections long before this.
+MAX_MAX_CONNECTIONS: Final = 1_000_000
+#: How long a call waits for one of its target's connections once all are busy, before
+#: CAPACITY_EXCEEDED (``details.reason`` "connection_pool_full"); never a silent queue.
+DEFAULT_CONNECTION_WAIT_S: Final = 5.0
 DEFAULT_RETRY_ON: Final = (429, 500, 502, 503, 504, 529, "timeout", "connect")
 DEFAULT_BACKOFF_BASE_S: Final = 0.5
 DEFAULT_BACKOFF_MAX_S: Final = 20.0

@@ -316,6 +316,11 @@ class TargetSpec(_Strict):
     #: Longest gap between two chunks of a relayed stream (the call's deadline still
     #: bounds the whole): reasoning models may think for a while before their first token.
     stream_idle_timeout_s: float = Field(d.DEFAULT_STREAM_IDLE_TIMEOUT_S, gt=0, le=d.MAX_WAIT_S)
+    #: Connections to this target open at once (a call, or an open stream, holds one);
+    #: a call that finds all busy waits up to ``connection_wait_s``, then gets
+    #: CAPACITY_EXCEEDED (retryable, ``details.reason`` "connection_pool_full").
+    max_connections: int = Field(d.DEFAULT_MAX_CONNECTIONS, ge=1, le=d.MAX_MAX_CONNECTIONS)
+    connection_wait_s: float = Field(d.DEFAULT_CONNECTION_WAIT_S, ge=0, le=d.MAX_WAIT_S)
     retry: RetrySpec = Field(default_factory=RetrySpec)
     circuit_breaker: BreakerSpec | None = Field(default_factory=BreakerSpec)
     usage: Literal["openai", "anthropic", "gemini", "none"] = "none"

@@ -166,6 +166,7 @@ class Outbound:
             spec.egress,
             max_response_bytes=spec.server.max_response_bytes,
             resolver=parts.dns_resolver,
+            on_pool_wait=parts.metrics.observe_pool_wait,
         )
         await parts.upstream.start()
         stack.push_async_callback(parts.upstream.aclose)
@@ -183,10 +184,21 @@ class Prices:
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         # The price data, off the event loop: imported at the first priced call it
         # would hold every call in flight ~0.1-0.2 s. The pipeline builds the first Pricing.
-        await asyncio.to_thread(cost.preload)
+        # A policy that never prices a call (no usage dialect, no budget) never loads it:
+        # ~3-6 MiB and genai-prices' own imports (a reload that turns pricing on loads
+        # it at the first priced call).
+        if _prices_calls(policy):
+            await asyncio.to_thread(cost.preload)
 
     def apply(self, policy: PolicySet, parts: Parts) -> None:
         parts.pipeline.pricing = Pricing(policy.policy.prices)
+
+
+def _prices_calls(policy: PolicySet) -> bool:
+    """True when a call may need a model's price: a target reads usage, or a budget
+    counts spend."""
+    spec = policy.policy
+    return bool(spec.budgets) or any(t.usage != "none" for t in spec.targets.values())
 
 
 class Secrets:

@@ -12,17 +12,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Final
 
 from aiohttp import web
+
+#: Connections the kernel queues before the sidecar accepts them (capped by the host's
+#: ``net.core.somaxconn``). aiohttp's 128 drops the SYNs of a burst past it (an agent
+#: fleet opening hundreds of streams at once), and a dropped SYN is retried after 1 s,
+#: then 3 s: the added time to first byte would be the kernel's, not the sidecar's.
+LISTEN_BACKLOG: Final = 4096
 
 
 def calls_sites(
     runner: web.AppRunner, host: str, port: int, unix_socket: str | None
 ) -> list[web.BaseSite]:
     """The calls API's sites: TCP ``host:port``, and the Unix socket at ``unix_socket``."""
-    sites: list[web.BaseSite] = [web.TCPSite(runner, host, port, reuse_address=True)]
+    sites: list[web.BaseSite] = [
+        web.TCPSite(runner, host, port, reuse_address=True, backlog=LISTEN_BACKLOG)
+    ]
     if unix_socket is not None:
-        sites.append(web.UnixSite(runner, unix_socket))
+        sites.append(web.UnixSite(runner, unix_socket, backlog=LISTEN_BACKLOG))
     return sites
 
 

@@ -5,6 +5,7 @@ sends and gets back), ``resolver`` (the SSRF guard in the connector), ``client``
 from gateway.upstream.client import (
     CONNECT_TIMEOUT_CAP_S,
     MAX_REDIRECTS,
+    POOL_FULL,
     USER_AGENT,
     Upstream,
 )
@@ -20,6 +21,7 @@ from gateway.upstream.types import (
 __all__ = [
     "CONNECT_TIMEOUT_CAP_S",
     "MAX_REDIRECTS",
+    "POOL_FULL",
     "USER_AGENT",
     "Credential",
     "EgressResolver",

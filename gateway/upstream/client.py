@@ -24,6 +24,13 @@ request may have reached the upstream); :class:`gateway.errors.EgressDenied`,
 :class:`~gateway.errors.DependencyFailed` (not retryable) for an answer aiohttp's parser
 refuses.
 No message holds a URL query or a credential: only ``scheme://host:port``.
+
+Connections: each target holds at most its ``max_connections`` at once (an attempt holds
+one until its answer is read, a relayed stream until it is closed). An attempt that finds
+all busy waits up to the target's ``connection_wait_s`` (within its own timeout), then
+gets :class:`~gateway.errors.CapacityExceeded` (retryable, ``details.reason``
+"connection_pool_full"); each such wait is reported to ``on_pool_wait`` (the metrics).
+aiohttp's own pool is not capped, so no attempt queues there unseen.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from aiohttp.abc import AbstractResolver, AbstractStreamWriter
 from aiohttp.connector import Connection
 
 from gateway import __version__
-from gateway.errors import DependencyFailed, PermissionDenied, ResponseTooLarge
+from gateway.errors import CapacityExceeded, DependencyFailed, PermissionDenied, ResponseTooLarge
 from gateway.policy import EgressSpec
 from gateway.policy.egress import check_address, origin_label, redirect_hop
 from gateway.upstream.resolver import EgressResolver, _AddressDenied
@@ -57,6 +64,8 @@ _READ_CHUNK: Final = 64 * 1024
 _LARGE_BODY: Final = 512 * 1024
 #: The slices a large body is written in (asyncio's write high-water mark).
 _SLICE_BYTES: Final = 64 * 1024
+#: ``details.reason`` of the CAPACITY_EXCEEDED of an attempt that got no connection.
+POOL_FULL: Final = "connection_pool_full"
 
 
 class _SlicedBytes(aiohttp.payload.Payload):
@@ -96,6 +105,8 @@ class _Attempt:
     """Whether the current attempt reached the point where the upstream may have it."""
 
     sent: bool = False
+    #: The target's connection slot this attempt holds (handed to a stream it opens).
+    slot: asyncio.Semaphore | None = None
 
 
 #: The attempt the current task is sending (set by :meth:`Upstream.send`).
@@ -123,11 +134,14 @@ class Upstream:
         *,
         max_response_bytes: int,
         resolver: AbstractResolver | None = None,
-        limit_per_host: int = 100,
+        on_pool_wait: Callable[[str, float, bool], None] | None = None,
     ) -> None:
         self._resolver = EgressResolver(egress, resolver)
         self.max_response_bytes = max_response_bytes
-        self._limit_per_host = limit_per_host
+        self._on_pool_wait = on_pool_wait
+        #: Per target name: its ``max_connections`` and the slots counting them (a new
+        #: limit gets new slots; attempts holding old ones release into those).
+        self._slots: dict[str, tuple[int, asyncio.Semaphore]] = {}
         self._session: aiohttp.ClientSession | None = None
         #: Attempts in flight per session; a session replaced by an egress change is
         #: closed when its last attempt ends.
@@ -165,8 +179,10 @@ class Upstream:
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
             resolver=self._resolver,
+            # Uncapped: each target's slots (send()) bound its connections, with a
+            # bounded, counted wait instead of aiohttp's silent queue.
             limit=0,
-            limit_per_host=self._limit_per_host,
+            limit_per_host=0,
             ttl_dns_cache=10,
         )
         return aiohttp.ClientSession(
@@ -206,12 +222,18 @@ class Upstream:
             raise RuntimeError("Upstream.start() was not called")
         started = time.monotonic()
         state = _Attempt()
+        slot = self._slot(request.target.name, request.target.spec.max_connections)
+        if slot.locked():
+            await self._wait_for(slot, request, timeout_s)
+        else:
+            await slot.acquire()  # free: returns at once
+        state.slot = slot
         token = _ATTEMPT.set(state)
         session = self._session
         users = self._users
         users[session] = users.get(session, 0) + 1
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s - (time.monotonic() - started)):
                 return await self._send(session, request, timeout_s, state, started, stream)
         except TimeoutError:
             raise TransportError(
@@ -220,6 +242,8 @@ class Upstream:
                 message=f"{origin_label(request.url)} did not answer within {timeout_s:.3g} s",
             ) from None
         finally:
+            if state.slot is not None:  # not handed to an open stream
+                state.slot.release()
             _ATTEMPT.reset(token)
             left = users[session] - 1
             if left:
@@ -228,6 +252,34 @@ class Upstream:
                 del users[session]
                 if session is not self._session and self._session is not None:
                     self._close_later(session)  # replaced by an egress change
+
+    def _slot(self, target: str, limit: int) -> asyncio.Semaphore:
+        entry = self._slots.get(target)
+        if entry is None or entry[0] != limit:
+            entry = self._slots[target] = (limit, asyncio.Semaphore(limit))
+        return entry[1]
+
+    async def _wait_for(
+        self, slot: asyncio.Semaphore, request: OutboundRequest, timeout_s: float
+    ) -> None:
+        """Wait for a free connection of the target, up to its ``connection_wait_s``
+        (within ``timeout_s``); CapacityExceeded past that."""
+        target = request.target
+        bound = min(target.spec.connection_wait_s, timeout_s)
+        began = time.monotonic()
+        try:
+            async with asyncio.timeout(bound):
+                await slot.acquire()
+        except TimeoutError:
+            if self._on_pool_wait is not None:
+                self._on_pool_wait(target.name, time.monotonic() - began, False)
+            limit = target.spec.max_connections
+            raise CapacityExceeded(
+                f"target {target.name!r}: all {limit} connections stayed busy for {bound:.3g} s",
+                details={"reason": POOL_FULL, "max_connections": limit},
+            ) from None
+        if self._on_pool_wait is not None:
+            self._on_pool_wait(target.name, time.monotonic() - began, True)
 
     async def _send(
         self,
@@ -266,7 +318,7 @@ class Upstream:
                 if resp.status < 200:
                     return _protocol_switch(resp, started)
                 if stream and resp.status < 300 and _is_event_stream(resp):
-                    return self._streamed(session, resp, url, started)
+                    return self._streamed(session, resp, url, started, state)
                 async with resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
                         next_hop = self._redirect(request, url, method, resp)
@@ -298,7 +350,12 @@ class Upstream:
         raise _too_many_redirects(url)
 
     def _streamed(
-        self, session: aiohttp.ClientSession, resp: aiohttp.ClientResponse, url: URL, started: float
+        self,
+        session: aiohttp.ClientSession,
+        resp: aiohttp.ClientResponse,
+        url: URL,
+        started: float,
+        state: _Attempt,
     ) -> UpstreamResponse:
         """A 2xx event stream, answered before its body: the body is relayed as it comes."""
         return UpstreamResponse(
@@ -308,7 +365,7 @@ class Upstream:
             content_type=_escaped(resp.headers.get("Content-Type")),
             body=b"",
             elapsed_s=time.monotonic() - started,
-            stream=self._stream(session, resp, url),
+            stream=self._stream(session, resp, url, state),
         )
 
     def _check_literal(self, url: URL) -> None:
@@ -360,14 +417,21 @@ class Upstream:
         return None if next_url is None else (method, next_url)
 
     def _stream(
-        self, session: aiohttp.ClientSession, resp: aiohttp.ClientResponse, url: URL
+        self,
+        session: aiohttp.ClientSession,
+        resp: aiohttp.ClientResponse,
+        url: URL,
+        state: _Attempt,
     ) -> UpstreamStream:
         # The session stays in use until the stream is closed (an egress change then
-        # closes it, not before).
+        # closes it, not before); so does the target's connection slot.
         users = self._users
         users[session] = users.get(session, 0) + 1
+        slot, state.slot = state.slot, None
 
         def done() -> None:
+            if slot is not None:
+                slot.release()
             left = users.get(session, 1) - 1
             if left:
                 users[session] = left

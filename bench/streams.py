@@ -1,0 +1,316 @@
+"""Many paced streams open at once: what the sidecar adds to each (not a test).
+
+    python bench/streams.py [--streams K] [--chunks N] [--pace-ms P] [--no-nginx]
+    make bench-streams
+
+A stand-in upstream (a child process) answers every POST with a 200 ``text/event-stream``
+of N OpenAI chat chunks, P ms apart, each stamped with the stand-in's
+``time.monotonic()`` (system-wide on Linux, so comparable across processes). A load
+generator (another child process) opens K streams at once and records, per stream, the
+time to its first chunk and, per chunk, how long after its stamp it arrived. Run against:
+
+* the stand-in directly (the floor: the generator's and the stand-in's own delays);
+* the sidecar (``python -m gateway serve``, bench/run.py's realistic policy, every
+  feature on) on its drop-in route (``/proxy/openai/v1/chat/completions``) and on its
+  envelope route (``POST /v1/calls`` with ``Accept: text/event-stream``);
+* nginx (``proxy_buffering off``, one worker) when installed (``apt-get install nginx``).
+
+Reported per setup: p50/p99 time to first byte and p99 per-chunk delay, and the added
+figures (the setup's p99 minus the direct p99); for the sidecar also its CPU per relayed
+chunk (``/proc/PID/stat`` over the run / K*N) and its RSS per open stream (the peak
+``VmRSS`` sampled while the streams are open, minus the RSS before, over K). Every
+process shares the machine's cores: at K=1,000, N=50, P=20 the stand-in and the
+generator alone write and parse 50,000 chunks/s, so on a 2-core box the box, not the
+sidecar, sets the delays (the direct row shows how much). Results go to
+``bench/results/streams-<UTC time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run as bench_run
+from harness import BENCH_DIR, BenchError, Child, start
+from peers import Tree, _spawn_http
+
+PY = sys.executable
+
+STAND_IN = """
+import asyncio, json, sys, time
+from aiohttp import web
+N, PACE_S = int(sys.argv[1]), float(sys.argv[2]) / 1000
+HEAD = b'data: {"object":"chat.completion.chunk","t":'
+TAIL = b',"choices":[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\\n\\n'
+LAST = ("data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": N, "total_tokens": 10 + N}})
+        + "\\n\\ndata: [DONE]\\n\\n").encode()
+async def stream(request):
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(N - 1):
+        await resp.write(HEAD + repr(time.monotonic()).encode() + TAIL)
+        await asyncio.sleep(PACE_S)
+    await resp.write(LAST)
+    await resp.write_eof()
+    return resp
+async def main():
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", stream)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    print(json.dumps({"listening": f"{host}:{port}"}), flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+LOAD = """
+import asyncio, json, re, sys, time
+import aiohttp
+URL, K, BODY, HEADERS = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), json.loads(sys.argv[4])
+STAMP = re.compile(rb'^data: [{]"object":"chat.completion.chunk","t":([0-9.]+)')
+async def one(session, ttfb, delays, ok, i):
+    began = time.monotonic()
+    first = None
+    body = BODY.replace(b"@ID@", b"%d-%d" % (time.monotonic_ns(), i))  # never a replay
+    async with session.post(URL, data=body, headers=HEADERS) as resp:
+        buf = b""
+        async for chunk in resp.content.iter_any():
+            now = time.monotonic()
+            if first is None:
+                first = now - began
+            buf += chunk
+            *events, buf = buf.split(b"\\n\\n")
+            for event in events:
+                m = STAMP.match(event)  # a relayed chunk, not the envelope's last event
+                if m:
+                    delays.append(now - float(m.group(1)))
+        if resp.status == 200 and (b"[DONE]" in chunk or b"egress.response" in chunk):
+            ok.append(1)
+    ttfb.append(first if first is not None else float("nan"))
+async def main():
+    ttfb, delays, ok = [], [], []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
+        calls = [one(s, ttfb, delays, ok, i) for i in range(K)]
+        await asyncio.gather(*calls, return_exceptions=True)
+    def pct(v, q):
+        v = sorted(v)
+        return v[min(len(v) - 1, int(q * len(v)))] * 1000 if v else None
+    print(json.dumps({"done": True, "streams_ok": len(ok), "chunks": len(delays),
+        "ttfb_ms": {"p50": pct(ttfb, 0.5), "p99": pct(ttfb, 0.99), "max": pct(ttfb, 1)},
+        "chunk_delay_ms": {"p50": pct(delays, 0.5), "p99": pct(delays, 0.99)}}), flush=True)
+asyncio.run(main())
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _nginx(upstream: str, work: Path) -> Tree:
+    port = _free_port()
+    conf = work / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+worker_rlimit_nofile 16384;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log error;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {work}/nginx-body;
+  proxy_temp_path {work}/nginx-proxy;
+  upstream up {{ server {upstream}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location = /ready {{ return 200 "ok"; }}
+    location / {{
+      proxy_pass http://up;
+      proxy_http_version 1.1;
+      proxy_buffering off;
+      proxy_set_header Connection "";
+    }}
+  }}
+}}
+""")
+    argv = ["nginx", "-c", str(conf), "-e", str(work / "nginx-e.log")]
+    return _spawn_http("nginx", argv, work, port, "/ready")
+
+
+def _load(
+    label: str, url: str, body: bytes, headers: dict[str, str], k: int, work: Path, watch: Child
+) -> dict[str, Any]:
+    """Run the generator once against ``url``; ``watch``'s CPU and peak RSS meanwhile."""
+    rss0 = watch.memory_kib()["VmRSS"]
+    cpu0 = watch.cpu_s()
+    peak = [rss0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.02):
+            try:
+                peak[0] = max(peak[0], watch.memory_kib()["VmRSS"])
+            except (OSError, KeyError):
+                return
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    argv = [PY, "-c", LOAD, url, str(k), body.decode(), json.dumps(headers)]
+    gen = start(f"load-{label}", argv, work, ready="done", timeout_s=900)
+    stop.set()
+    sampler.join()
+    assert gen.info is not None
+    result = dict(gen.info)
+    del result["done"]
+    result["cpu_s"] = watch.cpu_s() - cpu0
+    result["rss_before_kib"] = rss0
+    result["rss_peak_kib"] = peak[0]
+    gen.stop()
+    return result
+
+
+def _sidecar(work: Path, upstream: str) -> Child:
+    secret = work / "secret"
+    secret.write_text(bench_run.SECRET)
+    policy = bench_run.policy_for(upstream, secret, work / "audit.jsonl", "full")
+    path = work / "policy.json"
+    path.write_text(json.dumps(policy))
+    argv = [PY, "-m", "gateway", "serve", "--policy", str(path), "--port", "0", "--ops-port", "0"]
+    return start("sidecar", argv, work, ready="calls")
+
+
+def _runs(args: argparse.Namespace, work: Path, stand_in: Child) -> dict[str, Any]:
+    params = {**bench_run.PARAMETERS, "stream": True}
+    raw = json.dumps(params).encode()
+    env = json.dumps(
+        {
+            "trace_id": "tr-streams",
+            "correlation_id": "corr-@ID@",  # the envelope route keys replays on it
+            "target_system": "openai",
+            "endpoint": "/v1/chat/completions",
+            "method": "POST",
+            "parameters": params,
+            "timeout": 600,
+        }
+    ).encode()
+    json_h = {"Content-Type": "application/json"}
+    sse_h = {**json_h, "Accept": "text/event-stream"}
+    k, up = args.streams, stand_in.address
+    runs: dict[str, Any] = {}
+    direct = f"http://{up}/v1/chat/completions"
+    runs["direct"] = _load("direct", direct, raw, json_h, k, work, stand_in)
+    sidecar = _sidecar(work, up)
+    try:
+        base = f"http://{sidecar.address}"
+        for label, url, body, headers in (  # warm-up: imports, price data, pools
+            ("warm-drop-in", base + "/proxy/openai/v1/chat/completions", raw, json_h),
+            ("warm-envelope", base + "/v1/calls", env, sse_h),
+        ):
+            _load(label, url, body, headers, min(k, 20), work, sidecar)
+        runs["drop-in"] = _load(
+            "drop-in", base + "/proxy/openai/v1/chat/completions", raw, json_h, k, work, sidecar
+        )
+        runs["envelope"] = _load("envelope", base + "/v1/calls", env, sse_h, k, work, sidecar)
+    finally:
+        sidecar.stop()
+    if args.nginx and shutil.which("nginx"):
+        nginx = _nginx(up, work)
+        try:
+            url = f"http://{nginx.address}/v1/chat/completions"
+            runs["nginx"] = _load("nginx", url, raw, json_h, k, work, nginx)
+        finally:
+            nginx.stop()
+    elif args.nginx:
+        runs["nginx"] = {"skipped": "nginx is not installed (apt-get install nginx)"}
+    return runs
+
+
+def _derive(runs: dict[str, Any], k: int, chunks: int) -> None:
+    direct = runs["direct"]
+    for label, r in runs.items():
+        if label == "direct" or "skipped" in r:
+            continue
+        r["added_ttfb_p99_ms"] = r["ttfb_ms"]["p99"] - direct["ttfb_ms"]["p99"]
+        r["added_chunk_delay_p99_ms"] = r["chunk_delay_ms"]["p99"] - direct["chunk_delay_ms"]["p99"]
+        r["cpu_us_per_chunk"] = r["cpu_s"] / max(r["chunks"], 1) * 1e6
+        r["rss_per_stream_kib"] = (r["rss_peak_kib"] - r["rss_before_kib"]) / k
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=1000, help="streams open at once")
+    parser.add_argument("--chunks", type=int, default=50, help="chunks per stream")
+    parser.add_argument("--pace-ms", type=float, default=20.0, help="gap between chunks")
+    parser.add_argument("--no-nginx", dest="nginx", action="store_false")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-streams-") as tmp:
+        work = Path(tmp)
+        argv = [PY, "-c", STAND_IN, str(args.chunks), str(args.pace_ms)]
+        stand_in = start("stand-in", argv, work, ready="listening")
+        try:
+            runs = _runs(args, work, stand_in)
+        except BenchError as exc:
+            print(f"bench-streams: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            stand_in.stop()
+    _derive(runs, args.streams, args.chunks)
+    result = {
+        "streams": args.streams,
+        "chunks_per_stream": args.chunks,
+        "pace_ms": args.pace_ms,
+        "runs": runs,
+    }
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    out = BENCH_DIR / "results" / f"streams-{stamp}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(_summary(result, out))
+    return 0
+
+
+def _summary(result: dict[str, Any], out: Path) -> str:
+    lines = [
+        f"{result['streams']} paced streams at once, {result['chunks_per_stream']} chunks "
+        f"{result['pace_ms']:g} ms apart (targets: added p99 TTFB and per-chunk <= 50 ms, "
+        "<= 25 us CPU per chunk, <= 64 KiB RSS per stream)"
+    ]
+    for label, r in result["runs"].items():
+        if "skipped" in r:
+            lines.append(f"  {label:9} skipped: {r['skipped']}")
+            continue
+        line = (
+            f"  {label:9} ok {r['streams_ok']:5}  ttfb p50 {r['ttfb_ms']['p50']:8.1f} "
+            f"p99 {r['ttfb_ms']['p99']:8.1f} ms  chunk delay p99 "
+            f"{r['chunk_delay_ms']['p99']:8.1f} ms"
+        )
+        if "added_ttfb_p99_ms" in r:
+            line += (
+                f"  added: ttfb p99 {r['added_ttfb_p99_ms']:+.1f} ms, chunk p99 "
+                f"{r['added_chunk_delay_p99_ms']:+.1f} ms; {r['cpu_us_per_chunk']:.1f} us "
+                f"CPU/chunk, {r['rss_per_stream_kib']:.1f} KiB RSS/stream"
+            )
+        lines.append(line)
+    lines.append(f"results: {out}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
