@@ -28,7 +28,7 @@ from typing import Any, Final, Protocol
 
 from gateway import fastjson
 from gateway.agents import card as cards
-from gateway.agents.identity import Agents, Identity, identify, policy_identity
+from gateway.agents.identity import identify, policy_identity
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.call.a2a import A2aRequest, CardFetch
@@ -45,7 +45,6 @@ from gateway.call.relay import Relay
 from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InvalidPayload
-from gateway.policy import PolicySet
 from gateway.policy.a2a import CARD_PATHS
 from gateway.policy.compiled import INBOUND_TARGET
 from gateway.providers import a2a as rpc
@@ -60,14 +59,8 @@ PREFIX: Final = "/a2a"
 _CARD_FILES: Final = {p.rsplit("/", 1)[1]: p for p in CARD_PATHS}
 
 
-class Runtime(Protocol):
+class Runtime(http.Sidecar, Protocol):
     """What the A2A API needs of the running sidecar (:class:`gateway.server.Gateway`)."""
-
-    @property
-    def policy(self) -> PolicySet: ...
-
-    @property
-    def agents(self) -> Agents: ...
 
     async def a2a(
         self,
@@ -77,19 +70,6 @@ class Runtime(Protocol):
         refuse: GatewayError | None = None,
         relay: Relay | None = None,
     ) -> tuple[int, ExternalCallResponse]: ...
-
-    def refused_early(
-        self,
-        exc: GatewayError,
-        *,
-        started: float,
-        http_method: str,
-        http_path: str,
-        api: str = "envelope",
-        audited: bool = True,
-        identity: Identity | None = None,
-        ids: tuple[str, str] | None = None,
-    ) -> ExternalCallResponse: ...
 
 
 def handler(runtime: Runtime) -> http.Handler:

@@ -15,14 +15,13 @@ import time
 from functools import partial
 from typing import Final, Protocol
 
-from gateway.agents.identity import Agents, Identity, identify
+from gateway.agents.identity import Identity, identify
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.audit import get_logger
 from gateway.call.relay import AGENT_STALLED, Relay
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError
-from gateway.policy import PolicySet
 
 CALLS_PATH: Final = "/v1/calls"
 _STREAM_HEAD: Final = Head(
@@ -31,33 +30,14 @@ _STREAM_HEAD: Final = Head(
 _log = get_logger("gateway.server")
 
 
-class Runtime(Protocol):
+class Runtime(http.Sidecar, Protocol):
     """What the envelope API needs of the running sidecar (:class:`gateway.server.Gateway`)."""
-
-    @property
-    def policy(self) -> PolicySet: ...
-
-    @property
-    def agents(self) -> Agents: ...
 
     def rendered_answer(self, response: ExternalCallResponse) -> bytes | None: ...
 
     async def call(
         self, body: bytes, *, relay: Relay | None = None, identity: Identity | None = None
     ) -> tuple[int, ExternalCallResponse]: ...
-
-    def refused_early(
-        self,
-        exc: GatewayError,
-        *,
-        started: float,
-        http_method: str,
-        http_path: str,
-        api: str = "envelope",
-        audited: bool = True,
-        identity: Identity | None = None,
-        ids: tuple[str, str] | None = None,
-    ) -> ExternalCallResponse: ...
 
 
 def handler(runtime: Runtime) -> http.Handler:

@@ -36,12 +36,14 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
 from gateway import redaction
+from gateway.agents.identity import Agents, Identity
 from gateway.api.admission import COPIES, ByteBudget, Charge, held_bytes
 from gateway.audit import get_logger
 from gateway.call.proxy import CORRELATION_ID_HEADER, TRACE_ID_HEADER
 from gateway.call.relay import AgentGone, Relay
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
+from gateway.policy import PolicySet
 
 #: The whole body must arrive within this long of its headers, or the answer is 408
 #: (INVALID_PAYLOAD, ``details.reason: body_timeout``) and the connection is closed.
@@ -91,6 +93,31 @@ class Head:
     status: int
     headers: Headers
     reason: str | None = None
+
+
+class Sidecar(Protocol):
+    """What every API needs of the running sidecar (:class:`gateway.server.Gateway`): the
+    policy in force, who may call, and the audited answer to a request refused before the
+    pipeline. Each API's own ``Runtime`` adds its entry point."""
+
+    @property
+    def policy(self) -> PolicySet: ...
+
+    @property
+    def agents(self) -> Agents: ...
+
+    def refused_early(
+        self,
+        exc: GatewayError,
+        *,
+        started: float,
+        http_method: str,
+        http_path: str,
+        api: str = "envelope",
+        audited: bool = True,
+        identity: Identity | None = None,
+        ids: tuple[str, str] | None = None,
+    ) -> ExternalCallResponse: ...
 
 
 class Exchange(Protocol):

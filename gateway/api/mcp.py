@@ -36,7 +36,7 @@ from functools import partial
 from typing import Any, Final, Protocol
 
 from gateway import fastjson
-from gateway.agents.identity import Agents, Identity, identify
+from gateway.agents.identity import identify
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.call.mcp import McpRequest
@@ -53,7 +53,6 @@ from gateway.call.relay import Relay
 from gateway.call.sse import SseDecoder
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InvalidPayload
-from gateway.policy import PolicySet
 from gateway.providers import mcp as rpc
 
 MCP_ROUTE: Final = "/mcp/{target}"
@@ -67,14 +66,8 @@ _DATA_LINE: Final = re.compile(rb"^data(:.*)?$")
 _SSE_LINE: Final = re.compile(rb"^(?:\xef\xbb\xbf)?(?::|(?:data|event|id|retry)(?::|$))")
 
 
-class Runtime(Protocol):
+class Runtime(http.Sidecar, Protocol):
     """What the MCP API needs of the running sidecar (:class:`gateway.server.Gateway`)."""
-
-    @property
-    def policy(self) -> PolicySet: ...
-
-    @property
-    def agents(self) -> Agents: ...
 
     async def mcp(
         self,
@@ -84,19 +77,6 @@ class Runtime(Protocol):
         refuse: GatewayError | None = None,
         relay: Relay | None = None,
     ) -> tuple[int, ExternalCallResponse]: ...
-
-    def refused_early(
-        self,
-        exc: GatewayError,
-        *,
-        started: float,
-        http_method: str,
-        http_path: str,
-        api: str = "envelope",
-        audited: bool = True,
-        identity: Identity | None = None,
-        ids: tuple[str, str] | None = None,
-    ) -> ExternalCallResponse: ...
 
 
 def handler(runtime: Runtime) -> http.Handler:

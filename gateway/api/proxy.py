@@ -25,7 +25,7 @@ import time
 from functools import partial
 from typing import Final, Protocol
 
-from gateway.agents.identity import Agents, Identity, identify
+from gateway.agents.identity import identify
 from gateway.api import http
 from gateway.api.http import Answer, Head, Incoming
 from gateway.call.proxy import (
@@ -46,7 +46,6 @@ from gateway.call.relay import AGENT_STALLED, Relay
 from gateway.call.sse import complete_events
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, IdempotencyConflict, InvalidPayload, error_response
-from gateway.policy import PolicySet
 from gateway.providers import DIALECTS, Dialect, drop_in_dialect
 
 #: The route, for every method (``{path}`` may hold slashes and is read raw).
@@ -58,14 +57,8 @@ PREFIX: Final = "/proxy"
 _ENDED_BY_ITSELF: Final = frozenset({"stream_error_event", "agent_disconnected"})
 
 
-class Runtime(Protocol):
+class Runtime(http.Sidecar, Protocol):
     """What the drop-in API needs of the running sidecar (:class:`gateway.server.Gateway`)."""
-
-    @property
-    def policy(self) -> PolicySet: ...
-
-    @property
-    def agents(self) -> Agents: ...
 
     async def proxy(
         self,
@@ -75,19 +68,6 @@ class Runtime(Protocol):
         refuse: GatewayError | None = None,
         relay: Relay | None = None,
     ) -> tuple[int, ExternalCallResponse]: ...
-
-    def refused_early(
-        self,
-        exc: GatewayError,
-        *,
-        started: float,
-        http_method: str,
-        http_path: str,
-        api: str = "envelope",
-        audited: bool = True,
-        identity: Identity | None = None,
-        ids: tuple[str, str] | None = None,
-    ) -> ExternalCallResponse: ...
 
 
 def handler(runtime: Runtime) -> http.Handler:
