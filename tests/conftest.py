@@ -18,11 +18,16 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import re
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -396,3 +401,35 @@ def calls_made() -> Iterator[list[str]]:
 SOON_S = 10.0
 #: The timer (a deadline, a lease) that a test using SOON_S shows was not waited for.
 RULED_OUT_S = 45.0
+
+
+@pytest.fixture
+def demo_sidecar(tmp_path: Path) -> Iterator[str]:
+    """``python -m gateway.demo.serve`` on free ports (stand-ins, OpenBao when installed,
+    the sidecar with policies/demo.yaml): the sidecar's URL; it must stop cleanly."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "gateway.demo.serve", "--port", "0", "--upstream-port", "0",
+         "--audit", str(tmp_path / "audit.jsonl")],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "VAULT_"))},
+    )  # fmt: skip
+    assert demo.stdout is not None
+    try:
+        url = ""
+        for line in demo.stdout:  # bounded by the test's timeout
+            found = re.search(r"sidecar on (http://127\.0\.0\.1:\d+)", line)
+            if found:
+                url = found[1]
+                break
+        assert url, "the demo did not start"
+        yield url
+    finally:
+        demo.send_signal(signal.SIGTERM)
+        try:
+            demo.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            demo.kill()
+            demo.wait()
+        demo.stdout.close()
+    assert demo.returncode == 0  # a clean shutdown on SIGTERM

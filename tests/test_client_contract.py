@@ -12,9 +12,6 @@ import ast
 import asyncio
 import copy
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
 import tomllib
@@ -389,39 +386,14 @@ def _doc_blocks() -> tuple[str, str]:
     return code, output
 
 
-def test_the_docs_example_runs_against_the_demo(tmp_path: Path) -> None:
+def test_the_docs_example_runs_against_the_demo(demo_sidecar: str) -> None:
     """``python -m gateway.demo.serve`` (stand-ins, OpenBao when installed, the sidecar
     with policies/demo.yaml), then the code of docs/api/envelope.md as a separate program."""
     code, expected = _doc_blocks()
-    root = CLIENT.parent.parent
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "gateway.demo.serve", "--port", "0", "--upstream-port", "0",
-         "--audit", str(tmp_path / "audit.jsonl")],
-        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "VAULT_"))},
+    assert "http://127.0.0.1:18080" in code
+    run = subprocess.run(
+        [sys.executable, "-c", code.replace("http://127.0.0.1:18080", demo_sidecar)],
+        capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
-    assert demo.stdout is not None
-    try:
-        url = ""
-        for line in demo.stdout:  # bounded by the test's timeout
-            found = re.search(r"sidecar on (http://127\.0\.0\.1:\d+)", line)
-            if found:
-                url = found[1]
-                break
-        assert url, "the demo did not start"
-        assert "http://127.0.0.1:18080" in code
-        run = subprocess.run(
-            [sys.executable, "-c", code.replace("http://127.0.0.1:18080", url)],
-            capture_output=True, text=True, timeout=30, check=False,
-        )  # fmt: skip
-        assert run.returncode == 0, run.stderr
-        assert run.stdout == expected
-    finally:
-        demo.send_signal(signal.SIGTERM)
-        try:
-            demo.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            demo.kill()
-            demo.wait()
-        demo.stdout.close()
-    assert demo.returncode == 0
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == expected

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,35 +271,6 @@ async def test_the_audit_block_runs_on_the_demos_audit_file(
     assert '"trace_id":"tr-demo-0007"' in out  # show --target openai --code ... --format json
     assert "trace tr-demo-0001: 1 calls" in out  # trace
     assert re.search(r"OK: \d+ chained record\(s\) in 1 chain\(s\) verified", out)  # verify
-
-
-@pytest.fixture
-def demo_sidecar(tmp_path: Path) -> Iterator[str]:
-    """``python -m gateway.demo.serve`` on free ports: the sidecar's URL."""
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "gateway.demo.serve", "--port", "0", "--upstream-port", "0",
-         "--audit", str(tmp_path / "audit.jsonl")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "VAULT_"))},
-    )  # fmt: skip
-    assert demo.stdout is not None
-    try:
-        url = ""
-        for line in demo.stdout:  # bounded by the test's timeout
-            found = re.search(r"sidecar on (http://127\.0\.0\.1:\d+)", line)
-            if found:
-                url = found[1]
-                break
-        assert url, "the demo did not start"
-        yield url
-    finally:
-        demo.send_signal(signal.SIGTERM)
-        try:
-            demo.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            demo.kill()
-            demo.wait()
-        demo.stdout.close()
 
 
 def test_the_streaming_curl_block_runs_against_the_demo(demo_sidecar: str) -> None:
