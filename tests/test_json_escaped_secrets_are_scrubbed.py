@@ -73,7 +73,7 @@ async def _escaping(request: web.Request) -> web.Response:
     )
 
 
-@pytest.mark.parametrize("api", ["envelope", "proxy", "mcp"])
+@pytest.mark.parametrize("api", ["envelope", "proxy", "mcp", "a2a"])
 async def test_an_escaped_secret_never_reaches_the_agent(
     api: str, upstream_factory: Factory, sidecar_factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -90,6 +90,11 @@ async def test_an_escaped_secret_never_reaches_the_agent(
             "mcp": {"tools": {"allow": ["echo"], "deny": []}},
             "credential": CREDENTIAL,
         },
+        "agent": {
+            "base_url": f"{upstream.url}/a2a",
+            "a2a": {"agent_id": "other-agent"},
+            "credential": CREDENTIAL,
+        },
     }
     sidecar: Sidecar = await sidecar_factory(compile_policy(targets))
     url, headers, body = sidecar.url, {"Content-Type": "application/json"}, CALL
@@ -99,6 +104,9 @@ async def test_an_escaped_secret_never_reaches_the_agent(
         body.pop("api_key_ref", None)
     elif api == "proxy":
         url += "/proxy/plant/v1/x"
+    elif api == "a2a":
+        url += "/a2a/agent"
+        body = {"jsonrpc": "2.0", "id": 3, "method": "tasks/get", "params": {"id": "task-1"}}
     else:
         url += "/mcp/tools"
         headers["Accept"] = rpc.ACCEPT
