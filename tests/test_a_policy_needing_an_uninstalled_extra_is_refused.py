@@ -101,9 +101,7 @@ def test_pyjwt_without_cryptography_is_not_enough_to_verify_a_card(tmp_path: Pat
 
 
 @pytest.mark.parametrize("policy", [DATABASE_POLICY, CARD_POLICY])
-def test_with_the_extras_installed_the_same_policies_validate(
-    tmp_path: Path, policy: str
-) -> None:
+def test_with_the_extras_installed_the_same_policies_validate(tmp_path: Path, policy: str) -> None:
     (tmp_path / "policy.yaml").write_text(policy)
     done = run_cli(tmp_path, [], "validate", "policy.yaml")
     assert done.returncode == 0, done.stderr

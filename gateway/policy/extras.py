@@ -57,9 +57,7 @@ def missing_extras(policy: Policy) -> list[tuple[KeyPath, str]]:
         error = missing[extra]
         if error is not None:
             needs = EXTRAS[extra][0]
-            problems.append(
-                (where, f"{needs}, not installed ({error}): {install_hint(extra)}")
-            )
+            problems.append((where, f"{needs}, not installed ({error}): {install_hint(extra)}"))
     return problems
 
 
