@@ -31,6 +31,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from gateway.policy.compiled import PolicySet
+from gateway.policy.extras import missing_extras
 from gateway.policy.models import Policy
 from gateway.policy.refs import parse_ref
 
@@ -486,12 +487,13 @@ def problem_lines(
 def load_policy(path: str | os.PathLike[str]) -> PolicySet:
     """Read, validate and compile the policy at ``path``, with the SHA-256 of its text
     (``PolicySet.sha256``); the agents' ``file://`` and ``env://`` tokens must be
-    readable and not empty. Raises :class:`PolicyError` (and nothing else, whatever the
-    file holds)."""
+    readable and not empty, and the optional extras the policy uses installed
+    (:func:`gateway.policy.extras.missing_extras`: a database target, ``a2a.card.verify``).
+    Raises :class:`PolicyError` (and nothing else, whatever the file holds)."""
     source = str(path)
     text = _read_text(path)
     policy, root, document = _parse(text, source)
-    problems = _token_problems(policy, os.environ)
+    problems = _token_problems(policy, os.environ) + missing_extras(policy)
     if problems:
         lines = [_problem_line(source, document.line_of(root, k), k, m) for k, m in problems]
         raise PolicyError(source, lines)
