@@ -80,8 +80,11 @@ class CallChainSpec(StrictModel):
     I/O) and audited, and no chain header reaches the target, not even one the agent set.
     """
 
-    propagate: bool = (
-        True  # send the chain's headers to this target (false: a provider outside the fleet)
+    propagate: bool = Field(
+        True,
+        description="send the chain's headers (`x-egress-call-chain`, `x-egress-deadline`, "
+        "the signature) to this target; `false` for a provider outside the fleet (the chain "
+        "is still checked and audited); never `false` on an A2A target",
     )
 
 
@@ -104,7 +107,7 @@ def propagation_problems(targets: Mapping[str, Any]) -> list[tuple[tuple[str, ..
 def propagation_warnings(targets: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
     """Warnings for ``validate``: a target of a provider dialect (``usage`` other than
     ``none``) that does not say whether the chain goes out to it. It does (the default),
-    which tells the provider this fleet's agent ids; writing either value silences it."""
+    which tells the provider this fleet's agent ids; writing ``propagate`` silences it."""
     return [
         (
             ("targets", name, "call_chain"),
@@ -113,7 +116,7 @@ def propagation_warnings(targets: Mapping[str, Any]) -> list[tuple[tuple[str, ..
             "agent of your fleet",
         )
         for name, spec in targets.items()
-        if spec.usage != "none" and "call_chain" not in spec.model_fields_set
+        if spec.usage != "none" and "propagate" not in spec.call_chain.model_fields_set
     ]
 
 

@@ -336,7 +336,7 @@ class TargetSpec(_Strict):
     approval: desk.ApprovalSpec | None = None  # calls held for a person's yes
     dead_letter: bool = False  # keep calls that failed for good (gateway.policy.desk)
     database: DatabaseSpec | None = None  # named statements (gateway.policy.database)
-    call_chain: CallChainSpec = Field(default_factory=CallChainSpec)  # whether the chain goes out
+    call_chain: CallChainSpec = Field(default_factory=CallChainSpec)  # gateway.policy.chain
     _mcp = model_validator(mode="after")(check_target)
     a2a: A2aSpec | None = None  # an A2A agent (gateway.policy.a2a)
     _a2a = model_validator(mode="after")(check_a2a_target)
