@@ -59,6 +59,8 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "targets.NAME.first_byte_timeout_s": "longest wait for a stream's first event, in "
     "seconds; past it STREAM_INTERRUPTED `first_byte_timeout` (a fallback may serve); "
     "`null`: `stream_idle_timeout_s`",
+    "targets.NAME.call_chain": "whether the call chain goes out to this target "
+    '(docs/features/call-chain.md, "Which targets get the chain")',
     "agent_id": "the agent this sidecar serves: audit records' `agent_id`, `failed_agent`",
     "server": "the sidecar's listeners and process limits",
     "server.host": "address of the calls listener (envelope, drop-in, MCP)",

@@ -317,6 +317,12 @@ def with_headers(headers: Mapping[str, str], decision: ChainDecision) -> dict[st
     return {**kept, **decision.headers()}
 
 
+def without_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` less the chain's, whatever their case (a target with
+    ``call_chain.propagate: false``: the chain stays inside the fleet)."""
+    return {k: v for k, v in headers.items() if k.lower() not in CHAIN_HEADERS}
+
+
 def admit(
     seen: Mapping[str, str] | None,
     *,

@@ -364,8 +364,8 @@ def _outbound(
     policy: PolicySet, request: ExternalCallRequest, target: CompiledTarget, ctx: CallContext
 ) -> Draft:
     """The request the upstream gets, less its credential, with the call chain's headers
-    (:func:`gateway.agents.chain.with_headers`); the record gets its size, digest and
-    ``traceparent``."""
+    (:func:`gateway.agents.chain.with_headers`), or none of them for a target with
+    ``call_chain.propagate: false``; the record gets its size, digest and ``traceparent``."""
     draft, digest = build_outbound(
         request,
         target,
@@ -374,7 +374,9 @@ def _outbound(
     )
     if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
         draft.headers = {**ctx.passthrough_headers, **draft.headers}
-    if ctx.chain is not None:  # the call chain it goes out with (gateway.agents.chain)
+    if not target.propagate_chain:  # call_chain.propagate: false, no chain header at all
+        draft.headers = chain.without_headers(draft.headers)
+    elif ctx.chain is not None:  # the call chain it goes out with (gateway.agents.chain)
         draft.headers = chain.with_headers(draft.headers, ctx.chain)
     ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
     ctx.traceparent = draft.headers["traceparent"]

@@ -22,7 +22,7 @@ from gateway.policy import desk
 from gateway.policy.a2a import A2aSpec, InboundSpec, check_a2a_target
 from gateway.policy.agents import Agents, agent_problems
 from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
-from gateway.policy.chain import ChainSpec, chain_problems
+from gateway.policy.chain import CallChainSpec, ChainSpec, chain_problems, propagation_problems
 from gateway.policy.controls import ControlsSpec, controls_problems
 from gateway.policy.database import DatabaseSpec, database_problems
 from gateway.policy.database import check_target as check_database_target
@@ -336,6 +336,7 @@ class TargetSpec(_Strict):
     approval: desk.ApprovalSpec | None = None  # calls held for a person's yes
     dead_letter: bool = False  # keep calls that failed for good (gateway.policy.desk)
     database: DatabaseSpec | None = None  # named statements (gateway.policy.database)
+    call_chain: CallChainSpec = Field(default_factory=CallChainSpec)  # gateway.policy.chain
     _mcp = model_validator(mode="after")(check_target)
     a2a: A2aSpec | None = None  # an A2A agent (gateway.policy.a2a)
     _a2a = model_validator(mode="after")(check_a2a_target)
@@ -525,7 +526,7 @@ class Policy(_Strict):
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
         has_vault = self.secrets.vault is not None
-        problems += chain_problems(self.chain, has_vault)
+        problems += [*chain_problems(self.chain, has_vault), *propagation_problems(self.targets)]
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
         problems += controls_problems(self.controls, has_redis, has_vault)
         problems += [*fallback_problems(self.targets), *model_problems(self.targets, self.agents)]
