@@ -6,6 +6,7 @@ would let two agents share an identity."""
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,39 @@ def test_an_agent_chart_takes_each_agents_uid_from_the_values(
     with helm.Chart.load(parent) as agent, pytest.raises(helm.HelmRenderError) as caught:
         agent.render(None, name="demo")
     assert 'no agent "nobody" in agents' in str(caught.value)
+
+
+DOC_BLOCK = "# values.yaml: a pod with two agents, each its own UID\n"
+
+
+def _doc_values() -> dict[str, Any]:
+    """The two-agent values block of README.md and docs/kubernetes.md (one text in both)."""
+    root = CHART.parent.parent
+    texts = {
+        re.search(f"```yaml\n({DOC_BLOCK}.*?)```", (root / page).read_text(), re.DOTALL)[1]
+        for page in ("README.md", "docs/kubernetes.md")
+    }  # type: ignore[index]
+    [text] = texts
+    values: dict[str, Any] = yaml.safe_load(text)
+    return values
+
+
+def test_the_documented_two_agent_pod_renders_each_agent_under_its_uid(
+    chart: helm.Chart,
+) -> None:
+    manifests = render(chart, _doc_values(), KUBE_VERSIONS)
+    policy = parse_policy(only(manifests, "ConfigMap")["data"]["policy.yaml"], "policy.yaml")
+    spec = pod_spec(manifests)
+    uids = {}
+    for agent_id, spec_of_agent in policy.agents.items():
+        agent = container(spec, agent_id)
+        assert agent["securityContext"]["runAsUser"] == spec_of_agent.uid
+        assert agent["securityContext"]["runAsNonRoot"] is True
+        assert env_of(agent)["EGRESS_GATEWAY_SOCKET"] == SOCKET
+        uids[agent_id] = spec_of_agent.uid
+    assert uids == {"planner": 20001, "coder": 20002}
+    assert policy.agents["planner"].rate_limit_group == "planner-pace"
+    assert container(spec, "coder")["image"] == "registry.example.com/coder:1.0"
 
 
 def pod_spec_annotations(manifests: dict[str, list[Any]]) -> dict[str, str]:
