@@ -161,9 +161,10 @@ class AuditRecord(BaseModel):
     db_pool_wait_ms: float | None = None
     db_retries: list[str] | None = None
     # Rate limits per agent (added in 1.x; the policy's agents.NAME.rate_limit_group): the
-    # calling agent's own group the call took from besides ``rate_limit_group`` (null:
-    # it has none, or it is that group), and the group that refused the call (CAPACITY_EXCEEDED from the
-    # sidecar's own limits: the agent's group or ``rate_limit_group``; null: none did).
+    # calling agent's own group the call took from besides ``rate_limit_group`` (null: it
+    # has none, or it is that group), and the group that refused the call
+    # (CAPACITY_EXCEEDED from the sidecar's own limits: the agent's group or
+    # ``rate_limit_group``; null: none did).
     agent_rate_limit_group: str | None = None
     rate_limit_refused: str | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
