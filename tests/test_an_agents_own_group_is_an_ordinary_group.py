@@ -2,7 +2,8 @@
 group: ``tokens_per_minute`` reserves a call's estimate there and settles it with the
 real usage; ``mode: shadow`` never refuses but records the refusal it would give; a call
 whose own group is the agent's takes it once; an agent without one takes only its
-target's. Agents recognised by their token, in process."""
+target's; an envelope may not name another agent's own group. Agents recognised by
+their token, in process."""
 
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ async def _sidecar(upstream_factory: Any, sidecar_factory: Any, **policy: Any) -
     return up, sc
 
 
-async def _call(sc: Any, agent: str, trace: str, max_tokens: int = 5) -> tuple[int, Any]:
+async def _call(
+    sc: Any, agent: str, trace: str, max_tokens: int = 5, group: str | None = None
+) -> tuple[int, Any]:
+    named = {"rate_limit_group": group} if group else {}
     body = envelope(
-        trace_id=trace, parameters={**envelope()["parameters"], "max_tokens": max_tokens}
+        **named, trace_id=trace, parameters={**envelope()["parameters"], "max_tokens": max_tokens}
     )
     headers = {"x-egress-agent-token": TOKENS[agent]}
     async with sc.session.post(sc.url + "/v1/calls", json=body, headers=headers) as resp:
@@ -109,3 +113,26 @@ async def test_the_agents_group_as_the_calls_own_is_taken_once(
     status, body = await _call(sc, "coder", "tr-coder")
     assert (status, body["error"]["details"]["group"]) == (429, "pace")
     assert len(up.seen) == 2
+
+
+async def test_an_envelope_may_not_spend_another_agents_pace(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    up, sc = await _sidecar(
+        upstream_factory, sidecar_factory,
+        rate_limit_groups={"planner-pace": {**SLOW, "burst": 5},
+                           "coder-pace": {**SLOW, "burst": 5}},
+        agents={"planner": {"rate_limit_group": "planner-pace"},
+                "coder": {"rate_limit_group": "coder-pace"}},
+    )  # fmt: skip
+    status, body = await _call(sc, "planner", "tr-foreign", group="coder-pace")
+    assert status == 403
+    assert body["error"]["details"] == {
+        "reason": "rate_limit_group_not_allowed", "group": "coder-pace",
+    }  # fmt: skip
+    assert up.seen == []
+    # Naming its own group is fine: taken once, as the call's own group.
+    assert (await _call(sc, "planner", "tr-own", group="planner-pace"))[0] == 200
+    foreign, own = sc.audit_records()
+    assert (foreign["decision"], foreign["error_code"]) == ("denied", "PERMISSION_DENIED")
+    assert (own["rate_limit_group"], own["agent_rate_limit_group"]) == ("planner-pace", None)

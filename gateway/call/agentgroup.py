@@ -16,6 +16,11 @@ cluster`` or ``mode: shadow``, and is counted in ``ratelimit_wait_seconds`` and
 (``agent_rate_limit_group``) and, when it refused the call, ``rate_limit_refused``; the
 wait is part of ``rate_limit_wait_ms``. A policy's own ``agent_id`` (no ``agents:``)
 has no group of its own.
+
+An envelope may name its call's group (``rate_limit_group``), but never another agent's
+own group (one no target or MCP tool rule assigns): that would spend the other agent's
+pace. Such a call is refused PERMISSION_DENIED (``details.reason:
+rate_limit_group_not_allowed``) before any I/O (:func:`named_refusal`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from gateway import telemetry
 from gateway.agents.identity import Identity
 from gateway.call.record import CallContext
 from gateway.envelope import ExternalCallRequest
-from gateway.errors import CapacityExceeded
+from gateway.errors import CapacityExceeded, PermissionDenied
 from gateway.policy import PolicySet
 from gateway.providers import estimate_tokens
 
@@ -44,6 +49,28 @@ def group_of(policy: PolicySet, identity: Identity | None) -> str | None:
         return None
     spec = policy.policy.agents.get(identity.agent_id)
     return spec.rate_limit_group if spec is not None else None
+
+
+def named_refusal(
+    policy: PolicySet, identity: Identity | None, named: str
+) -> PermissionDenied | None:
+    """The PermissionDenied (``rate_limit_group_not_allowed``) of a call whose envelope
+    names group ``named`` when that is the own group of an agent other than the caller
+    (``identity``) and no target or MCP tool rule of ``policy`` assigns it; else None
+    (pure)."""
+    spec = policy.policy
+    owners = [n for n, a in spec.agents.items() if a.rate_limit_group == named]
+    if not owners or group_of(policy, identity) == named:
+        return None
+    for target in spec.targets.values():
+        tools = target.mcp.tools_rate_limit_group if target.mcp is not None else None
+        if named in (target.rate_limit_group, tools):
+            return None
+    return PermissionDenied(
+        f"rate-limit group {named!r} is agent {owners[0]!r}'s own: a call may not spend "
+        "another agent's pace; name no group, or one of the targets'",
+        details={"reason": "rate_limit_group_not_allowed", "group": named},
+    )
 
 
 @asynccontextmanager

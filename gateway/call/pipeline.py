@@ -350,6 +350,11 @@ class Pipeline:
                 f"(known: {', '.join(sorted(policy.policy.rate_limit_groups)) or 'none'})",
                 details={"reason": "unknown_rate_limit_group", "group": group_name},
             )
+        named = request.rate_limit_group  # never another agent's own pace
+        refused = agentgroup.named_refusal(policy, ctx.identity, named) if named else None
+        if refused is not None:
+            ctx.decision = "denied"
+            raise refused
         ctx.rate_limit_group = group_name
         if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
             return await self._sent(policy, request, decision, ctx, deadline, relay)
