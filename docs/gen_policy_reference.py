@@ -302,6 +302,8 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "agents.NAME.uid": "the UID its processes run as (recognised first)",
     "agents.NAME.token_ref": "secret reference of its token (header `x-egress-agent-token`)",
     "agents.NAME.targets": "the targets it may call (absent: every target)",
+    "agents.NAME.rate_limit_group": "a group of `rate_limit_groups` each of its calls takes "
+    "once, besides the call's own group: its pace (absent: none)",
     "controls": "the operator's stop switch and the repeated-call breaker",
     "controls.operator_token_ref": "secret reference of the ops API's stop/resume token "
     "(absent: those routes refuse every request)",

@@ -150,6 +150,11 @@ class CallRecord(NamedTuple):
     models: ModelFacts | None = None
     #: A database target's statement (None for other calls).
     database: DatabaseFacts | None = None
+    #: The calling agent's own rate-limit group (``agents.NAME.rate_limit_group``) the
+    #: call took from, and the group that refused the call, the agent's or the call's
+    #: (None: none did).
+    agent_rate_limit_group: str | None = None
+    rate_limit_refused: str | None = None
 
 
 def decision_of(call: CallRecord) -> str:
@@ -210,6 +215,8 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         F.API_KEY_REF: call.api_key_ref,
         F.RATE_LIMIT_GROUP: call.rate_limit_group,
         F.RATE_LIMIT_WAIT_MS: round(call.rate_limit_wait_s * 1000, 3),
+        F.AGENT_RATE_LIMIT_GROUP: call.agent_rate_limit_group,
+        F.RATE_LIMIT_REFUSED: call.rate_limit_refused,
         F.IDEMPOTENCY_KEY: call.idempotency_key,
         F.REPLAYED: call.replayed,
         F.WARNINGS: warnings,

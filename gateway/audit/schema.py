@@ -160,6 +160,13 @@ class AuditRecord(BaseModel):
     db_sqlstate: str | None = None
     db_pool_wait_ms: float | None = None
     db_retries: list[str] | None = None
+    # Rate limits per agent (added in 1.x; the policy's agents.NAME.rate_limit_group): the
+    # calling agent's own group the call took from besides ``rate_limit_group`` (null: it
+    # has none, or it is that group), and the group that refused the call
+    # (CAPACITY_EXCEEDED from the sidecar's own limits: the agent's group or
+    # ``rate_limit_group``; null: none did).
+    agent_rate_limit_group: str | None = None
+    rate_limit_refused: str | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -252,6 +259,8 @@ class Fields:
     DB_SQLSTATE: Final = "db_sqlstate"
     DB_POOL_WAIT_MS: Final = "db_pool_wait_ms"
     DB_RETRIES: Final = "db_retries"
+    AGENT_RATE_LIMIT_GROUP: Final = "agent_rate_limit_group"
+    RATE_LIMIT_REFUSED: Final = "rate_limit_refused"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

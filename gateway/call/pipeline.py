@@ -2,7 +2,8 @@
 
     intake -> call chain -> egress decision (an MCP target's tool rules too)
     -> models (allow, pin: :mod:`gateway.call.models`) -> stop switch and repeated-call
-    breaker -> idempotency -> [send: outbound request -> secret -> budget reservation
+    breaker -> approval -> the agent's own rate-limit group (:mod:`gateway.call.agentgroup`)
+    -> idempotency -> [send: outbound request -> secret -> budget reservation
     -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
     (backoff, Retry-After: :mod:`gateway.call.retry`)
     -> usage -> budget settlement] -> answer -> record
@@ -35,7 +36,7 @@ from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
-from gateway.call import a2a, mcp, send
+from gateway.call import a2a, agentgroup, mcp, send
 from gateway.call import hooks as api_hooks
 from gateway.call import models as model_rules
 from gateway.call.chain import chain_stage
@@ -349,7 +350,29 @@ class Pipeline:
                 f"(known: {', '.join(sorted(policy.policy.rate_limit_groups)) or 'none'})",
                 details={"reason": "unknown_rate_limit_group", "group": group_name},
             )
+        named = request.rate_limit_group  # never another agent's own pace
+        refused = agentgroup.named_refusal(policy, ctx.identity, named) if named else None
+        if refused is not None:
+            ctx.decision = "denied"
+            raise refused
         ctx.rate_limit_group = group_name
+        if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
+            return await self._sent(policy, request, decision, ctx, deadline, relay)
+        async with agentgroup.taken(self, policy, request, ctx, deadline):  # the agent's pace
+            return await self._sent(policy, request, decision, ctx, deadline, relay)
+
+    async def _sent(
+        self,
+        policy: PolicySet,
+        request: ExternalCallRequest,
+        decision: Decision,
+        ctx: CallContext,
+        deadline: float,
+        relay: Relay | None,
+    ) -> tuple[int, ExternalCallResponse]:
+        """The call sent: once per idempotency key when its target keeps them."""
+        target = decision.target
+        spec = target.spec
         if spec.idempotency is not None and request.method in spec.idempotency.methods:
             ctx.idempotency_key = request.idempotency_key or derive_key(
                 request.trace_id,

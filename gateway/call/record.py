@@ -31,6 +31,7 @@ from gateway.record import (
     DatabaseFacts,
     ModelFacts,
     StreamFacts,
+    decision_of,
     refusal_record,
 )
 from gateway.record import audit_record as record_of_call
@@ -119,6 +120,13 @@ class CallContext:
     #: A call to this sidecar's agent (the inbound route): its chain is admitted, not
     #: extended (gateway.call.chain).
     chain_inbound: bool = False
+    #: The calling agent's own rate-limit group (``agents.NAME.rate_limit_group``: None,
+    #: none, or the call's own group) and the seconds the call waited for it
+    #: (gateway.call.agentgroup); the group that refused the call (CAPACITY_EXCEEDED
+    #: from the sidecar's own limits: the agent's or the call's group), if one did.
+    agent_rate_limit_group: str | None = None
+    agent_rate_limit_wait_s: float = 0.0
+    rate_limit_refused: str | None = None
 
     def a2a_ids(self) -> tuple[str | None, str | None]:
         """The A2A task and context ids the call concerns (None when not an A2A call)."""
@@ -167,7 +175,7 @@ class CallContext:
                 log.attempts + self.prior_attempts,
                 log.upstream_latency_s,
                 log.response_bytes,
-                log.rate_limit_wait_s,
+                log.rate_limit_wait_s + self.agent_rate_limit_wait_s,
                 stream,
                 self.mcp,
                 self.identity,
@@ -177,6 +185,8 @@ class CallContext:
                 self.tried,
                 self._models(),
                 _database(self.db_call, self.db),
+                self.agent_rate_limit_group,
+                self.rate_limit_refused,
             ),
         )
 
@@ -230,6 +240,7 @@ def observe(metrics: Metrics, call: CallRecord, response: ExternalCallResponse) 
         metrics.observe_tokens(target, usage.input, usage.output, usage.cached)
     if call.cost_usd is not None:
         metrics.observe_cost(target, call.cost_model, call.cost_usd)
+    metrics.observe_agent_call(call.agent_id, decision_of(call))  # established, never claimed
     for rule in call.shadow_denied:
         kind, _, name = rule.partition(":")
         metrics.observe_shadow_denial(kind, name)

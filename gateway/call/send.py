@@ -416,6 +416,8 @@ def _failed(
     if group is not None:
         if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
             pipe.metrics.observe_ratelimit_rejection(group.name)
+            if exc.details.get("group") == group.name:  # not a connection pool's
+                ctx.rate_limit_refused = group.name
         if log.admitted:
             group.reconcile(attempts.tokens_reserved, 0)  # no answer, no usage: refund it
 

@@ -527,7 +527,7 @@ class Policy(_Strict):
         problems += budget_problems(self.budgets, usage, groups, has_redis)
         has_vault = self.secrets.vault is not None
         problems += [*chain_problems(self.chain, has_vault), *propagation_problems(self.targets)]
-        problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
+        problems += agent_problems(self.agents, self.targets, self.budgets, has_vault, groups)
         problems += controls_problems(self.controls, has_redis, has_vault)
         problems += [*fallback_problems(self.targets), *model_problems(self.targets, self.agents)]
         operators = desk.all_operators(self.operators, self.controls.operator_token_ref)

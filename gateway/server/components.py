@@ -488,7 +488,7 @@ class MetricLabels:
     """The metrics' known targets, groups, model names and ``policy_info``, and the
     audit and secret health they read at each scrape."""
 
-    keys: ClassVar = Keys(hot=("telemetry.models",))
+    keys: ClassVar = Keys(hot=("telemetry.models", "agents"))
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
         self.apply(policy, parts)
@@ -530,13 +530,14 @@ COMPONENTS: Final[tuple[type[Component], ...]] = (
 
 
 def policy_labels(policy: PolicySet) -> dict[str, Any]:
-    """The metrics' model names and ``policy_info`` of ``policy`` (the digest is of its
-    content, not its file: comments and key order do not change it)."""
+    """The metrics' model names, ``policy_info`` and agent names of ``policy`` (the digest
+    is of its content, not its file: comments and key order do not change it)."""
     digest = hashlib.sha256(policy.policy.model_dump_json().encode()).hexdigest()[:16]
     return {
         "models": policy.policy.telemetry.models,
         "agent_id": policy.policy.agent_id,
         "digest": digest,
+        "agents": tuple(policy.policy.agents),
     }
 
 
