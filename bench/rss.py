@@ -54,7 +54,9 @@ def main() -> None:
     out: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="egw-rss-") as tmp:
         workdir = Path(tmp)
-        upstream = start("upstream", [PY, str(BENCH_DIR / "upstream.py")], workdir, ready="listening")
+        upstream = start(
+            "upstream", [PY, str(BENCH_DIR / "upstream.py")], workdir, ready="listening"
+        )
         try:
             for variant in args.variants.split(","):
                 runs = [measure(variant, workdir, upstream.address) for _ in range(args.runs)]
