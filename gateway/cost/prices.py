@@ -142,9 +142,12 @@ def token_rates(price: Any) -> list[Any] | None:
 def _as_rates(model_id: str, rates: list[Any] | None) -> Rates | None:
     if rates is None:
         return None
-    base, tiers = rates
+    (inp, out, cached, write), tiers = rates
     return Rates(
-        *base,
+        inp,
+        out,
+        cached,
+        write,
         source=LIBRARY,
         model=model_id,
         tiers=tuple(Tier(start, *level) for start, level in tiers),

@@ -105,11 +105,11 @@ def _match(rule: list[Any], text: str) -> bool:
     if kind == "equals":
         return text == arg  # type: ignore[no-any-return]
     if kind == "starts_with":
-        return text.startswith(arg)  # type: ignore[no-any-return]
+        return text.startswith(arg)
     if kind == "ends_with":
-        return text.endswith(arg)  # type: ignore[no-any-return]
+        return text.endswith(arg)
     if kind == "contains":
-        return arg in text  # type: ignore[no-any-return]
+        return arg in text
     if kind == "regex":
         return re.search(arg, text) is not None
     if kind == "or":
