@@ -121,3 +121,30 @@ def test_a_priced_lookup_does_not_import_the_library_or_its_client(tmp_path: Pat
         loaded = {name.split(".")[0] for name in out["modules"]}
         assert "gateway" in loaded
         assert sorted(loaded & {"genai_prices", "httpx2", "httpx"}) == []
+
+
+async def test_a_reload_that_turns_pricing_on_loads_the_table_before_it_applies(
+    tmp_path: Path,
+) -> None:
+    import io
+
+    from gateway.policy import load_policy
+    from gateway.server.runtime import Gateway
+    from tests.conftest import openai_target, policy_yaml
+
+    pytest.importorskip("genai_prices")
+    source = tmp_path / "policy.yaml"
+    unpriced = openai_target("http://127.0.0.1:9", usage="none")
+    source.write_text(policy_yaml({"t": unpriced}))
+    prices._load.cache_clear()
+    gateway = Gateway(load_policy(str(source)), log_stream=io.StringIO())
+    await gateway.start()
+    try:
+        assert prices._load.cache_info().currsize == 0  # nothing priced: no table read
+        source.write_text(policy_yaml({"t": openai_target("http://127.0.0.1:9")}))
+        assert await gateway.reload() is True
+        # Read off the event loop before the priced policy was applied, not at its
+        # first call.
+        assert prices._load.cache_info().currsize == 1
+    finally:
+        await gateway.aclose()
