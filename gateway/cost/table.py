@@ -13,8 +13,8 @@ The table is found, in order: next to this module (``genai_prices.json``, writte
 the image is built: ``main(["--write"])``), in the user's cache
 directory (``$XDG_CACHE_HOME`` or ``~/.cache``, ``egress-gateway/``), else extracted
 then (once per process, ~0.5 s in a child process) and saved there when it can be.
-Each copy names the library it was read from (its location and the size and mtime of
-its data file); one that does not match the installed library is not used.
+Each copy names the library data it was read from (the size and SHA-256 of its data
+file); one that does not match the installed library is not used.
 
 :meth:`Table.rates` answers as genai-prices' ``find_provider_model`` and
 ``get_prices`` would (``tests/test_price_table_matches_genai_prices.py`` compares both
@@ -27,6 +27,7 @@ genai-prices takes it at 00:00 UTC, the time the sidecar has always asked at).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -127,8 +128,8 @@ def _dashed(found: re.Match[str]) -> str:
 
 
 def library_key() -> str | None:
-    """Which genai-prices is installed (its location, its data file's size and mtime),
-    without importing it; None when it is not installed."""
+    """Which genai-prices data is installed (its data file's size and SHA-256), without
+    importing it; None when it is not installed."""
     try:
         spec = find_spec("genai_prices")
     except (ImportError, ValueError):
@@ -138,9 +139,17 @@ def library_key() -> str | None:
     data = Path(next(iter(spec.submodule_search_locations))) / "data.py"
     try:
         stat = data.stat()
+        return _content_key(str(data), stat.st_size, stat.st_mtime_ns)
     except OSError:
         return None
-    return f"{data}:{stat.st_size}:{stat.st_mtime_ns}:f{FORMAT}"
+
+
+@functools.cache  # hashed once per file version (path, size, mtime) in a process
+def _content_key(path: str, size: int, mtime_ns: int) -> str:
+    """The key of a data file by its content: a copy of the table stays valid in an
+    image whose files were copied with other mtimes, or in another location."""
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:32]
+    return f"genai-prices:{size}:{digest}:f{FORMAT}"
 
 
 def load(key: str) -> Table:
@@ -149,19 +158,26 @@ def load(key: str) -> Table:
     Raises RuntimeError when the extraction fails."""
     cache = _cache_path(key)
     for path in (_PACKAGED, cache):
-        doc = _read(path)
+        doc = None if path is None else _read(path)
         if doc is not None and doc.get("key") == key:
             return Table(doc)
     text = _extract_in_child()
     doc = json.loads(text)
     if doc.get("key") != key:
         raise RuntimeError("genai-prices changed while its prices were read")
-    _save(cache, text)
+    if cache is not None:
+        _save(cache, text)
     return Table(doc)
 
 
-def _cache_path(key: str) -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+def _cache_path(key: str) -> Path | None:
+    """Where the table of ``key`` is cached; None without a home directory."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:  # no HOME and no passwd entry: nothing to cache in
+            return None
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(base) / "egress-gateway" / f"genai-prices-{digest}.json"
 
