@@ -1,20 +1,20 @@
 """genai-prices' token rates for the providers the sidecar prices, as a small table.
 
 genai-prices keeps its data as Python objects (``genai_prices.data``, every provider's
-models, ~0.7 MB of source) and importing the package loads its update client (httpx2):
+models, 1.1 MB of source) and importing the package loads its update client (httpx2):
 ~5 MiB of resident memory in every sidecar that prices calls, for the three providers
-it asks about (``openai``, ``anthropic``, ``google``: :data:`PROVIDERS`). So the data
-is read once in another process (:func:`main`), which prints, for
-those providers and the ones they fall back to, each model's match rules and its token
-rates per start date (:func:`extract`), as JSON (~100 KB). The sidecar keeps that table
+it asks about (``openai``, ``anthropic``, ``google``: :data:`PROVIDERS`). So the data is
+read in another process (:func:`main`), which prints, for those providers and the ones
+they fall back to, each model's match rules and its token rates with the day each
+applies from (:func:`extract`), as JSON (~30 KB). The sidecar keeps that table
 (:class:`Table`) and never imports the library.
 
 The table is found, in order: next to this module (``genai_prices.json``, written when
-the image is built: ``main(["--write"])``), in the user's cache
-directory (``$XDG_CACHE_HOME`` or ``~/.cache``, ``egress-gateway/``), else extracted
-then (once per process, ~0.5 s in a child process) and saved there when it can be.
-Each copy names the library data it was read from (the size and SHA-256 of its data
-file); one that does not match the installed library is not used.
+the image is built: ``main(["--write"])``), in the user's cache directory
+(``$XDG_CACHE_HOME`` or ``~/.cache``, ``egress-gateway/``), else extracted then (once per
+process, ~0.5 s of CPU in a child process) and saved there when it can be. Each copy
+names the library data it was read from (the size and SHA-256 of its data file); one
+that does not match the installed library is not used.
 
 :meth:`Table.rates` answers as genai-prices' ``find_provider_model`` and
 ``get_prices`` would (``tests/test_price_table_matches_genai_prices.py`` compares both
