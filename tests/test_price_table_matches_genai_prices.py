@@ -70,29 +70,24 @@ def _library(snapshot: Any, provider: str, ref: str, day: str) -> Any:
     return prices._as_rates(str(info.id), prices.token_rates(price))
 
 
-def test_the_table_is_cached_and_a_stale_copy_is_not_used(tmp_path: Path) -> None:
+def test_the_table_is_cached_and_a_stale_copy_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("genai_prices")
     key = table.library_key()
     assert key is not None
-    cache = tmp_path / "cache"
-    env_before = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(cache)
-    try:
-        path = table._cache_path(key)
-        first = table.load(key)  # extracted in a child, then saved
-        assert path.is_file()
-        assert json.loads(path.read_text())["key"] == key
-        assert table.load(key).providers == first.providers  # read back from the cache
-        stale = json.loads(path.read_text())
-        stale["key"] = "another library"
-        stale["providers"] = {}
-        path.write_text(json.dumps(stale))
-        assert table.load(key).providers == first.providers  # not the stale copy
-    finally:
-        if env_before is None:
-            del os.environ["XDG_CACHE_HOME"]
-        else:
-            os.environ["XDG_CACHE_HOME"] = env_before
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = table._cache_path(key)
+    assert path is not None
+    first = table.load(key)  # extracted in a child, then saved
+    assert path.is_file()
+    assert json.loads(path.read_text())["key"] == key
+    assert table.load(key).providers == first.providers  # read back from the cache
+    stale = json.loads(path.read_text())
+    stale["key"] = "another library"
+    stale["providers"] = {}
+    path.write_text(json.dumps(stale))
+    assert table.load(key).providers == first.providers  # not the stale copy
 
 
 SCRIPT = """
