@@ -36,8 +36,11 @@ RUN pip install --require-hashes --no-deps --requirement requirements.lock
 # The project itself, built as a wheel and installed without touching the dependencies.
 COPY README.md ./
 COPY gateway/ ./gateway/
+# The price table (gateway/cost/table.py) written into the installed package, so that a
+# sidecar never reads genai-prices' data itself (-P: the installed gateway, not ./gateway).
 RUN pip wheel --no-deps --wheel-dir /tmp/wheels . \
     && pip install --no-deps /tmp/wheels/*.whl \
+    && python -P -c "from gateway.cost.table import main; main(['--write'])" \
     && python -m compileall -q /opt/venv/lib
 
 

@@ -62,7 +62,7 @@ OWNERS: dict[str, frozenset[str]] = {
     ),
     "prometheus_client": frozenset({"gateway/metrics/__init__.py", "gateway/metrics/series.py"}),
     # Model prices (bundled data, never fetched at run time).
-    "genai_prices": frozenset({"gateway/cost/prices.py"}),
+    "genai_prices": frozenset({"gateway/cost/prices.py", "gateway/cost/table.py"}),
     # pydantic's own core (its error types), used where the models are defined.
     "pydantic_core": frozenset({"gateway/policy/models.py"}),
     "structlog": frozenset({"gateway/audit/log.py"}),

@@ -182,11 +182,17 @@ class Prices:
     keys: ClassVar = Keys(hot=("prices",))
 
     async def build(self, policy: PolicySet, parts: Parts, stack: AsyncExitStack) -> None:
-        # The price data, off the event loop: imported at the first priced call it
-        # would hold every call in flight ~0.1-0.2 s. The pipeline builds the first Pricing.
-        # A policy that never prices a call (no usage dialect, no budget) never loads it:
-        # ~3-6 MiB and genai-prices' own imports (a reload that turns pricing on loads
-        # it at the first priced call).
+        # The price table, off the event loop: loaded at the first priced call it would
+        # hold every call in flight (a file read; the first time on a host without the
+        # image's table, a child process reading genai-prices, ~0.5 s). The pipeline
+        # builds the first Pricing. A policy that never prices a call (no usage dialect,
+        # no budget) never loads it.
+        if _prices_calls(policy):
+            await asyncio.to_thread(cost.preload)
+
+    async def prepare(self, policy: PolicySet, parts: Parts) -> None:
+        """A reload that turns pricing on loads the price table before it is applied,
+        off the event loop (a no-op once loaded)."""
         if _prices_calls(policy):
             await asyncio.to_thread(cost.preload)
 
