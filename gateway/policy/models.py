@@ -524,11 +524,11 @@ class Policy(_Strict):
         groups, has_redis = set(self.rate_limit_groups), self.redis is not None
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
-        has_vault = self.secrets.vault is not None
-        problems += chain_problems(self.chain, has_vault)
+        problems += chain_problems(self.chain, has_vault := self.secrets.vault is not None)
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault)
         problems += controls_problems(self.controls, has_redis, has_vault)
-        problems += [*fallback_problems(self.targets), *model_problems(self.targets, self.agents)]
+        problems += fallback_problems(self.targets, self.agents)
+        problems += model_problems(self.targets, self.agents)
         operators = desk.all_operators(self.operators, self.controls.operator_token_ref)
         problems += desk.problems(operators, self.approvals, self.targets, has_redis)
         if problems:
