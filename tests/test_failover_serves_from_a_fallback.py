@@ -256,23 +256,43 @@ async def test_a_primary_that_answers_names_itself_and_a_target_without_fallback
     assert (record["served_by"], record["tried"]) == (None, None)
 
 
-async def test_a_reset_before_the_answer_moves_on_for_a_provider_target(
+async def _resets(request: web.Request) -> web.StreamResponse:
+    assert request.transport is not None
+    request.transport.close()  # the request read, no answer byte
+    return web.Response()
+
+
+async def test_a_reset_before_the_answer_is_resent_then_moves_on_for_a_chat_completion(
     upstream_factory, sidecar_factory
 ):
-    async def resets(request: web.Request) -> web.StreamResponse:
-        assert request.transport is not None
-        request.transport.close()  # the request read, no answer byte
-        return web.Response()
-
-    primary = await upstream_factory(resets)
+    primary = await upstream_factory(_resets)
     backup = await upstream_factory(_ok)
-    sc = await sidecar_factory(_policy(primary.url, backup.url))
-    _, body = await sc.call(_call())
+    sc = await sidecar_factory(_policy(primary.url, backup.url, retry={"max_retries": 1}))
+    _, body = await sc.call(_call(max_retries=1))
     assert body["success"] is True
     assert body["served_by"] == {"target": "backup", "model": "backup-model"}
-    assert primary.hits == 1  # a POST lost after sending is not resent to the primary
+    assert (primary.hits, backup.hits) == (2, 1)  # a duplicate costs tokens: resent once
     [record] = sc.audit_records()
-    assert record["tried"][0]["outcome"] == "OUTCOME_UNKNOWN"
+    assert [(t["target"], t["outcome"], t["reason"]) for t in record["tried"]] == [
+        ("primary", "DEPENDENCY_FAILED", "reset"),
+        ("primary", "DEPENDENCY_FAILED", "reset"),
+        ("backup", "ok", None),
+    ]
+
+
+async def test_a_reset_before_the_answer_with_the_switch_off_is_neither_resent_nor_moved(
+    upstream_factory, sidecar_factory
+):
+    primary = await upstream_factory(_resets)
+    backup = await upstream_factory(_ok)
+    strict = {"max_retries": 2, "resend_unanswered": False}
+    sc = await sidecar_factory(_policy(primary.url, backup.url, retry=strict))
+    _, body = await sc.call(_call(max_retries=2))
+    assert body["error"]["code"] == "OUTCOME_UNKNOWN"
+    assert body["served_by"] is None
+    assert (primary.hits, backup.hits) == (1, 0)  # a POST lost after sending: not resent
+    [record] = sc.audit_records()
+    assert [t["outcome"] for t in record["tried"]] == ["OUTCOME_UNKNOWN"]
 
 
 async def test_a_500_once_is_rescued_by_the_primarys_own_retry(upstream_factory, sidecar_factory):

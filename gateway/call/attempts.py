@@ -34,6 +34,7 @@ from gateway.call.retry import (
     parse_retry_after,
     status_retryable,
     transport_retryable,
+    unanswered_resendable,
 )
 from gateway.call.stream import StreamJudge, judge_body
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest
@@ -292,14 +293,20 @@ class Attempts:
         )
 
     def _transport_outcome(self, exc: TransportError) -> Outcome:
-        """A transport failure: retryable as :func:`transport_retryable` says; a request
-        that may have been acted on and cannot be sent again is OUTCOME_UNKNOWN."""
+        """A transport failure: retryable as :func:`transport_retryable` says (a reset
+        before the answer's head on an inference endpoint: :func:`unanswered_resendable`);
+        a request that may have been acted on and cannot be sent again is OUTCOME_UNKNOWN."""
+        spec, request = self.target.spec, self.request
         retryable, unknown = transport_retryable(
             exc.kind,
             sent=exc.sent,
-            method=self.request.method,
+            method=request.method,
             has_idempotency_key=self.has_idempotency_key,
-            retry_on=self.target.spec.retry.retry_on,
+            retry_on=spec.retry.retry_on,
+            answered=exc.answered,
+            resend_unanswered=unanswered_resendable(
+                spec.retry.resend_unanswered, spec.usage, request.endpoint, request.parameters
+            ),
         )
         if unknown:
             return Outcome(self._unknown_outcome(exc))

@@ -29,7 +29,7 @@ from gateway.call.outbound import Draft, with_credential
 from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
-from gateway.call.retry import next_option
+from gateway.call.retry import next_option, unanswered_resendable
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames, ServedBy
 from gateway.errors import CapacityExceeded, GatewayError, InternalError, QuotaExhausted
 from gateway.policy import CompiledTarget, PolicySet
@@ -145,7 +145,9 @@ def _next_fallback(
             fallback_on=spec.fallback_on,
             now=time.monotonic(),
             deadline=deadline,
-            provider=spec.usage != "none",
+            resend_unanswered=unanswered_resendable(
+                spec.retry.resend_unanswered, spec.usage, original.endpoint, original.parameters
+            ),
         )
         if option.action == "stop" or option.reason is None:
             return None

@@ -49,9 +49,19 @@ def fallback_problems(
     ``agents``: name -> AgentSpec): an unknown target, a target of another ``usage``
     dialect, an MCP target on either side, the target itself without another model, a
     cycle (A falls back to B, which falls back to A), a model a ``models.allow`` rule
-    refuses (:func:`_model_refusals`)."""
+    refuses (:func:`_model_refusals`); and ``retry.resend_unanswered: true`` on a target
+    without a provider dialect (a lost request sent twice may act twice there)."""
     problems = _model_refusals(targets, agents or {})
     for name, spec in targets.items():
+        if spec.retry.resend_unanswered and spec.usage == "none":
+            problems.append(
+                (
+                    ("targets", name, "retry", "resend_unanswered"),
+                    "needs 'usage' (openai, anthropic or gemini): only a provider's inference "
+                    "endpoints cost tokens alone when sent twice; elsewhere give the target "
+                    "an 'idempotency' block",
+                )
+            )
         for index, option in enumerate(spec.fallbacks):
             loc = ("targets", name, "fallbacks", index, "target")
             other = targets.get(option.target)
