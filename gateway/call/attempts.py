@@ -361,7 +361,11 @@ class Attempts:
         if self.send is not None:
             return self.send(timeout_s)
         return telemetry.current().send(
-            self.upstream, self.outbound, timeout_s=timeout_s, stream=self.relay is not None
+            self.upstream,
+            self.outbound,
+            timeout_s=timeout_s,
+            stream=self.relay is not None,
+            request=self.request,
         )
 
     async def _before_resend(self) -> None:
