@@ -102,7 +102,7 @@ async def fail_over(
             ctx.rate_limit_group = decision.target.spec.rate_limit_group
         else:
             _option_tried(ctx, decision.target, request, None)
-            return response
+            return response.model_copy(update={"served_by": ctx.served_by})
 
 
 def _option_tried(
@@ -469,7 +469,7 @@ def _answered(
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
         model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
-        served_by=ctx.served_by,  # a target with fallbacks: who answered
+        # served_by: set by fail_over (a target with fallbacks), never paid for here
     )
 
 
