@@ -107,6 +107,11 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "targets.NAME.retry.backoff_base_s": "first backoff, doubled per retry (full jitter)",
     "targets.NAME.retry.backoff_max_s": "longest backoff between two attempts, in seconds",
     "targets.NAME.retry.retry_on": "statuses (429, 5xx) and failure kinds that are retried",
+    "targets.NAME.retry.resend_unanswered": (
+        "a connection reset before the answer is sent again (and may fail over) without "
+        "an idempotency key, on the dialect's inference endpoints (docs/features/retries.md); "
+        "`null`: on with a provider `usage`; `true` needs one"
+    ),
     "targets.NAME.circuit_breaker": "per-target breaker; `null` turns it off",
     "targets.NAME.circuit_breaker.fail_max": "consecutive failed attempts that open it",
     "targets.NAME.circuit_breaker.reset_timeout_s": "seconds open before one probe goes through",

@@ -142,8 +142,9 @@ class CallRecord(NamedTuple):
     policy_sha256: str | None
     #: What the call chain stage decided (:mod:`gateway.call.chain`; None: not reached).
     chain: ChainDecision | None
-    #: Who answered (target and model; None: no upstream answered well) and, for a
-    #: target with ``fallbacks``, every option tried (gateway.call.send.fail_over).
+    #: Who answered (target and model; None: no upstream answered well) and every
+    #: attempt (:func:`gateway.call.attempts.tried_entry`) of a target with
+    #: ``fallbacks`` (gateway.call.send.fail_over), or of a call that was retried.
     served_by: ServedBy | None = None
     tried: list[dict[str, Any]] | None = None
     #: The models asked for, sent and answered (None: no ``models:`` rule applied).

@@ -92,3 +92,39 @@ def test_a_first_byte_timeout_above_the_timeout_is_a_warning(
         "P: targets.a.first_byte_timeout_s: warning: 20 s is not below timeout_s (10 s): "
         "it never acts\n"
     )
+
+
+def test_a_fallback_model_outside_an_allow_rule_is_an_error_at_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (
+        HEAD
+        + _target(
+            "a",
+            "openai",
+            "    fallbacks:\n      - {target: b, model: gpt-4o-mini}\n"
+            "      - {target: b, model: gpt-4o}\n",
+        )
+        + _target("b", "openai", extra="    models: {allow: ['gpt-4o', 'gpt-4o-2024-*']}\n")
+        + _target("c", "openai", "    fallbacks:\n      - {target: c, model: big}\n")
+        + "agents:\n"
+        + "  planner:\n    uid: 1001\n    targets: [c]\n    models: {allow: [small*]}\n"
+        + "  other:\n    uid: 1002\n    targets: [a]\n    models: {allow: ['*']}\n"
+    )
+    code, err = _validate(tmp_path, text, capsys)
+    assert code == 1, err
+    lines = err.splitlines()
+    # The fallback target's own rule: its line, its key, the rule named.
+    assert any(
+        line.startswith("P:9: targets.a.fallbacks.0.model:")
+        and "'gpt-4o-mini' is not in the 'allow' of targets.b.models" in line
+        for line in lines
+    ), err
+    # The agent that may call c: its rule applies to the fallback's model too.
+    assert any(
+        line.startswith("P:21: targets.c.fallbacks.0.model:")
+        and "'big' is not in the 'allow' of agents.planner.models" in line
+        for line in lines
+    ), err
+    assert "targets.a.fallbacks.1" not in err  # gpt-4o is allowed by b and by every agent
+    assert len([ln for ln in lines if "is not in the 'allow'" in ln]) == 2, err

@@ -134,12 +134,13 @@ class AuditRecord(BaseModel):
     # its depth; null when the call ended before its chain was read, or it was unreadable.
     call_chain: list[str] | None = None
     call_chain_depth: int | None = None
-    # Failover (added in 1.x; docs/features/failover.md), for a target with ``fallbacks`` (null
-    # for any other): who answered, ``{target, model}`` (null when none answered well);
-    # every option tried in order: ``{target, model, api_key_ref (a reference name, never a key),
-    # attempts, outcome (an error code or "ok"), upstream_status, reason (e.g. a
-    # transport failure's kind: connect, reset, timeout), response_bytes,
-    # duration_ms}``.
+    # Failover (added in 1.x; docs/features/failover.md): for a target with ``fallbacks``
+    # (null for any other), who answered, ``{target, model}`` (null when none answered
+    # well); every attempt in order, of every option (of a target without fallbacks: when
+    # the call was retried, else null): ``{target, model, api_key_ref (a reference name,
+    # never a key), attempts (1; 0: refused before sending), outcome (an error code, "ok"
+    # or "credential_changed"), upstream_status, reason (e.g. a transport failure's kind:
+    # connect, reset, timeout), response_bytes, duration_ms}``.
     served_by: dict[str, str | None] | None = None
     tried: list[dict[str, Any]] | None = None
     # Models under control (added in 1.x; the target's or the agent's ``models:``): the

@@ -102,8 +102,9 @@ class CallContext:
     chain_seen: dict[str, str] | None = None
     chain: ChainDecision | None = None
     #: Who answered (the target and model of the serving attempt; None: none did), the
-    #: options a call with ``fallbacks`` tried (gateway.call.send.fail_over; None:
-    #: none), and the attempts made on the options before the last.
+    #: attempts of a call with ``fallbacks``, every option's (gateway.call.send.fail_over;
+    #: None: a call without, whose attempts are its log's ``tried`` when it retried), and
+    #: the attempts made on the options before the last.
     served_by: ServedBy | None = None
     tried: list[dict[str, Any]] | None = None
     prior_attempts: int = 0
@@ -182,7 +183,7 @@ class CallContext:
                 self.policy_sha256,
                 self.chain,
                 self.served_by,
-                self.tried,
+                self.tried if self.tried is not None else log.tried,
                 self._models(),
                 _database(self.db_call, self.db),
                 self.agent_rate_limit_group,

@@ -275,6 +275,12 @@ class RetrySpec(_Strict):
     backoff_base_s: float = Field(d.DEFAULT_BACKOFF_BASE_S, ge=0, le=d.MAX_BACKOFF_BASE_S)
     backoff_max_s: float = Field(d.DEFAULT_BACKOFF_MAX_S, ge=0, le=d.MAX_CALL_WAIT_S)
     retry_on: list[RetryOn] = Field(default_factory=lambda: list[RetryOn](d.DEFAULT_RETRY_ON))
+    #: A request whose connection reset before the answer's head, sent again without an
+    #: idempotency key, where a duplicate costs tokens and nothing else (an inference
+    #: endpoint of the target's ``usage`` dialect: gateway.providers.resendable). None:
+    #: on for a provider dialect's target; ``false``: never (OUTCOME_UNKNOWN, no
+    #: fallback); ``true`` needs a provider dialect (``validate`` refuses it on ``none``).
+    resend_unanswered: bool | None = None
 
     @field_validator("retry_on")
     @classmethod
@@ -529,7 +535,8 @@ class Policy(_Strict):
         problems += [*chain_problems(self.chain, has_vault), *propagation_problems(self.targets)]
         problems += agent_problems(self.agents, self.targets, self.budgets, has_vault, groups)
         problems += controls_problems(self.controls, has_redis, has_vault)
-        problems += [*fallback_problems(self.targets), *model_problems(self.targets, self.agents)]
+        problems += fallback_problems(self.targets, self.agents)
+        problems += model_problems(self.targets, self.agents)
         operators = desk.all_operators(self.operators, self.controls.operator_token_ref)
         problems += desk.problems(operators, self.approvals, self.targets, has_redis)
         if problems:

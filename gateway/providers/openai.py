@@ -272,6 +272,19 @@ def operation(endpoint: str) -> str | None:
     return next((op for end, op in _OPERATIONS if path.endswith(end)), None)
 
 
+#: Endpoint endings whose duplicate costs tokens and nothing else. Not the Responses API
+#: (``/responses``): it stores each response by default and may call remote MCP servers
+#: and other tools on the provider's side.
+_RESENDABLE: Final = ("/chat/completions", "/completions", "/embeddings")
+
+
+def resendable(endpoint: str, parameters: Mapping[str, Any]) -> bool:
+    """A Chat Completions, legacy Completions or Embeddings call that asks for nothing
+    to be stored (``store: true`` keeps a completion on the provider's side)."""
+    path = endpoint.rstrip("/")
+    return path.endswith(_RESENDABLE) and parameters.get("store") is not True
+
+
 def asking_usage(endpoint: str, parameters: Mapping[str, Any]) -> dict[str, Any] | None:
     """The parameters of a streamed chat completion that does not ask for its usage,
     asking for it (``stream_options.include_usage: true``, the agent's other stream
@@ -377,4 +390,5 @@ DIALECT: Final = Dialect(
     unasked_usage_removed=unasked_usage_removed,
     response_model=response_model,
     with_model=body_model,
+    resendable=resendable,
 )

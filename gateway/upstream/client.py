@@ -105,6 +105,8 @@ class _Attempt:
     """Whether the current attempt reached the point where the upstream may have it."""
 
     sent: bool = False
+    #: The upstream's status line arrived: a failure from then on lost a begun answer.
+    answered: bool = False
     #: The target's connection slot this attempt holds (handed to a stream it opens).
     slot: asyncio.Semaphore | None = None
 
@@ -240,6 +242,7 @@ class Upstream:
                 "timeout",
                 sent=state.sent,
                 message=f"{origin_label(request.url)} did not answer within {timeout_s:.3g} s",
+                answered=state.answered,
             ) from None
         finally:
             if state.slot is not None:  # not handed to an open stream
@@ -315,6 +318,7 @@ class Upstream:
                     allow_redirects=False,
                     timeout=timeout,
                 )
+                state.answered = True
                 if resp.status < 200:
                     return _protocol_switch(resp, started)
                 if stream and resp.status < 300 and _is_event_stream(resp):
@@ -329,7 +333,7 @@ class Upstream:
                             query = None
                             if method in ("GET", "HEAD"):
                                 body = None
-                            state.sent = False
+                            state.sent = state.answered = False
                             continue
                     cut = False
                     try:
@@ -346,7 +350,7 @@ class Upstream:
                         cut=cut,
                     )
             except aiohttp.ClientError as exc:
-                raise _translate(exc, url, state.sent, request.target.name) from None
+                raise _translate(exc, url, state, request.target.name) from None
         raise _too_many_redirects(url)
 
     def _streamed(
@@ -563,8 +567,8 @@ def _too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:
     )
 
 
-def _translate(exc: aiohttp.ClientError, url: URL, sent: bool, target: str) -> Exception:
-    origin = origin_label(url)
+def _translate(exc: aiohttp.ClientError, url: URL, state: _Attempt, target: str) -> Exception:
+    origin, sent, answered = origin_label(url), state.sent, state.answered
     if isinstance(exc, aiohttp.ClientConnectorError):
         cause = exc.os_error
         denied = cause if isinstance(cause, _AddressDenied) else cause.__cause__
@@ -580,11 +584,17 @@ def _translate(exc: aiohttp.ClientError, url: URL, sent: bool, target: str) -> E
         return TransportError("connect", sent=False, message=f"connecting to {origin} timed out")
     if isinstance(exc, aiohttp.ServerTimeoutError):
         return TransportError(
-            "timeout", sent=sent, message=f"{origin} stopped answering (read timeout)"
+            "timeout",
+            sent=sent,
+            message=f"{origin} stopped answering (read timeout)",
+            answered=answered,
         )
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
         return TransportError(
-            "reset", sent=sent, message=f"{origin} closed the connection mid-call"
+            "reset",
+            sent=sent,
+            message=f"{origin} closed the connection mid-call",
+            answered=answered,
         )
     if isinstance(exc, aiohttp.ClientResponseError):
         # With raise_for_status off, only aiohttp's response parser raises this: a bad
@@ -600,6 +610,11 @@ def _translate(exc: aiohttp.ClientError, url: URL, sent: bool, target: str) -> E
         )
     if isinstance(exc, aiohttp.ClientOSError):
         return TransportError(
-            "reset", sent=sent, message=f"connection to {origin} failed: {exc.strerror}"
+            "reset",
+            sent=sent,
+            message=f"connection to {origin} failed: {exc.strerror}",
+            answered=answered,
         )
-    return TransportError("reset", sent=sent, message=f"{origin}: {type(exc).__name__}")
+    return TransportError(
+        "reset", sent=sent, message=f"{origin}: {type(exc).__name__}", answered=answered
+    )
