@@ -511,17 +511,12 @@ async def _read_admitted(request: web.Request, limit: int) -> bytes:
     return body
 
 
-@web.middleware
-async def give_back_charge(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Give a request's body charge back to the budget once its answer is written (the
-    outermost middleware of the calls application: after the bounded write of a large
-    answer), whatever happened."""
-    try:
-        return await handler(request)
-    finally:
-        charge = request.get(_CHARGE_KEY)
-        if charge is not None:  # the answer is written: its body's bytes are free again
-            charge.release()
+def give_back_charge(request: web.Request) -> None:
+    """Give a request's body charge back to the budget (the calls application's outermost
+    middleware calls it once the answer is written, whatever happened)."""
+    charge = request.get(_CHARGE_KEY)
+    if charge is not None:  # the answer is written: its body's bytes are free again
+        charge.release()
 
 
 def _decoded(encodings: list[str]) -> bool:
