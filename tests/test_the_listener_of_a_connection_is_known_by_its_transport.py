@@ -34,7 +34,8 @@ async def _listeners_seen() -> list[tuple[str, str, str]]:
     tcp = await asyncio.start_server(on_connect, "127.0.0.1", 0)
     path = str(Path(tempfile.mkdtemp()) / "s.sock")
     unix = await asyncio.start_unix_server(on_connect, path)
-    seen, clients = [], []
+    seen: list[tuple[str, str, str]] = []
+    clients: list[asyncio.StreamWriter] = []
     for kind, opened in (
         ("tcp", asyncio.open_connection("127.0.0.1", tcp.sockets[0].getsockname()[1])),
         ("unix", asyncio.open_unix_connection(path)),
