@@ -244,10 +244,10 @@ def identify(transport: Transport | None, headers: Mapping[str, str], agents: Ag
         identity = agents.default_identity
         return identity if claim is None else identity.with_claim(claim)
     uid = None
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if listener == "unix" or agents.reads_uid:
+    if listener == "unix" or agents.reads_uid:  # the socket only when the kernel is asked
         uid = _TCP_OWNERS.get(transport) if listener == "tcp" else None
         if uid is None:
+            sock = transport.get_extra_info("socket") if transport is not None else None
             uid = peers.peer_uid(sock)
             if uid is not None and listener == "tcp":
                 _TCP_OWNERS[transport] = uid
@@ -289,10 +289,15 @@ def _only(headers: Mapping[str, str], name: str) -> str | None:
     is all of them, comma-joined (RFC 9110, section 5.3), which no token or agent id
     matches: refused, never decided by its first copy alone."""
     getall = getattr(headers, "getall", None)
-    values = getall(name, ()) if getall is not None else ()
-    if len(set(values)) > 1:
+    if getall is None:  # a plain mapping: one value per name
+        return headers.get(name)
+    values = getall(name, ())
+    if not values:
+        return None
+    if len(values) > 1 and len(set(values)) > 1:
         return ",".join(values)
-    return headers.get(name)
+    first: str = values[0]  # the first, as get() gives
+    return first
 
 
 def build_agents(
