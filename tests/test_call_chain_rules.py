@@ -284,3 +284,21 @@ def test_a_signature_is_the_base64url_hmac_sha256_of_the_canonical_bytes() -> No
         mac = hmac.new(key.encode(), chains.canonical(agents, deadline), hashlib.sha256).digest()
         expected = "v1=" + base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
         assert chains.sign(agents, deadline, Secret(key)) == expected
+
+
+def test_the_chain_headers_sent_are_the_sidecars_whatever_the_agent_set() -> None:
+    """with_headers: the agent's own chain headers (any case) are dropped, every other
+    header kept, and the decision's headers added; without any, the headers are kept
+    as they are plus the chain's."""
+    decision = ChainDecision(received=(), agents=("a",), deadline_ms=123, signature=None)
+    own = {"x-egress-call-chain": "a", "x-egress-deadline": "123"}
+    plain = {"traceparent": "00-x", "Authorization": "Bearer k"}
+    assert chains.with_headers(plain, decision) == {**plain, **own}
+    forged = {
+        **plain,
+        "X-Egress-Call-Chain": "evil",
+        "X-EGRESS-DEADLINE": "9",
+        "x-egress-call-chain-sig": "v1=x",
+    }
+    assert chains.with_headers(forged, decision) == {**plain, **own}
+    assert chains.with_headers({}, decision) == own

@@ -316,6 +316,8 @@ def seen_in(headers: Mapping[str, str]) -> dict[str, str] | None:
 def with_headers(headers: Mapping[str, str], decision: ChainDecision) -> dict[str, str]:
     """``headers`` with the chain's own (:meth:`ChainDecision.headers`) in place of any
     the agent set, whatever their case: the sidecar's chain is the only one sent."""
+    if CHAIN_HEADERS.isdisjoint(map(str.lower, headers)):  # the usual case, checked in C
+        return {**headers, **decision.headers()}
     kept = {k: v for k, v in headers.items() if k.lower() not in CHAIN_HEADERS}
     return {**kept, **decision.headers()}
 
