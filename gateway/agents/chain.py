@@ -264,18 +264,23 @@ def decide(
     )
 
 
-def start(own_agent: str, now_ms: int, timeout_s: float, spec: ChainSpec) -> ChainDecision | None:
-    """:func:`decide`'s decision for a call that came with no chain, when the fleet signs
-    none (no keys): a chain of this agent alone, deadline ``now_ms + ttl``; the same
-    decision, without reading headers or checking what cannot fail. None when the
-    rules could refuse it after all (a ttl under a millisecond): :func:`decide` then."""
+def start(
+    own_agent: str, now_ms: int, timeout_s: float, spec: ChainSpec, keys: SigningKeys = NO_KEYS
+) -> ChainDecision | None:
+    """:func:`decide`'s decision for a call that came with no chain (and goes to no agent):
+    a chain of this agent alone, deadline ``now_ms + ttl``, signed with ``keys.current``
+    when the fleet signs chains; the same decision, without reading headers or checking
+    what cannot fail (a chain that came with none has no signature to check). None when
+    the rules could refuse it after all (a ttl under a millisecond): :func:`decide` then."""
     ttl_ms = round(spec.ttl_s * 1000)
     if ttl_ms <= 0:
         return None
+    agents, deadline = (own_agent,), now_ms + ttl_ms
     return ChainDecision(
         received=(),
-        agents=(own_agent,),
-        deadline_ms=now_ms + ttl_ms,
+        agents=agents,
+        deadline_ms=deadline,
+        signature=sign(agents, deadline, keys.current) if keys.current is not None else None,
         remaining_s=min(timeout_s, ttl_ms / 1000),
     )
 
