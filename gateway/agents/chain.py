@@ -41,11 +41,13 @@ taken as given (one trust domain), and a received signature is ignored.
 from __future__ import annotations
 
 import binascii
+import functools
+import hashlib
 import hmac
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from gateway.envelope import CallChain
 from gateway.errors import CallChainRefused
@@ -69,6 +71,10 @@ SIGNATURE_PREFIX: Final = "v1="
 _SIGNATURE: Final = re.compile(r"v1=[A-Za-z0-9_\-]{43}")
 #: Base64 to base64url (RFC 4648, section 5), as base64.urlsafe_b64encode does.
 _URLSAFE: Final = bytes.maketrans(b"+/", b"-_")
+#: SHA-256's block size and HMAC's pads (RFC 2104), as translation tables of a key block.
+_SHA256_BLOCK: Final = 64
+_IPAD: Final = bytes(x ^ 0x36 for x in range(256))
+_OPAD: Final = bytes(x ^ 0x5C for x in range(256))
 
 Reason = Literal["circular_call_detected", "max_depth_exceeded", "ttl_expired", "invalid_chain"]
 REASONS: Final[tuple[Reason, ...]] = (
@@ -145,11 +151,25 @@ def canonical(agents: Sequence[str], deadline_ms: int | None) -> bytes:
 
 
 def sign(agents: Sequence[str], deadline_ms: int | None, key: Secret) -> str:
-    """``v1=`` and the unpadded base64url HMAC-SHA256 (RFC 2104) of :func:`canonical`."""
-    # hmac.digest and binascii: one C call each (hmac.new and base64 are Python layers).
-    mac = hmac.digest(key.reveal().encode(), canonical(agents, deadline_ms), "sha256")
-    text = binascii.b2a_base64(mac, newline=False).translate(_URLSAFE)
+    """``v1=`` and the unpadded base64url HMAC-SHA256 (RFC 2104) of :func:`canonical`
+    (the key's hash states kept, :func:`_hmac_states`; tested equal to :mod:`hmac`'s)."""
+    inner, outer = _hmac_states(key.reveal().encode())
+    inner, outer = inner.copy(), outer.copy()
+    inner.update(canonical(agents, deadline_ms))
+    outer.update(inner.digest())
+    text = binascii.b2a_base64(outer.digest(), newline=False).translate(_URLSAFE)
     return SIGNATURE_PREFIX + text.rstrip(b"=").decode()
+
+
+@functools.lru_cache(maxsize=4)  # the fleet's current and previous keys
+def _hmac_states(key: bytes) -> tuple[Any, Any]:
+    """HMAC-SHA256's inner and outer hash states after ``key``'s padded blocks (RFC 2104):
+    each signature copies them, as OpenSSL's HMAC init per call costs twice the rest."""
+    block = hashlib.sha256(key).digest() if len(key) > _SHA256_BLOCK else key
+    block = block.ljust(_SHA256_BLOCK, b"\0")
+    inner = hashlib.sha256(block.translate(_IPAD))
+    outer = hashlib.sha256(block.translate(_OPAD))
+    return inner, outer
 
 
 def verify(received: Received, keys: SigningKeys) -> bool:
