@@ -237,8 +237,9 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
             else None
         ),
         F.TRIED: call.tried,
-        **_models(call.models),
-        **_database(call.database),
+        # Most calls name no models rule and no database: their fields' constant Nones.
+        **(_models(call.models) if call.models is not None else _NO_MODELS_FIELDS),
+        **(_database(call.database) if call.database is not None else _NO_DATABASE_FIELDS),
     }
 
 
@@ -264,6 +265,12 @@ def _models(models: ModelFacts | None) -> dict[str, Any]:
         return {F.MODEL_REQUESTED: None, F.MODEL_SENT: None, F.MODEL_DRIFT: None}
     drift = {"sent": models.sent, "answered": models.answered} if models.drifted else None
     return {F.MODEL_REQUESTED: models.requested, F.MODEL_SENT: models.sent, F.MODEL_DRIFT: drift}
+
+
+#: The fields of a call without a models rule, and of a call that is no statement (all
+#: None; copied into each record by ``**``, never changed).
+_NO_MODELS_FIELDS: Final = _models(None)
+_NO_DATABASE_FIELDS: Final = _database(None)
 
 
 def _named(call: CallRecord) -> dict[str, Any]:

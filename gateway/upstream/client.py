@@ -52,6 +52,7 @@ from gateway.errors import CapacityExceeded, DependencyFailed, PermissionDenied,
 from gateway.policy import EgressSpec
 from gateway.policy.egress import check_address, origin_label, redirect_hop
 from gateway.upstream.resolver import EgressResolver, _AddressDenied
+from gateway.upstream.slots import Slots
 from gateway.upstream.types import OutboundRequest, TransportError, UpstreamResponse
 from gateway.urls import URL
 
@@ -108,7 +109,7 @@ class _Attempt:
     #: The upstream's status line arrived: a failure from then on lost a begun answer.
     answered: bool = False
     #: The target's connection slot this attempt holds (handed to a stream it opens).
-    slot: asyncio.Semaphore | None = None
+    slot: Slots | None = None
 
 
 #: The attempt the current task is sending (set by :meth:`Upstream.send`).
@@ -143,7 +144,7 @@ class Upstream:
         self._on_pool_wait = on_pool_wait
         #: Per target name: its ``max_connections`` and the slots counting them (a new
         #: limit gets new slots; attempts holding old ones release into those).
-        self._slots: dict[str, tuple[int, asyncio.Semaphore]] = {}
+        self._slots: dict[str, tuple[int, Slots]] = {}
         self._session: aiohttp.ClientSession | None = None
         #: Attempts in flight per session; a session replaced by an egress change is
         #: closed when its last attempt ends.
@@ -225,10 +226,8 @@ class Upstream:
         started = time.monotonic()
         state = _Attempt()
         slot = self._slot(request.target.name, request.target.spec.max_connections)
-        if slot.locked():
+        if not slot.take():  # all busy: wait, bounded
             await self._wait_for(slot, request, timeout_s)
-        else:
-            await slot.acquire()  # free: returns at once
         state.slot = slot
         token = _ATTEMPT.set(state)
         session = self._session
@@ -256,15 +255,13 @@ class Upstream:
                 if session is not self._session and self._session is not None:
                     self._close_later(session)  # replaced by an egress change
 
-    def _slot(self, target: str, limit: int) -> asyncio.Semaphore:
+    def _slot(self, target: str, limit: int) -> Slots:
         entry = self._slots.get(target)
         if entry is None or entry[0] != limit:
-            entry = self._slots[target] = (limit, asyncio.Semaphore(limit))
+            entry = self._slots[target] = (limit, Slots(limit))
         return entry[1]
 
-    async def _wait_for(
-        self, slot: asyncio.Semaphore, request: OutboundRequest, timeout_s: float
-    ) -> None:
+    async def _wait_for(self, slot: Slots, request: OutboundRequest, timeout_s: float) -> None:
         """Wait for a free connection of the target, up to its ``connection_wait_s``
         (within ``timeout_s``); CapacityExceeded past that."""
         target = request.target
@@ -272,7 +269,7 @@ class Upstream:
         began = time.monotonic()
         try:
             async with asyncio.timeout(bound):
-                await slot.acquire()
+                await slot.wait()
         except TimeoutError:
             if self._on_pool_wait is not None:
                 self._on_pool_wait(target.name, time.monotonic() - began, False)
