@@ -267,7 +267,7 @@ def scrub_bytes(data: bytes) -> bytes:
     if not _values:
         return data
     scrubbed = _scrub_forms_bytes(data)
-    if b"\\" in scrubbed:
+    if scrubbed.find(b"\\") >= 0:
         plain = _ESCAPED_ASCII_BYTES.sub(_unescape_bytes, scrubbed)
         if plain != scrubbed:
             cleaned = _scrub_forms_bytes(plain)
@@ -298,14 +298,17 @@ def _unescape(match: re.Match[str]) -> str:
 
 
 def _scrub_forms_bytes(data: bytes) -> bytes:
+    # ``find`` rather than ``in``: CPython's ``bytes.__contains__`` first tries its
+    # argument as an integer and formats a TypeError it then drops (~2,000 instructions
+    # per test; five a relayed chunk, ~7 % of its cost).
     for entry in tuple(_values.values()):
         for form in entry.raw_b64:
-            if form in data:
+            if data.find(form) >= 0:
                 data = data.replace(form, _REDACTED_BYTES)
-        if entry.raw_anchor and entry.raw_anchor not in data:
+        if entry.raw_anchor and data.find(entry.raw_anchor) < 0:
             continue
         for form in entry.raw:
-            if form in data:
+            if data.find(form) >= 0:
                 data = data.replace(form, _REDACTED_BYTES)
     return data
 
