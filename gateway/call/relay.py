@@ -107,7 +107,11 @@ async def relay_stream(
     ``rewrite`` (whole events -> what the agent gets of them) removes what the sidecar
     added to the request (:func:`gateway.providers.asking_usage`); the events are
     judged as the upstream sent them. A malformed event (:attr:`StreamJudge.malformed`)
-    ends the stream after the read that carried it."""
+    ends the stream after the read that carried it.
+
+    Whole events are relayed before they are judged: the verdict is only read at the
+    end, and judging first made the agent's first byte wait for the parse of every event
+    in the chunk (often all of a fast upstream's)."""
     judge = done.judge
     decoder = SseDecoder(max_bytes)
     held = bytearray()  # bytes after the last whole event, not relayed yet
@@ -145,7 +149,10 @@ async def relay_stream(
                         whole = rewrite(whole)
                     if whole:
                         dog.sending = True
-                        gone = await _relayed(relay, done, whole, started)
+                        try:  # relayed before judged (see above)
+                            await _send(relay, done, whole, started)
+                        except AgentGone:
+                            gone = True
                 if not fed:
                     _feed(decoder, judge, chunk, max_bytes)
                 if judge.malformed:  # ended there: its SDK raises on such an event
@@ -240,18 +247,6 @@ class _Watchdog:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-
-
-async def _relayed(relay: Relay, done: Relayed, whole: bytes, started: float) -> bool:
-    """Send ``whole`` events to the agent; True when the agent has hung up. They are
-    relayed before they are judged: the verdict is only read at the end, and judging
-    first made the agent's first byte wait for the parse of every event in the chunk
-    (often all of a fast upstream's)."""
-    try:
-        await _send(relay, done, whole, started)
-    except AgentGone:
-        return True
-    return False
 
 
 def _timed_out(
