@@ -1,6 +1,7 @@
 """Many paced streams open at once: what the sidecar adds to each (not a test).
 
     python bench/streams.py [--streams K] [--chunks N] [--pace-ms P] [--no-nginx]
+                            [--routes drop-in,envelope]
     make bench-streams
 
 A stand-in upstream (a child process) answers every POST with a 200 ``text/event-stream``
