@@ -599,7 +599,8 @@ async def test_a_cancellation_from_outside_is_not_taken_for_the_timer():
             break
         await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert not stream.chunks and not task.done()
+    assert not stream.chunks
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
