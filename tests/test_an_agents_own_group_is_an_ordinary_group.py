@@ -136,3 +136,36 @@ async def test_an_envelope_may_not_spend_another_agents_pace(
     foreign, own = sc.audit_records()
     assert (foreign["decision"], foreign["error_code"]) == ("denied", "PERMISSION_DENIED")
     assert (own["rate_limit_group"], own["agent_rate_limit_group"]) == ("planner-pace", None)
+
+
+@pytest.mark.parametrize(
+    ("group", "status", "reason"),
+    [
+        ("coder-pace", 403, "rate_limit_group_not_allowed"),
+        ("no-such", 400, "unknown_rate_limit_group"),
+    ],
+)
+async def test_a_group_the_call_may_not_name_is_refused_before_a_person_is_asked(
+    upstream_factory: Any, sidecar_factory: Any, group: str, status: int, reason: str
+) -> None:
+    # A held target: a call naming another agent's group (or none of the policy's) would
+    # otherwise wait for an operator's yes, and then be refused, its approval used up.
+    held = {"endpoints": [{"path": "/v1/chat/*", "methods": ["POST"]}]}
+    up, sc = await _sidecar(
+        upstream_factory, sidecar_factory,
+        rate_limit_groups={"planner-pace": {**SLOW, "burst": 5},
+                           "coder-pace": {**SLOW, "burst": 5}},
+        target={"approval": held},
+        agents={"planner": {"rate_limit_group": "planner-pace"},
+                "coder": {"rate_limit_group": "coder-pace"}},
+        operators={"alice": {"token_ref": "env://TEST_PLANNER_TOKEN"}},
+    )  # fmt: skip
+    body = envelope(rate_limit_group=group, trace_id="tr-named", timeout=0.2)
+    headers = {"x-egress-agent-token": TOKENS["planner"]}
+    async with sc.session.post(sc.url + "/v1/calls", json=body, headers=headers) as resp:
+        got, answer = resp.status, await resp.json()
+    assert (got, answer["error"]["details"].get("reason")) == (status, reason), answer
+    events = [r["event"] for r in sc.lines() if r.get("event", "").startswith("approval_")]
+    assert events == []
+    assert await sc.gateway.pipeline.approvals.store.recent(10) == []  # nobody was asked
+    assert up.seen == []
