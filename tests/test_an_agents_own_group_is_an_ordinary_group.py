@@ -169,3 +169,26 @@ async def test_a_group_the_call_may_not_name_is_refused_before_a_person_is_asked
     assert events == []
     assert await sc.gateway.pipeline.approvals.store.recent(10) == []  # nobody was asked
     assert up.seen == []
+
+
+async def test_a_replayed_answer_takes_nothing_from_the_agents_group(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    # One call's worth of pace: the answer it bought is the agent's again, by its
+    # idempotency key, as often as it asks (a lost answer is what the key is for); only a
+    # call that is sent takes from the group.
+    up, sc = await _sidecar(
+        upstream_factory, sidecar_factory,
+        rate_limit_groups={"pace": {**SLOW, "burst": 1}},
+        target={"idempotency": {"methods": ["POST"]}},
+        agents={"planner": {"rate_limit_group": "pace"}},
+    )  # fmt: skip
+    answers = [await _call(sc, "planner", "tr-same") for _ in range(3)]
+    assert [status for status, _ in answers] == [200] * 3, answers[-1]
+    assert len(up.seen) == 1
+    status, body = await _call(sc, "planner", "tr-another")  # a new call: the pace is spent
+    assert (status, body["error"]["details"]["group"]) == (429, "pace")
+    records = sc.audit_records()
+    assert [(r["replayed"], r["agent_rate_limit_group"], r["rate_limit_refused"])
+            for r in records] == [(False, "pace", None), (True, None, None), (True, None, None),
+                                  (False, "pace", "pace")]  # fmt: skip

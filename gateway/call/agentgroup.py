@@ -3,9 +3,10 @@
 Every call of an established agent (``agent_auth`` ``uid`` or ``token``) whose entry names
 a group takes one request from it, and its token estimate when the group has
 ``tokens_per_minute``: once per call (retries and fallbacks are the sidecar's, not the
-agent's), after the call's approval and before its idempotency store, its secret, its
-budgets and its own group (the target's ``rate_limit_group``, or the envelope's), which
-each attempt still takes. A call whose own group is the agent's takes it once. Several
+agent's), when it is sent: after the call's approval and its idempotency store (an
+answer replayed by its key takes nothing), before its secret, its budgets and its own
+group (the target's ``rate_limit_group``, or the envelope's), which each attempt still
+takes. A call whose own group is the agent's takes it once. Several
 agents naming one group share its bucket.
 
 The group is an ordinary group of ``rate_limit_groups``: it queues a call within its

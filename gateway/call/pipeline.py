@@ -3,8 +3,8 @@
     intake -> call chain -> egress decision (an MCP target's tool rules too)
     -> models (allow, pin: :mod:`gateway.call.models`) -> the call's rate-limit group
     (the envelope's one defined, never another agent's own) -> stop switch and repeated-call
-    breaker -> approval -> the agent's own rate-limit group (:mod:`gateway.call.agentgroup`)
-    -> idempotency -> [send: outbound request -> secret -> budget reservation
+    breaker -> approval -> idempotency -> [the agent's own rate-limit group
+    (:mod:`gateway.call.agentgroup`) -> send: outbound request -> secret -> budget reservation
     -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
     (backoff, Retry-After: :mod:`gateway.call.retry`)
     -> usage -> budget settlement] -> answer -> record
@@ -342,23 +342,8 @@ class Pipeline:
         deadline: float,
         relay: Relay | None,
     ) -> tuple[int, ExternalCallResponse]:
-        """The call past its approval: the agent's own group taken (the call's group is
-        ``ctx.rate_limit_group``, :func:`_call_group`), then sent."""
-        if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
-            return await self._sent(policy, request, decision, ctx, deadline, relay)
-        async with agentgroup.taken(self, policy, request, ctx, deadline):  # the agent's pace
-            return await self._sent(policy, request, decision, ctx, deadline, relay)
-
-    async def _sent(
-        self,
-        policy: PolicySet,
-        request: ExternalCallRequest,
-        decision: Decision,
-        ctx: CallContext,
-        deadline: float,
-        relay: Relay | None,
-    ) -> tuple[int, ExternalCallResponse]:
-        """The call sent: once per idempotency key when its target keeps them."""
+        """The call past its approval (its group is ``ctx.rate_limit_group``,
+        :func:`_call_group`) sent: once per idempotency key when its target keeps them."""
         target = decision.target
         spec = target.spec
         if spec.idempotency is not None and request.method in spec.idempotency.methods:
@@ -372,7 +357,24 @@ class Pipeline:
             return await self._idempotent(
                 policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
-        return 200, await send.forward(self, policy, request, decision, ctx, deadline, relay)
+        return 200, await self._forward(policy, request, decision, ctx, deadline, relay)
+
+    async def _forward(
+        self,
+        policy: PolicySet,
+        request: ExternalCallRequest,
+        decision: Decision,
+        ctx: CallContext,
+        deadline: float,
+        relay: Relay | None,
+    ) -> ExternalCallResponse:
+        """:func:`gateway.call.send.forward` inside the calling agent's own rate-limit
+        group (:func:`gateway.call.agentgroup.taken`): a call that is sent takes it once,
+        an answer replayed by its idempotency key never."""
+        if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
+            return await send.forward(self, policy, request, decision, ctx, deadline, relay)
+        async with agentgroup.taken(self, policy, request, ctx, deadline):  # the agent's pace
+            return await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
         self,
@@ -395,7 +397,7 @@ class Pipeline:
                 ctx,
                 deadline=deadline,
                 ttl_s=idempotency.ttl_s,
-                forward=lambda: send.forward(self, policy, request, decision, ctx, deadline, relay),
+                forward=lambda: self._forward(policy, request, decision, ctx, deadline, relay),
                 failure=lambda exc: self._failure(exc, ctx),
                 relay=relay,
                 rendered=self.rendered,

@@ -1,10 +1,11 @@
 """The optional extras a policy needs (pyproject.toml's ``[project.optional-dependencies]``):
 a database target needs ``database`` (asyncpg), ``a2a.card.verify`` needs ``a2a`` (PyJWT
 with cryptography), ``audit.otlp`` needs ``otel`` (the OpenTelemetry SDK and its OTLP/HTTP
-exporter; tracing does not: without it the calls go untraced, :func:`gateway.telemetry.start`). :func:`load_policy <gateway.policy.loader.load_policy>` refuses a
-policy whose extra is not installed, so ``validate``, ``serve`` and a reload name the
-extra to install instead of failing at start or at the first call. The image installs
-every extra (requirements.lock).
+exporter; tracing does not: without it the calls go untraced,
+:func:`gateway.telemetry.start`). :func:`load_policy <gateway.policy.loader.load_policy>`
+refuses a policy whose extra is not installed, so ``validate``, ``serve`` and a reload
+name the extra to install instead of failing at start or at the first call. The image
+installs every extra (requirements.lock).
 """
 
 from __future__ import annotations
