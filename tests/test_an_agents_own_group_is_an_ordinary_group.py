@@ -192,3 +192,28 @@ async def test_a_replayed_answer_takes_nothing_from_the_agents_group(
     assert [(r["replayed"], r["agent_rate_limit_group"], r["rate_limit_refused"])
             for r in records] == [(False, "pace", None), (True, None, None), (True, None, None),
                                   (False, "pace", "pace")]  # fmt: skip
+
+
+async def test_a_failed_call_gives_its_token_estimate_back_as_the_targets_group_does(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    # The same group twice, the target's and the planner's: 800 tokens a minute, one
+    # call's estimate (500 + its prompt) fits once. An upstream that answers 500 reports
+    # no usage: both give the estimate back, so a failing upstream does not lock the
+    # agent out of its own pace for a minute (each call reaches the upstream).
+    async def failing(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    up = await upstream_factory(failing)
+    pace = {"requests_per_second": 100, "burst": 100, "tokens_per_minute": 800, "max_queue_s": 0}
+    agents = {"planner": {"rate_limit_group": "pace",
+                          "token_ref": "env://TEST_PLANNER_TOKEN"}}  # fmt: skip
+    target = openai_target(up.url, rate_limit_group="target-pace", circuit_breaker=None)
+    sc = await sidecar_factory(
+        compile_policy({"fake-openai": target}, agents=agents,
+                       rate_limit_groups={"pace": pace, "target-pace": pace})
+    )  # fmt: skip
+    answers = [await _call(sc, "planner", f"tr-{i}", 500) for i in range(3)]
+    assert [body["error"]["code"] for _, body in answers] == ["DEPENDENCY_FAILED"] * 3, answers
+    assert len(up.seen) == 3 * 3  # each call's attempts (max_retries: 2)
+    assert [r["rate_limit_refused"] for r in sc.audit_records()] == [None] * 3

@@ -106,20 +106,23 @@ async def taken(
     ctx.agent_rate_limit_wait_s = waited
     pipe.metrics.observe_ratelimit_wait(group.name, waited)
     ctx.shadow_denied.extend(f"rate_limit_group:{g}" for g in shadow)
+    failed = True
     try:
         yield
+        failed = False
     finally:
         if reserved:
-            group.reconcile(reserved, _used(ctx, reserved))
+            group.reconcile(reserved, _used(ctx, reserved, failed=failed))
 
 
-def _used(ctx: CallContext, reserved: int) -> int:
+def _used(ctx: CallContext, reserved: int, *, failed: bool) -> int:
     """The tokens the call spent, for settling ``reserved``: its usage; none when it was
-    replayed or nothing was sent; unknown usage of a call that was sent keeps the
-    reservation (the upstream may have spent them: a refund could overspend)."""
+    replayed, nothing was sent, or it ``failed`` without a usage (as the target's group
+    settles it: no answer, no usage); an answer without a usage keeps the reservation
+    (the upstream spent tokens: a refund could overspend)."""
     if ctx.replayed:
         return 0
     if ctx.usage is not None:
         return ctx.usage.total
     sent = ctx.attempt_log.sent or ctx.prior_attempts > 0
-    return reserved if sent else 0
+    return reserved if sent and not failed else 0
