@@ -28,6 +28,8 @@ OWNERS: dict[str, frozenset[str]] = {
         {
             "gateway/upstream/client.py",
             "gateway/upstream/resolver.py",
+            "gateway/upstream/answers.py",
+            "gateway/upstream/failures.py",
             "gateway/server/app.py",
             "gateway/inject/server.py",
             "gateway/api/http.py",
