@@ -48,6 +48,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/envelope.py",
             "gateway/audit/schema.py",
             "gateway/policy/models.py",
+            "gateway/policy/root.py",
             "gateway/policy/stores.py",
             "gateway/policy/budgets.py",
             "gateway/policy/agents.py",
@@ -66,7 +67,7 @@ OWNERS: dict[str, frozenset[str]] = {
     # Model prices (bundled data, never fetched at run time).
     "genai_prices": frozenset({"gateway/cost/prices.py", "gateway/cost/table.py"}),
     # pydantic's own core (its error types), used where the models are defined.
-    "pydantic_core": frozenset({"gateway/policy/models.py"}),
+    "pydantic_core": frozenset({"gateway/policy/models.py", "gateway/policy/root.py"}),
     "structlog": frozenset({"gateway/audit/log.py"}),
     "yaml": frozenset({"gateway/policy/loader.py"}),
     "hvac": frozenset({"gateway/secrets/vault.py", "gateway/secrets/vault_auth.py"}),

@@ -32,8 +32,8 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.policy.compiled import PolicySet
 from gateway.policy.extras import missing_extras
-from gateway.policy.models import Policy
 from gateway.policy.refs import parse_ref
+from gateway.policy.root import Policy
 
 #: The largest policy file read. PyYAML's pure-Python parser reads about 100-250 kB a
 #: second; the shipped example is 4 kB for 4 targets, so a MiB is ~1,000 targets.
