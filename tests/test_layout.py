@@ -69,7 +69,7 @@ OWNERS: dict[str, frozenset[str]] = {
     # pydantic's own core (its error types), used where the models are defined.
     "pydantic_core": frozenset({"gateway/policy/models.py", "gateway/policy/root.py"}),
     "structlog": frozenset({"gateway/audit/log.py"}),
-    "yaml": frozenset({"gateway/policy/loader.py"}),
+    "yaml": frozenset({"gateway/policy/document.py"}),
     "hvac": frozenset({"gateway/secrets/vault.py", "gateway/secrets/vault_auth.py"}),
     "pybreaker": frozenset({"gateway/breaker.py"}),
     "asyncpg": frozenset({"gateway/database/postgres.py"}),
