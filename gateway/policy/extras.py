@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from gateway.policy.models import Policy
+from gateway.policy.root import Policy
 
 KeyPath = tuple[str | int, ...]
 
