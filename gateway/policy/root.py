@@ -72,43 +72,12 @@ class Policy(_Strict):
         ``ctx["problems"]`` is a tuple of ``(key path tuple, message)``, so the loader can
         name each key and its line."""
         problems: list[tuple[tuple[str | int, ...], str]] = []
-
-        def problem(*loc: str, message: str) -> None:
-            problems.append((loc, message))
-
         no_redis = "'cluster' needs a redis section"
         for name, target in self.targets.items():
-            tools_group = target.mcp.tools_rate_limit_group if target.mcp else None
-            for key, group in (("rate_limit_group", target.rate_limit_group),
-                               ("mcp.tools_rate_limit_group", tools_group)):  # fmt: skip
-                if group is not None and group not in self.rate_limit_groups:
-                    known = ", ".join(sorted(self.rate_limit_groups)) or "none"
-                    message = f"no rate-limit group {group!r} (known: {known})"
-                    problem("targets", name, *key.split("."), message=message)
-            for ref in sorted(target.credential.permitted_refs() if target.credential else ()):
-                if ref.startswith("vault://") and self.secrets.vault is None:
-                    message = f"{ref!r} needs a secrets.vault section"
-                    problem("targets", name, "credential", message=message)
-            db = target.database
-            if db is not None:
-                problems += database_problems(name, db, self.secrets.vault is not None)
-            host = (db.host() if db else URL(target.base_url or "").host) or ""
-            try:
-                address = ipaddress.ip_address(host)
-            except ValueError:
-                address = None
-            if address is not None and not self.egress.allows(address):
-                message = (
-                    f"{host} is not allowed by the egress policy (not a public address, or in "
-                    "egress.deny_cidrs); list it in egress.allow_cidrs to allow it"
-                )
-                problem("targets", name, "database" if db else "base_url", message=message)
-            idempotency = target.idempotency
-            if idempotency and idempotency.scope == "cluster" and self.redis is None:
-                problem("targets", name, "idempotency", "scope", message=no_redis)
+            problems += self._target_problems(name, target)
         for name, group_spec in self.rate_limit_groups.items():
             if group_spec.scope == "cluster" and self.redis is None:
-                problem("rate_limit_groups", name, "scope", message=no_redis)
+                problems.append((("rate_limit_groups", name, "scope"), no_redis))
         groups, has_redis = set(self.rate_limit_groups), self.redis is not None
         usage = {name: spec.usage for name, spec in self.targets.items()}
         problems += budget_problems(self.budgets, usage, groups, has_redis)
@@ -132,3 +101,47 @@ class Policy(_Strict):
                 },
             )
         return self
+
+    def _target_problems(
+        self, name: str, target: TargetSpec
+    ) -> list[tuple[tuple[str | int, ...], str]]:
+        """One target's keys that refer to other sections: its rate-limit groups, its
+        secret references' store, its database, its address against the egress policy,
+        a cluster idempotency store without redis. Each is ``(key path, message)``."""
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+
+        def problem(*loc: str, message: str) -> None:
+            problems.append((loc, message))
+
+        tools_group = target.mcp.tools_rate_limit_group if target.mcp else None
+        for key, group in (("rate_limit_group", target.rate_limit_group),
+                           ("mcp.tools_rate_limit_group", tools_group)):  # fmt: skip
+            if group is not None and group not in self.rate_limit_groups:
+                known = ", ".join(sorted(self.rate_limit_groups)) or "none"
+                message = f"no rate-limit group {group!r} (known: {known})"
+                problem("targets", name, *key.split("."), message=message)
+        for ref in sorted(target.credential.permitted_refs() if target.credential else ()):
+            if ref.startswith("vault://") and self.secrets.vault is None:
+                problem(
+                    "targets", name, "credential", message=f"{ref!r} needs a secrets.vault section"
+                )
+        db = target.database
+        if db is not None:
+            problems += database_problems(name, db, self.secrets.vault is not None)
+        host = (db.host() if db else URL(target.base_url or "").host) or ""
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            address = None
+        if address is not None and not self.egress.allows(address):
+            message = (
+                f"{host} is not allowed by the egress policy (not a public address, or in "
+                "egress.deny_cidrs); list it in egress.allow_cidrs to allow it"
+            )
+            problem("targets", name, "database" if db else "base_url", message=message)
+        idempotency = target.idempotency
+        if idempotency and idempotency.scope == "cluster" and self.redis is None:
+            problem(
+                "targets", name, "idempotency", "scope", message="'cluster' needs a redis section"
+            )
+        return problems
