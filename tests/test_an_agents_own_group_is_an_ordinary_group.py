@@ -217,3 +217,29 @@ async def test_a_failed_call_gives_its_token_estimate_back_as_the_targets_group_
     assert [body["error"]["code"] for _, body in answers] == ["DEPENDENCY_FAILED"] * 3, answers
     assert len(up.seen) == 3 * 3  # each call's attempts (max_retries: 2)
     assert [r["rate_limit_refused"] for r in sc.audit_records()] == [None] * 3
+
+
+async def test_a_fallback_whose_group_is_the_agents_takes_it_once(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    # The primary (no group) answers 503, its fallback's group is the agent's own: the
+    # call holds that group once (taken on entry), so two calls fit a burst of two.
+    async def down(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+    async def completion(_: web.Request) -> web.StreamResponse:
+        return web.json_response(COMPLETION)
+
+    primary, spare = await upstream_factory(down), await upstream_factory(completion)
+    targets = {
+        "fake-openai": openai_target(primary.url, fallbacks=[{"target": "spare"}]),
+        "spare": openai_target(spare.url, rate_limit_group="pace"),
+    }
+    agents = {"planner": {"rate_limit_group": "pace", "token_ref": "env://TEST_PLANNER_TOKEN"}}
+    groups = {"pace": {**SLOW, "burst": 2}}
+    sc = await sidecar_factory(compile_policy(targets, agents=agents, rate_limit_groups=groups))
+    results = [await _call(sc, "planner", f"tr-fb-{i}") for i in range(3)]
+    assert [status for status, _ in results] == [200, 200, 429]
+    assert [b["served_by"]["target"] for _, b in results[:2]] == ["spare", "spare"]
+    assert results[2][1]["error"]["details"]["group"] == "pace"
+    assert len(spare.seen) == 2
