@@ -12,11 +12,13 @@ of defence: the first is never putting a value into text at all.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import re
+import sys
 import threading
 from collections import OrderedDict
-from typing import Any, Final, NamedTuple
+from typing import Any, AnyStr, Final, NamedTuple
 from urllib.parse import quote, quote_plus
 
 from gateway.urls import URL
@@ -93,15 +95,27 @@ class _Registered(NamedTuple):
     #: searched whatever the anchor says (base64 changes every character).
     b64: tuple[str, ...] = ()
     raw_b64: tuple[bytes, ...] = ()
+    #: Registration number: candidates are replaced in a fixed order.
+    order: int = 0
 
 
 _lock = threading.Lock()
 _values: OrderedDict[str, _Registered] = OrderedDict()
-#: Bytes whose absence from a text proves that it holds no registered form: each
-#: value's base64 forms and its anchor (or, without one, every form). Rebuilt when a
-#: value is registered or forgotten, so that :func:`scrub_bytes` tests a text without
-#: walking the values (one search each, ~1,800 instructions apiece in CPython 3.11).
-_gate: tuple[bytes, ...] = ()
+_registered = itertools.count()
+#: What proves that a text holds no registered form (:func:`_candidates`): for each
+#: value, its base64 forms and its anchor (or, without one, every form), its "needles".
+#: A needle of :data:`_GRAM_MIN` bytes or more is known by the 8-byte words at its first
+#: :data:`_STRIDE` offsets (:data:`_grams`: word -> orders of the values it belongs to);
+#: a shorter one is searched as it is (:data:`_short`), as are the long ones while there
+#: are at most :data:`_FEW` (:data:`_long`): a search each is then cheaper than reading
+#: the words of the text. Maintained under :data:`_lock` as values come and go.
+_STRIDE: Final = 16
+_GRAM_MIN: Final = _STRIDE + 7
+_FEW: Final = 6
+_grams: dict[int, tuple[int, ...]] = {}
+_short: tuple[tuple[bytes, int], ...] = ()
+_long: tuple[tuple[bytes, int], ...] = ()
+_by_order: dict[int, _Registered] = {}
 _HEX: Final = re.compile(r"%[0-9A-F]{2}")
 _UNCHANGED: Final = re.compile(r"[A-Za-z0-9._~-]+")
 _MIN_ANCHOR: Final = 4
@@ -202,19 +216,109 @@ def register(value: str) -> None:
         anchor.encode(),
         b64,
         tuple(form.encode("ascii") for form in b64),
+        next(_registered),
     )
-    global _gate
+    global _short, _long
     with _lock:
+        if value in _values:  # registered meanwhile by another thread
+            return
         _values[value] = entry
+        _index(entry, add=True)
         while len(_values) > _MAX_TRACKED:
-            _values.popitem(last=False)
-        _gate = tuple(needle for known in _values.values() for needle in _needles(known))
+            _index(_values.popitem(last=False)[1], add=False)
+        gated = [(needle, known) for known in _values.values() for needle in _needles(known)]
+        _short = tuple((n, known.order) for n, known in gated if len(n) < _GRAM_MIN)
+        _long = tuple((n, known.order) for n, known in gated if len(n) >= _GRAM_MIN)
 
 
 def _needles(entry: _Registered) -> tuple[bytes, ...]:
-    """What :data:`_gate` searches for ``entry``: every text holding one of its forms
-    holds one of these (the forms of a value without an anchor have nothing in common)."""
-    return (*entry.raw_b64, *((entry.raw_anchor,) if entry.raw_anchor else entry.raw))
+    """What :func:`_candidates` looks for to find ``entry``: every text holding one of its
+    forms holds one of these. Its base64 forms, and its anchor, or, when the anchor is
+    short and every form long, every form (words, where the anchor would be a search),
+    or without an anchor every form (they have nothing in common)."""
+    anchor = entry.raw_anchor
+    if anchor and (len(anchor) >= _GRAM_MIN or min(map(len, entry.raw)) < _GRAM_MIN):
+        return (*entry.raw_b64, anchor)
+    return (*entry.raw_b64, *entry.raw)
+
+
+def _words(needle: bytes) -> set[int]:
+    """The 8-byte words (native order, as ``memoryview.cast("Q")`` reads them) at
+    ``needle``'s first :data:`_STRIDE` offsets: a text that holds ``needle`` holds one of
+    them at an offset that is a multiple of :data:`_STRIDE` (needle of
+    :data:`_GRAM_MIN` bytes or more)."""
+    return {int.from_bytes(needle[o : o + 8], sys.byteorder) for o in range(_STRIDE)}
+
+
+def _index(entry: _Registered, *, add: bool) -> None:
+    """Add ``entry``'s words to :data:`_grams` or take them out (under :data:`_lock`);
+    in place, so that registering costs the value's words, not every value's."""
+    if add:
+        _by_order[entry.order] = entry
+    else:
+        _by_order.pop(entry.order, None)
+    for needle in _needles(entry):
+        if len(needle) < _GRAM_MIN:
+            continue
+        for word in _words(needle):
+            orders = _grams.get(word, ())
+            if add:
+                _grams[word] = (*orders, entry.order)
+            elif kept := tuple(o for o in orders if o != entry.order):
+                _grams[word] = kept
+            else:
+                _grams.pop(word, None)
+
+
+def _candidates(data: bytes) -> list[_Registered]:
+    """The registered values of which ``data`` holds a needle (:func:`_needles`), in
+    registration order; every value one of whose forms ``data`` holds is among them. The
+    cost does not grow with the number of values whose needles are long: the text's
+    8-byte words at every :data:`_STRIDE`-th offset are looked up in :data:`_grams`
+    (one C call when none is known); only short needles are searched one by one."""
+    orders: set[int] = set()
+    for needle, order in _short:
+        if data.find(needle) >= 0:
+            orders.add(order)
+    long = _long
+    if len(long) <= _FEW:
+        for needle, order in long:
+            if data.find(needle) >= 0:
+                orders.add(order)
+    else:
+        grams = _grams
+        words = memoryview(data)[: len(data) & ~7].cast("Q")[:: _STRIDE // 8]
+        if not grams.keys().isdisjoint(words):
+            orders.update(o for word in words for o in grams.get(word, ()))
+    if not orders:
+        return []
+    found = (_by_order.get(order) for order in sorted(orders))
+    return [entry for entry in found if entry is not None]
+
+
+def _redact(text: AnyStr, needles: list[AnyStr], mark: AnyStr) -> AnyStr:
+    """``text`` with every occurrence of every needle replaced by ``mark``; occurrences
+    that overlap (two secrets sharing characters, one secret the start of another) are
+    one span, replaced once, so that no character of either is left."""
+    spans: list[tuple[int, int]] = []
+    for needle in needles:
+        start = text.find(needle)
+        while start >= 0:
+            spans.append((start, start + len(needle)))
+            start = text.find(needle, start + 1)
+    if not spans:
+        return text
+    spans.sort()
+    pieces: list[AnyStr] = []
+    kept, (start, stop) = 0, spans[0]
+    for here, end in spans[1:]:
+        if here < stop:  # overlapping: one span
+            stop = max(stop, end)
+            continue
+        pieces += (text[kept:start], mark)
+        kept, start, stop = stop, here, end
+    pieces += (text[kept:start], mark, text[stop:])
+    return text[:0].join(pieces)
 
 
 def scrub(text: str) -> str:
@@ -234,16 +338,13 @@ def scrub(text: str) -> str:
 
 
 def _scrub_forms(text: str) -> str:
-    for entry in tuple(_values.values()):
-        for form in entry.b64:
-            if form in text:
-                text = text.replace(form, REDACTED)
-        if entry.anchor and entry.anchor not in text:
-            continue
-        for form in entry.forms:
-            if form in text:
-                text = text.replace(form, REDACTED)
-    return text
+    try:
+        found = _candidates(text.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:  # a lone surrogate no value can hold: search them all
+        found = list(_values.values())
+    if not found:
+        return text
+    return _redact(text, [form for entry in found for form in (*entry.b64, *entry.forms)], REDACTED)
 
 
 def scrub_cut(text: str, limit: int) -> str:
@@ -279,12 +380,6 @@ def scrub_bytes(data: bytes) -> bytes:
     ASCII written plainly (the same JSON value) and the secret redacted."""
     if not _values:
         return data
-    for needle in _gate:
-        if data.find(needle) >= 0:
-            break
-    else:  # no form of any value: only an escaped one could hide there
-        if data.find(b"\\") < 0:
-            return data
     scrubbed = _scrub_forms_bytes(data)
     if scrubbed.find(b"\\") >= 0:
         plain = _ESCAPED_ASCII_BYTES.sub(_unescape_bytes, scrubbed)
@@ -317,19 +412,11 @@ def _unescape(match: re.Match[str]) -> str:
 
 
 def _scrub_forms_bytes(data: bytes) -> bytes:
-    # ``find`` rather than ``in``: CPython's ``bytes.__contains__`` first tries its
-    # argument as an integer and formats a TypeError it then drops (~2,000 instructions
-    # per test; five a relayed chunk, ~7 % of its cost).
-    for entry in tuple(_values.values()):
-        for form in entry.raw_b64:
-            if data.find(form) >= 0:
-                data = data.replace(form, _REDACTED_BYTES)
-        if entry.raw_anchor and data.find(entry.raw_anchor) < 0:
-            continue
-        for form in entry.raw:
-            if data.find(form) >= 0:
-                data = data.replace(form, _REDACTED_BYTES)
-    return data
+    found = _candidates(data)
+    if not found:
+        return data
+    needles = [form for entry in found for form in (*entry.raw_b64, *entry.raw)]
+    return _redact(data, needles, _REDACTED_BYTES)
 
 
 def redact_value(value: Any, depth: int = 0) -> Any:
