@@ -6,8 +6,8 @@
 Each registered secret (a provider key, each agent's token, the chain's signing key, an
 operator's token...) is looked for in every answer head and body, audit record and log
 line (``gateway.redaction``). For each checkout (default: this one) and each count N, a
-fresh process registers N realistic secrets (40-character tokens, as ``secrets.
-token_hex(20)`` makes; one with characters that encodings change), then scrubs a
+fresh process registers N realistic secrets (40-character tokens, as
+``secrets.token_hex(20)`` makes; one with characters that encodings change), then scrubs a
 1.6 KB chat completion answer holding none of them ``--calls`` times with
 ``scrub_bytes`` (the answer writer), and its text with ``scrub`` (the header and audit
 writers). Printed: one JSON line per checkout and count, microseconds per call
@@ -20,6 +20,7 @@ under any load).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -47,7 +48,7 @@ def child(secrets: int, calls: int, what: str) -> float:
     from gateway import redaction
 
     for i in range(secrets):
-        value = f"{i:04d}" + "5f0c3a9e1b7d42c6a8e0f3b9d1c5e7a2b4c6"  # 40 characters
+        value = hashlib.sha256(b"bench-%d" % i).hexdigest()[:40]  # as secrets.token_hex(20)
         redaction.register(value if i else "gk+key/with space=" + value)
     text = ANSWER.decode()
     assert redaction.scrub_bytes(ANSWER) == ANSWER  # nothing to redact: the common case

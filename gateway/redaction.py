@@ -109,13 +109,17 @@ _registered = itertools.count()
 #: a shorter one is searched as it is (:data:`_short`), as are the long ones while there
 #: are at most :data:`_FEW` (:data:`_long`): a search each is then cheaper than reading
 #: the words of the text. Maintained under :data:`_lock` as values come and go.
-_STRIDE: Final = 16
+_STRIDE: Final = 24
 _GRAM_MIN: Final = _STRIDE + 7
-_FEW: Final = 6
-_grams: dict[int, tuple[int, ...]] = {}
+_FEW: Final = 12
+_grams: dict[int, set[int]] = {}
 _short: tuple[tuple[bytes, int], ...] = ()
-_long: tuple[tuple[bytes, int], ...] = ()
+_long: tuple[tuple[bytes, int], ...] | None = ()
 _by_order: dict[int, _Registered] = {}
+#: Each value's short and long needles (with its order), by order: what _short and
+#: _long are made of again when a value comes or goes.
+_short_of: dict[int, tuple[tuple[bytes, int], ...]] = {}
+_long_of: dict[int, tuple[tuple[bytes, int], ...]] = {}
 _HEX: Final = re.compile(r"%[0-9A-F]{2}")
 _UNCHANGED: Final = re.compile(r"[A-Za-z0-9._~-]+")
 _MIN_ANCHOR: Final = 4
@@ -226,9 +230,9 @@ def register(value: str) -> None:
         _index(entry, add=True)
         while len(_values) > _MAX_TRACKED:
             _index(_values.popitem(last=False)[1], add=False)
-        gated = [(needle, known) for known in _values.values() for needle in _needles(known)]
-        _short = tuple((n, known.order) for n, known in gated if len(n) < _GRAM_MIN)
-        _long = tuple((n, known.order) for n, known in gated if len(n) >= _GRAM_MIN)
+        _short = tuple(itertools.chain.from_iterable(_short_of.values()))
+        few = len(_long_of) <= _FEW  # else not made at all: it goes unread
+        _long = tuple(itertools.chain.from_iterable(_long_of.values())) if few else None
 
 
 def _needles(entry: _Registered) -> tuple[bytes, ...]:
@@ -253,21 +257,26 @@ def _words(needle: bytes) -> set[int]:
 def _index(entry: _Registered, *, add: bool) -> None:
     """Add ``entry``'s words to :data:`_grams` or take them out (under :data:`_lock`);
     in place, so that registering costs the value's words, not every value's."""
+    needles = _needles(entry)
+    short = tuple((needle, entry.order) for needle in needles if len(needle) < _GRAM_MIN)
+    long = tuple((needle, entry.order) for needle in needles if len(needle) >= _GRAM_MIN)
+    for kind, mine in ((_short_of, short), (_long_of, long)):
+        if add and mine:
+            kind[entry.order] = mine
+        elif not add:
+            kind.pop(entry.order, None)
     if add:
         _by_order[entry.order] = entry
     else:
         _by_order.pop(entry.order, None)
-    for needle in _needles(entry):
-        if len(needle) < _GRAM_MIN:
-            continue
+    for needle, _ in long:
         for word in _words(needle):
-            orders = _grams.get(word, ())
             if add:
-                _grams[word] = (*orders, entry.order)
-            elif kept := tuple(o for o in orders if o != entry.order):
-                _grams[word] = kept
-            else:
-                _grams.pop(word, None)
+                _grams.setdefault(word, set()).add(entry.order)
+            elif orders := _grams.get(word):
+                orders.discard(entry.order)
+                if not orders:
+                    del _grams[word]
 
 
 def _candidates(data: bytes) -> list[_Registered]:
@@ -281,7 +290,7 @@ def _candidates(data: bytes) -> list[_Registered]:
         if data.find(needle) >= 0:
             orders.add(order)
     long = _long
-    if len(long) <= _FEW:
+    if long is not None and len(long) <= _FEW:
         for needle, order in long:
             if data.find(needle) >= 0:
                 orders.add(order)
@@ -289,7 +298,9 @@ def _candidates(data: bytes) -> list[_Registered]:
         grams = _grams
         words = memoryview(data)[: len(data) & ~7].cast("Q")[:: _STRIDE // 8]
         if not grams.keys().isdisjoint(words):
-            orders.update(o for word in words for o in grams.get(word, ()))
+            for word in words:
+                if hit := grams.get(word):
+                    orders |= hit  # one C call: the set may change in another thread
     if not orders:
         return []
     found = (_by_order.get(order) for order in sorted(orders))
