@@ -102,25 +102,35 @@ class _Registered(NamedTuple):
 _lock = threading.Lock()
 _values: OrderedDict[str, _Registered] = OrderedDict()
 _registered = itertools.count()
-#: What proves that a text holds no registered form (:func:`_candidates`): for each
+#: What proves that a text holds no registered form (:func:`_orders`): for each
 #: value, its base64 forms and its anchor (or, without one, every form), its "needles".
 #: A needle of :data:`_GRAM_MIN` bytes or more is known by the 8-byte words at its first
 #: :data:`_STRIDE` offsets (:data:`_grams`: word -> the order of the value it belongs to,
-#: or a set of orders when several share it);
-#: a shorter one is searched as it is (:data:`_short`), as are the long ones while there
-#: are at most :data:`_FEW` (:data:`_long`): a search each is then cheaper than reading
-#: the words of the text. Maintained under :data:`_lock` as values come and go.
+#: or a set of orders when several share it); a shorter one is searched as it is
+#: (:data:`_gate`), as are the long ones while there are at most :data:`_FEW`: a search
+#: each is then cheaper than reading the words of the text (~240 instructions a word).
+#: Maintained under :data:`_lock` as values come and go.
 _STRIDE: Final = 24
 _GRAM_MIN: Final = _STRIDE + 7
 _FEW: Final = 12
 _grams: dict[int, int | set[int]] = {}
-_short: tuple[tuple[bytes, int], ...] = ()
-_long: tuple[tuple[bytes, int], ...] | None = ()
 _by_order: dict[int, _Registered] = {}
-#: Each value's short and long needles (with its order), by order: what _short and
-#: _long are made of again when a value comes or goes.
-_short_of: dict[int, tuple[tuple[bytes, int], ...]] = {}
-_long_of: dict[int, tuple[tuple[bytes, int], ...]] = {}
+#: Each value's short and long needles (as bytes, as str, with its order), by order:
+#: what :data:`_gate` is made of again when a value comes or goes.
+_short_of: dict[int, tuple[tuple[bytes, str, int], ...]] = {}
+_long_of: dict[int, tuple[tuple[bytes, str, int], ...]] = {}
+
+
+class _Gate(NamedTuple):
+    """The needles searched one by one (bytes and str, with their value's order), and
+    whether the long ones are looked up by words instead (one snapshot, replaced whole)."""
+
+    finds: tuple[tuple[bytes, int], ...] = ()
+    finds_str: tuple[tuple[str, int], ...] = ()
+    by_words: bool = False
+
+
+_gate = _Gate()
 _HEX: Final = re.compile(r"%[0-9A-F]{2}")
 _UNCHANGED: Final = re.compile(r"[A-Za-z0-9._~-]+")
 _MIN_ANCHOR: Final = 4
@@ -223,7 +233,7 @@ def register(value: str) -> None:
         tuple(form.encode("ascii") for form in b64),
         next(_registered),
     )
-    global _short, _long
+    global _gate
     with _lock:
         if value in _values:  # registered meanwhile by another thread
             return
@@ -231,20 +241,25 @@ def register(value: str) -> None:
         _index(entry, add=True)
         while len(_values) > _MAX_TRACKED:
             _index(_values.popitem(last=False)[1], add=False)
-        _short = tuple(itertools.chain.from_iterable(_short_of.values()))
-        few = len(_long_of) <= _FEW  # else not made at all: it goes unread
-        _long = tuple(itertools.chain.from_iterable(_long_of.values())) if few else None
+        finds = list(itertools.chain.from_iterable(_short_of.values()))
+        by_words = len(_long_of) > _FEW or sum(map(len, _long_of.values())) > _FEW
+        if not by_words:
+            finds += itertools.chain.from_iterable(_long_of.values())
+        _gate = _Gate(
+            tuple((b, o) for b, _, o in finds), tuple((t, o) for _, t, o in finds), by_words
+        )
 
 
-def _needles(entry: _Registered) -> tuple[bytes, ...]:
-    """What :func:`_candidates` looks for to find ``entry``: every text holding one of its
-    forms holds one of these. Its base64 forms, and its anchor, or, when the anchor is
-    short and every form long, every form (words, where the anchor would be a search),
-    or without an anchor every form (they have nothing in common)."""
+def _needles(entry: _Registered) -> tuple[tuple[bytes, str], ...]:
+    """What :func:`_orders` looks for to find ``entry`` (UTF-8, and as text): every text
+    holding one of its forms holds one of these. Its base64 forms, and its anchor, or,
+    when the anchor is short and every form long, every form (words, where the anchor
+    would be a search), or without an anchor every form (they have nothing in common)."""
+    b64 = tuple(zip(entry.raw_b64, entry.b64, strict=True))
     anchor = entry.raw_anchor
     if anchor and (len(anchor) >= _GRAM_MIN or min(map(len, entry.raw)) < _GRAM_MIN):
-        return (*entry.raw_b64, anchor)
-    return (*entry.raw_b64, *entry.raw)
+        return (*b64, (anchor, entry.anchor))
+    return (*b64, *zip(entry.raw, entry.forms, strict=True))
 
 
 def _words(needle: bytes) -> set[int]:
@@ -258,9 +273,9 @@ def _words(needle: bytes) -> set[int]:
 def _index(entry: _Registered, *, add: bool) -> None:
     """Add ``entry``'s words to :data:`_grams` or take them out (under :data:`_lock`);
     in place, so that registering costs the value's words, not every value's."""
-    needles = _needles(entry)
-    short = tuple((needle, entry.order) for needle in needles if len(needle) < _GRAM_MIN)
-    long = tuple((needle, entry.order) for needle in needles if len(needle) >= _GRAM_MIN)
+    needles = [(raw, text, entry.order) for raw, text in _needles(entry)]
+    short = tuple(needle for needle in needles if len(needle[0]) < _GRAM_MIN)
+    long = tuple(needle for needle in needles if len(needle[0]) >= _GRAM_MIN)
     for kind, mine in ((_short_of, short), (_long_of, long)):
         if add and mine:
             kind[entry.order] = mine
@@ -270,7 +285,7 @@ def _index(entry: _Registered, *, add: bool) -> None:
         _by_order[entry.order] = entry
     else:
         _by_order.pop(entry.order, None)
-    for needle, _ in long:
+    for needle, _, _ in long:
         for word in _words(needle):
             known = _grams.get(word)
             if add:  # an int until a second value shares the word: ~7 KB a value, not ~30
@@ -288,36 +303,47 @@ def _with(known: int | set[int], order: int) -> set[int]:
     return {known, order}
 
 
-def _candidates(data: bytes) -> list[_Registered]:
-    """The registered values of which ``data`` holds a needle (:func:`_needles`), in
-    registration order; every value one of whose forms ``data`` holds is among them. The
-    cost does not grow with the number of values whose needles are long: the text's
-    8-byte words at every :data:`_STRIDE`-th offset are looked up in :data:`_grams`
-    (one C call when none is known); only short needles are searched one by one."""
-    orders: set[int] = set()
+def _orders(data: bytes) -> list[int]:
+    """The orders of the registered values of which ``data`` holds a needle
+    (:func:`_needles`; repeated, unordered, empty when none): every value one of whose
+    forms ``data`` holds is among them. The cost does not grow with the number of values
+    whose needles are long: the text's 8-byte words at every :data:`_STRIDE`-th offset
+    are looked up in :data:`_grams` (one C call when none is known); only short needles
+    are searched one by one."""
+    gate = _gate
+    orders: list[int] = []
     # ``find`` rather than ``in``: CPython's ``bytes.__contains__`` first tries its
     # argument as an integer and formats a TypeError it then drops (~2,000 instructions).
-    for needle, order in _short:
+    for needle, order in gate.finds:
         if data.find(needle) >= 0:
-            orders.add(order)
-    long = _long
-    if long is not None and len(long) <= _FEW:
-        for needle, order in long:
-            if data.find(needle) >= 0:
-                orders.add(order)
-    else:
+            orders.append(order)
+    if gate.by_words:
         grams = _grams
         words = memoryview(data)[: len(data) & ~7].cast("Q")[:: _STRIDE // 8]
         if not grams.keys().isdisjoint(words):
             for word in words:
                 hit = grams.get(word)
                 if isinstance(hit, int):
-                    orders.add(hit)
+                    orders.append(hit)
                 elif hit:
-                    orders |= hit  # one C call: the set may change in another thread
-    if not orders:
-        return []
-    found = (_by_order.get(order) for order in sorted(orders))
+                    orders += hit  # one C call: the set may change in another thread
+    return orders
+
+
+def _text_orders(text: str) -> list[int]:
+    """:func:`_orders` for text: its needles as text while they are searched one by one,
+    else its UTF-8 bytes' words (every value for a text UTF-8 cannot encode)."""
+    gate = _gate
+    if not gate.by_words:
+        return [order for needle, order in gate.finds_str if needle in text]
+    try:
+        return _orders(text.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:  # a lone surrogate no value can hold: search them all
+        return list(_by_order)
+
+
+def _entries(orders: list[int]) -> list[_Registered]:
+    found = (_by_order.get(order) for order in sorted(set(orders)))
     return [entry for entry in found if entry is not None]
 
 
@@ -352,23 +378,23 @@ def scrub(text: str) -> str:
     :func:`scrub_bytes`)."""
     if not _values:
         return text
-    scrubbed = _scrub_forms(text)
+    orders = _text_orders(text)
+    if not orders and "\\" not in text:
+        return text
+    scrubbed = _scrub_forms(text, orders)
     if "\\" in scrubbed:
         plain = _ESCAPED_ASCII.sub(_unescape, scrubbed)
         if plain != scrubbed:
-            cleaned = _scrub_forms(plain)
+            cleaned = _scrub_forms(plain, _text_orders(plain))
             if cleaned != plain:
                 return cleaned
     return scrubbed
 
 
-def _scrub_forms(text: str) -> str:
-    try:
-        found = _candidates(text.encode("utf-8", "surrogateescape"))
-    except UnicodeEncodeError:  # a lone surrogate no value can hold: search them all
-        found = list(_values.values())
-    if not found:
+def _scrub_forms(text: str, orders: list[int]) -> str:
+    if not orders:
         return text
+    found = _entries(orders)
     return _redact(text, [form for entry in found for form in (*entry.b64, *entry.forms)], REDACTED)
 
 
@@ -405,11 +431,14 @@ def scrub_bytes(data: bytes) -> bytes:
     ASCII written plainly (the same JSON value) and the secret redacted."""
     if not _values:
         return data
-    scrubbed = _scrub_forms_bytes(data)
+    orders = _orders(data)
+    if not orders and data.find(b"\\") < 0:
+        return data
+    scrubbed = _scrub_forms_bytes(data, orders)
     if scrubbed.find(b"\\") >= 0:
         plain = _ESCAPED_ASCII_BYTES.sub(_unescape_bytes, scrubbed)
         if plain != scrubbed:
-            cleaned = _scrub_forms_bytes(plain)
+            cleaned = _scrub_forms_bytes(plain, _orders(plain))
             if cleaned != plain:
                 return cleaned
     return scrubbed
@@ -436,10 +465,10 @@ def _unescape(match: re.Match[str]) -> str:
     return match.group(1) + chr(code)
 
 
-def _scrub_forms_bytes(data: bytes) -> bytes:
-    found = _candidates(data)
-    if not found:
+def _scrub_forms_bytes(data: bytes, orders: list[int]) -> bytes:
+    if not orders:
         return data
+    found = _entries(orders)
     needles = [form for entry in found for form in (*entry.raw_b64, *entry.raw)]
     return _redact(data, needles, _REDACTED_BYTES)
 
