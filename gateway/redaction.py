@@ -431,6 +431,14 @@ def scrub_bytes(data: bytes) -> bytes:
     ASCII written plainly (the same JSON value) and the secret redacted."""
     if not _values:
         return data
+    gate = _gate
+    if not gate.by_words:  # the usual answer, one or two secrets: no call (~1,300 instr.)
+        for needle, _ in gate.finds:
+            if data.find(needle) >= 0:
+                break
+        else:
+            if data.find(b"\\") < 0:
+                return data
     orders = _orders(data)
     if not orders and data.find(b"\\") < 0:
         return data
