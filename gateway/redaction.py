@@ -95,7 +95,7 @@ class _Registered(NamedTuple):
     #: searched whatever the anchor says (base64 changes every character).
     b64: tuple[str, ...] = ()
     raw_b64: tuple[bytes, ...] = ()
-    #: Registration number: candidates are replaced in a fixed order.
+    #: Registration number: the value's key in :data:`_grams` and :data:`_by_order`.
     order: int = 0
 
 
@@ -288,7 +288,7 @@ def _index(entry: _Registered, *, add: bool) -> None:
     for needle, _, _ in long:
         for word in _words(needle):
             known = _grams.get(word)
-            if add:  # an int until a second value shares the word: ~7 KB a value, not ~30
+            if add:  # an int until a second value shares the word (no set per word)
                 _grams[word] = entry.order if known is None else _with(known, entry.order)
             elif isinstance(known, set):
                 known.discard(entry.order)
