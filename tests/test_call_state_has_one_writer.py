@@ -111,6 +111,18 @@ def writes(source: str) -> list[str]:
     return [f"{getattr(n, 'lineno', 0)}: {ast.unparse(n)}" for n in found]
 
 
+def _calls_a_writer(node: ast.Call, names: set[str]) -> bool:
+    """``setattr(ctx, ...)``, ``object.__setattr__(ctx, ...)``, ``ctx.field.append(...)``."""
+    func = node.func
+    if (isinstance(func, ast.Name) and func.id == "setattr") or (
+        isinstance(func, ast.Attribute) and func.attr == "__setattr__"
+    ):
+        return bool(node.args) and _is_context(node.args[0], names)
+    return isinstance(func, ast.Attribute) and (
+        func.attr in MUTATORS and _field_of_context(func.value, names)
+    )
+
+
 def _found(tree: ast.AST, names: set[str]) -> list[ast.AST]:
     found: list[ast.AST] = []
     for node in ast.walk(tree):
@@ -121,17 +133,8 @@ def _found(tree: ast.AST, names: set[str]) -> list[ast.AST]:
             targets = [node.target]
         elif isinstance(node, ast.Delete):
             targets = node.targets
-        elif isinstance(node, ast.Call):
-            func = node.func
-            if isinstance(func, ast.Name) and func.id == "setattr" and node.args:
-                if _is_context(node.args[0], names):
-                    found.append(node)
-            elif isinstance(func, ast.Attribute) and func.attr == "__setattr__" and node.args:
-                if _is_context(node.args[0], names):
-                    found.append(node)
-            elif isinstance(func, ast.Attribute) and func.attr in MUTATORS:
-                if _field_of_context(func.value, names):
-                    found.append(node)
+        elif isinstance(node, ast.Call) and _calls_a_writer(node, names):
+            found.append(node)
         if any(_written(t, names) for target in targets for t in _stored(target)):
             found.append(node)
     return found

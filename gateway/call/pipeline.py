@@ -52,7 +52,7 @@ from gateway.call.intake import (
 from gateway.call.keys import KeyPools
 from gateway.call.outbound import Credentials
 from gateway.call.proxy import ProxyRequest, proxy_intake
-from gateway.call.record import CLAIMED, CallContext, observe
+from gateway.call.record import CLAIMED, Arrival, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
 from gateway.database.registry import Databases
@@ -163,9 +163,9 @@ class Pipeline:
         identity = identity or policy_identity(policy.policy.agent_id)
         ctx = CallContext(started=time.monotonic(), agent_id=identity.agent_id, identity=identity)
 
-        def intake() -> Intake:
+        def intake() -> Intake | Arrival:
             fast = parse_envelope_fast(body) if refuse is None else None
-            return Intake(fast) if fast is not None else self._intake(body, ctx, refuse, policy)
+            return Intake(fast) if fast is not None else self._intake(body, refuse, policy)
 
         return await self._run(policy, ctx, intake, relay, api_hooks.ENVELOPE)
 
@@ -182,7 +182,7 @@ class Pipeline:
         so that it can write back the upstream's own answer (``ctx.attempt_log.answer``)."""
         policy = self.policy
         return await self._run(
-            policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay, api_hooks.DROP_IN
+            policy, ctx, lambda: proxy_intake(http, policy, refuse), relay, api_hooks.DROP_IN
         )
 
     async def handle_mcp(
@@ -197,7 +197,7 @@ class Pipeline:
         same stages; ``ctx`` is the caller's (the upstream's answer, ``ctx.mcp``)."""
         policy = self.policy
         return await self._run(
-            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay, api_hooks.ROUTE
+            policy, ctx, lambda: mcp.mcp_intake(http, policy, refuse), relay, api_hooks.ROUTE
         )
 
     async def handle_a2a(
@@ -217,7 +217,7 @@ class Pipeline:
         return await self._run(
             policy,
             ctx,
-            lambda: a2a.a2a_intake(http, policy, ctx, tasks, refuse, card_key),
+            lambda: a2a.a2a_intake(http, policy, tasks, refuse, card_key),
             relay,
             api_hooks.A2A,
         )
@@ -226,47 +226,51 @@ class Pipeline:
         self,
         policy: PolicySet,
         ctx: CallContext,
-        intake: Callable[[], Intake],
+        intake: Callable[[], Intake | Arrival],
         relay: Relay | None,
         hooks: CallHooks,
     ) -> tuple[int, ExternalCallResponse]:
         """The stages of one call, the same for every API: ``intake`` gives its request,
         ``hooks`` are its API's part (:class:`gateway.call.hooks.CallHooks`)."""
-        ctx.policy_sha256 = policy.sha256
+        ctx.began(policy.sha256)
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
             taken = intake()
-            request = ctx.request = taken.request
-            ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
+            if isinstance(taken, Arrival):  # an API's, refused or not (not the fast path's)
+                taken = ctx.arrived(taken)
+            request = taken.request
+            # A claimed agent_id is checked against who called, never taken for it.
+            identity = (ctx.identity or policy_identity(ctx.agent_id)).with_claim(request.agent_id)
+            ctx.took(request, egress_rules.loggable_ref(request.api_key_ref), identity)
             if taken.unknown_fields:
                 _unknown_fields(ctx, request, taken.unknown_fields)
-            # A claimed agent_id is checked against who called, never taken for it.
-            identity = ctx.identity or policy_identity(ctx.agent_id)
-            ctx.identity = identity = identity.with_claim(request.agent_id)
             identity.admit(request.target_system)
-            ctx.decision = "denied"
-            ctx.chain = await chain_stage(
-                policy.policy.chain,
-                request,
-                ctx,
-                functools.partial(send.resolve, self),
-                self.chains,
+            ctx.decided("denied")
+            chained = ctx.chained(
+                await chain_stage(
+                    policy.policy.chain,
+                    request,
+                    ctx,
+                    functools.partial(send.resolve, self),
+                    self.chains,
+                )
             )
+            if chained.error is not None:
+                raise chained.error
             decision = egress_rules.decide(policy, request)
-            ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
-            request, relay = hooks.checked(request, decision.target, ctx, relay)
+            ctx.aimed(decision.target, decision.api_key_ref)
+            request, relay, reading = hooks.checked(request, decision.target, ctx, relay)
+            if reading is not None:
+                ctx.read(reading)  # raises its refusal
             request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
-            ctx.request = request
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
-            ctx.shadow_denied += await self.controls.check(
-                ctx.agent_id, decision.target.name, request, ctx.mcp
+            ctx.allowed(
+                await self.controls.check(ctx.agent_id, decision.target.name, request, ctx.mcp),
+                decision.shadow_rule,
             )
-            ctx.decision = "allowed"
-            if decision.shadow_rule is not None:
-                ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             # The envelope's timeout, or the chain's deadline when that comes first.
-            deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
+            deadline = min(ctx.started + request.timeout, time.monotonic() + chained.remaining_s)
             with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
                 if (held := decision.target.spec.approval) is not None:  # a person's yes first
                     name, agent = decision.target.name, ctx.agent_id
@@ -315,19 +319,25 @@ class Pipeline:
         return response
 
     @staticmethod
-    def _intake(
-        body: bytes, ctx: CallContext, refuse: GatewayError | None, policy: PolicySet
-    ) -> Intake:
+    def _intake(body: bytes, refuse: GatewayError | None, policy: PolicySet) -> Arrival:
         """The exact path: parse, keep the ids an invalid envelope claims, validate."""
-        raw = decode_json(body, check_surrogates=False)
+        try:
+            raw = decode_json(body, check_surrogates=False)
+        except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+            return Arrival(None, refusal=exc)
+        claimed = None
         if isinstance(raw, dict):
-            ctx.claimed = {
-                k: printable(raw[k][:256]) for k in CLAIMED if isinstance(raw.get(k), str)
-            }
-        refuse_lone_surrogates(body, raw)
-        if refuse is not None:
-            raise refuse
-        return parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields)
+            claimed = {k: printable(raw[k][:256]) for k in CLAIMED if isinstance(raw.get(k), str)}
+        try:
+            refuse_lone_surrogates(body, raw)
+            if refuse is not None:
+                raise refuse
+            return Arrival(
+                parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields),
+                claimed=claimed,
+            )
+        except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+            return Arrival(None, claimed=claimed, refusal=exc)
 
     # -- stages ---------------------------------------------------------------------------
 
@@ -349,18 +359,19 @@ class Pipeline:
                 f"(known: {', '.join(sorted(policy.policy.rate_limit_groups)) or 'none'})",
                 details={"reason": "unknown_rate_limit_group", "group": group_name},
             )
-        ctx.rate_limit_group = group_name
         if spec.idempotency is not None and request.method in spec.idempotency.methods:
-            ctx.idempotency_key = request.idempotency_key or derive_key(
+            key = request.idempotency_key or derive_key(
                 request.trace_id,
                 request.correlation_id,
                 target.name,
                 request.method,
                 request.endpoint,
             )
+            ctx.sending(group_name, key)
             return await self._idempotent(
                 policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
+        ctx.sending(group_name, None)
         return 200, await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
@@ -390,11 +401,8 @@ class Pipeline:
                 rendered=self.rendered,
                 learned=learned,
             )
-        finally:
-            if learned.replayed:
-                ctx.replayed = True
-            if learned.warnings:  # after the send stage's: the order the call met them
-                ctx.warnings.extend(learned.warnings)
+        finally:  # its warnings after the send stage's: the order the call met them
+            ctx.learned(learned.replayed, learned.warnings)
 
     # -- answers and audit ----------------------------------------------------------------
 
@@ -433,10 +441,10 @@ def _models(
     sent (an alias pinned) and its decision; its choice and shadow denials into the
     record. Raises its refusal (``model_not_allowed``), nothing sent."""
     models = model_rules.checked(policy, request, decision, ctx.agent_id)
-    ctx.model = models.choice
+    ctx.chose(models.choice)
     if models.refusal is not None:
         raise models.refusal
-    ctx.shadow_denied += model_rules.shadow_rules(models.choice)
+    ctx.modelled(models.request, model_rules.shadow_rules(models.choice))
     return models.request, models.decision
 
 
@@ -444,7 +452,7 @@ def _unknown_fields(
     ctx: CallContext, request: ExternalCallRequest, fields: tuple[str, ...]
 ) -> None:
     """Warn (in the answer and the log) of the envelope's fields this sidecar ignored."""
-    ctx.warnings.append("unknown envelope fields ignored: " + ", ".join(fields))
+    ctx.warned(("unknown envelope fields ignored: " + ", ".join(fields),))
     _log.warning(
         "unknown_envelope_fields",
         fields=list(fields),

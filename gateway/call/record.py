@@ -1,8 +1,12 @@
 """One call's context while it runs, frozen into its record at the end (pure: no I/O).
 
-:class:`CallContext` is what the pipeline knows of a call as it goes (the stages return
-their results; the pipeline keeps them here); :meth:`CallContext.record` freezes it into
-the :class:`gateway.record.CallRecord` that the audit record
+:class:`CallContext` is what the pipeline knows of a call as it goes. The stages return
+small frozen results (an intake's :class:`Arrival`, an API's :class:`Reading`, the send
+stage's :class:`Outbound` and :class:`Settled`...) and the context's own methods are the
+only code that writes it (tests/test_call_state_has_one_writer.py): each takes one
+result, as soon as the stage has it, so that a call refused half-way is recorded with
+what it had learned. :meth:`CallContext.record` freezes it into the
+:class:`gateway.record.CallRecord` that the audit record
 (:func:`gateway.record.audit_record`), the metrics (:func:`observe`) and the call's span
 read. :func:`audit_record` and :func:`refusal_record` are the audit record of a context
 and of an answer given before the envelope was read.
@@ -10,12 +14,14 @@ and of an answer given before the envelope was read.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.call.attempts import AttemptLog
+from gateway.call.intake import Intake
 from gateway.database import DbLog, StatementCall
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse, ServedBy
 from gateway.metrics import Metrics, Outcome
@@ -41,11 +47,56 @@ _new_record = tuple.__new__
 __all__ = [
     "CLAIMED",
     "CLAIM_LIMIT",
+    "Arrival",
     "CallContext",
+    "Reading",
     "audit_record",
     "observe",
     "refusal_record",
 ]
+
+
+class Arrival(NamedTuple):
+    """What an API's intake made of a request (:func:`gateway.call.proxy.proxy_intake`,
+    :func:`gateway.call.mcp.mcp_intake`, :func:`gateway.call.a2a.a2a_intake`, an
+    envelope's exact path), refused or not: taken by :meth:`CallContext.arrived`."""
+
+    #: The validated request (None: refused, ``refusal`` says why).
+    intake: Intake | None
+    api: Api = "envelope"
+    #: The ids and request line the request claims (None: none read).
+    claimed: dict[str, str] | None = None
+    #: The call chain headers it came with (None: none).
+    chain_seen: dict[str, str] | None = None
+    #: The agent's headers that go upstream beneath the policy's (None: none).
+    passthrough_headers: dict[str, str] | None = None
+    warnings: tuple[str, ...] = ()
+    #: The error that refuses it (raised by :meth:`CallContext.arrived`).
+    refusal: BaseException | None = None
+    #: ``denied`` when the intake's own rules refused it (None: not decided).
+    decision: str | None = None
+    mcp: McpExchange | None = None
+    #: An A2A request or card fetch (typed loosely: gateway.call.a2a imports this module).
+    a2a: Any = None
+    #: An A2A target's ``a2a.agent_id``; whether the call goes to this sidecar's agent.
+    target_agent: str | None = None
+    chain_inbound: bool = False
+
+
+class Reading(NamedTuple):
+    """What an API's reading of an allowed request learned
+    (:meth:`gateway.call.hooks.CallHooks.checked`: a database statement bound, an MCP
+    target's rules applied), refused or not: taken by :meth:`CallContext.read`."""
+
+    api: Api | None = None
+    db_call: StatementCall | None = None
+    db: DbLog | None = None
+    passthrough_headers: dict[str, str] | None = None
+    mcp: McpExchange | None = None
+    #: ``denied`` when the API's rules refused it (None: not decided here).
+    decision: str | None = None
+    #: The error that refuses it (raised by :meth:`CallContext.read`).
+    refusal: BaseException | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +170,105 @@ class CallContext:
     #: A call to this sidecar's agent (the inbound route): its chain is admitted, not
     #: extended (gateway.call.chain).
     chain_inbound: bool = False
+
+    # -- the one writer: each stage's result, as the stage returns it -------------------
+
+    def began(self, policy_sha256: str) -> None:
+        """The call runs under the policy whose file has this SHA-256."""
+        self.policy_sha256 = policy_sha256
+
+    def arrived(self, arrival: Arrival) -> Intake:
+        """An intake's result; returns its request. Raises its refusal."""
+        self.api = arrival.api
+        if arrival.claimed is not None:
+            self.claimed = arrival.claimed
+        self.chain_seen = arrival.chain_seen
+        if arrival.passthrough_headers is not None:
+            self.passthrough_headers = arrival.passthrough_headers
+        if arrival.warnings:
+            self.warnings.extend(arrival.warnings)
+        self.mcp, self.a2a = arrival.mcp, arrival.a2a
+        self.target_agent, self.chain_inbound = arrival.target_agent, arrival.chain_inbound
+        if arrival.decision is not None:
+            self.decision = arrival.decision
+        if arrival.refusal is not None or arrival.intake is None:
+            raise arrival.refusal or AssertionError("an arrival without its request")
+        return arrival.intake
+
+    def took(
+        self, request: ExternalCallRequest, api_key_ref: str | None, identity: Identity
+    ) -> None:
+        """The validated request, the secret reference it names (as it may be logged) and
+        who calls (the claim checked against)."""
+        self.request, self.api_key_ref, self.identity = request, api_key_ref, identity
+
+    def warned(self, warnings: Iterable[str]) -> None:
+        """Warnings for the answer and the record, in the order the call met them."""
+        self.warnings.extend(warnings)
+
+    def decided(self, decision: str) -> None:
+        """The record's ``decision`` (``denied`` until the call is allowed)."""
+        self.decision = decision
+
+    def chained(self, decision: ChainDecision) -> ChainDecision:
+        """The chain stage's decision, refused or not; returns it."""
+        self.chain = decision
+        return decision
+
+    def aimed(self, target: CompiledTarget, api_key_ref: str | None) -> None:
+        """The egress decision: the target and the secret reference that serve."""
+        self.target, self.api_key_ref = target, api_key_ref
+
+    def read(self, reading: Reading) -> None:
+        """An API's reading of the allowed request. Raises its refusal."""
+        if reading.api is not None:
+            self.api = reading.api
+        if reading.db is not None:
+            self.db = reading.db
+        if reading.db_call is not None:
+            self.db_call = reading.db_call
+        if reading.passthrough_headers is not None:
+            self.passthrough_headers = reading.passthrough_headers
+        if reading.mcp is not None:
+            self.mcp = reading.mcp
+        if reading.decision is not None:
+            self.decision = reading.decision
+        if reading.refusal is not None:
+            raise reading.refusal
+
+    def chose(self, model: ModelChoice | None) -> None:
+        """The models decision (None: no ``models:`` rule applied)."""
+        self.model = model
+
+    def modelled(self, request: ExternalCallRequest, shadow_denied: list[str]) -> None:
+        """The request as the models stage lets it go (an alias pinned), and the rules
+        that would have refused its model in shadow mode."""
+        self.request = request
+        if shadow_denied:
+            self.shadow_denied += shadow_denied
+
+    def allowed(self, shadow_denied: list[str], endpoint_rule: str | None) -> None:
+        """The call is allowed: what the controls and the endpoint rules would have refused
+        in shadow mode."""
+        if shadow_denied:
+            self.shadow_denied += shadow_denied
+        self.decision = "allowed"
+        if endpoint_rule is not None:
+            self.shadow_denied.append(f"endpoint:{endpoint_rule}")
+
+    def sending(self, rate_limit_group: str | None, idempotency_key: str | None) -> None:
+        """The rate-limit group the call is counted in and its idempotency key (None:
+        the target keeps no key)."""
+        self.rate_limit_group, self.idempotency_key = rate_limit_group, idempotency_key
+
+    def learned(self, replayed: bool, warnings: Iterable[str]) -> None:
+        """What the idempotency stage learned: the answer is a replay; its warnings."""
+        if replayed:
+            self.replayed = True
+        if warnings:
+            self.warnings.extend(warnings)
+
+    # -- reading ----------------------------------------------------------------------
 
     def a2a_ids(self) -> tuple[str | None, str | None]:
         """The A2A task and context ids the call concerns (None when not an A2A call)."""
