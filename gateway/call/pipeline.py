@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from gateway import telemetry
 from gateway.agents.approvals import Approvals, MemoryApprovalStore
+from gateway.agents.chain import ChainDecision
 from gateway.agents.chain_memory import ChainMemory
 from gateway.agents.controls import Controls
 from gateway.agents.identity import Identity, policy_identity
@@ -247,17 +248,7 @@ class Pipeline:
                 _unknown_fields(ctx, request, taken.unknown_fields)
             identity.admit(request.target_system)
             ctx.decided("denied")
-            chained = ctx.chained(
-                await chain_stage(
-                    policy.policy.chain,
-                    request,
-                    ctx,
-                    functools.partial(send.resolve, self),
-                    self.chains,
-                )
-            )
-            if chained.error is not None:
-                raise chained.error
+            chained = await self._chain(policy, request, ctx)
             decision = egress_rules.decide(policy, request)
             ctx.aimed(decision.target, decision.api_key_ref)
             request, relay, reading = hooks.checked(request, decision.target, ctx, relay)
@@ -296,6 +287,24 @@ class Pipeline:
                 self.dead_letters.after(ctx, response)  # kept when it failed for good
                 trace.end(self._write_audit(ctx, response, hooks), status, response)
         return status, response
+
+    async def _chain(
+        self, policy: PolicySet, request: ExternalCallRequest, ctx: CallContext
+    ) -> ChainDecision:
+        """The chain stage (:func:`gateway.call.chain.chain_stage`): its decision into the
+        record, refused or not. Raises its refusal (CALL_CHAIN_REFUSED)."""
+        chained = ctx.chained(
+            await chain_stage(
+                policy.policy.chain,
+                request,
+                ctx,
+                functools.partial(send.resolve, self),
+                self.chains,
+            )
+        )
+        if chained.error is not None:
+            raise chained.error
+        return chained
 
     def _crashed(self, exc: Exception, ctx: CallContext, policy: PolicySet) -> ExternalCallResponse:
         """The answer to a bug inside the sidecar (logged with its traceback): UNKNOWN,

@@ -22,6 +22,7 @@ from gateway.agents.chain import ChainDecision
 from gateway.agents.identity import Identity
 from gateway.call.attempts import AttemptLog
 from gateway.call.intake import Intake
+from gateway.call.outbound import BodyDigest
 from gateway.database import DbLog, StatementCall
 from gateway.envelope import ErrorCode, ExternalCallRequest, ExternalCallResponse, ServedBy
 from gateway.metrics import Metrics, Outcome
@@ -267,6 +268,91 @@ class CallContext:
             self.replayed = True
         if warnings:
             self.warnings.extend(warnings)
+
+    # -- the send stage (gateway.call.send) --------------------------------------------
+
+    def failing_over(self) -> None:
+        """The call has ``fallbacks``: its options' attempts are kept (``tried``)."""
+        self.tried = []
+
+    def option(self, served_by: ServedBy | None) -> None:
+        """The option sent now (None: none served)."""
+        self.served_by = served_by
+
+    def option_tried(self, entries: Iterable[dict[str, Any]]) -> None:
+        """An option's entries of the record's ``tried``."""
+        assert self.tried is not None
+        self.tried.extend(entries)
+
+    def fell_back(
+        self, attempts_before: int, log: AttemptLog | None, api_key_ref: str | None = None,
+        rate_limit_group: str | None = None,
+    ) -> None:  # fmt: skip
+        """The attempts made on options before the last (added); with ``log``, the failed
+        target's attempts' log, whose answer and error are the call's; else the next
+        option's secret reference and rate-limit group."""
+        self.prior_attempts += attempts_before
+        if log is not None:
+            self.attempt_log = log
+        else:
+            self.api_key_ref, self.rate_limit_group = api_key_ref, rate_limit_group
+
+    def key(self, api_key_ref: str) -> None:
+        """The key of a pool (its reference name) that serves the call."""
+        self.api_key_ref = api_key_ref
+
+    def bound(self, call: StatementCall) -> None:
+        """A database target's statement, as its record keeps it."""
+        self.db_call = call
+
+    def sent_out(self, digest: BodyDigest, traceparent: str) -> None:
+        """The request as it goes out: its size and digest, its ``traceparent``."""
+        self.request_bytes, self.request_sha256 = digest.size, digest.sha256
+        self.traceparent = traceparent
+
+    def attempting(self, log: AttemptLog) -> None:
+        """The log the attempts keep (written by :mod:`gateway.call.attempts`)."""
+        self.attempt_log = log
+
+    def priced(self, cost_model: str | None, cost_source: str | None) -> None:
+        """The model priced and where its price came from (None: none)."""
+        self.cost_model, self.cost_source = cost_model, cost_source
+
+    def over_budget(self) -> None:
+        """A budget refused the call: denied, nothing sent."""
+        self.decision, self.cost_reason = "denied", "not_sent"
+
+    def booked(self, budgets: list[str]) -> None:
+        """The budgets the call was booked in."""
+        self.budgets = budgets
+
+    def shadowed(self, rules: Iterable[str], *, once: bool = False) -> None:
+        """Rules that would have refused the call in shadow mode; ``once``: a rule
+        already recorded is not added again."""
+        if not once:
+            self.shadow_denied.extend(rules)
+            return
+        for rule in rules:
+            if rule not in self.shadow_denied:
+                self.shadow_denied.append(rule)
+
+    def cost_failed(self, cost_reason: str | None) -> None:
+        """Why a failed call has no cost (:func:`gateway.call.spend.settle_failed`)."""
+        self.cost_reason = cost_reason
+
+    def settled(
+        self, usage: TokenUsage | None, cost_usd: float | None, cost_reason: str | None,
+        stream_body: bytes | None,
+    ) -> None:  # fmt: skip
+        """The upstream's 2xx answer: its usage, its cost (None: unknown, and why) and,
+        for the idempotency store, a stream's bytes (None: none kept)."""
+        self.usage, self.cost_usd, self.cost_reason = usage, cost_usd, cost_reason
+        if stream_body is not None:
+            self.stream_body = stream_body
+
+    def answered(self, model: str | None) -> None:
+        """The model a whole answer named (None: none)."""
+        self.answered_model = model
 
     # -- reading ----------------------------------------------------------------------
 

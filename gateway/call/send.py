@@ -70,15 +70,15 @@ async def fail_over(
     spec = decision.target.spec
     original, tried = request, 0
     first: tuple[GatewayError, AttemptLog] | None = None
-    ctx.tried = []
+    ctx.failing_over()
     while True:
         started = time.monotonic()
         try:
             model = request_model(decision.target.spec.usage, request.endpoint, request.parameters)
-            ctx.served_by = ServedBy(target=decision.target.name, model=model)
+            ctx.option(ServedBy(target=decision.target.name, model=model))
             response = await forward(pipe, policy, request, decision, ctx, deadline, relay)
         except GatewayError as exc:
-            ctx.tried.append(_tried_entry(ctx, started, exc))
+            ctx.option_tried((_tried_entry(ctx, started, exc),))
             first = first or (exc, ctx.attempt_log)
             relayed = relay is not None and relay.started
             moved = _next_fallback(
@@ -86,20 +86,20 @@ async def fail_over(
                 deadline,
             )  # fmt: skip
             if moved is None:
-                ctx.served_by = None
+                ctx.option(None)
                 if relayed or not tried:
                     raise
                 # The target's own error and answer (a drop-in route passes it on), the
                 # record counting every option's attempts.
-                ctx.prior_attempts += ctx.attempt_log.attempts - first[1].attempts
-                ctx.attempt_log = first[1]
+                ctx.fell_back(ctx.attempt_log.attempts - first[1].attempts, first[1])
                 raise first[0] from None
-            ctx.prior_attempts += ctx.attempt_log.attempts
             tried, request, decision = moved
-            ctx.api_key_ref = decision.api_key_ref
-            ctx.rate_limit_group = decision.target.spec.rate_limit_group
+            ctx.fell_back(
+                ctx.attempt_log.attempts, None, decision.api_key_ref,
+                decision.target.spec.rate_limit_group,
+            )  # fmt: skip
         else:
-            ctx.tried.append(_tried_entry(ctx, started, None))
+            ctx.option_tried((_tried_entry(ctx, started, None),))
             return response
 
 
@@ -138,8 +138,7 @@ def _next_fallback(
         try:
             request, decision = fallback_call(policy, original, chosen)
         except GatewayError as refused:
-            assert ctx.tried is not None
-            ctx.tried.append(_tried_entry(ctx, time.monotonic(), refused, chosen))
+            ctx.option_tried((_tried_entry(ctx, time.monotonic(), refused, chosen),))
             continue
         return tried, request, decision
 
@@ -215,7 +214,7 @@ async def forward(
     reserved = 0
     if group is not None and group.spec.tokens_per_minute:
         reserved = estimate_tokens(request.parameters)
-    resolved = await resolve(pipe, decision.ref, ctx, deadline)
+    resolved = await _resolve(pipe, decision.ref, ctx, deadline)
     attempts = Attempts(
         upstream=pipe.upstream,
         target=target,
@@ -250,7 +249,7 @@ async def forward(
         tools=call_names(request, ctx.mcp) if pipe.budgets else (),
     )
     rates = cost.price.rates  # the record: the model priced, where its price came from
-    ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
+    ctx.priced(cost.price.model, rates.source if rates else None)
     attempts.breaker = pipe.breakers.get(target.name, cost.price.model)  # a model call's
     if cost.applying:  # else no budget applies: nothing to reserve
         await _reserve(pipe, cost, request, ctx)
@@ -301,7 +300,7 @@ def _wire(
     rotation (:func:`next_key`), and the context its log."""
     target, request = attempts.target, attempts.request
     attempts.send = _statement(pipe, policy, target.name, ctx)
-    ctx.attempt_log = attempts.log
+    ctx.attempting(attempts.log)
     if pool is not None:
         attempts.next_key = next_key(pipe, policy, request, target, pool, ctx, deadline)
 
@@ -328,7 +327,8 @@ def _model_gate(
     ``record`` the stream is only read)."""
     if ctx.model is None:
         return None
-    choice = ctx.model = models.as_sent(ctx.model, target.spec.usage, request)
+    choice = models.as_sent(ctx.model, target.spec.usage, request)
+    ctx.chose(choice)
     return (
         functools.partial(models.drift, choice, target=target.name) if choice.refuse_drift else None
     )
@@ -356,7 +356,8 @@ def _statement(
     if databases is None:
         raise InternalError("a database target without its engines", details={"target": target})
     if policy.policy.audit.payloads != "summary":
-        call = ctx.db_call = replace(call, params_sha256=None)
+        call = replace(call, params_sha256=None)
+        ctx.bound(call)
     return lambda timeout_s: databases.run(target, call, timeout_s=timeout_s, log=log)
 
 
@@ -376,8 +377,7 @@ def _outbound(
         draft.headers = {**ctx.passthrough_headers, **draft.headers}
     if ctx.chain is not None:  # the call chain it goes out with (gateway.agents.chain)
         draft.headers = chain.with_headers(draft.headers, ctx.chain)
-    ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
-    ctx.traceparent = draft.headers["traceparent"]
+    ctx.sent_out(digest, draft.headers["traceparent"])
     return draft
 
 
@@ -390,10 +390,10 @@ async def _reserve(
         await spend.reserve(pipe.budgets, cost, request)
     finally:
         if cost.refused:
-            ctx.decision, ctx.cost_reason = "denied", "not_sent"
+            ctx.over_budget()
         if cost.warnings or cost.shadow_denied:
             _noted(ctx, cost, again=False)
-    ctx.budgets = cost.budgets
+    ctx.booked(cost.budgets)
 
 
 async def _rebook(pipe: Pipeline, cost: spend.Spend, ctx: CallContext) -> None:
@@ -409,7 +409,7 @@ def _failed(
     """After the attempts failed with ``exc``: release what the reservations may (the
     budgets', the group's token estimate) and count a refusal by the group."""
     log = attempts.log
-    ctx.cost_reason = spend.settle_failed(pipe.budgets, cost, sent=log.sent, billed=log.billed)
+    ctx.cost_failed(spend.settle_failed(pipe.budgets, cost, sent=log.sent, billed=log.billed))
     group = attempts.group
     if group is not None:
         if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
@@ -428,25 +428,28 @@ def _answered(
     """The envelope of the upstream's 2xx ``answer``; its usage settles the call's
     cost and the rate-limit group's token estimate."""
     relayed, target, request = attempts.log.relayed, attempts.target, attempts.request
+    kept = None  # a stream's bytes, for the idempotency store
     if relayed is not None:
-        data, ctx.usage = None, relayed.judge.usage()  # the agent has had the events
+        data, usage = None, relayed.judge.usage()  # the agent has had the events
         if relayed.kept is not None:
-            ctx.stream_body = bytes(relayed.kept)
+            kept = bytes(relayed.kept)
     else:
         data, _ = parse_body(answer.content_type, answer.body, answer.status)
-        ctx.usage = extract_usage(target.spec.usage, data)
+        usage = extract_usage(target.spec.usage, data)
         if ctx.idempotency_key is not None and is_stream_form(data):
-            ctx.stream_body = answer.body
-    ctx.cost_usd, ctx.cost_reason = spend.settle(pipe.budgets, cost, ctx.usage)
+            kept = answer.body
+    usd, reason = spend.settle(pipe.budgets, cost, usage)
+    ctx.settled(usage, usd, reason, kept)
     group = attempts.group
-    if group is not None and ctx.usage is not None:
+    if group is not None and usage is not None:
         # Unknown usage keeps the reservation: the upstream answered, so tokens were
         # spent, and a refund would let the group overspend (design.md).
-        group.reconcile(attempts.tokens_reserved, ctx.usage.total)
+        group.reconcile(attempts.tokens_reserved, usage.total)
     choice = ctx.model
     if choice is not None and relayed is None:  # a relayed stream was judged as it came
-        ctx.answered_model = response_model(target.spec.usage, data)
-        refused = models.drift(choice, ctx.answered_model, target.name)
+        named = response_model(target.spec.usage, data)
+        ctx.answered(named)
+        refused = models.drift(choice, named, target.name)
         if refused is not None:
             raise refused  # spent and settled: only the answer is withheld
     return ExternalCallResponse(
@@ -454,7 +457,7 @@ def _answered(
         status_code=answer.status,
         data=data,
         latency_ms=round((time.monotonic() - ctx.started) * 1000, 3),
-        tokens_used=ctx.usage.total if ctx.usage else None,
+        tokens_used=usage.total if usage else None,
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
         model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
@@ -499,7 +502,7 @@ def _pooled(
             details=details,
             retry_after_s=wait,
         )
-    ctx.api_key_ref = ref
+    ctx.key(ref)
     return egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
 
 
@@ -523,10 +526,10 @@ def next_key(
         ref = pipe.keys.pick(target.name, pool, now)
         if ref is None:
             return None
-        ctx.warnings.append(f"key {ctx.api_key_ref} rests; key {ref} serves")
+        ctx.warned((f"key {ctx.api_key_ref} rests; key {ref} serves",))
         decision = egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
-        resolved = await resolve(pipe, decision.ref, ctx, deadline)
-        ctx.api_key_ref = ref
+        resolved = await _resolve(pipe, decision.ref, ctx, deadline)
+        ctx.key(ref)
         return pipe.credentials.of(target, resolved)
 
     return rotate
@@ -540,17 +543,26 @@ def refresher(
     async def refresh() -> Credential | None:
         assert decision.ref is not None
         pipe.resolvers.invalidate(decision.ref)
-        resolved = await resolve(pipe, decision.ref, ctx, deadline)
+        resolved = await _resolve(pipe, decision.ref, ctx, deadline)
         return pipe.credentials.of(decision.target, resolved)
 
     return refresh
 
 
-async def resolve(
+async def _resolve(
     pipe: Pipeline, ref: SecretRef | None, ctx: CallContext, deadline: float
 ) -> ResolvedSecret | None:
+    """:func:`resolve`, its warnings into the record."""
+    resolved = await resolve(pipe, ref, deadline)
+    if resolved is not None and resolved.warnings:
+        ctx.warned(resolved.warnings)
+    return resolved
+
+
+async def resolve(pipe: Pipeline, ref: SecretRef | None, deadline: float) -> ResolvedSecret | None:
     """The secret ``ref`` names (None without one), within the deadline (else AGENT_TIMEOUT
-    ``reason: deadline``); its warnings into the record, a Vault lookup into metrics."""
+    ``reason: deadline``), with its warnings for the caller to record; a Vault lookup into
+    metrics."""
     if ref is None:
         return None
     remaining = deadline - time.monotonic()
@@ -565,7 +577,6 @@ async def resolve(
                     resolved = await pipe.resolvers.resolve(ref)
             except TimeoutError:
                 raise deadline_error("resolving the secret") from None
-    ctx.warnings.extend(resolved.warnings)
     if ref.scheme == "vault":  # the only cached scheme
         pipe.metrics.observe_secret_cache(
             "stale" if resolved.warnings else "hit" if resolved.from_cache else "miss"
@@ -577,10 +588,5 @@ def _noted(ctx: CallContext, cost: spend.Spend, *, again: bool) -> None:
     """The cost stage's new warnings and shadow denials into the record; ``again`` (a
     resend's booking) adds a shadow denial only once."""
     warnings, shadow = cost.take_notes()
-    ctx.warnings.extend(warnings)
-    if not again:
-        ctx.shadow_denied.extend(shadow)
-        return
-    for rule in shadow:
-        if rule not in ctx.shadow_denied:
-            ctx.shadow_denied.append(rule)
+    ctx.warned(warnings)
+    ctx.shadowed(shadow, once=again)
