@@ -21,7 +21,7 @@ from gateway.secrets import ResolvedSecret
 from gateway.tracing import trace_id_of
 
 #: How the pipeline resolves a secret reference within a deadline (monotonic seconds).
-Resolve = Callable[[SecretRef, float], Awaitable[ResolvedSecret | None]]
+Resolve = Callable[[SecretRef, CallContext, float], Awaitable[ResolvedSecret | None]]
 
 
 async def chain_stage(
@@ -44,12 +44,7 @@ async def chain_stage(
     keys = chain.NO_KEYS
     if spec.signing_key_ref is not None:
         deadline = ctx.started + request.timeout
-        resolved = []
-        for ref in spec.key_refs():
-            secret = await resolve(parse_ref(ref), deadline)
-            if secret is not None and secret.warnings:
-                ctx.warned(secret.warnings)
-            resolved.append(secret)
+        resolved = [await resolve(parse_ref(ref), ctx, deadline) for ref in spec.key_refs()]
         keys = chain.SigningKeys(*(r.secret for r in resolved if r is not None))
     seen = request.call_chain if request.call_chain is not None else ctx.chain_seen
     now_ms = int(time.time() * 1000)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 from gateway import telemetry
 from gateway.agents.approvals import Approvals, MemoryApprovalStore
-from gateway.agents.chain import ChainDecision
 from gateway.agents.chain_memory import ChainMemory
 from gateway.agents.controls import Controls
 from gateway.agents.identity import Identity, policy_identity
@@ -138,6 +137,8 @@ class Pipeline:
         #: The operator's desk (agents/approvals.py, deadletters/): replaced by the runtime's.
         self.approvals = Approvals(MemoryApprovalStore(), audit)
         self.dead_letters = DeadLetters(max_count=1000, max_bytes=16 << 20, audit=audit)
+        #: How the chain stage resolves its signing keys (gateway.call.send.resolve).
+        self.resolve = functools.partial(send.resolve, self)
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with.
@@ -248,7 +249,11 @@ class Pipeline:
                 _unknown_fields(ctx, request, taken.unknown_fields)
             identity.admit(request.target_system)
             ctx.decided("denied")
-            chained = await self._chain(policy, request, ctx)
+            chained = ctx.chained(
+                await chain_stage(policy.policy.chain, request, ctx, self.resolve, self.chains)
+            )
+            if chained.error is not None:
+                raise chained.error
             decision = egress_rules.decide(policy, request)
             ctx.aimed(decision.target, decision.api_key_ref)
             request, relay, reading = hooks.checked(request, decision.target, ctx, relay)
@@ -287,24 +292,6 @@ class Pipeline:
                 self.dead_letters.after(ctx, response)  # kept when it failed for good
                 trace.end(self._write_audit(ctx, response, hooks), status, response)
         return status, response
-
-    async def _chain(
-        self, policy: PolicySet, request: ExternalCallRequest, ctx: CallContext
-    ) -> ChainDecision:
-        """The chain stage (:func:`gateway.call.chain.chain_stage`): its decision into the
-        record, refused or not. Raises its refusal (CALL_CHAIN_REFUSED)."""
-        chained = ctx.chained(
-            await chain_stage(
-                policy.policy.chain,
-                request,
-                ctx,
-                functools.partial(send.resolve, self),
-                self.chains,
-            )
-        )
-        if chained.error is not None:
-            raise chained.error
-        return chained
 
     def _crashed(self, exc: Exception, ctx: CallContext, policy: PolicySet) -> ExternalCallResponse:
         """The answer to a bug inside the sidecar (logged with its traceback): UNKNOWN,
@@ -380,7 +367,8 @@ class Pipeline:
             return await self._idempotent(
                 policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
-        ctx.sending(group_name, None)
+        if group_name is not None:  # else the context's own None
+            ctx.sending(group_name, None)
         return 200, await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
@@ -450,10 +438,10 @@ def _models(
     sent (an alias pinned) and its decision; its choice and shadow denials into the
     record. Raises its refusal (``model_not_allowed``), nothing sent."""
     models = model_rules.checked(policy, request, decision, ctx.agent_id)
-    ctx.chose(models.choice)
     if models.refusal is not None:
+        ctx.chose(models.choice)
         raise models.refusal
-    ctx.modelled(models.request, model_rules.shadow_rules(models.choice))
+    ctx.modelled(models.choice, models.request, model_rules.shadow_rules(models.choice))
     return models.request, models.decision
 
 

@@ -176,7 +176,7 @@ def proxy_intake(
         raw, passthrough = _raw(http, policy, headers, trace_id, correlation_id)
     except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
         return Arrival(None, "proxy", claimed, seen, refusal=exc)
-    warnings = _retrying(headers, raw)
+    warnings = _retrying(headers, raw) if _SDK_RETRY_HEADER in headers else ()
     try:
         intake = parse_built(raw)
     except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)

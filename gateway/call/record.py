@@ -180,21 +180,20 @@ class CallContext:
 
     def arrived(self, arrival: Arrival) -> Intake:
         """An intake's result; returns its request. Raises its refusal."""
-        self.api = arrival.api
-        if arrival.claimed is not None:
-            self.claimed = arrival.claimed
-        self.chain_seen = arrival.chain_seen
-        if arrival.passthrough_headers is not None:
-            self.passthrough_headers = arrival.passthrough_headers
-        if arrival.warnings:
-            self.warnings.extend(arrival.warnings)
-        self.mcp, self.a2a = arrival.mcp, arrival.a2a
-        self.target_agent, self.chain_inbound = arrival.target_agent, arrival.chain_inbound
-        if arrival.decision is not None:
-            self.decision = arrival.decision
-        if arrival.refusal is not None or arrival.intake is None:
-            raise arrival.refusal or AssertionError("an arrival without its request")
-        return arrival.intake
+        intake, api, claimed, seen, passed, warnings, refusal, decision, *rest = arrival
+        self.api, self.chain_seen = api, seen
+        if claimed is not None:
+            self.claimed = claimed
+        if passed is not None:
+            self.passthrough_headers = passed
+        if warnings:
+            self.warnings.extend(warnings)
+        self.mcp, self.a2a, self.target_agent, self.chain_inbound = rest
+        if decision is not None:
+            self.decision = decision
+        if refusal is not None or intake is None:
+            raise refusal or AssertionError("an arrival without its request")
+        return intake
 
     def took(
         self, request: ExternalCallRequest, api_key_ref: str | None, identity: Identity
@@ -222,29 +221,33 @@ class CallContext:
 
     def read(self, reading: Reading) -> None:
         """An API's reading of the allowed request. Raises its refusal."""
-        if reading.api is not None:
-            self.api = reading.api
-        if reading.db is not None:
-            self.db = reading.db
-        if reading.db_call is not None:
-            self.db_call = reading.db_call
-        if reading.passthrough_headers is not None:
-            self.passthrough_headers = reading.passthrough_headers
-        if reading.mcp is not None:
-            self.mcp = reading.mcp
-        if reading.decision is not None:
-            self.decision = reading.decision
-        if reading.refusal is not None:
-            raise reading.refusal
+        api, db_call, db, passed, mcp, decision, refusal = reading
+        if api is not None:
+            self.api = api
+        if db_call is not None:
+            self.db_call = db_call
+        if db is not None:
+            self.db = db
+        if passed is not None:
+            self.passthrough_headers = passed
+        if mcp is not None:
+            self.mcp = mcp
+        if decision is not None:
+            self.decision = decision
+        if refusal is not None:
+            raise refusal
 
     def chose(self, model: ModelChoice | None) -> None:
         """The models decision (None: no ``models:`` rule applied)."""
         self.model = model
 
-    def modelled(self, request: ExternalCallRequest, shadow_denied: list[str]) -> None:
-        """The request as the models stage lets it go (an alias pinned), and the rules
-        that would have refused its model in shadow mode."""
-        self.request = request
+    def modelled(
+        self, model: ModelChoice | None, request: ExternalCallRequest, shadow_denied: list[str]
+    ) -> None:
+        """The models decision that let the call go (None: no ``models:`` rule applied),
+        the request as it goes (an alias pinned), and the rules that would have refused
+        its model in shadow mode."""
+        self.model, self.request = model, request
         if shadow_denied:
             self.shadow_denied += shadow_denied
 
@@ -310,12 +313,10 @@ class CallContext:
         self.request_bytes, self.request_sha256 = digest.size, digest.sha256
         self.traceparent = traceparent
 
-    def attempting(self, log: AttemptLog) -> None:
-        """The log the attempts keep (written by :mod:`gateway.call.attempts`)."""
+    def attempting(self, log: AttemptLog, cost_model: str | None, cost_source: str | None) -> None:
+        """The log the attempts keep (written by :mod:`gateway.call.attempts`), the model
+        priced and where its price came from (None: none)."""
         self.attempt_log = log
-
-    def priced(self, cost_model: str | None, cost_source: str | None) -> None:
-        """The model priced and where its price came from (None: none)."""
         self.cost_model, self.cost_source = cost_model, cost_source
 
     def over_budget(self) -> None:

@@ -214,7 +214,7 @@ async def forward(
     reserved = 0
     if group is not None and group.spec.tokens_per_minute:
         reserved = estimate_tokens(request.parameters)
-    resolved = await _resolve(pipe, decision.ref, ctx, deadline)
+    resolved = await resolve(pipe, decision.ref, ctx, deadline)
     attempts = Attempts(
         upstream=pipe.upstream,
         target=target,
@@ -249,7 +249,7 @@ async def forward(
         tools=call_names(request, ctx.mcp) if pipe.budgets else (),
     )
     rates = cost.price.rates  # the record: the model priced, where its price came from
-    ctx.priced(cost.price.model, rates.source if rates else None)
+    ctx.attempting(attempts.log, cost.price.model, rates.source if rates else None)
     attempts.breaker = pipe.breakers.get(target.name, cost.price.model)  # a model call's
     if cost.applying:  # else no budget applies: nothing to reserve
         await _reserve(pipe, cost, request, ctx)
@@ -297,10 +297,9 @@ def _wire(
     deadline: float,
 ) -> None:
     """Give ``attempts`` a database target's send (:func:`_statement`) and a key pool's
-    rotation (:func:`next_key`), and the context its log."""
+    rotation (:func:`next_key`)."""
     target, request = attempts.target, attempts.request
     attempts.send = _statement(pipe, policy, target.name, ctx)
-    ctx.attempting(attempts.log)
     if pool is not None:
         attempts.next_key = next_key(pipe, policy, request, target, pool, ctx, deadline)
 
@@ -528,7 +527,7 @@ def next_key(
             return None
         ctx.warned((f"key {ctx.api_key_ref} rests; key {ref} serves",))
         decision = egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
-        resolved = await _resolve(pipe, decision.ref, ctx, deadline)
+        resolved = await resolve(pipe, decision.ref, ctx, deadline)
         ctx.key(ref)
         return pipe.credentials.of(target, resolved)
 
@@ -543,26 +542,17 @@ def refresher(
     async def refresh() -> Credential | None:
         assert decision.ref is not None
         pipe.resolvers.invalidate(decision.ref)
-        resolved = await _resolve(pipe, decision.ref, ctx, deadline)
+        resolved = await resolve(pipe, decision.ref, ctx, deadline)
         return pipe.credentials.of(decision.target, resolved)
 
     return refresh
 
 
-async def _resolve(
+async def resolve(
     pipe: Pipeline, ref: SecretRef | None, ctx: CallContext, deadline: float
 ) -> ResolvedSecret | None:
-    """:func:`resolve`, its warnings into the record."""
-    resolved = await resolve(pipe, ref, deadline)
-    if resolved is not None and resolved.warnings:
-        ctx.warned(resolved.warnings)
-    return resolved
-
-
-async def resolve(pipe: Pipeline, ref: SecretRef | None, deadline: float) -> ResolvedSecret | None:
     """The secret ``ref`` names (None without one), within the deadline (else AGENT_TIMEOUT
-    ``reason: deadline``), with its warnings for the caller to record; a Vault lookup into
-    metrics."""
+    ``reason: deadline``); its warnings into the record, a Vault lookup into metrics."""
     if ref is None:
         return None
     remaining = deadline - time.monotonic()
@@ -577,6 +567,8 @@ async def resolve(pipe: Pipeline, ref: SecretRef | None, deadline: float) -> Res
                     resolved = await pipe.resolvers.resolve(ref)
             except TimeoutError:
                 raise deadline_error("resolving the secret") from None
+    if resolved.warnings:
+        ctx.warned(resolved.warnings)
     if ref.scheme == "vault":  # the only cached scheme
         pipe.metrics.observe_secret_cache(
             "stale" if resolved.warnings else "hit" if resolved.from_cache else "miss"
