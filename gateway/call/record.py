@@ -102,7 +102,10 @@ class Reading(NamedTuple):
 
 @dataclass(slots=True)
 class CallContext:
-    """What one call learned on its way; becomes the audit record."""
+    """What one call learned on its way; becomes the audit record. Read by every stage,
+    written only by its own methods below, each taking one stage's result (the module
+    docstring); the objects it holds that have their own writer (the attempts' log, an
+    MCP exchange's outcomes, a database call's log) are written there."""
 
     started: float
     agent_id: str

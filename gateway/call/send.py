@@ -6,8 +6,10 @@ secret (:func:`resolve`, inside the deadline), the cost reservation
 (:mod:`gateway.call.spend`: refused here, nothing goes out), the attempts
 (:class:`gateway.call.attempts.Attempts`; a database target's attempt runs its statement
 instead of an HTTP request: :func:`_statement`), then the answer's usage settles the cost and
-the group's estimate (a failure releases what it may). The pipeline's context is the
-only thing written: the stages it calls return their results.
+the group's estimate (a failure releases what it may). The stages it calls return their
+results; the call's context takes each through its own methods
+(:class:`gateway.call.record.CallContext`) as soon as it is known, so that a send that
+fails half-way is recorded with what it learned.
 """
 
 from __future__ import annotations
