@@ -17,7 +17,7 @@ from gateway.call.record import CallContext, Reading
 from gateway.call.relay import Relay
 from gateway.database import DbLog, bind
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
-from gateway.errors import GatewayError, InvalidPayload, PermissionDenied
+from gateway.errors import InvalidPayload, PermissionDenied
 from gateway.policy import CompiledTarget
 from gateway.policy.database import StatementSpec
 
@@ -165,7 +165,7 @@ def _statement(request: ExternalCallRequest, statements: dict[str, StatementSpec
     (:func:`gateway.database.bind`), or its refusal, in a record of ``api: database``."""
     try:
         return Reading("database", bind(request, statements), DbLog())
-    except GatewayError as exc:
+    except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.read)
         return Reading("database", db=DbLog(), refusal=exc)
 
 
