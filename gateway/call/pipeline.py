@@ -52,7 +52,7 @@ from gateway.call.intake import (
 from gateway.call.keys import KeyPools
 from gateway.call.outbound import Credentials
 from gateway.call.proxy import ProxyRequest, proxy_intake
-from gateway.call.record import CLAIMED, Arrival, CallContext, observe
+from gateway.call.record import CLAIMED, Arrival, ArrivalFields, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
 from gateway.database.registry import Databases
@@ -163,9 +163,11 @@ class Pipeline:
         """
         policy = self.policy  # one policy for the whole call, even across a reload
         identity = identity or policy_identity(policy.policy.agent_id)
-        ctx = CallContext(started=time.monotonic(), agent_id=identity.agent_id, identity=identity)
+        ctx = CallContext(
+            time.monotonic(), identity.agent_id, identity=identity, policy_sha256=policy.sha256
+        )
 
-        def intake() -> Intake | Arrival:
+        def intake() -> Intake | Arrival | ArrivalFields:
             fast = parse_envelope_fast(body) if refuse is None else None
             return Intake(fast) if fast is not None else self._intake(body, refuse, policy)
 
@@ -228,18 +230,19 @@ class Pipeline:
         self,
         policy: PolicySet,
         ctx: CallContext,
-        intake: Callable[[], Intake | Arrival],
+        intake: Callable[[], Intake | Arrival | ArrivalFields],
         relay: Relay | None,
         hooks: CallHooks,
     ) -> tuple[int, ExternalCallResponse]:
         """The stages of one call, the same for every API: ``intake`` gives its request,
         ``hooks`` are its API's part (:class:`gateway.call.hooks.CallHooks`)."""
-        ctx.began(policy.sha256)
+        if ctx.policy_sha256 is None:  # a context the API built
+            ctx.began(policy.sha256)
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
             taken = intake()
-            if isinstance(taken, Arrival):  # an API's, refused or not (not the fast path's)
+            if isinstance(taken, tuple):  # an API's Arrival, refused or not (not the fast path's)
                 taken = ctx.arrived(taken)
             request = taken.request
             # A claimed agent_id is checked against who called, never taken for it.

@@ -51,7 +51,7 @@ from gateway import fastjson
 from gateway.agents import chain
 from gateway.call.bodies import is_json_type, media_type
 from gateway.call.intake import decode_json, parse_built, parse_object_fast, printable
-from gateway.call.record import CLAIM_LIMIT, Arrival, CallContext
+from gateway.call.record import CLAIM_LIMIT, Arrival, ArrivalFields, CallContext
 from gateway.envelope import (
     BODY_METHODS,
     DEFAULT_TIMEOUT_S,
@@ -154,7 +154,7 @@ def header_map(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
 
 def proxy_intake(
     http: ProxyRequest, policy: PolicySet, refuse: GatewayError | None = None
-) -> Arrival:
+) -> Arrival | ArrivalFields:
     """The request of a drop-in call (module docstring), validated as an envelope is,
     refused or not: the ids and request line come with a refusal, so that it is audited
     with them. Its refusal: ``refuse`` when given, else :class:`InvalidPayload` (a
@@ -181,7 +181,21 @@ def proxy_intake(
         intake = parse_built(raw)
     except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
         return Arrival(None, "proxy", claimed, seen, refusal=exc, warnings=warnings)
-    return Arrival(intake, "proxy", claimed, seen, passthrough, warnings)
+    # An Arrival's fields as a plain tuple (gateway.call.record.ArrivalFields): per call.
+    return (
+        intake,
+        "proxy",
+        claimed,
+        seen,
+        passthrough,
+        warnings,
+        None,
+        None,
+        None,
+        None,
+        None,
+        False,
+    )
 
 
 def _raw(

@@ -49,6 +49,7 @@ __all__ = [
     "CLAIMED",
     "CLAIM_LIMIT",
     "Arrival",
+    "ArrivalFields",
     "CallContext",
     "Reading",
     "audit_record",
@@ -82,6 +83,25 @@ class Arrival(NamedTuple):
     #: An A2A target's ``a2a.agent_id``; whether the call goes to this sidecar's agent.
     target_agent: str | None = None
     chain_inbound: bool = False
+
+
+#: An :class:`Arrival`'s fields as a plain tuple, in the same order: what the drop-in
+#: route's intake gives for a request it took (once per call: a named tuple costs some
+#: 3,000 instructions more to build and read; callgrind, CPython 3.11).
+ArrivalFields = tuple[
+    Intake | None,
+    Api,
+    dict[str, str] | None,
+    dict[str, str] | None,
+    dict[str, str] | None,
+    tuple[str, ...],
+    BaseException | None,
+    str | None,
+    McpExchange | None,
+    Any,
+    str | None,
+    bool,
+]
 
 
 class Reading(NamedTuple):
@@ -181,9 +201,22 @@ class CallContext:
         """The call runs under the policy whose file has this SHA-256."""
         self.policy_sha256 = policy_sha256
 
-    def arrived(self, arrival: Arrival) -> Intake:
+    def arrived(self, arrival: Arrival | ArrivalFields) -> Intake:
         """An intake's result; returns its request. Raises its refusal."""
-        intake, api, claimed, seen, passed, warnings, refusal, decision, *rest = arrival
+        (
+            intake,
+            api,
+            claimed,
+            seen,
+            passed,
+            warnings,
+            refusal,
+            decision,
+            mcp,
+            a2a,
+            agent,
+            inbound,
+        ) = arrival
         self.api, self.chain_seen = api, seen
         if claimed is not None:
             self.claimed = claimed
@@ -191,7 +224,10 @@ class CallContext:
             self.passthrough_headers = passed
         if warnings:
             self.warnings.extend(warnings)
-        self.mcp, self.a2a, self.target_agent, self.chain_inbound = rest
+        if mcp is not None or a2a is not None:
+            self.mcp, self.a2a = mcp, a2a
+        if agent is not None or inbound:
+            self.target_agent, self.chain_inbound = agent, inbound
         if decision is not None:
             self.decision = decision
         if refusal is not None or intake is None:
