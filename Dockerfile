@@ -17,23 +17,30 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN python -m venv /opt/venv
 
-# Dependencies in their own layer, rebuilt only when the lock changes. requirements.lock
-# pins every package of [project.dependencies] plus the `fast` extra (uvloop, orjson: less
-# CPU per call) and the `otel` extra (traces over OTLP/HTTP, imported only when tracing is
-# on) and their dependencies, each with the hashes of its files on PyPI, so two
-# builds install the same bytes and a tampered download fails. After a change of
-# pyproject.toml's dependencies, regenerate it (tests/test_dockerfile.py checks that it
-# matches) with the command in its header:
-#   uv pip compile pyproject.toml --extra fast --extra otel --generate-hashes --python-version 3.11 \
-#       --python-platform linux --no-cache -o requirements.lock
+# Dependencies in their own layer, rebuilt only when the lock changes. The image carries
+# every feature the docs describe, since its users cannot pip install into it:
+# requirements.lock pins every package of [project.dependencies] plus every extra of the
+# sidecar itself, each imported only when the policy uses it: `fast` (uvloop, orjson: less
+# CPU per call), `otel` (traces over OTLP/HTTP), `database` (asyncpg, database targets)
+# and `a2a` (PyJWT[crypto], a2a.card.verify); `dev` and `demo` are not the sidecar's. With
+# their dependencies, each with the hashes of its files on PyPI, so two builds install
+# the same bytes and a tampered download fails. After a change of pyproject.toml's
+# dependencies, regenerate it (tests/test_dockerfile.py checks that it matches) with the
+# command in its header:
+#   uv pip compile pyproject.toml --extra fast --extra otel --extra database --extra a2a \
+#       --generate-hashes --python-version 3.11 --python-platform linux --no-cache \
+#       -o requirements.lock
 COPY requirements.lock ./
 RUN pip install --require-hashes --no-deps --requirement requirements.lock
 
 # The project itself, built as a wheel and installed without touching the dependencies.
 COPY README.md ./
 COPY gateway/ ./gateway/
+# The price table (gateway/cost/table.py) written into the installed package, so that a
+# sidecar never reads genai-prices' data itself (-P: the installed gateway, not ./gateway).
 RUN pip wheel --no-deps --wheel-dir /tmp/wheels . \
     && pip install --no-deps /tmp/wheels/*.whl \
+    && python -P -c "from gateway.cost.table import main; main(['--write'])" \
     && python -m compileall -q /opt/venv/lib
 
 

@@ -76,6 +76,8 @@ def count(
         sidecar = start("sidecar", argv, work, ready="calls", env=env, timeout_s=600)
         host, port = sidecar.address.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        headers = {"content-type": "application/json"}
+        headers.update(getattr(bench_run, "VARIANT_HEADERS", {}).get(variant, {}))
         template = bench_run.envelope_template()
         path = "/v1/calls"
         if route == "drop-in":
@@ -85,7 +87,7 @@ def count(
         def send(n: int, tag: str) -> None:
             for i in range(n):
                 body = template.replace("@ID@", f"{tag}-{i}").encode()
-                conn.request("POST", path, body, {"content-type": "application/json"})
+                conn.request("POST", path, body, headers)
                 answer = conn.getresponse()
                 doc = json.loads(answer.read())
                 if answer.status != 200 or not (route == "drop-in" or doc.get("success")):

@@ -70,6 +70,14 @@ FEATURES: dict[str, str] = {
     "cluster_group": "the rate-limit group with scope: cluster on Redis 127.0.0.1:6379",
 }
 
+#: Request headers a variant's calls carry. ``controls`` (bench/instructions.py only, not
+#: a feature of the load run, whose calls carry no token): ``minimal`` with every agent
+#: control on (identity by token, signed chain, stop switch, repeated-call breaker, an
+#: approval rule that does not match, a fallback).
+VARIANT_HEADERS: dict[str, dict[str, str]] = {
+    "controls": {"x-egress-agent-token": "bench-agent-token"},
+}
+
 
 def policy_for(upstream: str, secret_file: Path, audit_file: Path, variant: str) -> dict[str, Any]:
     target: dict[str, Any] = {
@@ -116,18 +124,18 @@ def policy_for(upstream: str, secret_file: Path, audit_file: Path, variant: str)
         },
         "audit": audit,
     }
-    if variant in ("audit_devnull", "minimal"):
+    if variant in ("audit_devnull", "minimal", "controls"):
         audit.update(path="/dev/null", max_bytes=None)
     if variant == "audit_chain":
         audit["chain"] = True
-    if variant in ("no_idempotency", "minimal"):
+    if variant in ("no_idempotency", "minimal", "controls"):
         del target["idempotency"]
-    if variant in ("no_ratelimit", "minimal"):
+    if variant in ("no_ratelimit", "minimal", "controls"):
         del target["rate_limit_group"]
         policy["rate_limit_groups"] = {}
-    if variant in ("no_breaker", "minimal"):
+    if variant in ("no_breaker", "minimal", "controls"):
         target["circuit_breaker"] = None
-    if variant in ("no_usage", "minimal"):
+    if variant in ("no_usage", "minimal", "controls"):
         target["usage"] = "none"
     if variant == "cluster_group":
         # One Lua script per admission on the local Redis (docs/cluster.md); a private
@@ -137,7 +145,28 @@ def policy_for(upstream: str, secret_file: Path, audit_file: Path, variant: str)
             "url": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
             "key_prefix": f"egw-bench-{os.getpid()}",
         }
+    if variant == "controls":
+        _with_controls(policy, target, secret_file)
     return policy
+
+
+def _with_controls(policy: dict[str, Any], target: dict[str, Any], secret_file: Path) -> None:
+    """The agent controls of the ``controls`` variant, none of which refuses the bench's
+    calls: identity by token (``VARIANT_HEADERS``), chains signed with the fleet's key,
+    the repeated-call breaker (its cap far above the calls of a run), an approval rule
+    for another endpoint and a fallback target (the same upstream). The stop switch is
+    always on (local)."""
+    token = secret_file.with_name("agent-token")
+    token.write_text(VARIANT_HEADERS["controls"]["x-egress-agent-token"] + "\n")
+    chain_key = secret_file.with_name("chain-key")
+    chain_key.write_text("bench-chain-signing-key-0123456789abcdef\n")
+    policy["agents"] = {"bench-agent": {"token_ref": f"file://{token}"}}
+    policy["chain"] = {"signing_key_ref": f"file://{chain_key}"}
+    policy["controls"] = {"repeated_calls": {"max_repeats": 10_000, "window_s": 1}}
+    policy["operators"] = {"bench-operator": {"token_ref": f"file://{token}"}}
+    target["approval"] = {"endpoints": [{"path": "/v1/files/*", "methods": ["DELETE"]}]}
+    target["fallbacks"] = [{"target": "openai_b"}]
+    policy["targets"]["openai_b"] = {**target, "fallbacks": []}
 
 
 def envelope_template() -> str:

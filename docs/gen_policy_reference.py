@@ -36,7 +36,7 @@ ROOT: Final = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gateway.policy.models import Policy  # noqa: E402 - after the path is set
+from gateway.policy.root import Policy  # noqa: E402 - after the path is set
 
 PAGE: Final = ROOT / "docs" / "reference" / "policy.md"
 #: Where examples come from: the policies the project ships, in this order.
@@ -59,6 +59,8 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "targets.NAME.first_byte_timeout_s": "longest wait for a stream's first event, in "
     "seconds; past it STREAM_INTERRUPTED `first_byte_timeout` (a fallback may serve); "
     "`null`: `stream_idle_timeout_s`",
+    "targets.NAME.call_chain": "whether the call chain goes out to this target "
+    '(docs/features/call-chain.md, "Which targets get the chain")',
     "agent_id": "the agent this sidecar serves: audit records' `agent_id`, `failed_agent`",
     "server": "the sidecar's listeners and process limits",
     "server.host": "address of the calls listener (envelope, drop-in, MCP)",
@@ -105,6 +107,11 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "targets.NAME.retry.backoff_base_s": "first backoff, doubled per retry (full jitter)",
     "targets.NAME.retry.backoff_max_s": "longest backoff between two attempts, in seconds",
     "targets.NAME.retry.retry_on": "statuses (429, 5xx) and failure kinds that are retried",
+    "targets.NAME.retry.resend_unanswered": (
+        "a connection reset before the answer is sent again (and may fail over) without "
+        "an idempotency key, on the dialect's inference endpoints (docs/features/retries.md); "
+        "`null`: on with a provider `usage`; `true` needs one"
+    ),
     "targets.NAME.circuit_breaker": "per-target breaker; `null` turns it off",
     "targets.NAME.circuit_breaker.fail_max": "consecutive failed attempts that open it",
     "targets.NAME.circuit_breaker.reset_timeout_s": "seconds open before one probe goes through",
@@ -300,6 +307,8 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "agents.NAME.uid": "the UID its processes run as (recognised first)",
     "agents.NAME.token_ref": "secret reference of its token (header `x-egress-agent-token`)",
     "agents.NAME.targets": "the targets it may call (absent: every target)",
+    "agents.NAME.rate_limit_group": "a group of `rate_limit_groups` each of its calls takes "
+    "once, besides the call's own group: its pace (absent: none)",
     "controls": "the operator's stop switch and the repeated-call breaker",
     "controls.operator_token_ref": "secret reference of the ops API's stop/resume token "
     "(absent: those routes refuse every request)",

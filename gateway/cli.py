@@ -201,6 +201,7 @@ def _model_warnings(policy: PolicySet) -> list[tuple[tuple[str, ...], str]]:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from gateway.policy import PolicyError, load_policy
+    from gateway.policy.chain import propagation_warnings
     from gateway.policy.controls import tool_cap_warnings
     from gateway.policy.failover import fallback_warnings
 
@@ -233,7 +234,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 print(f"{path}: {key}: warning: {message}", file=sys.stderr)
             for warning in _replica_warnings(path, policy, args.replicas):
                 print(warning, file=sys.stderr)
-            for loc, message in [*tool_cap_warnings(policy.policy), *_model_warnings(policy)]:
+            for loc, message in [
+                *tool_cap_warnings(policy.policy),
+                *_model_warnings(policy),
+                *propagation_warnings(policy.policy.targets),
+            ]:
                 print(f"{path}: {'.'.join(loc)}: warning: {message}", file=sys.stderr)
     return 1 if failed else 0
 

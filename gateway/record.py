@@ -142,14 +142,20 @@ class CallRecord(NamedTuple):
     policy_sha256: str | None
     #: What the call chain stage decided (:mod:`gateway.call.chain`; None: not reached).
     chain: ChainDecision | None
-    #: Who answered (target and model; None: no upstream answered well) and, for a
-    #: target with ``fallbacks``, every option tried (gateway.call.send.fail_over).
+    #: Who answered (target and model; None: no upstream answered well) and every
+    #: attempt (:func:`gateway.call.attempts.tried_entry`) of a target with
+    #: ``fallbacks`` (gateway.call.send.fail_over), or of a call that was retried.
     served_by: ServedBy | None = None
     tried: list[dict[str, Any]] | None = None
     #: The models asked for, sent and answered (None: no ``models:`` rule applied).
     models: ModelFacts | None = None
     #: A database target's statement (None for other calls).
     database: DatabaseFacts | None = None
+    #: The calling agent's own rate-limit group (``agents.NAME.rate_limit_group``) the
+    #: call took from, and the group that refused the call, the agent's or the call's
+    #: (None: none did).
+    agent_rate_limit_group: str | None = None
+    rate_limit_refused: str | None = None
 
 
 def decision_of(call: CallRecord) -> str:
@@ -210,6 +216,8 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         F.API_KEY_REF: call.api_key_ref,
         F.RATE_LIMIT_GROUP: call.rate_limit_group,
         F.RATE_LIMIT_WAIT_MS: round(call.rate_limit_wait_s * 1000, 3),
+        F.AGENT_RATE_LIMIT_GROUP: call.agent_rate_limit_group,
+        F.RATE_LIMIT_REFUSED: call.rate_limit_refused,
         F.IDEMPOTENCY_KEY: call.idempotency_key,
         F.REPLAYED: call.replayed,
         F.WARNINGS: warnings,
@@ -229,8 +237,9 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
             else None
         ),
         F.TRIED: call.tried,
-        **_models(call.models),
-        **_database(call.database),
+        # Most calls name no models rule and no database: their fields' constant Nones.
+        **(_models(call.models) if call.models is not None else _NO_MODELS_FIELDS),
+        **(_database(call.database) if call.database is not None else _NO_DATABASE_FIELDS),
     }
 
 
@@ -256,6 +265,12 @@ def _models(models: ModelFacts | None) -> dict[str, Any]:
         return {F.MODEL_REQUESTED: None, F.MODEL_SENT: None, F.MODEL_DRIFT: None}
     drift = {"sent": models.sent, "answered": models.answered} if models.drifted else None
     return {F.MODEL_REQUESTED: models.requested, F.MODEL_SENT: models.sent, F.MODEL_DRIFT: drift}
+
+
+#: The fields of a call without a models rule, and of a call that is no statement (all
+#: None; copied into each record by ``**``, never changed).
+_NO_MODELS_FIELDS: Final = _models(None)
+_NO_DATABASE_FIELDS: Final = _database(None)
 
 
 def _named(call: CallRecord) -> dict[str, Any]:

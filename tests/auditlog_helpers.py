@@ -127,6 +127,8 @@ def call_record(rng: random.Random, number: int, agent: str, trace: str) -> dict
         "db_sqlstate": None,
         "db_pool_wait_ms": None,
         "db_retries": None,
+        "agent_rate_limit_group": None,
+        "rate_limit_refused": None,
     }
     return record
 

@@ -8,6 +8,7 @@ import pytest
 
 from gateway.agents import chain
 from gateway.policy.chain import ChainSpec
+from gateway.secrets.base import Secret
 
 
 @pytest.mark.parametrize("ttl_s", [0.001, 0.5, 30.0, 600.0])
@@ -36,3 +37,30 @@ def test_a_ttl_under_a_millisecond_takes_the_full_rules() -> None:
         spec=spec,
     )  # fmt: skip
     assert full.error is not None  # the short path would have let it through
+
+
+@pytest.mark.parametrize("previous", [None, "the-previous-key"])
+@pytest.mark.parametrize("require_signed_inbound", [False, True])
+@pytest.mark.parametrize("seen", [None, {}])
+def test_a_chain_started_here_on_a_signing_fleet_is_decided_as_the_rules_decide(
+    previous: str | None, require_signed_inbound: bool, seen: dict[str, str] | None
+) -> None:
+    """With the fleet's keys the short path signs the chain it starts exactly as decide()."""
+    spec = ChainSpec(
+        ttl_s=30.0,
+        signing_key_ref="file:///k",
+        previous_signing_key_ref="file:///p" if previous else None,
+        require_signed_inbound=require_signed_inbound,
+    )
+    keys = chain.SigningKeys(Secret("the-current-key"), Secret(previous) if previous else None)
+    now = 1_767_000_000_123
+    full = chain.decide(
+        seen, own_agent="agent-a", target_agent=None, now_ms=now, timeout_s=5.0, spec=spec,
+        keys=keys,
+    )  # fmt: skip
+    short = chain.start("agent-a", now, 5.0, spec, keys)
+    assert full.error is None
+    assert full.signature is not None
+    assert short == full
+    assert short is not None
+    assert short.headers() == full.headers()

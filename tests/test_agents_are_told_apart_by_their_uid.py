@@ -2,16 +2,11 @@
 own UIDs (``setpriv --reuid``) call a real sidecar process over loopback TCP and over its
 Unix socket. Each agent gets its own audit records and budgets, whatever id it claims; a
 claim of another agent's id is refused; a UID that is no agent is refused and audited
-with that UID; the OpenAI SDK and the MCP SDK work over the Unix socket."""
+with that UID; the OpenAI SDK, the Anthropic SDK and the MCP SDK work over the Unix
+socket."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import shutil
-import sys
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,27 +14,23 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.agent_processes import (
+    COMPLETION,
+    MESSAGE,
+    NEEDS_ROOT,
+    run_as,
+    shared_dir,
+)
+from tests.agent_processes import calls_by_trace as _calls
+from tests.agent_processes import envelope_request as _envelope
 from tests.conftest import envelope, openai_target, policy_yaml, wait_for
 from tests.mcp_server import McpTestServer, RunningServer
 from tests.processes import Process
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None,
-    reason="runs clients as other UIDs: needs root and setpriv",
-)
+pytestmark = NEEDS_ROOT
 
 PLANNER, CODER, STRANGER = 64101, 64102, 64103
-CLIENT = Path(__file__).with_name("agent_client.py")
-COMPLETION = {
-    "id": "chatcmpl-1",
-    "object": "chat.completion",
-    "created": 0,
-    "model": "fake-model-1",
-    "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "pong"}, "finish_reason": "stop"}
-    ],
-    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-}
+ANTHROPIC_KEY = "ak-fake-TEST-0002-NOTREAL"
 
 
 def _budget(agent: str) -> dict[str, Any]:
@@ -53,35 +44,48 @@ def _budget(agent: str) -> dict[str, Any]:
 
 @pytest.fixture
 def socket_dir() -> Iterator[Path]:
-    # Not under pytest's tmp_path: its parents are 0700, closed to the agents' UIDs.
-    path = Path(tempfile.mkdtemp(prefix="egress-agents-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_dir() as path:
+        yield path
 
 
 @pytest.fixture
 async def sidecar(
     upstream_factory: Any, socket_dir: Path, tmp_path: Path, extra_targets: dict[str, Any]
 ) -> AsyncIterator[tuple[Process, Any, str]]:
-    async def completion(_: web.Request) -> web.StreamResponse:
-        return web.json_response(COMPLETION)
+    async def completion(request: web.Request) -> web.StreamResponse:
+        return web.json_response(MESSAGE if request.path == "/v1/messages" else COMPLETION)
 
     up = await upstream_factory(completion)
     policy = tmp_path / "policy.yaml"
     policy.write_text(
         policy_yaml(
-            {"fake-openai": openai_target(up.url), **extra_targets},
+            {
+                "fake-openai": openai_target(up.url),
+                "fake-anthropic": {
+                    "base_url": up.url,
+                    "credential": {
+                        "header": "x-api-key",
+                        "default_ref": "env://TEST_ANTHROPIC_KEY",
+                    },
+                    "endpoints": [{"path": "/v1/messages", "methods": ["POST"]}],
+                    "usage": "anthropic",
+                },
+                **extra_targets,
+            },
             agents={
                 "planner": {"uid": PLANNER, "targets": ["fake-openai"]},
                 "coder": {"uid": CODER},
             },
             budgets={"planner-day": _budget("planner"), "coder-day": _budget("coder")},
-            prices={"fake-model-1": {"input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}},
+            prices={
+                model: {"input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}
+                for model in ("fake-model-1", "claude-test")
+            },
         )
     )
     sock = str(socket_dir / "egress.sock")
-    process = await Process.start(policy, env={"GATEWAY_UNIX_SOCKET": sock}, timeout_s=30)
+    env = {"GATEWAY_UNIX_SOCKET": sock, "TEST_ANTHROPIC_KEY": ANTHROPIC_KEY}
+    process = await Process.start(policy, env=env, timeout_s=30)
     assert process.calls_url, process.raw[-5:]
     try:
         yield process, up, sock
@@ -99,33 +103,6 @@ def mcp_server() -> Iterator[McpTestServer]:
 @pytest.fixture
 def extra_targets(mcp_server: McpTestServer) -> dict[str, Any]:
     return {"tools": {"base_url": mcp_server.url, "mcp": {"tools": {"allow": ["echo"]}}}}
-
-
-async def run_as(uid: int, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Run tests/agent_client.py as ``uid`` (its own group, no other groups)."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp"}
-    proc = await asyncio.create_subprocess_exec(
-        "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-        sys.executable, str(CLIENT), json.dumps(requests),
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()[-3000:]
-    results: list[dict[str, Any]] = json.loads(out)
-    return results
-
-
-def _envelope(process: Process, sock: str, via: str, trace: str, **kw: Any) -> dict[str, Any]:
-    headers = kw.pop("headers", {})
-    body = envelope(trace_id=trace, parameters={**envelope()["parameters"], "max_tokens": 5})
-    return {
-        "kind": "envelope", "via": via, "url": process.calls_url, "socket": sock,
-        "body": {**body, **kw}, "headers": headers,
-    }  # fmt: skip
-
-
-def _calls(process: Process) -> dict[str, dict[str, Any]]:
-    return {r["trace_id"]: r for r in process.events("egress_call")}
 
 
 async def test_two_agents_get_their_own_records_and_budgets(sidecar: Any) -> None:
@@ -219,6 +196,32 @@ async def test_the_openai_sdk_over_the_unix_socket(sidecar: Any) -> None:
     ]
     assert len(up.seen) == 1
     assert up.seen[0].headers["Authorization"] == "Bearer sk-fake-TEST-0001-NOTREAL"
+
+
+async def test_the_anthropic_sdk_over_the_unix_socket(sidecar: Any) -> None:
+    process, up, sock = sidecar
+    request = {"kind": "anthropic", "via": "unix", "socket": sock, "target": "fake-anthropic"}
+    [coder] = await run_as(CODER, [request])
+    [planner] = await run_as(PLANNER, [request])  # its targets: fake-openai only
+    [stranger] = await run_as(STRANGER, [request])
+    assert coder == {"content": "pong"}
+    assert planner["error_status"] == 403
+    assert planner["error"]["error"]["type"] == "permission_error"
+    assert "fake-anthropic" in planner["error"]["error"]["message"]
+    assert stranger["error_status"] == 403
+    await wait_for(lambda: len(process.events("egress_call")) >= 3, 10)
+    records = process.events("egress_call")
+    assert [(r["api"], r["agent_id"], r["agent_auth"], r["peer_uid"]) for r in records] == [
+        ("proxy", "coder", "uid", CODER),
+        ("proxy", "planner", "uid", PLANNER),
+        ("proxy", "_unknown", None, STRANGER),
+    ]
+    assert [r["error_code"] for r in records] == [None, "PERMISSION_DENIED", "PERMISSION_DENIED"]
+    assert (records[0]["tokens_input"], records[0]["tokens_output"]) == (3, 1)
+    [sent] = up.seen  # only the coder's call went out, with the policy's key
+    assert sent.path == "/v1/messages"
+    assert sent.headers["x-api-key"] == ANTHROPIC_KEY
+    assert sent.headers["anthropic-version"]  # the SDK's own header passed
 
 
 async def test_the_mcp_sdk_over_the_unix_socket(sidecar: Any, mcp_server: McpTestServer) -> None:

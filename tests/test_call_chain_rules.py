@@ -3,11 +3,15 @@ received chain is read, extended, signed and refused, and the refusal's shape.""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import typing
 from typing import Any
 
 import pytest
 
+from gateway.agents import chain as chains
 from gateway.agents.chain import (
     AGENT_ID,
     CHAIN_HEADER,
@@ -268,3 +272,33 @@ def test_an_unreadable_chain_says_why(seen: Any, says: str) -> None:
     error = run(seen).error
     assert error is not None
     assert says in error.message
+
+
+def test_a_signature_is_the_base64url_hmac_sha256_of_the_canonical_bytes() -> None:
+    """sign() (C calls only) equals the HMAC-SHA256 made with the stdlib's hmac.new and
+    base64.urlsafe_b64encode, unpadded, for keys and chains of every length class."""
+    for n in range(1, 70):
+        key = ("k+/=" * n)[:n]
+        agents = tuple(f"agent-{i}" for i in range(1 + n % 5))
+        deadline = 1_700_000_000_000 + n * 7919
+        mac = hmac.new(key.encode(), chains.canonical(agents, deadline), hashlib.sha256).digest()
+        expected = "v1=" + base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+        assert chains.sign(agents, deadline, Secret(key)) == expected
+
+
+def test_the_chain_headers_sent_are_the_sidecars_whatever_the_agent_set() -> None:
+    """with_headers: the agent's own chain headers (any case) are dropped, every other
+    header kept, and the decision's headers added; without any, the headers are kept
+    as they are plus the chain's."""
+    decision = ChainDecision(received=(), agents=("a",), deadline_ms=123, signature=None)
+    own = {"x-egress-call-chain": "a", "x-egress-deadline": "123"}
+    plain = {"traceparent": "00-x", "Authorization": "Bearer k"}
+    assert chains.with_headers(plain, decision) == {**plain, **own}
+    forged = {
+        **plain,
+        "X-Egress-Call-Chain": "evil",
+        "X-EGRESS-DEADLINE": "9",
+        "x-egress-call-chain-sig": "v1=x",
+    }
+    assert chains.with_headers(forged, decision) == {**plain, **own}
+    assert chains.with_headers({}, decision) == own

@@ -588,8 +588,8 @@ def test_asyncpg_is_loaded_only_for_a_policy_with_a_database_target() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == (
-        "the policy has a database target but asyncpg is not installed: install "
-        "egress-gateway[database]"
+        "the policy has a database target but asyncpg is not installed: "
+        "pip install 'egress-gateway[database]'"
     )
 
 

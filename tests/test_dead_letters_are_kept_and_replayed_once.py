@@ -142,7 +142,8 @@ async def test_an_outcome_unknown_is_kept_and_an_upstream_4xx_is_not(
         return web.json_response({"error": "bad request"}, status=400)
 
     upstream: FakeUpstream = await upstream_factory(handler)
-    target = openai_target(upstream.url, dead_letter=True)  # no idempotency: never resent
+    # No idempotency, and a lost chat completion not resent either: kept as it failed.
+    target = openai_target(upstream.url, dead_letter=True, retry={"resend_unanswered": False})
     sc: Sidecar = await sidecar_factory(compile_policy({"t": target}, operators=OPERATORS))
     ops: Ops = await ops_factory(sc)
     _, answer = await sc.call(envelope(target_system="t"))

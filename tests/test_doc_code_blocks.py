@@ -131,6 +131,11 @@ NOT_POLICIES = {
     ("kubernetes.md", "# your agent's Deployment"): "a Kubernetes Deployment (the "
     "injection annotations)",
     ("kubernetes.md", "audit:"): "the chart's values (audit.volume)",
+    **{
+        (page, "# values.yaml: a pod with two agents, each its own UID"): "the chart's "
+        "values; tests/test_chart_renders_several_agents.py renders them"
+        for page in ("README.md", "kubernetes.md")
+    },
     ("operations.md", "sidecar:"): "the chart's values",
     ("operations.md", "grafanaDashboard:"): "the chart's values",
 }

@@ -23,15 +23,24 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from gateway.policy.extras import EXTRAS
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 LOCK = ROOT / "requirements.lock"
 ENFORCE_SCRIPT = ROOT / "deploy" / "egress-gateway-enforce"
+#: The extras the image carries: every feature of the sidecar, since the image's users
+#: cannot pip install into it. Every other extra of pyproject.toml is named below.
+IMAGE_EXTRAS = ("fast", "otel", "database", "a2a")
+#: Extras that are not the sidecar's: the test suite's and `make demo`'s tools.
+NOT_IN_IMAGE = ("dev", "demo")
 #: What the lock's header says about how it was made (the command that regenerates it).
 LOCK_COMMAND = (
-    "uv pip compile pyproject.toml --extra fast --extra otel --generate-hashes "
-    "--python-version 3.11 --python-platform linux --no-cache -o requirements.lock"
+    "uv pip compile pyproject.toml "
+    + "".join(f"--extra {extra} " for extra in IMAGE_EXTRAS)
+    + "--generate-hashes --python-version 3.11 --python-platform linux --no-cache "
+    "-o requirements.lock"
 )
 PYPROJECT_VIA = "egress-gateway (pyproject.toml)"
 IMAGE_POLICY = "/etc/egress-gateway/policy.yaml"
@@ -191,10 +200,37 @@ def locked() -> dict[str, tuple[str, list[str], list[str]]]:
 
 
 def image_requirements() -> list[Requirement]:
-    """What the image installs: [project.dependencies] plus the `fast` and `otel` extras."""
+    """What the image installs: [project.dependencies] plus the extras of IMAGE_EXTRAS."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    return [Requirement(r) for r in project["dependencies"] + extras["fast"] + extras["otel"]]
+    wanted = project["dependencies"] + [r for extra in IMAGE_EXTRAS for r in extras[extra]]
+    return [Requirement(r) for r in wanted]
+
+
+def dockerfile_lock_command() -> str:
+    """The regeneration command the Dockerfile's comment gives, its lines joined."""
+    lines = [line.removeprefix("#").strip() for line in DOCKERFILE.read_text().splitlines()]
+    first = next(i for i, line in enumerate(lines) if line.startswith("uv pip compile"))
+    parts = [lines[first]]
+    while parts[-1].endswith("\\"):
+        parts[-1] = parts[-1].removesuffix("\\").strip()
+        parts.append(lines[first + len(parts)])
+    return " ".join(parts)
+
+
+def test_the_image_carries_every_extra_of_the_sidecar() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    # A new extra is either in the image (and the lock) or said not to be the sidecar's.
+    assert sorted(extras) == sorted(IMAGE_EXTRAS + NOT_IN_IMAGE)
+    # Every extra a policy can need (refused without it at validate/start) is in the image.
+    assert set(EXTRAS) <= set(IMAGE_EXTRAS)
+    # database: asyncpg; a2a: PyJWT with the cryptography its ES256/RS256/EdDSA need.
+    lock = locked()
+    assert {"asyncpg", "pyjwt", "cryptography"} <= set(lock)
+    assert "pyjwt" in lock["cryptography"][2]
+    # The command the Dockerfile's comment gives is the one the lock's header records.
+    assert dockerfile_lock_command() == LOCK_COMMAND
 
 
 def test_lock_pins_what_pyproject_asks_for_and_nothing_else() -> None:

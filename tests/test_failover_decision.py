@@ -3,6 +3,8 @@ fallback, and that nothing moves once a byte reached the agent or the deadline p
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gateway.call.retry import failover_reason, next_option
@@ -65,14 +67,14 @@ def test_context_length_moves_only_when_fallback_on_lists_it() -> None:
     )
 
 
-def test_a_request_lost_after_sending_moves_on_for_a_provider_dialect_only() -> None:
+def test_a_request_lost_after_sending_moves_on_only_where_a_duplicate_costs_tokens() -> None:
     lost = OutcomeUnknown("x", details={"reason": "reset"})
     silent = OutcomeUnknown("x", details={"reason": "timeout"})
-    assert failover_reason(lost, relayed=False, fallback_on=(), provider=True) == "connect"
-    assert failover_reason(silent, relayed=False, fallback_on=(), provider=True) == (
-        "first_byte_timeout"
-    )
-    assert failover_reason(lost, relayed=False, fallback_on=(), provider=False) is None
+    kw: dict[str, Any] = {"relayed": False, "fallback_on": ()}
+    assert failover_reason(lost, **kw, resend_unanswered=True) == "connect"
+    assert failover_reason(silent, **kw, resend_unanswered=True) == "first_byte_timeout"
+    assert failover_reason(lost, **kw, resend_unanswered=False) is None
+    assert failover_reason(silent, **kw, resend_unanswered=False) is None
 
 
 def test_next_option_walks_the_list_then_stops() -> None:

@@ -72,10 +72,13 @@ async def test_a_primary_503_is_served_by_its_fallback_with_its_model_and_usage(
     [record] = sc.audit_records()
     assert record["served_by"] == {"target": "backup", "model": "backup-model"}
     assert record["attempts"] == 3
+    # One entry per attempt: the primary's two, then the fallback's.
     assert [(t["target"], t["model"], t["outcome"], t["attempts"]) for t in record["tried"]] == [
-        ("primary", "primary-model", "DEPENDENCY_FAILED", 2),
+        ("primary", "primary-model", "DEPENDENCY_FAILED", 1),
+        ("primary", "primary-model", "DEPENDENCY_FAILED", 1),
         ("backup", "backup-model", "ok", 1),
     ]
+    assert sum(t["attempts"] for t in record["tried"]) == record["attempts"]
     assert record["tried"][0]["upstream_status"] == 503
     assert record["tried"][0]["api_key_ref"] == "env://TEST_OPENAI_KEY"  # a name, not a key
     assert "sk-fake" not in json.dumps(record)
@@ -87,6 +90,38 @@ async def test_a_primary_503_is_served_by_its_fallback_with_its_model_and_usage(
         'egress_gateway_failovers_total{from="primary",reason="upstream_5xx",to="backup"} 1.0'
         in metrics
     )
+
+
+async def test_the_record_lists_every_attempt_of_every_option(upstream_factory, sidecar_factory):
+    async def fails(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
+
+    primary = await upstream_factory(fails)
+    backup = await upstream_factory(_ok)
+    sc = await sidecar_factory(_policy(primary.url, backup.url, retry={"max_retries": 1}))
+    _, body = await sc.call(_call(max_retries=1))
+    assert body["served_by"] == {"target": "backup", "model": "backup-model"}
+    assert (primary.hits, backup.hits) == (2, 1)
+    [record] = sc.audit_records()
+    first, second, served = record["tried"]
+    for failed in (first, second):
+        assert (failed["target"], failed["model"]) == ("primary", "primary-model")
+        assert (failed["outcome"], failed["upstream_status"]) == ("DEPENDENCY_FAILED", 500)
+        assert failed["response_bytes"] == len(
+            b'{"error": {"message": "boom", "type": "server_error"}}'
+        )
+    assert (served["target"], served["model"], served["outcome"]) == (
+        "backup",
+        "backup-model",
+        "ok",
+    )
+    assert served["upstream_status"] == 200
+    assert served["response_bytes"] == len(json.dumps(_answer("backup-model")).encode())
+    for entry in record["tried"]:
+        assert entry["api_key_ref"] == "env://TEST_OPENAI_KEY"  # its reference, never the key
+        assert entry["attempts"] == 1
+        assert 0 < entry["duration_ms"] < record["latency_ms"]
+    assert record["attempts"] == 3
 
 
 async def test_every_option_failing_answers_with_the_primarys_own_error(
@@ -221,23 +256,43 @@ async def test_a_primary_that_answers_names_itself_and_a_target_without_fallback
     assert (record["served_by"], record["tried"]) == (None, None)
 
 
-async def test_a_reset_before_the_answer_moves_on_for_a_provider_target(
+async def _resets(request: web.Request) -> web.StreamResponse:
+    assert request.transport is not None
+    request.transport.close()  # the request read, no answer byte
+    return web.Response()
+
+
+async def test_a_reset_before_the_answer_is_resent_then_moves_on_for_a_chat_completion(
     upstream_factory, sidecar_factory
 ):
-    async def resets(request: web.Request) -> web.StreamResponse:
-        assert request.transport is not None
-        request.transport.close()  # the request read, no answer byte
-        return web.Response()
-
-    primary = await upstream_factory(resets)
+    primary = await upstream_factory(_resets)
     backup = await upstream_factory(_ok)
-    sc = await sidecar_factory(_policy(primary.url, backup.url))
-    _, body = await sc.call(_call())
+    sc = await sidecar_factory(_policy(primary.url, backup.url, retry={"max_retries": 1}))
+    _, body = await sc.call(_call(max_retries=1))
     assert body["success"] is True
     assert body["served_by"] == {"target": "backup", "model": "backup-model"}
-    assert primary.hits == 1  # a POST lost after sending is not resent to the primary
+    assert (primary.hits, backup.hits) == (2, 1)  # a duplicate costs tokens: resent once
     [record] = sc.audit_records()
-    assert record["tried"][0]["outcome"] == "OUTCOME_UNKNOWN"
+    assert [(t["target"], t["outcome"], t["reason"]) for t in record["tried"]] == [
+        ("primary", "DEPENDENCY_FAILED", "reset"),
+        ("primary", "DEPENDENCY_FAILED", "reset"),
+        ("backup", "ok", None),
+    ]
+
+
+async def test_a_reset_before_the_answer_with_the_switch_off_is_neither_resent_nor_moved(
+    upstream_factory, sidecar_factory
+):
+    primary = await upstream_factory(_resets)
+    backup = await upstream_factory(_ok)
+    strict = {"max_retries": 2, "resend_unanswered": False}
+    sc = await sidecar_factory(_policy(primary.url, backup.url, retry=strict))
+    _, body = await sc.call(_call(max_retries=2))
+    assert body["error"]["code"] == "OUTCOME_UNKNOWN"
+    assert body["served_by"] is None
+    assert (primary.hits, backup.hits) == (1, 0)  # a POST lost after sending: not resent
+    [record] = sc.audit_records()
+    assert [t["outcome"] for t in record["tried"]] == ["OUTCOME_UNKNOWN"]
 
 
 async def test_a_500_once_is_rescued_by_the_primarys_own_retry(upstream_factory, sidecar_factory):

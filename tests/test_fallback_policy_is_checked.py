@@ -17,6 +17,11 @@ targets:
 """
 
 
+#: Said, so that validate's warning about a provider target's call chain stays out of
+#: the tests that expect no other output.
+NO_CHAIN = "    call_chain: {propagate: false}\n"
+
+
 def _target(name: str, usage: str, fallbacks: str = "", extra: str = "") -> str:
     return f"""\
   {name}:
@@ -77,7 +82,9 @@ def test_mcp_targets_neither_have_nor_are_fallbacks(
 def test_the_same_target_with_another_model_is_allowed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    text = HEAD + _target("a", "openai", "    fallbacks:\n      - {target: a, model: small}\n")
+    text = HEAD + _target(
+        "a", "openai", "    fallbacks:\n      - {target: a, model: small}\n", NO_CHAIN
+    )
     code, err = _validate(tmp_path, text, capsys)
     assert (code, err) == (0, "")
 
@@ -85,10 +92,48 @@ def test_the_same_target_with_another_model_is_allowed(
 def test_a_first_byte_timeout_above_the_timeout_is_a_warning(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    text = HEAD + _target("a", "openai", extra="    timeout_s: 10\n    first_byte_timeout_s: 20\n")
+    text = HEAD + _target(
+        "a", "openai", extra="    timeout_s: 10\n    first_byte_timeout_s: 20\n" + NO_CHAIN
+    )
     code, err = _validate(tmp_path, text, capsys)
     assert code == 0
     assert err == (
         "P: targets.a.first_byte_timeout_s: warning: 20 s is not below timeout_s (10 s): "
         "it never acts\n"
     )
+
+
+def test_a_fallback_model_outside_an_allow_rule_is_an_error_at_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (
+        HEAD
+        + _target(
+            "a",
+            "openai",
+            "    fallbacks:\n      - {target: b, model: gpt-4o-mini}\n"
+            "      - {target: b, model: gpt-4o}\n",
+        )
+        + _target("b", "openai", extra="    models: {allow: ['gpt-4o', 'gpt-4o-2024-*']}\n")
+        + _target("c", "openai", "    fallbacks:\n      - {target: c, model: big}\n")
+        + "agents:\n"
+        + "  planner:\n    uid: 1001\n    targets: [c]\n    models: {allow: [small*]}\n"
+        + "  other:\n    uid: 1002\n    targets: [a]\n    models: {allow: ['*']}\n"
+    )
+    code, err = _validate(tmp_path, text, capsys)
+    assert code == 1, err
+    lines = err.splitlines()
+    # The fallback target's own rule: its line, its key, the rule named.
+    assert any(
+        line.startswith("P:9: targets.a.fallbacks.0.model:")
+        and "'gpt-4o-mini' is not in the 'allow' of targets.b.models" in line
+        for line in lines
+    ), err
+    # The agent that may call c: its rule applies to the fallback's model too.
+    assert any(
+        line.startswith("P:21: targets.c.fallbacks.0.model:")
+        and "'big' is not in the 'allow' of agents.planner.models" in line
+        for line in lines
+    ), err
+    assert "targets.a.fallbacks.1" not in err  # gpt-4o is allowed by b and by every agent
+    assert len([ln for ln in lines if "is not in the 'allow'" in ln]) == 2, err

@@ -378,7 +378,11 @@ async def test_outcome_unknown_when_post_without_key_loses_connection(
         return web.Response()
 
     up = await upstream_factory(drop)
-    sc = await sidecar_factory(compile_policy({"fake-openai": openai_target(up.url)}))
+    # The switch off: a chat completion lost after sending is then as strict as any POST
+    # (on by default there: tests/test_a_reset_before_the_answer_is_resent_....py).
+    strict = {"backoff_base_s": 0.01, "backoff_max_s": 0.05, "resend_unanswered": False}
+    target = openai_target(up.url, retry=strict)
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
     status, answer = await sc.call(envelope(max_retries=2))
     _assert_error(status, answer, 502, "OUTCOME_UNKNOWN", False)
     assert up.hits == 1  # never resent without an idempotency key

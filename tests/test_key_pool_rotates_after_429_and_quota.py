@@ -68,6 +68,12 @@ async def test_a_rate_limited_key_rests_and_the_next_serves_the_same_call(
     assert first["api_key_ref"] == "env://POOL_KEY_B"
     assert first["attempts"] == 2
     assert second["attempts"] == 1
+    # Each attempt with the key it was sent with: A refused (429), B answered.
+    assert [(t["api_key_ref"], t["outcome"], t["upstream_status"]) for t in first["tried"]] == [
+        ("env://POOL_KEY_A", "credential_changed", 429),
+        ("env://POOL_KEY_B", "ok", 200),
+    ]
+    assert second["tried"] is None  # one attempt: nothing to list
     assert not any(v in json.dumps(sc.audit_records()) for v in KEYS.values())
 
 

@@ -97,6 +97,10 @@ def test_validate_warns_of_a_glob_no_priced_model_matches(
 ) -> None:
     good = POLICY.replace("        loop-a: loop-b\n        loop-b: loop-a\n", "")
     good = good.replace("        o1: o1-preview\n", "").replace("pin: {fast: gpt-4o}", "pin: {}")
+    # Said, so that validate's call-chain warning for a provider target stays out.
+    good = good.replace(
+        "    usage: openai\n", "    usage: openai\n    call_chain: {propagate: false}\n"
+    )
     path = tmp_path / "policy.yaml"
     path.write_text(good)
     assert main(["validate", "--no-env-check", str(path)]) == 0

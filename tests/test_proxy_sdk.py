@@ -565,7 +565,8 @@ async def test_an_outcome_unknown_is_not_retried_by_the_sdk(upstream_factory, si
         return web.Response()
 
     up = await upstream_factory(hang_up)
-    sc = await sidecar_factory(compile_policy(targets(up.url)))
+    strict = {"retry": {"backoff_base_s": 0.001, "resend_unanswered": False}}
+    sc = await sidecar_factory(compile_policy(targets(up.url, openai=strict)))
     async with oai(sc, "async", max_retries=2) as client:
         with pytest.raises(openai.InternalServerError) as caught:
             await client.chat.completions.create(model="gpt-test", messages=MESSAGES)

@@ -28,6 +28,8 @@ def test_each_shipped_provider_policy_loads_and_needs_only_an_env_key(name: str)
     assert spec.usage == name
     assert policy.policy.secrets.vault is None
     assert not policy.policy.egress.allow_cidrs  # a real provider is a public address
+    # A provider is no agent of the fleet: the call chain (agent ids) is not sent to it.
+    assert spec.call_chain.propagate is False
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))

@@ -232,6 +232,62 @@ async def test_a_call_is_one_server_span_with_a_client_span_per_attempt(
     await sidecar.gateway.aclose()
 
 
+async def test_a_call_that_failed_over_has_a_client_span_per_attempt_of_each_option(
+    sidecar_factory: Callable[..., Awaitable[Sidecar]],
+    upstream_factory: Callable[..., Awaitable[FakeUpstream]],
+    collector: Collector,
+    tracing_env: Callable[[str], None],
+) -> None:
+    tracing_env(collector.endpoint)
+
+    async def busy(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "busy"}}, status=503)
+
+    async def answers(_: web.Request) -> web.StreamResponse:
+        return web.json_response(chat_answer())
+
+    primary = await upstream_factory(busy)
+    backup = await upstream_factory(answers)
+    first = openai_target(primary.url, fallbacks=[{"target": "backup", "model": "backup-model"}])
+    first["retry"] = {**first["retry"], "max_retries": 1}
+    sidecar = await sidecar_factory(
+        compile_policy({"fake-openai": first, "backup": openai_target(backup.url)})
+    )
+    env = envelope(
+        parameters={"model": "fake-model-1", "messages": [{"role": "user", "content": PROMPT}]},
+        max_retries=1,
+    )
+    status, answer = await sidecar.call(env)
+    assert (status, answer["served_by"]) == (200, {"target": "backup", "model": "backup-model"})
+
+    await wait_for(lambda: len(collector.server_spans()) == 1, 10)
+    await wait_for(lambda: len(collector.client_spans()) == 3, 10)
+    (server,) = collector.server_spans()
+    clients = collector.client_spans()
+    assert [c.parent_span_id for c in clients] == [server.span_id] * 3  # under the call's
+    seen = [
+        (
+            a["egress.target"],
+            a["gen_ai.request.model"],
+            a["http.response.status_code"],
+            a.get("error.type"),
+        )
+        for a in map(attrs, clients)
+    ]
+    assert seen == [
+        ("fake-openai", "fake-model-1", 503, "503"),
+        ("fake-openai", "fake-model-1", 503, "503"),
+        ("backup", "backup-model", 200, None),
+    ]
+    assert [c.name for c in clients] == ["chat fake-model-1"] * 2 + ["chat backup-model"]
+    assert attrs(clients[2])["url.full"] == f"{backup.url}/v1/chat/completions"
+    # Each upstream got its own attempt's span as its parent.
+    sent = [_traceparent(s.headers["traceparent"])[1] for s in [*primary.seen, *backup.seen]]
+    assert sent == [c.span_id.hex() for c in clients]
+    assert attrs(server)["egress.attempts"] == 3
+    await sidecar.gateway.aclose()
+
+
 async def test_without_a_traceparent_the_trace_is_the_one_trace_id_names(
     sidecar_factory: Callable[..., Awaitable[Sidecar]],
     upstream_factory: Callable[..., Awaitable[FakeUpstream]],

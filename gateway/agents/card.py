@@ -12,7 +12,9 @@ numbers as Python does, which is RFC 8785's for the integers and the keys of BMP
 characters that cards hold.
 
 PyJWT is the optional extra ``egress-gateway[a2a]``, imported only when a card is
-verified; without it a card to verify is refused (``card_verify_unavailable``).
+verified. A policy file with ``card.verify`` is refused without it
+(:mod:`gateway.policy.extras`); a policy compiled without that check has a card to verify
+refused (``card_verify_unavailable``).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def _jwt() -> ModuleType:
         import jwt
     except ImportError:
         raise PermissionDenied(
-            "a2a.card.verify needs PyJWT: install egress-gateway[a2a]",
+            "a2a.card.verify needs PyJWT: pip install 'egress-gateway[a2a]'",
             details={"reason": "card_verify_unavailable"},
         ) from None
     return jwt

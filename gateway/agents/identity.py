@@ -236,8 +236,7 @@ def identify(transport: Transport | None, headers: Mapping[str, str], agents: Ag
     every API and listener. Asks the kernel (:func:`gateway.agents.peers.peer_uid`) only
     when the caller is on the Unix socket or some agent is recognised by UID; a TCP
     connection's owner once per connection (``transport`` weakly referenced)."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    listener: Listener = "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
+    listener = _listener_of(transport)
     if not agents.agents and listener == "tcp":
         # No agents: section, a TCP caller: the policy's identity (no UID, no token to
         # read), checked against a claim; what establish() decides, without its inputs.
@@ -245,9 +244,10 @@ def identify(transport: Transport | None, headers: Mapping[str, str], agents: Ag
         identity = agents.default_identity
         return identity if claim is None else identity.with_claim(claim)
     uid = None
-    if listener == "unix" or agents.reads_uid:
+    if listener == "unix" or agents.reads_uid:  # the socket only when the kernel is asked
         uid = _TCP_OWNERS.get(transport) if listener == "tcp" else None
         if uid is None:
+            sock = transport.get_extra_info("socket") if transport is not None else None
             uid = peers.peer_uid(sock)
             if uid is not None and listener == "tcp":
                 _TCP_OWNERS[transport] = uid
@@ -255,15 +255,49 @@ def identify(transport: Transport | None, headers: Mapping[str, str], agents: Ag
     return establish(seen, agents)
 
 
+#: Transport classes whose listener is fixed by the class (uvloop's), by module and name:
+#: no socket object to build and no AddressFamily enum to convert per request.
+_FIXED_LISTENERS: Final[dict[tuple[str, str], Listener]] = {
+    ("uvloop.loop", "TCPTransport"): "tcp",
+    ("uvloop.loop", "UnixTransport"): "unix",
+}
+#: Transport class -> its listener (None: it serves both, ask its socket), learnt per class.
+_LISTENER_OF_CLASS: dict[type, Listener | None] = {}
+
+
+def _listener_of(transport: Transport | None) -> Listener:
+    """``"unix"`` for a connection on the Unix-socket listener, else ``"tcp"``: by the
+    transport's class when that says it (uvloop's), else by its socket's family
+    (asyncio's transports serve both)."""
+    if transport is None:
+        return "tcp"
+    kind = type(transport)
+    try:
+        listener = _LISTENER_OF_CLASS[kind]
+    except KeyError:
+        listener = _LISTENER_OF_CLASS[kind] = _FIXED_LISTENERS.get(
+            (kind.__module__, kind.__qualname__)
+        )
+    if listener is not None:
+        return listener
+    sock = transport.get_extra_info("socket")
+    return "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
+
+
 def _only(headers: Mapping[str, str], name: str) -> str | None:
     """The value of header ``name``; a header sent more than once with different values
     is all of them, comma-joined (RFC 9110, section 5.3), which no token or agent id
     matches: refused, never decided by its first copy alone."""
     getall = getattr(headers, "getall", None)
-    values = getall(name, ()) if getall is not None else ()
-    if len(set(values)) > 1:
+    if getall is None:  # a plain mapping: one value per name
+        return headers.get(name)
+    values = getall(name, ())
+    if not values:
+        return None
+    if len(values) > 1 and len(set(values)) > 1:
         return ",".join(values)
-    return headers.get(name)
+    first: str = values[0]  # the first, as get() gives
+    return first
 
 
 def build_agents(

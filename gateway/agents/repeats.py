@@ -158,7 +158,9 @@ class RepeatedCalls:
         for op in ops:
             if is_exempt(op.name, self.exempt):
                 continue
-            key = hashlib.sha256(f"{agent}\n{op.digest}".encode()).hexdigest()
+            key = f"{agent}\n{op.digest}"  # a local count's key as it is (bounded: ids)
+            if spec.scope == "cluster":  # a Redis key of fixed length, as every sidecar's
+                key = hashlib.sha256(key.encode()).hexdigest()
             count = await self._count(key, spec)
             if count > spec.max_repeats:
                 refused.append(refusal(count, spec, op.name))

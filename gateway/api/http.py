@@ -227,6 +227,8 @@ class Incoming:
             )
         timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
         try:
+            if request.content.is_eof():  # all of it has arrived: nothing to wait for
+                return await _read_admitted(request, limit)
             async with asyncio.timeout(timeout_s):
                 return await _read_admitted(request, limit)
         except web.HTTPRequestEntityTooLarge:  # aiohttp's own read, in an app with no budget
@@ -386,8 +388,13 @@ class Stream:
 
     async def send(self, chunk: bytes) -> None:
         piece = self._exchange.frame(chunk)
-        if piece:
-            await self._write(piece)
+        if piece:  # _write's body, inline: one coroutine less per relayed chunk
+            response = self._response
+            assert response is not None
+            try:
+                await response.write(redaction.scrub_bytes(piece))
+            except (ConnectionError, RuntimeError) as exc:
+                raise AgentGone from exc
 
     async def _write(self, piece: bytes) -> None:
         assert self._response is not None
@@ -486,9 +493,17 @@ async def _read_admitted(request: web.Request, limit: int) -> bytes:
         charge = request[_CHARGE_KEY] = budget.charge()
     if request.content_length:
         charge.grow_to(COPIES * request.content_length)
+    content = request.content
+    if content.is_eof():  # the whole body is buffered (decoded): one read, no chunks
+        body = content.read_nowait()
+        if len(body) > limit:
+            raise too_large(None, limit)
+        charge.grow_to(COPIES * len(body))
+        charge.grow_to(held_bytes(body))
+        return body
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_any():
+    async for chunk in content.iter_any():
         size += len(chunk)
         if size > limit:
             raise too_large(None, limit)
@@ -501,17 +516,12 @@ async def _read_admitted(request: web.Request, limit: int) -> bytes:
     return body
 
 
-@web.middleware
-async def give_back_charge(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Give a request's body charge back to the budget once its answer is written (the
-    outermost middleware of the calls application: after the bounded write of a large
-    answer), whatever happened."""
-    try:
-        return await handler(request)
-    finally:
-        charge = request.get(_CHARGE_KEY)
-        if charge is not None:  # the answer is written: its body's bytes are free again
-            charge.release()
+def give_back_charge(request: web.Request) -> None:
+    """Give a request's body charge back to the budget (the calls application's outermost
+    middleware calls it once the answer is written, whatever happened)."""
+    charge = request.get(_CHARGE_KEY)
+    if charge is not None:  # the answer is written: its body's bytes are free again
+        charge.release()
 
 
 def _decoded(encodings: list[str]) -> bool:

@@ -65,7 +65,9 @@ from gateway.imports import without
 
 # structlog imports rich when it is installed (for its ConsoleRenderer's tracebacks; the
 # sidecar renders JSON): 3 MiB of RSS in every sidecar, so it is hidden while structlog loads.
-with without("rich"):
+# So is colorama (and the ctypes it loads, 0.4 MiB): structlog needs it for colours on
+# Windows only; elsewhere its ConsoleRenderer writes the same ANSI codes without it.
+with without("rich", "colorama"):
     import structlog
     from structlog.tracebacks import ExceptionDictTransformer
     from structlog.types import EventDict, WrappedLogger

@@ -134,12 +134,13 @@ class AuditRecord(BaseModel):
     # its depth; null when the call ended before its chain was read, or it was unreadable.
     call_chain: list[str] | None = None
     call_chain_depth: int | None = None
-    # Failover (added in 1.x; docs/features/failover.md), for a target with ``fallbacks`` (null
-    # for any other): who answered, ``{target, model}`` (null when none answered well);
-    # every option tried in order: ``{target, model, api_key_ref (a reference name, never a key),
-    # attempts, outcome (an error code or "ok"), upstream_status, reason (e.g. a
-    # transport failure's kind: connect, reset, timeout), response_bytes,
-    # duration_ms}``.
+    # Failover (added in 1.x; docs/features/failover.md): for a target with ``fallbacks``
+    # (null for any other), who answered, ``{target, model}`` (null when none answered
+    # well); every attempt in order, of every option (of a target without fallbacks: when
+    # the call was retried, else null): ``{target, model, api_key_ref (a reference name,
+    # never a key), attempts (1; 0: refused before sending), outcome (an error code, "ok"
+    # or "credential_changed"), upstream_status, reason (e.g. a transport failure's kind:
+    # connect, reset, timeout), response_bytes, duration_ms}``.
     served_by: dict[str, str | None] | None = None
     tried: list[dict[str, Any]] | None = None
     # Models under control (added in 1.x; the target's or the agent's ``models:``): the
@@ -160,6 +161,13 @@ class AuditRecord(BaseModel):
     db_sqlstate: str | None = None
     db_pool_wait_ms: float | None = None
     db_retries: list[str] | None = None
+    # Rate limits per agent (added in 1.x; the policy's agents.NAME.rate_limit_group): the
+    # calling agent's own group the call took from besides ``rate_limit_group`` (null: it
+    # has none, or it is that group), and the group that refused the call
+    # (CAPACITY_EXCEEDED from the sidecar's own limits: the agent's group or
+    # ``rate_limit_group``; null: none did).
+    agent_rate_limit_group: str | None = None
+    rate_limit_refused: str | None = None
     # Present only with audit.chain: true (tamper evidence, per sidecar start).
     seq: int | None = None
     prev_hash: str | None = None
@@ -252,6 +260,8 @@ class Fields:
     DB_SQLSTATE: Final = "db_sqlstate"
     DB_POOL_WAIT_MS: Final = "db_pool_wait_ms"
     DB_RETRIES: Final = "db_retries"
+    AGENT_RATE_LIMIT_GROUP: Final = "agent_rate_limit_group"
+    RATE_LIMIT_REFUSED: Final = "rate_limit_refused"
     SEQ: Final = "seq"
     PREV_HASH: Final = "prev_hash"
     HASH: Final = "hash"

@@ -34,6 +34,7 @@ from gateway.call.retry import (
     parse_retry_after,
     status_retryable,
     transport_retryable,
+    unanswered_resendable,
 )
 from gateway.call.stream import StreamJudge, judge_body
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest
@@ -49,7 +50,7 @@ from gateway.errors import (
     UpstreamRejected,
 )
 from gateway.policy import CompiledTarget
-from gateway.providers import ErrorHint, error_hint
+from gateway.providers import ErrorHint, error_hint, request_model
 from gateway.ratelimit import RateLimitGroup, provider_hold_s
 from gateway.upstream import (
     POOL_FULL,
@@ -98,6 +99,10 @@ class AttemptLog:
     #: The last attempt's answer as the upstream gave it (status, headers, body), None
     #: when the last attempt got none: what the drop-in routes write back unchanged.
     answer: UpstreamResponse | None = None
+    #: Each attempt, for the audit record's ``tried`` (:func:`tried_entry`): kept from
+    #: the start when given a list (a call that may fail over), else only once a retry
+    #: is decided (a call answered at once pays nothing for it).
+    tried: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -119,8 +124,8 @@ class Attempts:
     refresh_credential: Callable[[], Awaitable[Credential | None]] | None = None
     #: A key pool's next key after a 429 or quota refusal (gateway.call.keys): awaited
     #: with the wait the upstream asked for (seconds; None: none) and whether the key is
-    #: spent (quota); None when every key rests.
-    next_key: Callable[[float | None, bool], Awaitable[Credential | None]] | None = None
+    #: spent (quota); its credential and reference name, or None when every key rests.
+    next_key: Callable[[float | None, bool], Awaitable[tuple[Credential, str] | None]] | None = None
     #: Where a 2xx event stream goes as it arrives (the agent asked for a stream).
     relay: Relay | None = None
     started: float = 0.0
@@ -142,8 +147,16 @@ class Attempts:
     #: timeout in seconds; None: the HTTP request through ``upstream``.
     send: Callable[[float], Awaitable[UpstreamResponse]] | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
+    #: The reference name of the key the attempts send with (a key pool's rotation
+    #: changes it): the audit record's, never the key.
+    key_ref: str | None = None
     #: A 401 made the credential be resolved again (once per call).
     refreshed: bool = field(default=False, init=False)
+    #: When the current attempt started (``time.monotonic()``, after its admission)
+    #: and the key it was sent with (a rotation changes :attr:`key_ref` before the
+    #: attempt is noted).
+    began: float = field(default=0.0, init=False)
+    began_key: str | None = field(default=None, init=False)
 
     async def run(self) -> UpstreamResponse:
         """The upstream's final 2xx answer. Raises a GatewayError otherwise: the attempts
@@ -160,9 +173,18 @@ class Attempts:
             ),
         )
         retry_number = 0
+        log = self.log
         while True:
-            outcome, answer = await self._attempt()
+            made = log.attempts
+            try:
+                outcome, answer = await self._attempt()
+            except GatewayError as exc:  # an open breaker, a refused redirect...
+                if log.tried is not None:
+                    self._note(Outcome(exc), None, sent=log.attempts > made)
+                raise
             step = next_step(outcome, retry_number, budget, time.monotonic(), self.rng)
+            if log.tried is not None or step.action == "retry":
+                self._note(outcome, answer, sent=log.attempts > made)
             if step.action == "stop":
                 break
             if step.wait_s is not None:
@@ -187,7 +209,9 @@ class Attempts:
         if self.deadline - time.monotonic() <= 0:
             return Outcome(deadline_error("waiting to retry")), None
         await self._admit(first=log.attempts == 0)
-        remaining = self.deadline - time.monotonic()
+        self.began = now = time.monotonic()
+        self.began_key = self.key_ref
+        remaining = self.deadline - now
         if remaining <= 0:
             return Outcome(deadline_error("waiting for rate-limit capacity")), None
         attempt_timeout = min(self.target.attempt_timeout_s, remaining)
@@ -239,15 +263,50 @@ class Attempts:
             return Outcome.stream_end(judged, relayed=False, safe_to_resend=safe), answer
         return await self._status_outcome(answer), answer
 
+    def _note(self, outcome: Outcome, answer: UpstreamResponse | None, *, sent: bool) -> None:
+        """The attempt that just ended into :attr:`AttemptLog.tried` (started when the
+        first retry is decided: the first attempt is still the one just ended); ``sent``
+        False: it ended before sending (the deadline passed while waiting)."""
+        tried = self.log.tried
+        if tried is None:
+            tried = self.log.tried = []
+        tried.append(self._entry(outcome, answer, sent=sent))
+
+    def _entry(
+        self, outcome: Outcome, answer: UpstreamResponse | None, *, sent: bool
+    ) -> dict[str, Any]:
+        """One attempt in the audit record (:func:`tried_entry`)."""
+        error = outcome.error
+        code = "ok" if error is None else error.code.value
+        if outcome.refreshed:
+            code = "credential_changed"  # a 401 resolved again, or a rested key's successor
+        return tried_entry(
+            self.target,
+            self.request,
+            self.began_key if sent else self.key_ref,
+            code,
+            status=answer.status if answer is not None else None,
+            reason=error.details.get("reason") if error is not None else None,
+            response_bytes=self.log.response_bytes if answer is not None else None,
+            duration_s=time.monotonic() - self.began if sent else 0.0,
+            sent=sent,
+        )
+
     def _transport_outcome(self, exc: TransportError) -> Outcome:
-        """A transport failure: retryable as :func:`transport_retryable` says; a request
-        that may have been acted on and cannot be sent again is OUTCOME_UNKNOWN."""
+        """A transport failure: retryable as :func:`transport_retryable` says (a reset
+        before the answer's head on an inference endpoint: :func:`unanswered_resendable`);
+        a request that may have been acted on and cannot be sent again is OUTCOME_UNKNOWN."""
+        spec, request = self.target.spec, self.request
         retryable, unknown = transport_retryable(
             exc.kind,
             sent=exc.sent,
-            method=self.request.method,
+            method=request.method,
             has_idempotency_key=self.has_idempotency_key,
-            retry_on=self.target.spec.retry.retry_on,
+            retry_on=spec.retry.retry_on,
+            answered=exc.answered,
+            resend_unanswered=unanswered_resendable(
+                spec.retry.resend_unanswered, spec.usage, request.endpoint, request.parameters
+            ),
         )
         if unknown:
             return Outcome(self._unknown_outcome(exc))
@@ -287,8 +346,9 @@ class Attempts:
             retry_after = min(hint.retry_after_s, MAX_RETRY_AFTER_S)  # e.g. Gemini RetryInfo
         quota = hint is not None and hint.verdict == "quota"
         if self.next_key is not None and (answer.status == 429 or quota):
-            credential = await self.next_key(retry_after, quota)
-            if credential is not None:  # the pool's next key serves, at once
+            rotated = await self.next_key(retry_after, quota)
+            if rotated is not None:  # the pool's next key serves, at once
+                credential, self.key_ref = rotated
                 self.outbound = replace(self.outbound, credential=credential)
                 return Outcome(refreshed=True)
         error = status_error(answer, retry_after, self.target.name, hint, parsed)
@@ -301,7 +361,11 @@ class Attempts:
         if self.send is not None:
             return self.send(timeout_s)
         return telemetry.current().send(
-            self.upstream, self.outbound, timeout_s=timeout_s, stream=self.relay is not None
+            self.upstream,
+            self.outbound,
+            timeout_s=timeout_s,
+            stream=self.relay is not None,
+            request=self.request,
         )
 
     async def _before_resend(self) -> None:
@@ -389,6 +453,39 @@ class Attempts:
             "idempotency key). Check the upstream before retrying.",
             details={"reason": exc.kind, "target": self.target.name},
         )
+
+
+def tried_entry(
+    target: CompiledTarget,
+    request: ExternalCallRequest,
+    key_ref: str | None,
+    outcome: str,
+    *,
+    status: int | None = None,
+    reason: Any = None,
+    response_bytes: int | None = None,
+    duration_s: float = 0.0,
+    sent: bool = True,
+) -> dict[str, Any]:
+    """One attempt in the audit record's ``tried`` (docs/audit.md): its ``target``,
+    ``model`` (the request's, in the target's dialect; None without one), ``api_key_ref``
+    (the key's reference name, never the key), ``outcome`` (``ok``, an error code, or
+    ``credential_changed``: a 401 resolved again or a rested key's successor sent it
+    again), ``upstream_status``, ``reason`` (a transport failure's kind: connect, reset,
+    timeout; or the error's own reason), ``response_bytes``, ``duration_ms`` (from its
+    send, after any rate-limit wait) and ``attempts``: 1, or 0 for one refused before
+    anything was sent (an open breaker, a refused fallback, a secret not resolved)."""
+    return {
+        "target": target.name,
+        "model": request_model(target.spec.usage, request.endpoint, request.parameters),
+        "api_key_ref": key_ref,
+        "attempts": 1 if sent else 0,
+        "outcome": outcome,
+        "upstream_status": status,
+        "reason": reason,
+        "response_bytes": response_bytes,
+        "duration_ms": round(duration_s * 1000, 3),
+    }
 
 
 def _settle(permit: Permit | None, status: int | None, kind: str | None) -> None:

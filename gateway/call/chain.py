@@ -8,6 +8,7 @@ saw in ``ctx.chain_seen``; the wall clock; the keys) and raises the refusal.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -42,9 +43,10 @@ async def chain_stage(
     (``ctx.chain_inbound``: the inbound route) is admitted, not extended
     (:func:`gateway.agents.chain.admit`), and remembered in ``memory``."""
     keys = chain.NO_KEYS
-    if spec.signing_key_ref is not None:
+    if spec.signing_key_ref is not None:  # resolved per call: a rotated key is taken up
         deadline = ctx.started + request.timeout
-        resolved = [await resolve(parse_ref(ref), ctx, deadline) for ref in spec.key_refs()]
+        refs = _parsed(spec.signing_key_ref, spec.previous_signing_key_ref)
+        resolved = [await resolve(ref, ctx, deadline) for ref in refs]
         keys = chain.SigningKeys(*(r.secret for r in resolved if r is not None))
     seen = request.call_chain if request.call_chain is not None else ctx.chain_seen
     now_ms = int(time.time() * 1000)
@@ -52,10 +54,10 @@ async def chain_stage(
         return _admitted(spec, request, ctx, keys, memory, now_ms)
     if seen is None and memory is not None:
         seen = memory.recall([("trace", trace_key(request))], now_ms)
-    if seen is None and keys.current is None and ctx.target_agent is None:
+    if seen is None and ctx.target_agent is None:
         # The common case, a chain that starts here: decide()'s decision without its
         # header rules (gateway.agents.chain.start).
-        started = chain.start(ctx.agent_id, now_ms, request.timeout, spec)
+        started = chain.start(ctx.agent_id, now_ms, request.timeout, spec, keys)
         if started is not None:
             return started
     return chain.decide(
@@ -67,6 +69,12 @@ async def chain_stage(
         spec=spec,
         keys=keys,
     )
+
+
+@functools.lru_cache(maxsize=16)  # one pair per policy: parsed once, not per call
+def _parsed(current: str, previous: str | None) -> tuple[SecretRef, ...]:
+    """The signing keys' references, parsed (current first)."""
+    return tuple(parse_ref(ref) for ref in (current, previous) if ref is not None)
 
 
 def _admitted(

@@ -1,8 +1,10 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
     intake -> call chain -> egress decision (an MCP target's tool rules too)
-    -> models (allow, pin: :mod:`gateway.call.models`) -> stop switch and repeated-call
-    breaker -> idempotency -> [send: outbound request -> secret -> budget reservation
+    -> models (allow, pin: :mod:`gateway.call.models`) -> the call's rate-limit group
+    (the envelope's one defined, never another agent's own) -> stop switch and repeated-call
+    breaker -> approval -> idempotency -> [the agent's own rate-limit group
+    (:mod:`gateway.call.agentgroup`) -> send: outbound request -> secret -> budget reservation
     -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
     (backoff, Retry-After: :mod:`gateway.call.retry`)
     -> usage -> budget settlement] -> answer -> record
@@ -35,7 +37,7 @@ from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
-from gateway.call import a2a, mcp, send
+from gateway.call import a2a, agentgroup, mcp, send
 from gateway.call import hooks as api_hooks
 from gateway.call import models as model_rules
 from gateway.call.chain import chain_stage
@@ -263,6 +265,7 @@ class Pipeline:
             if reading is not None:
                 ctx.read(reading)  # raises its refusal
             request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
+            ctx.grouped(request, _call_group(policy, request, decision, ctx))
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
             ctx.allowed(
                 await self.controls.check(ctx.agent_id, decision.target.name, request, ctx.mcp),
@@ -349,15 +352,10 @@ class Pipeline:
         deadline: float,
         relay: Relay | None,
     ) -> tuple[int, ExternalCallResponse]:
+        """The call past its approval (its group is ``ctx.rate_limit_group``,
+        :func:`_call_group`) sent: once per idempotency key when its target keeps them."""
         target = decision.target
         spec = target.spec
-        group_name = request.rate_limit_group or spec.rate_limit_group
-        if request.rate_limit_group and group_name not in policy.policy.rate_limit_groups:
-            raise InvalidPayload(
-                f"rate_limit_group {group_name!r} is not defined in the policy "
-                f"(known: {', '.join(sorted(policy.policy.rate_limit_groups)) or 'none'})",
-                details={"reason": "unknown_rate_limit_group", "group": group_name},
-            )
         if spec.idempotency is not None and request.method in spec.idempotency.methods:
             key = request.idempotency_key or derive_key(
                 request.trace_id,
@@ -366,13 +364,28 @@ class Pipeline:
                 request.method,
                 request.endpoint,
             )
-            ctx.sending(group_name, key)
+            ctx.keyed(key)
             return await self._idempotent(
                 policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
-        if group_name is not None:  # else the context's own None
-            ctx.sending(group_name, None)
-        return 200, await send.forward(self, policy, request, decision, ctx, deadline, relay)
+        return 200, await self._forward(policy, request, decision, ctx, deadline, relay)
+
+    async def _forward(
+        self,
+        policy: PolicySet,
+        request: ExternalCallRequest,
+        decision: Decision,
+        ctx: CallContext,
+        deadline: float,
+        relay: Relay | None,
+    ) -> ExternalCallResponse:
+        """:func:`gateway.call.send.forward` inside the calling agent's own rate-limit
+        group (:func:`gateway.call.agentgroup.taken`): a call that is sent takes it once,
+        an answer replayed by its idempotency key never."""
+        if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
+            return await send.forward(self, policy, request, decision, ctx, deadline, relay)
+        async with agentgroup.taken(self, policy, request, ctx, deadline):  # the agent's pace
+            return await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
         self,
@@ -395,7 +408,7 @@ class Pipeline:
                 ctx,
                 deadline=deadline,
                 ttl_s=idempotency.ttl_s,
-                forward=lambda: send.forward(self, policy, request, decision, ctx, deadline, relay),
+                forward=lambda: self._forward(policy, request, decision, ctx, deadline, relay),
                 failure=lambda exc: self._failure(exc, ctx),
                 relay=relay,
                 rendered=self.rendered,
@@ -444,8 +457,31 @@ def _models(
     if models.refusal is not None:
         ctx.chose(models.choice)
         raise models.refusal
-    ctx.modelled(models.choice, models.request, model_rules.shadow_rules(models.choice))
+    ctx.modelled(models.choice, model_rules.shadow_rules(models.choice))
     return models.request, models.decision
+
+
+def _call_group(
+    policy: PolicySet, request: ExternalCallRequest, decision: Decision, ctx: CallContext
+) -> str | None:
+    """The call's rate-limit group: the envelope's, else its target's (None: none).
+    Raises InvalidPayload (``unknown_rate_limit_group``) for a group the policy does not
+    define, PermissionDenied for another agent's own (:func:`gateway.call.agentgroup.
+    named_refusal`). Decided before the stop switch and any approval: no person is asked
+    for a call that would then be refused (its approval used up, nothing sent)."""
+    named = request.rate_limit_group
+    if named is None:
+        return decision.target.spec.rate_limit_group
+    if named not in policy.policy.rate_limit_groups:
+        raise InvalidPayload(
+            f"rate_limit_group {named!r} is not defined in the policy "
+            f"(known: {', '.join(sorted(policy.policy.rate_limit_groups)) or 'none'})",
+            details={"reason": "unknown_rate_limit_group", "group": named},
+        )
+    refused = agentgroup.named_refusal(policy, ctx.identity, named)  # another agent's pace
+    if refused is not None:
+        raise refused
+    return named
 
 
 def _unknown_fields(

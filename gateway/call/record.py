@@ -38,6 +38,7 @@ from gateway.record import (
     DatabaseFacts,
     ModelFacts,
     StreamFacts,
+    decision_of,
     refusal_record,
 )
 from gateway.record import audit_record as record_of_call
@@ -176,8 +177,9 @@ class CallContext:
     chain_seen: dict[str, str] | None = None
     chain: ChainDecision | None = None
     #: Who answered (the target and model of the serving attempt; None: none did), the
-    #: options a call with ``fallbacks`` tried (gateway.call.send.fail_over; None:
-    #: none), and the attempts made on the options before the last.
+    #: attempts of a call with ``fallbacks``, every option's (gateway.call.send.fail_over;
+    #: None: a call without, whose attempts are its log's ``tried`` when it retried), and
+    #: the attempts made on the options before the last.
     served_by: ServedBy | None = None
     tried: list[dict[str, Any]] | None = None
     prior_attempts: int = 0
@@ -194,6 +196,13 @@ class CallContext:
     #: A call to this sidecar's agent (the inbound route): its chain is admitted, not
     #: extended (gateway.call.chain).
     chain_inbound: bool = False
+    #: The calling agent's own rate-limit group (``agents.NAME.rate_limit_group``: None,
+    #: none, or the call's own group) and the seconds the call waited for it
+    #: (gateway.call.agentgroup); the group that refused the call (CAPACITY_EXCEEDED
+    #: from the sidecar's own limits: the agent's or the call's group), if one did.
+    agent_rate_limit_group: str | None = None
+    agent_rate_limit_wait_s: float = 0.0
+    rate_limit_refused: str | None = None
 
     # -- the one writer: each stage's result, as the stage returns it -------------------
 
@@ -280,13 +289,10 @@ class CallContext:
         """The models decision (None: no ``models:`` rule applied)."""
         self.model = model
 
-    def modelled(
-        self, model: ModelChoice | None, request: ExternalCallRequest, shadow_denied: list[str]
-    ) -> None:
-        """The models decision that let the call go (None: no ``models:`` rule applied),
-        the request as it goes (an alias pinned), and the rules that would have refused
-        its model in shadow mode."""
-        self.model, self.request = model, request
+    def modelled(self, model: ModelChoice | None, shadow_denied: list[str]) -> None:
+        """The models decision that let the call go (None: no ``models:`` rule applied)
+        and the rules that would have refused its model in shadow mode."""
+        self.model = model
         if shadow_denied:
             self.shadow_denied += shadow_denied
 
@@ -299,10 +305,29 @@ class CallContext:
         if endpoint_rule is not None:
             self.shadow_denied.append(f"endpoint:{endpoint_rule}")
 
-    def sending(self, rate_limit_group: str | None, idempotency_key: str | None) -> None:
-        """The rate-limit group the call is counted in and its idempotency key (None:
-        the target keeps no key)."""
-        self.rate_limit_group, self.idempotency_key = rate_limit_group, idempotency_key
+    def grouped(self, request: ExternalCallRequest, rate_limit_group: str | None) -> None:
+        """The request as the models stage lets it go (an alias pinned) and the rate-limit
+        group it is counted in (None: none)."""
+        self.request, self.rate_limit_group = request, rate_limit_group
+
+    def keyed(self, idempotency_key: str) -> None:
+        """The call's idempotency key (its target keeps them)."""
+        self.idempotency_key = idempotency_key
+
+    def pacing(self, agent_rate_limit_group: str) -> None:
+        """The calling agent's own rate-limit group holds the call
+        (:mod:`gateway.call.agentgroup`)."""
+        self.agent_rate_limit_group = agent_rate_limit_group
+
+    def paced(self, waited_s: float, shadow_denied: Iterable[str]) -> None:
+        """The seconds the call waited in the agent's own group; the groups that would
+        have refused it in shadow mode."""
+        self.agent_rate_limit_wait_s = waited_s
+        self.shadow_denied.extend(f"rate_limit_group:{g}" for g in shadow_denied)
+
+    def group_refused(self, rate_limit_group: str) -> None:
+        """The rate-limit group that refused the call (CAPACITY_EXCEEDED)."""
+        self.rate_limit_refused = rate_limit_group
 
     def learned(self, replayed: bool, warnings: Iterable[str]) -> None:
         """What the idempotency stage learned: the answer is a replay; its warnings."""
@@ -317,9 +342,11 @@ class CallContext:
         """The call has ``fallbacks``: its options' attempts are kept (``tried``)."""
         self.tried = []
 
-    def option(self, served_by: ServedBy | None) -> None:
-        """The option sent now (None: none served)."""
+    def option(self, served_by: ServedBy | None, log: AttemptLog | None = None) -> None:
+        """The option sent now (None: none served), with its own attempts' log."""
         self.served_by = served_by
+        if log is not None:
+            self.attempt_log = log
 
     def option_tried(self, entries: Iterable[dict[str, Any]]) -> None:
         """An option's entries of the record's ``tried``."""
@@ -443,16 +470,18 @@ class CallContext:
                 log.attempts + self.prior_attempts,
                 log.upstream_latency_s,
                 log.response_bytes,
-                log.rate_limit_wait_s,
+                log.rate_limit_wait_s + self.agent_rate_limit_wait_s,
                 stream,
                 self.mcp,
                 self.identity,
                 self.policy_sha256,
                 self.chain,
                 self.served_by,
-                self.tried,
+                self.tried if self.tried is not None else log.tried,
                 self._models(),
                 _database(self.db_call, self.db),
+                self.agent_rate_limit_group,
+                self.rate_limit_refused,
             ),
         )
 
@@ -506,6 +535,7 @@ def observe(metrics: Metrics, call: CallRecord, response: ExternalCallResponse) 
         metrics.observe_tokens(target, usage.input, usage.output, usage.cached)
     if call.cost_usd is not None:
         metrics.observe_cost(target, call.cost_model, call.cost_usd)
+    metrics.observe_agent_call(call.agent_id, decision_of(call))  # established, never claimed
     for rule in call.shadow_denied:
         kind, _, name = rule.partition(":")
         metrics.observe_shadow_denial(kind, name)

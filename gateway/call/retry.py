@@ -9,7 +9,10 @@
 * A connection that was never established is always safe to retry. A timeout or a lost
   connection after the request was sent is retried only for idempotent methods
   (RFC 9110 section 9.2.2: GET, HEAD, PUT, DELETE, OPTIONS) or a request carrying an
-  idempotency key; otherwise the outcome is unknown and the caller must be told.
+  idempotency key; otherwise the outcome is unknown and the caller must be told. One
+  exception (:func:`unanswered_resendable`): a connection reset before the answer's
+  head, on a provider dialect's inference endpoint, where a duplicate costs tokens and
+  nothing else, as every provider SDK resends it (``retry.resend_unanswered``).
 * Waits are exponential backoff with full jitter (``uniform(0, min(cap, base * 2**n))``,
   AWS Architecture Blog, "Exponential Backoff And Jitter"), unless the upstream said how
   long to wait: ``retry-after-ms`` (milliseconds, OpenAI and Anthropic) or ``Retry-After``
@@ -30,9 +33,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Final, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 
 from gateway.envelope import IDEMPOTENT_METHODS
+from gateway.providers import resendable
 from gateway.providers.base import ErrorHint
 from gateway.ratelimit.headers import retry_after_s
 from gateway.upstream import TransportKind
@@ -72,6 +76,17 @@ def status_retryable(
     return status in retry_on
 
 
+def unanswered_resendable(
+    setting: bool | None, provider: str, endpoint: str, parameters: Mapping[str, Any]
+) -> bool:
+    """Whether a request lost before its answer may be sent again (to its target or a
+    fallback) without an idempotency key: not when the target's
+    ``retry.resend_unanswered`` is ``false`` (``setting``), else when a duplicate costs
+    tokens and nothing else (:func:`gateway.providers.resendable`: an inference
+    endpoint of the target's ``usage`` dialect ``provider``)."""
+    return setting is not False and resendable(provider, endpoint, parameters)
+
+
 def transport_retryable(
     kind: TransportKind,
     *,
@@ -79,16 +94,26 @@ def transport_retryable(
     method: str,
     has_idempotency_key: bool,
     retry_on: Collection[int | str],
+    answered: bool = False,
+    resend_unanswered: bool = False,
 ) -> tuple[bool, bool]:
     """Whether a transport failure may be retried, and whether its outcome is unknown.
 
     Returns ``(retryable, outcome_unknown)``. ``sent`` is True once the request headers
     reached the wire: from then on the upstream may have acted on the request.
+    ``answered``: the answer's head had arrived. ``resend_unanswered``
+    (:func:`unanswered_resendable`): a reset before the answer's head may be sent again
+    without a key (a timeout may not: a silent upstream sent it again would likely stay
+    silent for another whole attempt; a fallback is the remedy).
     """
     listed = ("connect" if kind in ("connect", "reset") else "timeout") in retry_on
     if not sent:
         return listed, False
-    safe_to_resend = method in IDEMPOTENT_METHODS or has_idempotency_key
+    safe_to_resend = (
+        method in IDEMPOTENT_METHODS
+        or has_idempotency_key
+        or (resend_unanswered and kind == "reset" and not answered)
+    )
     if not safe_to_resend:
         return False, True
     return listed, False
@@ -211,7 +236,11 @@ _CONTEXT_LENGTH: Final = (
 
 
 def failover_reason(
-    error: GatewayError, *, relayed: bool, fallback_on: Collection[str], provider: bool = False
+    error: GatewayError,
+    *,
+    relayed: bool,
+    fallback_on: Collection[str],
+    resend_unanswered: bool = False,
 ) -> FailoverReason | None:
     """Why the call may move to its next fallback after its target's attempts ended in
     ``error``, or None when it may not (pure). Never once a byte reached the agent
@@ -221,9 +250,9 @@ def failover_reason(
     breaker, a stream that ended before reaching the agent); a refusal of the request
     itself (400, 401/403, a content filter) does not, unless ``fallback_on`` lists its
     kind (``context_length_exceeded``). A passed deadline leaves no time to move.
-    ``provider``: the target speaks a provider dialect, where a request lost after it
-    was sent (OUTCOME_UNKNOWN: reset or silent before any answer byte) costs tokens at
-    most, never a side effect, so it moves on too."""
+    ``resend_unanswered`` (:func:`unanswered_resendable`): the call is one whose
+    duplicate costs tokens and nothing else, so a request lost after it was sent
+    (OUTCOME_UNKNOWN: a timeout, or an answer lost after it began) moves on too."""
     if relayed:
         return None
     code = error.code.value
@@ -242,7 +271,7 @@ def failover_reason(
         return "first_byte_timeout"
     if code == "STREAM_INTERRUPTED":
         return "stream_failed"
-    if code == "OUTCOME_UNKNOWN" and provider:
+    if code == "OUTCOME_UNKNOWN" and resend_unanswered:
         return "first_byte_timeout" if details.get("reason") == "timeout" else "connect"
     if (
         "context_length_exceeded" in fallback_on
@@ -281,13 +310,15 @@ def next_option(
     fallback_on: Collection[str],
     now: float,
     deadline: float,
-    provider: bool = False,
+    resend_unanswered: bool = False,
 ) -> Option:
     """The call's next option after its ``tried``-th fallback failed (0: the primary)
     with ``error`` (pure): the next of ``options`` fallbacks while time is left before
     ``deadline`` (``time.monotonic()`` seconds), else stop. ``relayed``, ``fallback_on``
-    and ``provider`` as :func:`failover_reason` reads them."""
-    reason = failover_reason(error, relayed=relayed, fallback_on=fallback_on, provider=provider)
+    and ``resend_unanswered`` as :func:`failover_reason` reads them."""
+    reason = failover_reason(
+        error, relayed=relayed, fallback_on=fallback_on, resend_unanswered=resend_unanswered
+    )
     if reason is None or tried >= options or now >= deadline:
         return Option("stop", reason=reason)
     return Option("fallback", tried, reason)

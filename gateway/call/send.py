@@ -19,19 +19,19 @@ import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gateway import telemetry
 from gateway.agents import chain
 from gateway.agents.repeats import call_names
 from gateway.call import models, spend
-from gateway.call.attempts import AttemptLog, Attempts, deadline_error
+from gateway.call.attempts import AttemptLog, Attempts, deadline_error, tried_entry
 from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.outbound import Draft, with_credential
 from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
-from gateway.call.retry import next_option
+from gateway.call.retry import next_option, unanswered_resendable
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse, ModelNames, ServedBy
 from gateway.errors import CapacityExceeded, GatewayError, InternalError, QuotaExhausted
 from gateway.policy import CompiledTarget, PolicySet
@@ -68,19 +68,20 @@ async def fail_over(
     :func:`gateway.call.retry.next_option` allows, all inside ``deadline``: only while
     nothing reached the agent. When every option failed, raises the target's own error
     (a fallback's refusal never masks the cause), or, once bytes were relayed, the
-    error that cut them. Each option tried goes into ``ctx.tried``."""
+    error that cut them. Each attempt of each option goes into ``ctx.tried``."""
     spec = decision.target.spec
     original, tried = request, 0
     first: tuple[GatewayError, AttemptLog] | None = None
     ctx.failing_over()
     while True:
-        started = time.monotonic()
+        model = request_model(decision.target.spec.usage, request.endpoint, request.parameters)
+        # This option's log (forward's attempts replace it): what failed before them is
+        # told apart from the last option's; who serves it: a stream's head.
+        ctx.option(ServedBy(target=decision.target.name, model=model), AttemptLog(tried=[]))
         try:
-            model = request_model(decision.target.spec.usage, request.endpoint, request.parameters)
-            ctx.option(ServedBy(target=decision.target.name, model=model))
             response = await forward(pipe, policy, request, decision, ctx, deadline, relay)
         except GatewayError as exc:
-            ctx.option_tried((_tried_entry(ctx, started, exc),))
+            _option_tried(ctx, decision.target, request, exc)
             first = first or (exc, ctx.attempt_log)
             relayed = relay is not None and relay.started
             moved = _next_fallback(
@@ -101,8 +102,22 @@ async def fail_over(
                 decision.target.spec.rate_limit_group,
             )  # fmt: skip
         else:
-            ctx.option_tried((_tried_entry(ctx, started, None),))
-            return response
+            _option_tried(ctx, decision.target, request, None)
+            return response.model_copy(update={"served_by": ctx.served_by})
+
+
+def _option_tried(
+    ctx: CallContext,
+    target: CompiledTarget,
+    request: ExternalCallRequest,
+    error: GatewayError | None,
+) -> None:
+    """An option's attempts into ``ctx.tried``; one that failed before any attempt (its
+    secret, its budget, every key of its pool resting) as one entry of 0 attempts."""
+    made = ctx.attempt_log.tried or []
+    if not made and error is not None:
+        made = [tried_entry(target, request, ctx.api_key_ref, error.code.value, sent=False)]
+    ctx.option_tried(made)
 
 
 def _next_fallback(
@@ -130,7 +145,9 @@ def _next_fallback(
             fallback_on=spec.fallback_on,
             now=time.monotonic(),
             deadline=deadline,
-            provider=spec.usage != "none",
+            resend_unanswered=unanswered_resendable(
+                spec.retry.resend_unanswered, spec.usage, original.endpoint, original.parameters
+            ),
         )
         if option.action == "stop" or option.reason is None:
             return None
@@ -139,8 +156,22 @@ def _next_fallback(
         pipe.metrics.observe_failover(source, chosen.target, option.reason)
         try:
             request, decision = fallback_call(policy, original, chosen)
-        except GatewayError as refused:
-            ctx.option_tried((_tried_entry(ctx, time.monotonic(), refused, chosen),))
+        except GatewayError as refused:  # never sent: the egress rules refused it
+            ctx.option_tried(
+                (
+                    {
+                        "target": chosen.target,
+                        "model": chosen.model,
+                        "api_key_ref": None,
+                        "attempts": 0,
+                        "outcome": refused.code.value,
+                        "upstream_status": None,
+                        "reason": refused.details.get("reason"),
+                        "response_bytes": None,
+                        "duration_ms": 0.0,
+                    },
+                )
+            )
             continue
         return tried, request, decision
 
@@ -167,29 +198,6 @@ def fallback_call(
         }
     )
     return moved, egress_rules.decide(policy, moved)
-
-
-def _tried_entry(
-    ctx: CallContext, started: float, error: GatewayError | None, option: FallbackSpec | None = None
-) -> dict[str, Any]:
-    """One option in the audit record: its target, model, secret reference (its name),
-    attempts, outcome (an error code, or ``ok``), upstream status, the error's reason (a
-    transport failure's kind), bytes, duration (ms)."""
-    log = ctx.attempt_log
-    served = ctx.served_by
-    refused_before = option is not None  # never sent: the egress rules refused it
-    return {
-        "target": option.target if option else (served.target if served else None),
-        "model": option.model if option else (served.model if served else None),
-        "api_key_ref": None if refused_before else ctx.api_key_ref,
-        "attempts": 0 if refused_before else log.attempts,
-        "outcome": "ok" if error is None else error.code.value,
-        "upstream_status": None if error is None else error.status_code,
-        # a transport failure's kind (connect, reset, timeout) or the error's own reason
-        "reason": None if error is None else error.details.get("reason"),
-        "response_bytes": None if refused_before else log.response_bytes,
-        "duration_ms": round((time.monotonic() - started) * 1000, 3),
-    }
 
 
 async def forward(
@@ -238,6 +246,7 @@ async def forward(
         ),
         model_gate=gate,
         watch_model=ctx.model is not None,
+        key_ref=ctx.api_key_ref,
     )
     _wire(pipe, policy, attempts, pool, ctx, deadline)
     # Before any upstream contact: refused here, nothing goes out (BUDGET_EXCEEDED).
@@ -302,6 +311,8 @@ def _wire(
     rotation (:func:`next_key`)."""
     target, request = attempts.target, attempts.request
     attempts.send = _statement(pipe, policy, target.name, ctx)
+    if ctx.tried is not None:  # a call that may fail over: every attempt recorded
+        attempts.log.tried = []
     if pool is not None:
         attempts.next_key = next_key(pipe, policy, request, target, pool, ctx, deadline)
 
@@ -366,8 +377,8 @@ def _outbound(
     policy: PolicySet, request: ExternalCallRequest, target: CompiledTarget, ctx: CallContext
 ) -> Draft:
     """The request the upstream gets, less its credential, with the call chain's headers
-    (:func:`gateway.agents.chain.with_headers`); the record gets its size, digest and
-    ``traceparent``."""
+    (:func:`gateway.agents.chain.with_headers`), or none of them for a target with
+    ``call_chain.propagate: false``; the record gets its size, digest and ``traceparent``."""
     draft, digest = build_outbound(
         request,
         target,
@@ -376,7 +387,9 @@ def _outbound(
     )
     if ctx.passthrough_headers:  # a drop-in call: the SDK's headers, beneath the policy's
         draft.headers = {**ctx.passthrough_headers, **draft.headers}
-    if ctx.chain is not None:  # the call chain it goes out with (gateway.agents.chain)
+    if not target.propagate_chain:  # call_chain.propagate: false, no chain header at all
+        draft.headers = chain.without_headers(draft.headers)
+    elif ctx.chain is not None:  # the call chain it goes out with (gateway.agents.chain)
         draft.headers = chain.with_headers(draft.headers, ctx.chain)
     ctx.sent_out(digest, draft.headers["traceparent"])
     return draft
@@ -415,6 +428,8 @@ def _failed(
     if group is not None:
         if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
             pipe.metrics.observe_ratelimit_rejection(group.name)
+            if exc.details.get("group") == group.name:  # not a connection pool's
+                ctx.group_refused(group.name)
         if log.admitted:
             group.reconcile(attempts.tokens_reserved, 0)  # no answer, no usage: refund it
 
@@ -462,7 +477,7 @@ def _answered(
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
         model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
-        served_by=ctx.served_by,  # a target with fallbacks: who answered
+        # served_by: set by fail_over (a target with fallbacks), never paid for here
     )
 
 
@@ -515,12 +530,13 @@ def next_key(
     pool: list[str],
     ctx: CallContext,
     deadline: float,
-) -> Callable[[float | None, bool], Awaitable[Credential | None]]:
+) -> Callable[[float | None, bool], Awaitable[tuple[Credential, str] | None]]:
     """What rests the call's key after a 429 or quota refusal (for the wait asked, else
-    :data:`gateway.call.keys.COOL_DOWN_S`) and gives the pool's next key (None: every
-    key rests); the record names the key that serves (its reference)."""
+    :data:`gateway.call.keys.COOL_DOWN_S`) and gives the pool's next key, its credential
+    and reference name (None: every key rests); the record names the key that serves
+    (its reference)."""
 
-    async def rotate(wait_s: float | None, spent: bool) -> Credential | None:
+    async def rotate(wait_s: float | None, spent: bool) -> tuple[Credential, str] | None:
         now = time.monotonic()
         assert ctx.api_key_ref is not None
         pipe.keys.cool(target.name, ctx.api_key_ref, wait_s, now, spent=spent)
@@ -531,7 +547,8 @@ def next_key(
         decision = egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
         resolved = await resolve(pipe, decision.ref, ctx, deadline)
         ctx.key(ref)
-        return pipe.credentials.of(target, resolved)
+        credential = pipe.credentials.of(target, resolved)
+        return None if credential is None else (credential, ref)
 
     return rotate
 

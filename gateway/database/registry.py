@@ -16,6 +16,7 @@ from gateway.database.credentials import CredentialSource, StaticCredentials, Va
 from gateway.errors import GatewayError
 from gateway.policy import PolicySet
 from gateway.policy.database import DatabaseSpec
+from gateway.policy.extras import install_hint
 from gateway.secrets import SecretResolvers
 from gateway.upstream import TransportError, UpstreamResponse
 
@@ -31,8 +32,8 @@ def engine_class() -> type[PostgresDatabase]:
         from gateway.database.postgres import PostgresDatabase
     except ImportError as exc:
         raise ValueError(
-            "the policy has a database target but asyncpg is not installed: install "
-            "egress-gateway[database]"
+            "the policy has a database target but asyncpg is not installed: "
+            f"{install_hint('database')}"
         ) from exc
     return PostgresDatabase
 

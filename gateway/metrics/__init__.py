@@ -5,10 +5,13 @@ Every metric lives in a :class:`Metrics` object's own ``CollectorRegistry``, not
 process-global one, so tests and several app instances never share counters. A policy
 reload keeps the same object (counters survive) and only calls :meth:`Metrics.set_known`.
 
-Label values come only from policy names (targets, rate-limit groups) and fixed enums,
-never from payloads or secrets. A target or group name the current policy does not know
-(an envelope can name anything) is counted under ``_unknown``, so an agent cannot grow
-the series count; policy names cannot start with ``_``, so the bucket never collides.
+Label values come only from policy names (targets, rate-limit groups, agents) and fixed
+enums, never from payloads or secrets. A target or group name the current policy does not
+know (an envelope can name anything) is counted under ``_unknown``, so an agent cannot
+grow the series count; policy names cannot start with ``_``, so the bucket never
+collides. The ``agent`` label is the agent the sidecar established (its ``agents:``
+names and its ``agent_id``), never an id a call claims; a caller recognised as no agent
+is ``_unknown``.
 
 Series (all prefixed ``egress_gateway_``; units in the names, seconds for time):
 
@@ -16,6 +19,9 @@ Series (all prefixed ``egress_gateway_``; units in the names, seconds for time):
 name                                   type       labels
 =====================================  =========  ======================================
 calls_total                            counter    target, outcome, code
+agent_calls_total                      counter    agent (established, never claimed),
+                                                  decision (allowed|denied|invalid|
+                                                  replayed|shadow_denied)
 call_duration_seconds                  histogram  target
 upstream_duration_seconds              histogram  target
 tokens_total                           counter    target, kind (input|output|cached)
@@ -127,6 +133,7 @@ CacheResult = Literal["hit", "miss", "stale"]
 ReloadResult = Literal["ok", "error"]
 
 _OUTCOMES: Final = frozenset({"success", "error", "replay"})
+_DECISIONS: Final = frozenset({"allowed", "denied", "invalid", "replayed", "shadow_denied"})
 _CACHE_RESULTS: Final = frozenset({"hit", "miss", "stale"})
 _CODES: Final = frozenset(c.value for c in ErrorCode) | {OK_CODE}
 #: Named label values a call's series are looked up by before mapping (models, targets).
@@ -156,6 +163,7 @@ class Metrics(Series):
         self.registry = CollectorRegistry(auto_describe=True)
         self._targets: frozenset[str] = frozenset()
         self._groups: frozenset[str] = frozenset()
+        self._agents: frozenset[str] = frozenset()
         self._models: frozenset[str] = frozenset()
         self._model_prefixes: tuple[str, ...] = ()
         self._prefixed_seen: set[str] = set()
@@ -197,10 +205,12 @@ class Metrics(Series):
         models: Sequence[str] = (),
         agent_id: str | None = None,
         digest: str | None = None,
+        agents: Iterable[str] = (),
     ) -> None:
         """Set the target, rate-limit group and model names of the policy now in force
         (``models``: the policy's ``telemetry.models``, exact names or ``prefix*``), and
-        with ``agent_id`` and ``digest`` the ``policy_info`` gauge.
+        with ``agent_id`` and ``digest`` the ``policy_info`` gauge; the ``agent`` label's
+        values are ``agents`` (the policy's ``agents:`` names) and ``agent_id``.
 
         Call at start-up and after each successful reload. Targets new to the policy get a
         ``breaker_state`` of 0 (closed); the breaker series of removed targets are dropped
@@ -210,6 +220,7 @@ class Metrics(Series):
         self._model_prefixes = tuple(m[:-1] for m in models if m.endswith("*"))
         if agent_id is not None:
             self.policy_info.info({"agent_id": agent_id, "digest": digest or ""})
+        self._agents = frozenset(agents) | ({agent_id} if agent_id is not None else set())
         targets = frozenset(targets)
         for gone in self._targets - targets:
             self.breaker_state.remove(gone)
@@ -301,6 +312,16 @@ class Metrics(Series):
         duration.observe(max(latency_s, 0.0))
         if upstream_latency_s is not None:
             upstream.observe(max(upstream_latency_s, 0.0))
+
+    def observe_agent_call(self, agent: str, decision: str) -> None:
+        """Count one answered call of ``agent`` (the established agent id: a name the
+        policy does not give, such as a caller recognised as no agent, is ``_unknown``)
+        with its ``decision`` (the audit record's)."""
+        self._child(
+            self.agent_calls,
+            agent if agent in self._agents else UNKNOWN_LABEL,
+            decision if decision in _DECISIONS else UNKNOWN_LABEL,
+        ).inc()
 
     def observe_tokens(
         self,

@@ -49,6 +49,11 @@ class Series:
             "calls", "Calls answered, by target, outcome and error code (OK on success).",
             ["target", "outcome", "code"], namespace=NAMESPACE, registry=r,
         )  # fmt: skip
+        self.agent_calls = Counter(
+            "agent_calls", "Calls answered, by the agent the sidecar established (never a "
+            "claimed id; _unknown: no agent of the policy) and decision.",
+            ["agent", "decision"], namespace=NAMESPACE, registry=r,
+        )  # fmt: skip
         self.call_duration = Histogram(
             "call_duration_seconds", "Wall time of a call inside the sidecar, in seconds.",
             ["target"], namespace=NAMESPACE, registry=r, buckets=CALL_BUCKETS_S,

@@ -14,13 +14,15 @@ agents:
 
 A caller is recognised by its UID first, then by its token (header
 ``x-egress-agent-token``); with ``agents:`` a caller recognised as none is refused.
-Per-agent budgets are budgets with ``applies_to.agent``. Without ``agents:`` every call is
-the policy's ``agent_id`` (:mod:`gateway.agents.identity`).
+Per-agent budgets are budgets with ``applies_to.agent``; an agent's
+``rate_limit_group`` (a group of ``rate_limit_groups``) is taken once by every call it
+makes, besides the group of the call's target (:mod:`gateway.call.agentgroup`). Without
+``agents:`` every call is the policy's ``agent_id`` (:mod:`gateway.agents.identity`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
@@ -36,13 +38,18 @@ _Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0
 
 class AgentSpec(StrictModel):
     """One agent: ``uid`` (the UID its processes run as) and/or ``token_ref`` (a secret
-    reference to its token), the ``targets`` it may call (None: every target) and the
-    ``models`` it may ask for on every one (:mod:`gateway.policy.modelrules`)."""
+    reference to its token), the ``targets`` it may call (None: every target), the
+    ``models`` it may ask for on every one (:mod:`gateway.policy.modelrules`) and the
+    ``rate_limit_group`` every call it makes takes from, besides its target's (None:
+    only its target's)."""
 
     uid: int | None = Field(None, ge=0, le=d.MAX_AGENT_UID)
     token_ref: str | None = None
     targets: list[_Name] | None = None
     models: ModelsSpec | None = None  # the models it may ask for, with every target's rules
+    #: A group of ``rate_limit_groups`` each of its calls takes one request (and its
+    #: token estimate) from, besides the call's own group: this agent's pace.
+    rate_limit_group: _Name | None = None
 
     @field_validator("token_ref")
     @classmethod
@@ -69,9 +76,11 @@ def agent_problems(
     targets: Mapping[str, Any],
     budgets: Mapping[str, BudgetSpec],
     has_vault: bool,
+    groups: Collection[str] = (),
 ) -> list[tuple[tuple[str, ...], str]]:
     """Cross-references of ``agents`` to other sections: (key path, message) pairs. Two
-    agents with one UID, a target not in the policy, a vault:// token without a
+    agents with one UID, a target not in the policy, a ``rate_limit_group`` not in
+    ``groups`` (the policy's ``rate_limit_groups``), a vault:// token without a
     ``secrets.vault`` section, and (with ``agents:``) a budget's ``applies_to.agent``
     that names no agent."""
     problems: list[tuple[tuple[str, ...], str]] = []
@@ -87,6 +96,10 @@ def agent_problems(
                 known = ", ".join(sorted(targets)) or "none"
                 message = f"no target {target!r} (known: {known})"
                 problems.append((("agents", name, "targets"), message))
+        if spec.rate_limit_group is not None and spec.rate_limit_group not in groups:
+            known = ", ".join(sorted(groups)) or "none"
+            message = f"no rate-limit group {spec.rate_limit_group!r} (known: {known})"
+            problems.append((("agents", name, "rate_limit_group"), message))
         if spec.token_ref is not None and spec.token_ref.startswith("vault://") and not has_vault:
             message = f"{spec.token_ref!r} needs a secrets.vault section"
             problems.append((("agents", name, "token_ref"), message))

@@ -12,9 +12,16 @@ chain:                                    # all optional
 ```
 
 Without ``signing_key_ref`` chains are unsigned and taken as given (one trust domain).
+
+A target's ``call_chain:`` (:class:`CallChainSpec`) says whether the chain's headers go
+out to it: ``propagate: false`` keeps the fleet's agent ids and topology from a provider
+outside the fleet (OpenAI, Slack...). The chain is decided for every call all the same.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -64,6 +71,53 @@ class ChainSpec(StrictModel):
         """The signing keys' secret references, current first (empty: chains unsigned)."""
         refs = (self.signing_key_ref, self.previous_signing_key_ref)
         return tuple(ref for ref in refs if ref is not None)
+
+
+class CallChainSpec(StrictModel):
+    """A target's ``call_chain:``: whether its calls carry the chain's headers
+    (``x-egress-call-chain``, ``x-egress-deadline``, ``x-egress-call-chain-sig``).
+    Off, the chain is still decided (a loop, depth or deadline is refused before any
+    I/O) and audited, and no chain header reaches the target, not even one the agent set.
+    """
+
+    propagate: bool = Field(
+        True,
+        description="send the chain's headers (`x-egress-call-chain`, `x-egress-deadline`, "
+        "the signature) to this target; `false` for a provider outside the fleet (the chain "
+        "is still checked and audited); never `false` on an A2A target",
+    )
+
+
+def propagation_problems(targets: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """``call_chain.propagate: false`` on an A2A target (``targets`` by name, each a
+    ``TargetSpec``): refused, since the called agent's sidecar could then not see the
+    chain, and a loop back to this agent would go unnoticed. Each is ``(key path,
+    message)``."""
+    return [
+        (
+            ("targets", name, "call_chain", "propagate"),
+            "an A2A target always gets the call chain (its sidecar detects loops with "
+            "it): remove 'propagate: false'",
+        )
+        for name, target in targets.items()
+        if target.a2a is not None and not target.call_chain.propagate
+    ]
+
+
+def propagation_warnings(targets: Mapping[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """Warnings for ``validate``: a target of a provider dialect (``usage`` other than
+    ``none``) that does not say whether the chain goes out to it. It does (the default),
+    which tells the provider this fleet's agent ids; writing ``propagate`` silences it."""
+    return [
+        (
+            ("targets", name, "call_chain"),
+            f"this {spec.usage} provider gets the call chain's headers (your agent ids) by "
+            "default: set call_chain: {propagate: false}, or propagate: true if it is an "
+            "agent of your fleet",
+        )
+        for name, spec in targets.items()
+        if spec.usage != "none" and "propagate" not in spec.call_chain.model_fields_set
+    ]
 
 
 def chain_problems(chain: ChainSpec, has_vault: bool) -> list[tuple[tuple[str, ...], str]]:

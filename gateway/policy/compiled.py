@@ -13,7 +13,8 @@ from typing import Any, Final
 from gateway.envelope import HttpMethod
 from gateway.policy.a2a import CARD_PATHS
 from gateway.policy.mcp import MCP_METHODS
-from gateway.policy.models import Policy, TargetSpec
+from gateway.policy.models import TargetSpec
+from gateway.policy.root import Policy
 from gateway.urls import URL
 
 _UNSEEN: Final = object()
@@ -58,6 +59,8 @@ class CompiledTarget:
     attempt_timeout_s: float = field(init=False, repr=False, compare=False)
     #: The key pool (``credential.refs``; empty: none), read on every call.
     key_pool: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    #: ``call_chain.propagate``: whether the chain's headers go out to this target.
+    propagate_chain: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         first_byte = self.spec.first_byte_timeout_s
@@ -65,6 +68,7 @@ class CompiledTarget:
         object.__setattr__(self, "attempt_timeout_s", cap)  # frozen: set once, here
         credential = self.spec.credential
         object.__setattr__(self, "key_pool", tuple(credential.refs) if credential else ())
+        object.__setattr__(self, "propagate_chain", self.spec.call_chain.propagate)
 
     def allows(self, path: str, method: str) -> bool | None:
         """True if allowed, False if the path matches but not the method, None if no rule."""

@@ -11,8 +11,11 @@ headers), so a silent primary cannot spend the whole deadline.
 
 :func:`fallback_problems` is what ``validate`` refuses (key path, message):
 an unknown target, another dialect, an MCP target (its checks are its own), a fallback
-to itself with the same model, a cycle between targets. :func:`fallback_warnings`: a
-``first_byte_timeout_s`` above the target's ``timeout_s`` (it would never act).
+to itself with the same model, a cycle between targets, a fallback's ``model`` that a
+``models.allow`` rule refuses (the fallback target's, or an agent's that may call the
+target: the model is sent as written, so the rule would otherwise be passed by).
+:func:`fallback_warnings`: a ``first_byte_timeout_s`` above the target's ``timeout_s``
+(it would never act).
 """
 
 from __future__ import annotations
@@ -39,13 +42,26 @@ class FallbackSpec(StrictModel):
 Problem = tuple[tuple[str | int, ...], str]
 
 
-def fallback_problems(targets: Mapping[str, Any]) -> list[Problem]:
-    """Problems of the targets' ``fallbacks`` (``targets``: name -> TargetSpec): an
-    unknown target, a target of another ``usage`` dialect, an MCP target on either side,
-    the target itself without another model, a cycle (A falls back to B, which falls
-    back to A)."""
-    problems: list[Problem] = []
+def fallback_problems(
+    targets: Mapping[str, Any], agents: Mapping[str, Any] | None = None
+) -> list[Problem]:
+    """Problems of the targets' ``fallbacks`` (``targets``: name -> TargetSpec;
+    ``agents``: name -> AgentSpec): an unknown target, a target of another ``usage``
+    dialect, an MCP target on either side, the target itself without another model, a
+    cycle (A falls back to B, which falls back to A), a model a ``models.allow`` rule
+    refuses (:func:`_model_refusals`); and ``retry.resend_unanswered: true`` on a target
+    without a provider dialect (a lost request sent twice may act twice there)."""
+    problems = _model_refusals(targets, agents or {})
     for name, spec in targets.items():
+        if spec.retry.resend_unanswered and spec.usage == "none":
+            problems.append(
+                (
+                    ("targets", name, "retry", "resend_unanswered"),
+                    "needs 'usage' (openai, anthropic or gemini): only a provider's inference "
+                    "endpoints cost tokens alone when sent twice; elsewhere give the target "
+                    "an 'idempotency' block",
+                )
+            )
         for index, option in enumerate(spec.fallbacks):
             loc = ("targets", name, "fallbacks", index, "target")
             other = targets.get(option.target)
@@ -70,6 +86,35 @@ def fallback_problems(targets: Mapping[str, Any]) -> list[Problem]:
             problems.append(
                 (("targets", name, "fallbacks"), f"a fallback cycle: {' -> '.join(cycle)}")
             )
+    return problems
+
+
+def _model_refusals(targets: Mapping[str, Any], agents: Mapping[str, Any]) -> list[Problem]:
+    """Each fallback ``model`` outside an enforcing ``models.allow`` that applies where
+    it is sent: the fallback target's, and the agents' that may call the target (their
+    ``targets`` list it, or they list none). A call would reach a model the policy
+    refuses, because a fallback's model is sent as written (no rule is asked again)."""
+    problems: list[Problem] = []
+    for name, spec in targets.items():
+        callers = [
+            (f"agents.{a}.models", agent.models)
+            for a, agent in agents.items()
+            if agent.models is not None and (agent.targets is None or name in agent.targets)
+        ]
+        for index, option in enumerate(spec.fallbacks):
+            other = targets.get(option.target)
+            if option.model is None or other is None:
+                continue  # the request's own model (its rules apply), or reported above
+            rules = [(f"targets.{option.target}.models", other.models), *callers]
+            for owner, rule in rules:
+                if rule is not None and rule.mode == "enforce" and not rule.allows(option.model):
+                    problems.append(
+                        (
+                            ("targets", name, "fallbacks", index, "model"),
+                            f"{option.model!r} is not in the 'allow' of {owner}: the "
+                            "fallback would send a model the policy refuses",
+                        )
+                    )
     return problems
 
 

@@ -6,7 +6,9 @@ comments), and needs only the key in an environment variable (``env://OPENAI_API
 of one provider each (tests/test_starter_policies.py checks that they are). Endpoints and
 headers follow each provider's API reference: OpenAI
 https://platform.openai.com/docs/api-reference, Anthropic https://docs.anthropic.com/en/api,
-Gemini https://ai.google.dev/api.
+Gemini https://ai.google.dev/api. Each sets ``call_chain: {propagate: false}``: a provider
+is no agent of the fleet, and the chain's headers would only tell it the fleet's agent
+ids (docs/features/call-chain.md, "Which targets get the chain").
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ PROVIDERS: Final[dict[str, tuple[str, str]]] = {
       - {path: /v1/models, methods: [GET]}
     usage: openai
     rate_limit_group: openai
+    # A provider outside the fleet: the call chain (your agent ids) is not sent to it.
+    call_chain: {propagate: false}
 """,
     ),
     "anthropic": (
@@ -53,6 +57,8 @@ PROVIDERS: Final[dict[str, tuple[str, str]]] = {
     static_headers: {anthropic-version: "2023-06-01"}
     usage: anthropic
     rate_limit_group: anthropic
+    # A provider outside the fleet: the call chain (your agent ids) is not sent to it.
+    call_chain: {propagate: false}
 """,
     ),
     "gemini": (
@@ -74,6 +80,8 @@ PROVIDERS: Final[dict[str, tuple[str, str]]] = {
       - {path: /v1beta/models, methods: [GET]}
     usage: gemini
     rate_limit_group: gemini
+    # A provider outside the fleet: the call chain (your agent ids) is not sent to it.
+    call_chain: {propagate: false}
 """,
     ),
 }

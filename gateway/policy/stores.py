@@ -12,7 +12,13 @@ from gateway.policy import defaults as d
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+    # defer_build: a section's own validator is compiled only when it is used on its own
+    # (a default instance, a direct validation); the policy's validator holds every
+    # section's rules anyway. Compiling each of ~60 models at import cost ~0.4 MiB of
+    # resident memory in every sidecar for validators nothing called.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, allow_inf_nan=False, defer_build=True
+    )
 
 
 class VaultAuthSpec(StrictModel):

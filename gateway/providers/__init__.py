@@ -18,7 +18,9 @@ key ``usage`` (``none`` reads nothing). The call path uses only the functions be
 * :func:`genai_call` and :func:`response_model`: a call and its answer as the
   OpenTelemetry GenAI semantic conventions describe them (provider, operation, models);
 * :func:`request_model` and :func:`with_model`: the model a request asks for, and the
-  request rewritten to ask for another (model pins, failover), by the target's dialect.
+  request rewritten to ask for another (model pins, failover), by the target's dialect;
+* :func:`resendable`: whether a request lost before its answer may be sent again
+  without an idempotency key (a duplicate costs tokens, nothing else).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = [
     "output_cap",
     "prompt_bytes",
     "request_model",
+    "resendable",
     "response_model",
     "with_model",
 ]
@@ -276,3 +279,15 @@ def with_model(
     if dialect.request_model(endpoint, parameters) is None:
         return endpoint, parameters
     return dialect.with_model(endpoint, parameters, model)
+
+
+def resendable(provider: str, endpoint: str, parameters: Mapping[str, Any]) -> bool:
+    """Whether a duplicate of a request to ``endpoint`` with body ``parameters`` costs
+    tokens and nothing else, in dialect ``provider`` (its policy key ``usage``): an
+    inference call that stores nothing and acts on no other system (OpenAI: Chat
+    Completions, Completions, Embeddings without ``store: true``; Anthropic: Messages and
+    Complete without ``mcp_servers``; Gemini: ``generateContent``,
+    ``streamGenerateContent``, ``embedContent``, ``batchEmbedContents``). False for
+    ``none`` and every other endpoint (files, batches, fine-tuning, the Responses API)."""
+    dialect = DIALECTS.get(provider)
+    return dialect is not None and dialect.resendable(endpoint, parameters)

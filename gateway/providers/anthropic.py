@@ -240,6 +240,12 @@ def operation(endpoint: str) -> str | None:
     return "text_completion" if path.endswith("/complete") else None
 
 
+def resendable(endpoint: str, parameters: Mapping[str, Any]) -> bool:
+    """A Messages or legacy Complete call that connects to no MCP server
+    (``mcp_servers``: the provider then calls those servers, which may act)."""
+    return operation(endpoint) is not None and not parameters.get("mcp_servers")
+
+
 def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
     """The body's ``model``."""
     del endpoint
@@ -279,5 +285,6 @@ DIALECT: Final = Dialect(
     request_model=request_model,
     response_model=response_model,
     with_model=body_model,
+    resendable=resendable,
     cached_outside_input=True,  # input_tokens excludes cache reads and writes
 )

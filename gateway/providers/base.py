@@ -22,6 +22,8 @@ A dialect is one module in :mod:`gateway.providers` that builds a :class:`Dialec
   (:mod:`gateway.cost`), "" when it has none; ``choices(parameters)``: how many answers
   a request asks for (each up to the output cap); ``hidden_context_keys``: request keys
   that bring in input kept on the provider's side (not in the request's bytes);
+  ``resendable(endpoint, parameters)``: a duplicate of the request costs tokens and
+  nothing else (an inference call that stores nothing, acts on no other system);
 * ``exhausted_holds(headers, now)``: seconds until each rate limit that the answer's
   headers report as spent resets (``now`` is wall-clock time, for absolute resets);
 * ``error_hint(status, headers, body)``: what a non-2xx answer's body says about
@@ -260,6 +262,11 @@ def _no_request_model(_: str, __: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _never(endpoint: str, parameters: Mapping[str, Any]) -> bool:
+    del endpoint, parameters
+    return False
+
+
 def _one_choice(_: Mapping[str, Any]) -> int:
     return 1
 
@@ -313,6 +320,10 @@ class Dialect:
     price_provider: str = ""
     choices: Callable[[Mapping[str, Any]], int] = _one_choice
     hidden_context_keys: tuple[str, ...] = ()
+    #: ``(endpoint, parameters)`` -> whether a duplicate of the request costs tokens and
+    #: nothing else (an inference call that stores nothing and acts on no other system):
+    #: what lets a request lost before its answer be sent again without a key.
+    resendable: Callable[[str, Mapping[str, Any]], bool] = _never
 
 
 def last_reported(

@@ -230,6 +230,14 @@ def operation(endpoint: str) -> str | None:
     return _OPERATIONS.get(match[2]) if match else None
 
 
+def resendable(endpoint: str, parameters: Mapping[str, Any]) -> bool:
+    """A ``generateContent``, ``streamGenerateContent``, ``embedContent`` or
+    ``batchEmbedContents`` call: its tools run on the caller's side, or read only
+    (search grounding, code execution in a sandbox)."""
+    del parameters
+    return operation(endpoint) is not None
+
+
 def request_model(endpoint: str, parameters: Mapping[str, Any]) -> str | None:
     """The model named in the path (``/v1beta/models/gemini-2.0-flash:generateContent``)."""
     del parameters
@@ -278,4 +286,5 @@ DIALECT: Final = Dialect(
     request_model=request_model,
     response_model=response_model,
     with_model=with_model,
+    resendable=resendable,
 )

@@ -64,45 +64,52 @@ _log = get_logger("gateway.server")
 @web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn aiohttp's own HTTP errors (404, 405, 413...) into JSON answers; write a large
-    answer within ``body_timeout_s`` (:func:`gateway.api.http.send_bounded`)."""
+    answer within ``body_timeout_s`` (:func:`gateway.api.http.send_bounded`); then give the
+    request's body charge back (:func:`gateway.api.http.give_back_charge`), whatever
+    happened: the outermost middleware, so after the answer is written."""
     started = time.monotonic()
     try:
         response = await handler(request)
+        if http.needs_bounded_write(request, response):
+            assert isinstance(response, web.Response)
+            await http.send_bounded(
+                request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+            )
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code_exc: GatewayError = InvalidPayload(
-            f"{request.method} {request.path}: {exc.reason}; the sidecar serves "
-            f"POST {CALLS_PATH}, GET /healthz, GET /readyz, GET /metrics and GET /openapi.json",
-            details={"reason": "route", "http_status": exc.status},
-            http_status=exc.status,
+        return _route_error(request, exc, started)
+    finally:
+        http.give_back_charge(request)
+
+
+def _route_error(request: web.Request, exc: web.HTTPException, started: float) -> web.Response:
+    """aiohttp's HTTP error ``exc`` (404, 405, 413...) as the sidecar's JSON answer."""
+    code_exc: GatewayError = InvalidPayload(
+        f"{request.method} {request.path}: {exc.reason}; the sidecar serves "
+        f"POST {CALLS_PATH}, GET /healthz, GET /readyz, GET /metrics and GET /openapi.json",
+        details={"reason": "route", "http_status": exc.status},
+        http_status=exc.status,
+    )
+    gateway = request.app[GATEWAY_KEY]
+    audited = request.app.get(AUDITED_KEY, False)
+    answer = http.respond(
+        envelope.refusal(
+            gateway,
+            code_exc,
+            started=started,
+            method=request.method,
+            path=request.rel_url.raw_path,
+            audited=audited,
+            identity=(
+                identify(request.transport, request.headers, gateway.agents) if audited else None
+            ),
         )
-        gateway = request.app[GATEWAY_KEY]
-        audited = request.app.get(AUDITED_KEY, False)
-        answer = http.respond(
-            envelope.refusal(
-                gateway,
-                code_exc,
-                started=started,
-                method=request.method,
-                path=request.rel_url.raw_path,
-                audited=audited,
-                identity=(
-                    identify(request.transport, request.headers, gateway.agents)
-                    if audited
-                    else None
-                ),
-            )
-        )
-        if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110, 15.5.6)
-            answer.headers["Allow"] = exc.headers["Allow"]
-        return answer
-    if http.needs_bounded_write(request, response):
-        assert isinstance(response, web.Response)
-        await http.send_bounded(
-            request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
-        )
-    return response
+    )
+    if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110, 15.5.6)
+        answer.headers["Allow"] = exc.headers["Allow"]
+    return answer
 
 
 async def _healthz(_: web.Request) -> web.Response:
@@ -135,7 +142,7 @@ def create_app(
     ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
-        middlewares=[http.give_back_charge, _json_errors, http.edge_errors],
+        middlewares=[_json_errors, http.edge_errors],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True

@@ -7,7 +7,8 @@ The call path sees this small interface only, never an OpenTelemetry type:
   :meth:`CallTrace.end` (in the same ``finally`` as the audit record) ends it;
 * :meth:`CallTrace.span` wraps a stage (the rate-limit wait, the secret resolution);
 * :meth:`CallTrace.send` sends one upstream attempt (a CLIENT span per attempt, whose id
-  the upstream gets in ``traceparent``).
+  the upstream gets in ``traceparent``, with the attempt's target and model: a call that
+  failed over shows each option's attempts).
 
 Off (the default), :data:`NO_TELEMETRY` hands out :data:`NOOP_TRACE`, whose methods do
 nothing and allocate nothing; OpenTelemetry is not even imported (its SDK lives in
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
 if TYPE_CHECKING:
-    from gateway.envelope import ExternalCallResponse
+    from gateway.envelope import ExternalCallRequest, ExternalCallResponse
     from gateway.policy.models import TelemetrySpec
     from gateway.record import CallRecord, LiveCall
     from gateway.upstream import OutboundRequest, Upstream, UpstreamResponse
@@ -65,9 +66,17 @@ class CallTrace:
         return _NOOP_STAGE
 
     def send(
-        self, upstream: Upstream, outbound: OutboundRequest, *, timeout_s: float, stream: bool
+        self,
+        upstream: Upstream,
+        outbound: OutboundRequest,
+        *,
+        timeout_s: float,
+        stream: bool,
+        request: ExternalCallRequest | None = None,
     ) -> Awaitable[UpstreamResponse]:
-        """``upstream.send(outbound, ...)``, as one CLIENT span of the call."""
+        """``upstream.send(outbound, ...)``, as one CLIENT span of the call, named and
+        described by ``request`` (the attempt's: a fallback's target and model; None:
+        the call's)."""
         return upstream.send(outbound, timeout_s=timeout_s, stream=stream)
 
     def end(self, record: CallRecord, status: int, response: ExternalCallResponse) -> None:

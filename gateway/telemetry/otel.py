@@ -64,7 +64,7 @@ from gateway.upstream import TransportError
 if TYPE_CHECKING:
     import contextvars
 
-    from gateway.envelope import ExternalCallResponse
+    from gateway.envelope import ExternalCallRequest, ExternalCallResponse
     from gateway.record import CallRecord, LiveCall
     from gateway.upstream import OutboundRequest, Upstream, UpstreamResponse
 
@@ -209,11 +209,20 @@ class OtelCallTrace(CallTrace):
             span.end()
 
     async def send(
-        self, upstream: Upstream, outbound: OutboundRequest, *, timeout_s: float, stream: bool
+        self,
+        upstream: Upstream,
+        outbound: OutboundRequest,
+        *,
+        timeout_s: float,
+        stream: bool,
+        request: ExternalCallRequest | None = None,
     ) -> UpstreamResponse:
         self._server()
         self._attempts += 1
         call = self._call
+        if request is not None and request is not self._live.request:
+            # A fallback's attempt (or the request as sent: a pinned model): its own model.
+            call = g.request_of(request, outbound.target)
         attrs = g.http_client_attributes(outbound.method, outbound.url, self._attempts)
         attrs.update(g.request_attributes(call))
         attrs["egress.target"] = outbound.target.name

@@ -22,7 +22,8 @@ Errors: :class:`TransportError` for a failed attempt (with ``sent`` telling whet
 request may have reached the upstream); :class:`gateway.errors.EgressDenied`,
 :class:`~gateway.errors.PermissionDenied`, :class:`~gateway.errors.ResponseTooLarge`, and
 :class:`~gateway.errors.DependencyFailed` (not retryable) for an answer aiohttp's parser
-refuses.
+refuses (aiohttp's exceptions are translated in :mod:`gateway.upstream.failures`; the
+answer's reading helpers and :class:`UpstreamStream` are in :mod:`gateway.upstream.answers`).
 No message holds a URL query or a credential: only ``scheme://host:port``.
 
 Connections: each target holds at most its ``max_connections`` at once (an attempt holds
@@ -48,10 +49,20 @@ from aiohttp.abc import AbstractResolver, AbstractStreamWriter
 from aiohttp.connector import Connection
 
 from gateway import __version__
-from gateway.errors import CapacityExceeded, DependencyFailed, PermissionDenied, ResponseTooLarge
+from gateway.errors import CapacityExceeded, PermissionDenied
 from gateway.policy import EgressSpec
 from gateway.policy.egress import check_address, origin_label, redirect_hop
-from gateway.upstream.resolver import EgressResolver, _AddressDenied
+from gateway.upstream.answers import (
+    CutStream,
+    UpstreamStream,
+    escaped,
+    is_event_stream,
+    protocol_switch,
+    too_large,
+)
+from gateway.upstream.failures import translate
+from gateway.upstream.resolver import EgressResolver
+from gateway.upstream.slots import Slots
 from gateway.upstream.types import OutboundRequest, TransportError, UpstreamResponse
 from gateway.urls import URL
 
@@ -105,8 +116,10 @@ class _Attempt:
     """Whether the current attempt reached the point where the upstream may have it."""
 
     sent: bool = False
+    #: The upstream's status line arrived: a failure from then on lost a begun answer.
+    answered: bool = False
     #: The target's connection slot this attempt holds (handed to a stream it opens).
-    slot: asyncio.Semaphore | None = None
+    slot: Slots | None = None
 
 
 #: The attempt the current task is sending (set by :meth:`Upstream.send`).
@@ -141,7 +154,7 @@ class Upstream:
         self._on_pool_wait = on_pool_wait
         #: Per target name: its ``max_connections`` and the slots counting them (a new
         #: limit gets new slots; attempts holding old ones release into those).
-        self._slots: dict[str, tuple[int, asyncio.Semaphore]] = {}
+        self._slots: dict[str, tuple[int, Slots]] = {}
         self._session: aiohttp.ClientSession | None = None
         #: Attempts in flight per session; a session replaced by an egress change is
         #: closed when its last attempt ends.
@@ -223,10 +236,8 @@ class Upstream:
         started = time.monotonic()
         state = _Attempt()
         slot = self._slot(request.target.name, request.target.spec.max_connections)
-        if slot.locked():
+        if not slot.take():  # all busy: wait, bounded
             await self._wait_for(slot, request, timeout_s)
-        else:
-            await slot.acquire()  # free: returns at once
         state.slot = slot
         token = _ATTEMPT.set(state)
         session = self._session
@@ -240,6 +251,7 @@ class Upstream:
                 "timeout",
                 sent=state.sent,
                 message=f"{origin_label(request.url)} did not answer within {timeout_s:.3g} s",
+                answered=state.answered,
             ) from None
         finally:
             if state.slot is not None:  # not handed to an open stream
@@ -253,15 +265,13 @@ class Upstream:
                 if session is not self._session and self._session is not None:
                     self._close_later(session)  # replaced by an egress change
 
-    def _slot(self, target: str, limit: int) -> asyncio.Semaphore:
+    def _slot(self, target: str, limit: int) -> Slots:
         entry = self._slots.get(target)
         if entry is None or entry[0] != limit:
-            entry = self._slots[target] = (limit, asyncio.Semaphore(limit))
+            entry = self._slots[target] = (limit, Slots(limit))
         return entry[1]
 
-    async def _wait_for(
-        self, slot: asyncio.Semaphore, request: OutboundRequest, timeout_s: float
-    ) -> None:
+    async def _wait_for(self, slot: Slots, request: OutboundRequest, timeout_s: float) -> None:
         """Wait for a free connection of the target, up to its ``connection_wait_s``
         (within ``timeout_s``); CapacityExceeded past that."""
         target = request.target
@@ -269,7 +279,7 @@ class Upstream:
         began = time.monotonic()
         try:
             async with asyncio.timeout(bound):
-                await slot.acquire()
+                await slot.wait()
         except TimeoutError:
             if self._on_pool_wait is not None:
                 self._on_pool_wait(target.name, time.monotonic() - began, False)
@@ -315,9 +325,10 @@ class Upstream:
                     allow_redirects=False,
                     timeout=timeout,
                 )
+                state.answered = True
                 if resp.status < 200:
-                    return _protocol_switch(resp, started)
-                if stream and resp.status < 300 and _is_event_stream(resp):
+                    return protocol_switch(resp, started)
+                if stream and resp.status < 300 and is_event_stream(resp):
                     return self._streamed(session, resp, url, started, state)
                 async with resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
@@ -329,24 +340,24 @@ class Upstream:
                             query = None
                             if method in ("GET", "HEAD"):
                                 body = None
-                            state.sent = False
+                            state.sent = state.answered = False
                             continue
                     cut = False
                     try:
                         content = await self._read(resp, url)
-                    except _CutStream as partial:
+                    except CutStream as partial:
                         content, cut = partial.body, True
                     return UpstreamResponse(
                         status=resp.status,
                         reason=resp.reason or "",
                         headers=resp.headers,
-                        content_type=_escaped(resp.headers.get("Content-Type")),
+                        content_type=escaped(resp.headers.get("Content-Type")),
                         body=content,
                         elapsed_s=time.monotonic() - started,
                         cut=cut,
                     )
             except aiohttp.ClientError as exc:
-                raise _translate(exc, url, state.sent, request.target.name) from None
+                raise translate(exc, url, state, request.target.name) from None
         raise _too_many_redirects(url)
 
     def _streamed(
@@ -362,7 +373,7 @@ class Upstream:
             status=resp.status,
             reason=resp.reason or "",
             headers=resp.headers,
-            content_type=_escaped(resp.headers.get("Content-Type")),
+            content_type=escaped(resp.headers.get("Content-Type")),
             body=b"",
             elapsed_s=time.monotonic() - started,
             stream=self._stream(session, resp, url, state),
@@ -447,7 +458,7 @@ class Upstream:
         declared = resp.content_length
         if declared is not None:
             if declared > limit:
-                raise _too_large(url, limit, resp.status)
+                raise too_large(url, limit, resp.status)
             if "Content-Encoding" not in resp.headers:
                 # At most Content-Length bytes, in one read; a compressed body may inflate
                 # past the limit, so it is counted chunk by chunk below.
@@ -457,22 +468,14 @@ class Upstream:
             async for chunk in resp.content.iter_chunked(_READ_CHUNK):
                 buf += chunk
                 if len(buf) > limit:
-                    raise _too_large(url, limit, resp.status)
+                    raise too_large(url, limit, resp.status)
         except aiohttp.ClientPayloadError:
-            if resp.status < 300 and _is_event_stream(resp):
+            if resp.status < 300 and is_event_stream(resp):
                 # A 2xx stream cut mid-way: what arrived is its answer, judged by its
                 # events (STREAM_INTERRUPTED), not a failure to reach the upstream.
-                raise _CutStream(bytes(buf)) from None
+                raise CutStream(bytes(buf)) from None
             raise
         return bytes(buf)
-
-
-class _CutStream(Exception):
-    """A 2xx event stream whose connection broke while it was read; ``body`` arrived."""
-
-    def __init__(self, body: bytes) -> None:
-        super().__init__("stream cut")
-        self.body = body
 
 
 def _too_many_redirects(url: URL) -> PermissionDenied:
@@ -480,126 +483,3 @@ def _too_many_redirects(url: URL) -> PermissionDenied:
         f"{origin_label(url)} redirected more than {MAX_REDIRECTS} times",
         details={"reason": "too_many_redirects"},
     )
-
-
-def _protocol_switch(resp: aiohttp.ClientResponse, started: float) -> UpstreamResponse:
-    """The answer to a 1xx that reached the caller, its body unread."""
-    # Only a 101 gets here (aiohttp's parser skips the other 1xx, RFC 9110 15.2): a
-    # protocol switch the sidecar never asks for. The connection no longer speaks HTTP,
-    # so it is dropped unread (a body read would wait for the peer to close it); the
-    # attempt judges the status.
-    resp.close()
-    return UpstreamResponse(
-        status=resp.status,
-        reason=resp.reason or "",
-        headers=resp.headers,
-        content_type=None,
-        body=b"",
-        elapsed_s=time.monotonic() - started,
-    )
-
-
-def _escaped(value: str | None) -> str | None:
-    """A header value as text that can be written as UTF-8: bytes that are not UTF-8
-    (obs-text, read by aiohttp as surrogate escapes) as ``\\udcXX`` escapes."""
-    if value is None or value.isascii():
-        return value
-    return value.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
-    return resp.content_type == "text/event-stream"
-
-
-class UpstreamStream:
-    """A 2xx event stream being read as it arrives (see :meth:`Upstream.send`).
-
-    :meth:`read` returns the next chunk (as the network delivered it, decoded from gzip
-    or deflate), ``b""`` at the end. It raises :class:`TransportError` (kind ``reset``)
-    when the connection is lost mid-stream. :meth:`aclose` closes the connection at once
-    (the agent hung up, or the stream failed) and is idempotent; a stream read to its
-    end is released to the pool.
-    """
-
-    __slots__ = ("_done", "_eof", "_origin", "_resp")
-
-    def __init__(self, resp: aiohttp.ClientResponse, origin: str, done: Callable[[], None]):
-        self._resp: aiohttp.ClientResponse | None = resp
-        self._origin = origin
-        self._done = done
-        self._eof = False
-
-    async def read(self) -> bytes:
-        resp = self._resp
-        if resp is None:
-            return b""
-        try:
-            chunk = await resp.content.readany()
-        except aiohttp.ClientError as exc:
-            raise TransportError(
-                "reset", sent=True, message=f"{self._origin} closed the stream mid-way"
-            ) from exc
-        if not chunk:
-            self._eof = True
-        return chunk
-
-    async def aclose(self) -> None:
-        resp, self._resp = self._resp, None
-        if resp is None:
-            return
-        if self._eof:
-            resp.release()
-        else:
-            resp.close()  # not read to its end: the connection cannot be reused
-        self._done()
-
-
-def _too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:
-    return ResponseTooLarge(
-        f"{origin_label(url)} answered with a body larger than the limit of {limit} bytes "
-        "(server.max_response_bytes)",
-        details={"limit_bytes": limit},
-        status_code=status,
-    )
-
-
-def _translate(exc: aiohttp.ClientError, url: URL, sent: bool, target: str) -> Exception:
-    origin = origin_label(url)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        cause = exc.os_error
-        denied = cause if isinstance(cause, _AddressDenied) else cause.__cause__
-        if isinstance(denied, _AddressDenied):
-            return denied.denied
-        if isinstance(exc, aiohttp.ClientConnectorDNSError):
-            return TransportError("connect", sent=False, message=f"cannot resolve {url.host}")
-        reason = cause.strerror or type(cause).__name__
-        return TransportError(
-            "connect", sent=False, message=f"cannot connect to {origin}: {reason}"
-        )
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return TransportError("connect", sent=False, message=f"connecting to {origin} timed out")
-    if isinstance(exc, aiohttp.ServerTimeoutError):
-        return TransportError(
-            "timeout", sent=sent, message=f"{origin} stopped answering (read timeout)"
-        )
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return TransportError(
-            "reset", sent=sent, message=f"{origin} closed the connection mid-call"
-        )
-    if isinstance(exc, aiohttp.ClientResponseError):
-        # With raise_for_status off, only aiohttp's response parser raises this: a bad
-        # status line, a NUL or bare CR in a header, a header line past 8190 bytes. The
-        # same bytes would come back, so it is not retried; its text (the raw header,
-        # perhaps an echoed key) is never shown.
-        return DependencyFailed(
-            f"{origin} answered with a response the HTTP client cannot parse (a malformed "
-            "status line or header, or a header line longer than 8190 bytes); the request "
-            "reached the upstream and was not resent",
-            details={"reason": "malformed_response", "target": target},
-            retryable=False,
-        )
-    if isinstance(exc, aiohttp.ClientOSError):
-        return TransportError(
-            "reset", sent=sent, message=f"connection to {origin} failed: {exc.strerror}"
-        )
-    return TransportError("reset", sent=sent, message=f"{origin}: {type(exc).__name__}")

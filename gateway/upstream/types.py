@@ -19,12 +19,17 @@ TransportKind = Literal["connect", "timeout", "reset"]
 
 class TransportError(Exception):
     """An attempt failed below HTTP. ``kind`` is connect, timeout or reset; ``sent`` is
-    True once the request headers went out (the upstream may have acted on it)."""
+    True once the request headers went out (the upstream may have acted on it);
+    ``answered`` once the upstream's status line arrived (the answer was lost after it
+    began: a body cut, or not read in time)."""
 
-    def __init__(self, kind: TransportKind, *, sent: bool, message: str) -> None:
+    def __init__(
+        self, kind: TransportKind, *, sent: bool, message: str, answered: bool = False
+    ) -> None:
         super().__init__(message)
         self.kind: TransportKind = kind
         self.sent = sent
+        self.answered = answered
         self.message = message
 
 
@@ -112,7 +117,7 @@ class UpstreamResponse:
     body: bytes
     elapsed_s: float
     #: With ``Upstream.send(stream=True)``, a 2xx event stream still to be read (its
-    #: ``body`` is then empty): an :class:`gateway.upstream.client.UpstreamStream`.
+    #: ``body`` is then empty): an :class:`gateway.upstream.answers.UpstreamStream`.
     stream: Any = None
     #: True when ``body`` is a 2xx event stream whose connection broke mid-way.
     cut: bool = False

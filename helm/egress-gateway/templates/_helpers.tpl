@@ -168,8 +168,87 @@ sidecar.unixSocket), as list items at column 0; nothing otherwise.
 {{- end }}
 
 {{/*
+An agent's container securityContext: agent.securityContext with the agent's own UID
+(agents[].uid) as runAsUser and runAsNonRoot true, so that the UID the kernel reports
+for its calls is the one the policy's agents: section gives it. Called with (dict
+"gateway" .Values "agent" ID); an agent's own chart uses it for each agent container.
+*/}}
+{{- define "egress-gateway.agentSecurityContext" -}}
+{{- $id := .agent }}
+{{- $found := dict }}
+{{- range .gateway.agents }}{{ if eq .id $id }}{{ $found = . }}{{ end }}{{ end }}
+{{- if not $found }}
+{{- fail (printf "egress-gateway: no agent %q in agents (each agent container runs as the UID its agents entry gives)" $id) }}
+{{- end }}
+{{- $own := dict "runAsUser" ($found.uid | int64) "runAsNonRoot" true }}
+{{- toYaml (merge $own (deepCopy (default dict .gateway.agent.securityContext))) }}
+{{- end }}
+
+{{/*
+The example Deployment's agent containers: one per agents entry (named by its
+containerName, else its id; its image, command, args and env, else agent.*'s; its UID:
+egress-gateway.agentSecurityContext); without agents, the one "agent" container.
+Called with the Deployment's context (dict "root" "gateway" "replicas").
+*/}}
+{{- define "egress-gateway.agentContainers" -}}
+{{- $g := .gateway }}
+{{- $items := list }}
+{{- $names := dict }}
+{{- range $g.agents }}
+{{- $name := default .id .containerName }}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$" $name) }}
+{{- fail (printf "egress-gateway: agents %s: %q is not a container name (lowercase letters, digits and '-'); set its containerName" .id $name) }}
+{{- end }}
+{{- if or (eq $name "egress-gateway") (hasPrefix "egress-gateway-" $name) }}
+{{- fail (printf "egress-gateway: agents %s: container name %q is the chart's own (egress-gateway*); set its containerName" .id $name) }}
+{{- end }}
+{{- if hasKey $names $name }}
+{{- fail (printf "egress-gateway: agents %s and %s have one container name (%q): set containerName" (get $names $name) .id $name) }}
+{{- end }}
+{{- $_ := set $names $name .id }}
+{{- $security := include "egress-gateway.agentSecurityContext" (dict "gateway" $g "agent" .id) | fromYaml }}
+{{- $items = append $items (dict "name" $name "spec" . "securityContext" $security) }}
+{{- end }}
+{{- if not $g.agents }}
+{{- $items = list (dict "name" "agent" "spec" dict "securityContext" $g.agent.securityContext) }}
+{{- end }}
+{{- range $items }}
+{{- $spec := .spec }}
+{{- $image := default $g.agent.image $spec.image }}
+- name: {{ .name }}
+  image: {{ printf "%s:%s" $image.repository $image.tag | quote }}
+  imagePullPolicy: {{ default $g.agent.image.pullPolicy $image.pullPolicy }}
+  {{- with (hasKey $spec "command" | ternary $spec.command $g.agent.command) }}
+  command:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with (hasKey $spec "args" | ternary $spec.args $g.agent.args) }}
+  args:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  env:
+    {{- include "egress-gateway.agentEnv" $ | nindent 4 }}
+    {{- with (hasKey $spec "env" | ternary $spec.env $g.agent.env) }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  resources:
+    {{- toYaml $g.agent.resources | nindent 4 }}
+  {{- with .securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: agent-tmp
+      mountPath: /tmp
+    {{- with include "egress-gateway.agentVolumeMounts" $ }}
+    {{- . | nindent 4 }}
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 The policy file's text: policy.content, and with agents its agents: section rendered
-from the values (each id: {uid, targets}).
+from the values (each id: {uid, targets, rate_limit_group}).
 */}}
 {{- define "egress-gateway.policyContent" -}}
 {{- $g := .gateway -}}
@@ -178,6 +257,7 @@ from the values (each id: {uid, targets}).
 {{- range $g.agents -}}
 {{- $entry := dict "uid" (.uid | int64) -}}
 {{- if hasKey . "targets" }}{{ $_ := set $entry "targets" .targets }}{{ end -}}
+{{- if hasKey . "rateLimitGroup" }}{{ $_ := set $entry "rate_limit_group" .rateLimitGroup }}{{ end -}}
 {{- $_ := set $agents .id $entry -}}
 {{- end -}}
 {{- printf "%s\n%s\n" (trimSuffix "\n" $g.policy.content) (toYaml (dict "agents" $agents)) -}}
@@ -210,7 +290,13 @@ fails the render with a message naming the keys to fix.
 {{- fail "egress-gateway: the policy.content has an agents: section and the values list agents: write them in one place" }}
 {{- end }}
 {{- $uids := dict }}
+{{- $ids := dict }}
 {{- range $g.agents }}
+{{- /* one policy entry per id: a second would take the first's place and its container's UID */}}
+{{- if hasKey $ids .id }}
+{{- fail (printf "egress-gateway: agents %s is listed twice: one entry per agent" .id) }}
+{{- end }}
+{{- $_ := set $ids .id true }}
 {{- $uid := toString (.uid | int64) }}
 {{- if eq (.uid | int64) ($g.sidecar.uid | int64) }}
 {{- fail (printf "egress-gateway: agents %s has sidecar.uid (%s): give each agent a UID of its own" .id $uid) }}
