@@ -1,15 +1,15 @@
 """One call's context while it runs, frozen into its record at the end (pure: no I/O).
 
 :class:`CallContext` is what the pipeline knows of a call as it goes. The stages return
-small frozen results (an intake's :class:`Arrival`, an API's :class:`Reading`, the send
-stage's :class:`Outbound` and :class:`Settled`...) and the context's own methods are the
-only code that writes it (tests/test_call_state_has_one_writer.py): each takes one
-result, as soon as the stage has it, so that a call refused half-way is recorded with
-what it had learned. :meth:`CallContext.record` freezes it into the
-:class:`gateway.record.CallRecord` that the audit record
-(:func:`gateway.record.audit_record`), the metrics (:func:`observe`) and the call's span
-read. :func:`audit_record` and :func:`refusal_record` are the audit record of a context
-and of an answer given before the envelope was read.
+small frozen results (an intake's :class:`Arrival`, an API's :class:`Reading`, the chain
+stage's decision, the send stage's body digest, price, usage and cost...) and the
+context's own methods are the only code that writes it
+(tests/test_call_state_has_one_writer.py): each takes one result, as soon as the stage
+has it, so that a call refused half-way is recorded with what it had learned.
+:meth:`CallContext.record` freezes it into the :class:`gateway.record.CallRecord` that
+the audit record (:func:`gateway.record.audit_record`), the metrics (:func:`observe`)
+and the call's span read. :func:`audit_record` and :func:`refusal_record` are the audit
+record of a context and of an answer given before the envelope was read.
 """
 
 from __future__ import annotations
