@@ -297,7 +297,7 @@ def _intake(headers: dict[str, str], body: bytes = b"{}", **kw: Any) -> Any:
         body=body,
     )
     ctx = CallContext(started=0.0, agent_id="a")
-    return proxy_intake(http, policy, ctx).request, ctx
+    return ctx.arrived(proxy_intake(http, policy)).request, ctx
 
 
 @pytest.mark.parametrize(

@@ -230,7 +230,7 @@ def _same_intake(got: Intake, want: Intake) -> None:
 def test_proxy_intake_gives_the_exact_paths_request_for_every_body(name: str) -> None:
     body = VALID[name] if name in VALID else EXACT[name][0]
     ctx = CallContext(started=0.0, agent_id="a")
-    got = proxy_intake(_http(body), POLICY, ctx)
+    got = ctx.arrived(proxy_intake(_http(body), POLICY))
     _same_intake(got, parse_request(_exact_raw(body)))
 
 
@@ -238,9 +238,11 @@ def test_a_streamed_body_read_by_either_path_gets_the_streams_deadline() -> None
     sdk = {"x-stainless-timeout": "20"}
     for body in (b'{"stream": true}', b'\xef\xbb\xbf{"stream": true}'):  # fast; exact (BOM)
         ctx = CallContext(started=0.0, agent_id="a")
-        assert proxy_intake(_http(body, sdk), POLICY, ctx).request.timeout == 600.0
+        assert ctx.arrived(proxy_intake(_http(body, sdk), POLICY)).request.timeout == 600.0
     ctx = CallContext(started=0.0, agent_id="a")
-    assert proxy_intake(_http(b'{"stream": false}', sdk), POLICY, ctx).request.timeout == 20.0
+    assert (
+        ctx.arrived(proxy_intake(_http(b'{"stream": false}', sdk), POLICY)).request.timeout == 20.0
+    )
 
 
 def _envelope(**fields: Any) -> dict[str, Any]:
@@ -329,7 +331,7 @@ def test_a_refused_drop_in_call_keeps_its_reason_and_message(
 ) -> None:
     ctx = CallContext(started=0.0, agent_id="a")
     with pytest.raises(InvalidPayload) as caught:
-        proxy_intake(_http(VALID["chat"], headers, **kw), POLICY, ctx)
+        ctx.arrived(proxy_intake(_http(VALID["chat"], headers, **kw), POLICY))
     assert caught.value.details["reason"] == reason
     if reason == "invalid_fields":  # the exact path's own message for the built envelope
         raw = _exact_raw(VALID["chat"])

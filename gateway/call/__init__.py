@@ -13,4 +13,9 @@
   decoded incrementally), ``stream`` (a stream judged by its own events), ``relay`` (a
   stream passed to the agent as it arrives), ``record`` (the call's context, its audit
   record and metrics).
+
+Per-call state is data, not a bus: each stage returns a small frozen result (an intake's
+``Arrival``, an API's ``Reading``, the chain's decision, the send stage's digest, price
+and settlement...) and :class:`gateway.call.record.CallContext`'s own methods are the one
+writer of the context (tests/test_call_state_has_one_writer.py).
 """

@@ -45,9 +45,9 @@ from gateway import fastjson
 from gateway.agents import card as cards
 from gateway.agents import chain
 from gateway.audit.schema import Fields as F
-from gateway.call.intake import Intake, parse_request, printable
+from gateway.call.intake import parse_request, printable
 from gateway.call.proxy import egress_timeout, header_map, request_ids
-from gateway.call.record import CLAIM_LIMIT, CallContext
+from gateway.call.record import CLAIM_LIMIT, Arrival, CallContext
 from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse, RequestBody
 from gateway.errors import (
@@ -131,41 +131,69 @@ class TaskClock:
 def a2a_intake(
     http: A2aRequest,
     policy: PolicySet,
-    ctx: CallContext,
     tasks: TaskClock,
     refuse: Exception | None = None,
     card_key: str | None = None,
-) -> Intake:
-    """The call of one A2A HTTP request (module docstring). Records the ids in ``ctx``
-    first, and the request in ``ctx.a2a``, so that a refusal is audited and answered as
-    JSON-RPC. Raises ``refuse`` when given; PermissionDenied (not an A2A target, a method
-    refused), InvalidPayload (not one JSON-RPC request, a method other than POST and a
-    card's GET), DeadlineExceeded (the task outlived ``a2a.task_ttl_s``)."""
-    ctx.api = "a2a"
+) -> Arrival:
+    """The call of one A2A HTTP request (module docstring), refused or not: the ids it
+    claims and the request read come with a refusal, so that it is audited and answered
+    as JSON-RPC. Its refusal: ``refuse`` when given; PermissionDenied (not an A2A target,
+    a method refused: the intake's decision, ``denied``), InvalidPayload (not one
+    JSON-RPC request, a method other than POST and a card's GET), DeadlineExceeded (the
+    task outlived ``a2a.task_ttl_s``)."""
     if http.inbound:
-        return _inbound_intake(http, ctx, refuse)
+        return _inbound_intake(http, refuse)
     headers = header_map(http.headers)
-    ctx.chain_seen = chain.seen_in(headers)
-    trace_id, correlation_id = request_ids(headers)
+    seen = chain.seen_in(headers)
+    ids = request_ids(headers)
     target = policy.targets.get(http.target)
     spec = target.spec.a2a if target is not None else None
     endpoint = http.card or (spec.rpc_path if spec is not None else "/")
-    ctx.claimed = {
-        "trace_id": trace_id,
-        "correlation_id": correlation_id,
+    claimed = {
+        "trace_id": ids[0],
+        "correlation_id": ids[1],
         "target_system": printable(http.target[:CLAIM_LIMIT]),
         "endpoint": printable(endpoint[:CLAIM_LIMIT]),
         "method": printable(http.method[:CLAIM_LIMIT]),
     }
     exchange = None
     if http.method == "POST" and not http.card:  # read for any target: the refusal's id
-        exchange = ctx.a2a = _parse(http.body, refuse)
-        ctx.chain_seen = ctx.chain_seen or rpc.chain_in_body(exchange.body)
+        try:
+            exchange = _parse(http.body, refuse)
+        except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+            return Arrival(None, "a2a", claimed, seen, refusal=exc)
+        seen = seen or rpc.chain_in_body(exchange.body)
     if refuse is not None:
-        raise refuse
+        return Arrival(None, "a2a", claimed, seen, refusal=refuse, a2a=exchange)
+    read: Any = exchange
+    try:
+        raw, read = _outbound_raw(http, target, exchange, headers, endpoint, ids, tasks, card_key)
+        intake = parse_request(raw)
+    except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+        # Every PermissionDenied here is the intake's decision: the target, the method.
+        denied = "denied" if isinstance(exc, PermissionDenied) else None
+        return Arrival(None, "a2a", claimed, seen, refusal=exc, decision=denied, a2a=read)
+    passed = {k: v for k, v in headers.items() if k in PASSED_HEADERS}
+    agent = spec.agent_id if spec is not None and target is not None else None
+    return Arrival(intake, "a2a", claimed, seen, passed, a2a=read, target_agent=agent)
+
+
+def _outbound_raw(
+    http: A2aRequest,
+    target: CompiledTarget | None,
+    exchange: rpc.A2aExchange | None,
+    headers: dict[str, str],
+    endpoint: str,
+    ids: tuple[str, str],
+    tasks: TaskClock,
+    card_key: str | None,
+) -> tuple[dict[str, Any], Any]:
+    """The envelope (unvalidated) of a request to A2A target ``target`` (None: not in the
+    policy, refused by the egress decision), and what the call reads: ``exchange``, or
+    a card fetch (:class:`CardFetch`). Raises as :func:`a2a_intake`."""
     _check_route(http)
+    spec = target.spec.a2a if target is not None else None
     if target is not None and spec is None:
-        ctx.decision = "denied"
         raise PermissionDenied(
             f"target {target.name!r} is not an A2A agent (it has no 'a2a' section): use "
             f"/proxy/{target.name}/... or an envelope",
@@ -173,8 +201,8 @@ def a2a_intake(
         )
     timeout = egress_timeout(headers)
     raw: dict[str, Any] = {
-        "trace_id": trace_id,
-        "correlation_id": correlation_id,
+        "trace_id": ids[0],
+        "correlation_id": ids[1],
         "target_system": http.target,
         "endpoint": endpoint,
         "method": http.method,
@@ -183,10 +211,10 @@ def a2a_intake(
     }
     if _SECRET_REF_HEADER in headers:
         raw["api_key_ref"] = headers[_SECRET_REF_HEADER]
+    read: Any = exchange
     if spec is not None and target is not None:
-        ctx.target_agent = spec.agent_id
         if exchange is not None:
-            _check_method(exchange, target, ctx)
+            _check_method(exchange, target)
             left = tasks.left_s(target.name, exchange.task_id, spec.task_ttl_s, time.monotonic())
             _check_task(exchange, left)
             raw["timeout"] = min(raw["timeout"], left)
@@ -194,41 +222,51 @@ def a2a_intake(
                 raw["max_retries"] = 0
         else:
             card = spec.card
-            ctx.a2a = CardFetch(target.name, card.verify, card_key, tuple(card.algorithms))
+            read = CardFetch(target.name, card.verify, card_key, tuple(card.algorithms))
     if exchange is not None:
         raw["body"] = _body(http.body)
-    ctx.passthrough_headers = {k: v for k, v in headers.items() if k in PASSED_HEADERS}
-    return parse_request(raw)
+    return raw, read
 
 
-def _inbound_intake(http: A2aRequest, ctx: CallContext, refuse: Exception | None) -> Intake:
+def _inbound_intake(http: A2aRequest, refuse: Exception | None) -> Arrival:
     """A call *to* this sidecar's agent (``/a2a/in/{path}``, design.md "Agents calling
     agents"): forwarded to ``inbound.agent_url`` as it came (a JSON-RPC body read for its
-    chain, task and context ids), its chain admitted (``ctx.chain_inbound``). Raises
+    chain, task and context ids), its chain admitted (``chain_inbound``). Refused by
     ``refuse``; PermissionDenied when the policy has no ``inbound`` section."""
     headers = header_map(http.headers)
     trace_id, correlation_id = request_ids(headers)
-    ctx.chain_inbound = True
-    ctx.claimed = {
+    claimed = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
         "target_system": INBOUND_TARGET,
         "endpoint": printable(http.card[:CLAIM_LIMIT]),
         "method": printable(http.method[:CLAIM_LIMIT]),
     }
-    ctx.chain_seen = chain.seen_in(headers)
+    seen = chain.seen_in(headers)
+    exchange = None
     if http.method == "POST":
         try:
-            ctx.a2a = rpc.parse_request(http.body)
+            exchange = rpc.parse_request(http.body)
         except rpc.A2aProtocolError:
-            ctx.a2a = None  # the agent's server answers what it cannot read
+            pass  # the agent's server answers what it cannot read
         else:
-            ctx.chain_seen = ctx.chain_seen or rpc.chain_in_body(ctx.a2a.body)
+            seen = seen or rpc.chain_in_body(exchange.body)
     if refuse is not None:
-        raise refuse
+        return Arrival(None, "a2a", claimed, seen, refusal=refuse, a2a=exchange, chain_inbound=True)
+    try:
+        intake = parse_request(_inbound_raw(http, headers, (trace_id, correlation_id)))
+    except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+        return Arrival(None, "a2a", claimed, seen, refusal=exc, a2a=exchange, chain_inbound=True)
+    passed = {k: v for k, v in headers.items() if k in INBOUND_HEADERS}
+    return Arrival(intake, "a2a", claimed, seen, passed, a2a=exchange, chain_inbound=True)
+
+
+def _inbound_raw(http: A2aRequest, headers: dict[str, str], ids: tuple[str, str]) -> dict[str, Any]:
+    """The envelope (unvalidated) of a call to this sidecar's agent. Raises InvalidPayload
+    (a bad ``x-egress-timeout``)."""
     raw: dict[str, Any] = {
-        "trace_id": trace_id,
-        "correlation_id": correlation_id,
+        "trace_id": ids[0],
+        "correlation_id": ids[1],
         "target_system": INBOUND_TARGET,
         "endpoint": http.card,
         "method": http.method,
@@ -238,8 +276,7 @@ def _inbound_intake(http: A2aRequest, ctx: CallContext, refuse: Exception | None
     }
     if http.body:
         raw["body"] = _body(http.body)
-    ctx.passthrough_headers = {k: v for k, v in headers.items() if k in INBOUND_HEADERS}
-    return parse_request(raw)
+    return raw
 
 
 def _body(data: bytes) -> dict[str, str]:
@@ -271,11 +308,10 @@ def _check_route(http: A2aRequest) -> None:
         )
 
 
-def _check_method(exchange: rpc.A2aExchange, target: CompiledTarget, ctx: CallContext) -> None:
+def _check_method(exchange: rpc.A2aExchange, target: CompiledTarget) -> None:
     assert target.spec.a2a is not None
     rule = rpc.method_refusal(target.spec.a2a, exchange.method)
     if rule is not None:
-        ctx.decision = "denied"
         raise PermissionDenied(
             f"A2A method {printable(exchange.method[:64])!r} is not allowed on target "
             f"{target.name!r} (a2a.methods)",

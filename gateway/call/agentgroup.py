@@ -91,21 +91,23 @@ async def taken(
     if group is None or name == ctx.rate_limit_group:
         yield
         return
-    ctx.agent_rate_limit_group = group.name
+    ctx.pacing(group.name)
     reserved = estimate_tokens(request.parameters) if group.spec.tokens_per_minute else 0
     shadow: list[str] = []
+    warnings: list[str] = []  # the group's, into the record after the wait
     try:
         with telemetry.current().span(telemetry.RATE_LIMIT_WAIT, group.name):
             waited = await group.acquire(
-                tokens=reserved, deadline=deadline, warnings=ctx.warnings, shadow=shadow
+                tokens=reserved, deadline=deadline, warnings=warnings, shadow=shadow
             )
     except CapacityExceeded:
         pipe.metrics.observe_ratelimit_rejection(group.name)
-        ctx.rate_limit_refused = group.name
+        ctx.group_refused(group.name)
         raise
-    ctx.agent_rate_limit_wait_s = waited
+    finally:
+        ctx.warned(warnings)
     pipe.metrics.observe_ratelimit_wait(group.name, waited)
-    ctx.shadow_denied.extend(f"rate_limit_group:{g}" for g in shadow)
+    ctx.paced(waited, shadow)
     failed = True
     try:
         yield

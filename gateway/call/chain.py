@@ -32,10 +32,11 @@ async def chain_stage(
     resolve: Resolve,
     memory: ChainMemory | None = None,
 ) -> chain.ChainDecision:
-    """The call's chain decision (``ctx.chain`` is set to it, refused or not). Resolves
-    ``chain.signing_key_ref`` (and the previous key) first when the policy names one:
-    cached like any secret, and their errors (SECRET_NOT_FOUND, DEPENDENCY_FAILED...)
-    are the call's. Raises :class:`~gateway.errors.CallChainRefused` (409).
+    """The call's chain decision, refused or not (its ``error``, a
+    :class:`~gateway.errors.CallChainRefused` (409), is for the caller to record, then
+    raise). Resolves ``chain.signing_key_ref`` (and the previous key) first when the
+    policy names one: cached like any secret, and their errors (SECRET_NOT_FOUND,
+    DEPENDENCY_FAILED...) are the call's, raised.
 
     A call that carries no chain gets the one ``memory`` remembers for its W3C trace
     (an agent that leaves the chain out keeps its depth). A call to this sidecar's agent
@@ -58,9 +59,8 @@ async def chain_stage(
         # header rules (gateway.agents.chain.start).
         started = chain.start(ctx.agent_id, now_ms, request.timeout, spec, keys)
         if started is not None:
-            ctx.chain = started
             return started
-    ctx.chain = chain.decide(
+    return chain.decide(
         seen,
         own_agent=ctx.agent_id,
         target_agent=ctx.target_agent,  # an A2A target's a2a.agent_id
@@ -69,9 +69,6 @@ async def chain_stage(
         spec=spec,
         keys=keys,
     )
-    if ctx.chain.error is not None:
-        raise ctx.chain.error
-    return ctx.chain
 
 
 @functools.lru_cache(maxsize=16)  # one pair per policy: parsed once, not per call
@@ -89,21 +86,20 @@ def _admitted(
     now_ms: int,
 ) -> chain.ChainDecision:
     """The inbound route's decision: the chain that came (else the one remembered for
-    the task or context asked about) admitted, and remembered for the trace and task."""
+    the task or context asked about) admitted, and remembered for the trace and task
+    (a refused one is returned, not remembered)."""
     ids = ctx.a2a_ids()
     seen = ctx.chain_seen
     if seen is None and memory is not None:
         seen = memory.recall([("task", ids[0]), ("context", ids[1])], now_ms)
-    ctx.chain = chain.admit(
+    admitted = chain.admit(
         seen, own_agent=ctx.agent_id, now_ms=now_ms, timeout_s=request.timeout, spec=spec,
         keys=keys,
     )  # fmt: skip
-    if ctx.chain.error is not None:
-        raise ctx.chain.error
-    if memory is not None:
+    if admitted.error is None and memory is not None:
         keys_ = [("trace", trace_key(request)), ("task", ids[0]), ("context", ids[1])]
-        memory.remember(keys_, ctx.chain)
-    return ctx.chain
+        memory.remember(keys_, admitted)
+    return admitted
 
 
 def trace_key(request: ExternalCallRequest) -> str:

@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Any, Final, Protocol
 
 from gateway.call import a2a, mcp
-from gateway.call.record import CallContext
+from gateway.call.record import CallContext, Reading
 from gateway.call.relay import Relay
 from gateway.database import DbLog, bind
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload, PermissionDenied
 from gateway.policy import CompiledTarget
+from gateway.policy.database import StatementSpec
 
 
 class CallHooks(Protocol):
@@ -30,10 +31,12 @@ class CallHooks(Protocol):
         target: CompiledTarget,
         ctx: CallContext,
         relay: Relay | None,
-    ) -> tuple[ExternalCallRequest, Relay | None]:
-        """After the egress decision allowed ``request`` to ``target``: the request to run
-        and where its stream may go (None: the answer is read whole). Raises the
-        GatewayError that refuses it (nothing is sent)."""
+    ) -> tuple[ExternalCallRequest, Relay | None, Reading | None]:
+        """After the egress decision allowed ``request`` to ``target``: the request to run,
+        where its stream may go (None: the answer is read whole) and what reading it
+        learned for the record (None: nothing), its refusal among it
+        (:class:`gateway.call.record.Reading`: nothing is sent). Raises the GatewayError
+        that refuses it when there is nothing else to record."""
 
     def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
         """The call's answer, as this API gives it back (read, filtered)."""
@@ -69,15 +72,14 @@ class _Envelope(_Exchanges):
         target: CompiledTarget,
         ctx: CallContext,
         relay: Relay | None,
-    ) -> tuple[ExternalCallRequest, Relay | None]:
+    ) -> tuple[ExternalCallRequest, Relay | None, Reading | None]:
         _agent_route_only(target)
         if target.spec.database is not None:  # a named statement (gateway.database)
-            ctx.api, ctx.db = "database", DbLog()
-            ctx.db_call = bind(request, target.spec.database.statements)
-            return request, None
+            return request, None, _statement(request, target.spec.database.statements)
         if target.spec.mcp is None:
-            return request, relay
-        return mcp.check_envelope(request, target, ctx), None
+            return request, relay, None
+        checked, reading = mcp.check_envelope(request, target)
+        return checked, None, reading
 
     answered = staticmethod(mcp.read_envelope_answer)
 
@@ -93,8 +95,8 @@ class _Route(_Exchanges):
         target: CompiledTarget,
         ctx: CallContext,
         relay: Relay | None,
-    ) -> tuple[ExternalCallRequest, Relay | None]:
-        return request, relay
+    ) -> tuple[ExternalCallRequest, Relay | None, Reading | None]:
+        return request, relay, None
 
     answered = staticmethod(mcp.read_route_answer)
 
@@ -109,7 +111,7 @@ class _DropIn:
         target: CompiledTarget,
         ctx: CallContext,
         relay: Relay | None,
-    ) -> tuple[ExternalCallRequest, Relay | None]:
+    ) -> tuple[ExternalCallRequest, Relay | None, Reading | None]:
         if target.spec.mcp is not None:
             raise PermissionDenied(
                 f"target {target.name!r} is an MCP server: point the MCP client at "
@@ -123,7 +125,7 @@ class _DropIn:
                 "statement (POST /v1/calls), not through a drop-in route",
                 details={"reason": "not_for_database", "target": target.name},
             )
-        return request, relay
+        return request, relay, None
 
     def answered(self, ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:
         return response
@@ -147,14 +149,24 @@ class _A2a:
         target: CompiledTarget,
         ctx: CallContext,
         relay: Relay | None,
-    ) -> tuple[ExternalCallRequest, Relay | None]:
-        return a2a.checked(request, ctx, relay)
+    ) -> tuple[ExternalCallRequest, Relay | None, Reading | None]:
+        request, relay = a2a.checked(request, ctx, relay)
+        return request, relay, None
 
     answered = staticmethod(a2a.read_answer)
     records = staticmethod(a2a.audit_records)
 
     def labels(self, ctx: CallContext, record: dict[str, Any]) -> tuple[str, str, str] | None:
         return None
+
+
+def _statement(request: ExternalCallRequest, statements: dict[str, StatementSpec]) -> Reading:
+    """A database target's call: the statement ``request`` names, bound
+    (:func:`gateway.database.bind`), or its refusal, in a record of ``api: database``."""
+    try:
+        return Reading("database", bind(request, statements), DbLog())
+    except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.read)
+        return Reading("database", db=DbLog(), refusal=exc)
 
 
 def _agent_route_only(target: CompiledTarget) -> None:

@@ -39,9 +39,9 @@ from gateway import fastjson
 from gateway.agents import chain
 from gateway.audit.schema import Fields as F
 from gateway.call.bodies import is_stream_form
-from gateway.call.intake import Intake, decode_json, parse_request, printable
+from gateway.call.intake import decode_json, parse_request, printable
 from gateway.call.proxy import egress_timeout, header_map, request_ids
-from gateway.call.record import CLAIM_LIMIT, CallContext
+from gateway.call.record import CLAIM_LIMIT, Arrival, CallContext, Reading
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
 from gateway.errors import InvalidPayload, PermissionDenied, StreamInterrupted
 from gateway.policy import CompiledTarget, PolicySet
@@ -75,34 +75,67 @@ class McpRequest:
     body: bytes
 
 
-def mcp_intake(
-    http: McpRequest, policy: PolicySet, ctx: CallContext, refuse: Exception | None = None
-) -> Intake:
-    """The call of one MCP HTTP request (module docstring). Records the ids in ``ctx``
-    first and the parsed exchange in ``ctx.mcp``, so that a refusal is audited and
-    answered per request. Raises ``refuse`` when given, PermissionDenied (not an MCP
-    target, a tool or argument refused), InvalidPayload (a method other than POST, GET
-    and DELETE; a body that is not JSON-RPC; headers that do not match the body)."""
-    ctx.api = "mcp"
+def mcp_intake(http: McpRequest, policy: PolicySet, refuse: Exception | None = None) -> Arrival:
+    """The call of one MCP HTTP request (module docstring), refused or not: the ids it
+    claims and the parsed exchange come with a refusal, so that it is audited and
+    answered per request. Its refusal: ``refuse`` when given, PermissionDenied (not an
+    MCP target, a tool or argument refused), InvalidPayload (a method other than POST,
+    GET and DELETE; a body that is not JSON-RPC; headers that do not match the body)."""
     headers = header_map(http.headers)
-    ctx.chain_seen = chain.seen_in(headers)
+    seen = chain.seen_in(headers)
     trace_id, correlation_id = request_ids(headers)
     target = policy.targets.get(http.target)
     endpoint = mcp_endpoint(target) if target is not None and target.spec.mcp else "/"
-    ctx.claimed = {
+    claimed = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
         "target_system": printable(http.target[:CLAIM_LIMIT]),
         "endpoint": endpoint,
         "method": printable(http.method[:CLAIM_LIMIT]),
     }
+    if refuse is None and http.method not in MCP_METHODS:
+        refuse = _method_not_mcp(http.method)
     if refuse is not None:
-        raise refuse
-    if http.method not in MCP_METHODS:
-        raise _method_not_mcp(http.method)
+        return Arrival(None, "mcp", claimed, seen, refusal=refuse)
+    spec = target.spec.mcp if target is not None else None
+    exchange: rpc.McpExchange | None = None
+    if http.method == "POST":  # parsed for any target, so that a refusal answers each id
+        exchange, problem = _posted(http.body, spec or McpSpec())
+        if problem is not None:
+            return Arrival(None, "mcp", claimed, seen, refusal=problem, mcp=exchange)
+    elif spec is not None:  # a GET's stream may replay answers (resumption): read them
+        exchange = rpc.McpExchange(spec, [])
+    if target is not None and spec is None:
+        return Arrival(
+            None, "mcp", claimed, seen, refusal=_not_an_mcp_target(target), decision="denied",
+            mcp=exchange,
+        )  # fmt: skip
+    try:
+        raw, refused = _raw(http, target, exchange, headers, endpoint, (trace_id, correlation_id))
+        if refused is not None:  # the tool and argument rules
+            return Arrival(
+                None, "mcp", claimed, seen, refusal=refused, decision="denied", mcp=exchange
+            )
+        intake = parse_request(raw)
+    except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+        return Arrival(None, "mcp", claimed, seen, refusal=exc, mcp=exchange)
+    return Arrival(intake, "mcp", claimed, seen, _passed_headers(headers), mcp=exchange)
+
+
+def _raw(
+    http: McpRequest,
+    target: CompiledTarget | None,
+    exchange: rpc.McpExchange | None,
+    headers: dict[str, str],
+    endpoint: str,
+    ids: tuple[str, str],
+) -> tuple[dict[str, Any], PermissionDenied | None]:
+    """The envelope of an MCP request to ``target`` (None: not in the policy, refused by
+    the egress decision), and the refusal of a tool or argument (None: allowed). Raises
+    InvalidPayload (a bad ``x-egress-timeout``, headers that do not match the body)."""
     raw: dict[str, Any] = {
-        "trace_id": trace_id,
-        "correlation_id": correlation_id,
+        "trace_id": ids[0],
+        "correlation_id": ids[1],
         "target_system": http.target,
         "endpoint": endpoint,
         "method": http.method,
@@ -111,22 +144,13 @@ def mcp_intake(
     }
     if _SECRET_REF_HEADER in headers:
         raw["api_key_ref"] = headers[_SECRET_REF_HEADER]
-    spec = target.spec.mcp if target is not None else None
-    exchange = None
-    if http.method == "POST":  # parsed for any target, so that a refusal answers each id
-        repeated: list[str] = []
-        exchange = _parse(_decode(http.body, repeated), spec or McpSpec(), ctx)
-        _refuse(repeated_key(repeated))  # forwarded as its bytes: one reading only
-    elif spec is not None:  # a GET's stream may replay answers (resumption): read them
-        ctx.mcp = rpc.McpExchange(spec, [])
-    if target is not None and spec is None:
-        ctx.decision = "denied"
-        raise _not_an_mcp_target(target)
     if exchange is not None and target is not None:
         problem = rpc.header_problem(exchange.messages, headers)
         if problem is not None:
             raise _header_mismatch(problem)
-        _check(exchange, target, ctx)
+        refused = _refusal(exchange, target)
+        if refused is not None:
+            return raw, refused
         group = _group(exchange, target)
         if group is not None:
             raw["rate_limit_group"] = group
@@ -137,9 +161,7 @@ def mcp_intake(
             "content_type": "application/json",
             "base64": base64.b64encode(http.body).decode(),
         }
-    intake = parse_request(raw)
-    ctx.passthrough_headers = _passed_headers(headers)
-    return intake
+    return raw, None
 
 
 def _passed_headers(headers: dict[str, str]) -> dict[str, str]:
@@ -176,6 +198,21 @@ def _header_mismatch(problem: str) -> InvalidPayload:
     )
 
 
+def _posted(body: bytes, spec: McpSpec) -> tuple[rpc.McpExchange | None, InvalidPayload | None]:
+    """The exchange of a POST's ``body`` (None: not JSON-RPC) and its refusal (None: it
+    can be read and checked): a body that is not JSON, not JSON-RPC, or holds a key
+    twice in one object or in two spellings (forwarded as its bytes: one reading only)."""
+    repeated: list[str] = []
+    try:
+        value = _decode(body, repeated)
+    except InvalidPayload as exc:
+        return None, exc
+    exchange, problem = _exchange(value, spec)
+    if problem is None and exchange is not None:
+        problem = _refused(repeated_key(repeated))
+    return exchange, problem
+
+
 def _decode(body: bytes, repeated: list[str]) -> Any:
     """The decoded body; the first key found twice in one object goes into ``repeated``."""
 
@@ -196,48 +233,47 @@ def _decode(body: bytes, repeated: list[str]) -> Any:
         raise
 
 
-def _parse(value: Any, spec: McpSpec, ctx: CallContext) -> rpc.McpExchange:
-    """The exchange of a decoded body, set in ``ctx.mcp``. Raises InvalidPayload."""
+def _exchange(value: Any, spec: McpSpec) -> tuple[rpc.McpExchange | None, InvalidPayload | None]:
+    """The exchange of a decoded body (None: not JSON-RPC) and its refusal (None: it can
+    be checked; a key in two spellings cannot)."""
     try:
         messages, batch = rpc.parse_messages(value)
     except rpc.McpProtocolError as exc:
-        raise InvalidPayload(
+        return None, InvalidPayload(
             f"not a JSON-RPC 2.0 message: {exc.message}",
             details={"reason": exc.reason, "jsonrpc_code": exc.code},
-        ) from None
-    exchange = ctx.mcp = rpc.McpExchange(spec, messages, batch)
-    _refuse(case_variant_key(value))
-    return exchange
-
-
-def _refuse(problem: rpc.McpProtocolError | None) -> None:
-    if problem is not None:
-        raise InvalidPayload(
-            f"not a JSON-RPC 2.0 message the sidecar can check: {problem.message}",
-            details={"reason": problem.reason, "jsonrpc_code": problem.code},
         )
+    return rpc.McpExchange(spec, messages, batch), _refused(case_variant_key(value))
 
 
-def _check(exchange: rpc.McpExchange, target: CompiledTarget, ctx: CallContext) -> None:
-    """The tool and argument rules on every request. Raises the refusal (PermissionDenied)."""
+def _refused(problem: rpc.McpProtocolError | None) -> InvalidPayload | None:
+    if problem is None:
+        return None
+    return InvalidPayload(
+        f"not a JSON-RPC 2.0 message the sidecar can check: {problem.message}",
+        details={"reason": problem.reason, "jsonrpc_code": problem.code},
+    )
+
+
+def _refusal(exchange: rpc.McpExchange, target: CompiledTarget) -> PermissionDenied | None:
+    """The tool and argument rules on every request (each refusal kept in
+    ``exchange.refused``): the refusal of the exchange, None when all are allowed."""
     spec = exchange.spec
     messages = exchange.messages
     for index, message in enumerate(messages):
         refusal = rpc.call_refusal(spec, message)
         if refusal is not None:
             exchange.refused[index] = refusal
-    if exchange.refused:
-        ctx.decision = "denied"
-        first = next(iter(exchange.refused.values()))
-        details: dict[str, Any] = {"reason": first.reason, "rule": first.rule}
-        if first.argument is not None:
-            details["argument"] = first.argument
-        more = (
-            f" (and {len(exchange.refused) - 1} more of the batch)"
-            if len(exchange.refused) > 1
-            else ""
-        )
-        raise PermissionDenied(f"{first.message} on target {target.name!r}{more}", details=details)
+    if not exchange.refused:
+        return None
+    first = next(iter(exchange.refused.values()))
+    details: dict[str, Any] = {"reason": first.reason, "rule": first.rule}
+    if first.argument is not None:
+        details["argument"] = first.argument
+    more = (
+        f" (and {len(exchange.refused) - 1} more of the batch)" if len(exchange.refused) > 1 else ""
+    )
+    return PermissionDenied(f"{first.message} on target {target.name!r}{more}", details=details)
 
 
 def _calls_tools(exchange: rpc.McpExchange) -> bool:
@@ -257,30 +293,39 @@ def _timeout(headers: dict[str, str]) -> Any:
 
 
 def check_envelope(
-    request: ExternalCallRequest, target: CompiledTarget, ctx: CallContext
-) -> ExternalCallRequest:
+    request: ExternalCallRequest, target: CompiledTarget
+) -> tuple[ExternalCallRequest, Reading]:
     """An envelope to an MCP target: a POST's ``parameters`` (the JSON-RPC request) are
     checked as on ``/mcp/{target}``, and ``Accept`` is what an MCP client sends. Returns
     the request, in ``mcp.tools_rate_limit_group`` for a ``tools/call`` when the envelope
-    names no group. Raises as :func:`mcp_intake`, and PermissionDenied for an envelope
-    with a ``body`` (bytes the rules cannot read)."""
+    names no group, and what the record learns: the exchange, and its refusal as
+    :func:`mcp_intake`'s. Raises PermissionDenied for an envelope with a ``body`` (bytes
+    the rules cannot read)."""
     if request.body is not None:  # bytes the rules cannot read
         raise PermissionDenied(
             f"an envelope to MCP target {target.name!r} carries its JSON-RPC request in "
             "'parameters', not 'body'",
             details={"reason": "mcp_body"},
         )
-    ctx.passthrough_headers = {"accept": rpc.ACCEPT}
+    passed = {"accept": rpc.ACCEPT}
     if request.method != "POST":
-        return request
+        return request, Reading(passthrough_headers=passed)
     assert target.spec.mcp is not None
-    exchange = _parse(request.parameters, target.spec.mcp, ctx)
-    _check(exchange, target, ctx)
+    exchange, problem = _exchange(request.parameters, target.spec.mcp)
+    if problem is not None:
+        return request, Reading(passthrough_headers=passed, mcp=exchange, refusal=problem)
+    assert exchange is not None
+    refused = _refusal(exchange, target)
+    if refused is not None:
+        return request, Reading(
+            passthrough_headers=passed, mcp=exchange, decision="denied", refusal=refused
+        )
     update: dict[str, Any] = {"max_retries": 0} if _calls_tools(exchange) else {}
     group = _group(exchange, target)
     if group is not None and request.rate_limit_group is None:
         update["rate_limit_group"] = group
-    return request.model_copy(update=update) if update else request
+    checked = request.model_copy(update=update) if update else request
+    return checked, Reading(passthrough_headers=passed, mcp=exchange)
 
 
 def read_route_answer(ctx: CallContext, response: ExternalCallResponse) -> ExternalCallResponse:

@@ -54,7 +54,7 @@ from gateway.call.intake import (
 from gateway.call.keys import KeyPools
 from gateway.call.outbound import Credentials
 from gateway.call.proxy import ProxyRequest, proxy_intake
-from gateway.call.record import CLAIMED, CallContext, observe
+from gateway.call.record import CLAIMED, Arrival, ArrivalFields, CallContext, observe
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
 from gateway.database.registry import Databases
@@ -139,6 +139,8 @@ class Pipeline:
         #: The operator's desk (agents/approvals.py, deadletters/): replaced by the runtime's.
         self.approvals = Approvals(MemoryApprovalStore(), audit)
         self.dead_letters = DeadLetters(max_count=1000, max_bytes=16 << 20, audit=audit)
+        #: How the chain stage resolves its signing keys (gateway.call.send.resolve).
+        self.resolve = functools.partial(send.resolve, self)
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with.
@@ -163,11 +165,13 @@ class Pipeline:
         """
         policy = self.policy  # one policy for the whole call, even across a reload
         identity = identity or policy_identity(policy.policy.agent_id)
-        ctx = CallContext(started=time.monotonic(), agent_id=identity.agent_id, identity=identity)
+        ctx = CallContext(
+            time.monotonic(), identity.agent_id, identity=identity, policy_sha256=policy.sha256
+        )
 
-        def intake() -> Intake:
+        def intake() -> Intake | Arrival | ArrivalFields:
             fast = parse_envelope_fast(body) if refuse is None else None
-            return Intake(fast) if fast is not None else self._intake(body, ctx, refuse, policy)
+            return Intake(fast) if fast is not None else self._intake(body, refuse, policy)
 
         return await self._run(policy, ctx, intake, relay, api_hooks.ENVELOPE)
 
@@ -184,7 +188,7 @@ class Pipeline:
         so that it can write back the upstream's own answer (``ctx.attempt_log.answer``)."""
         policy = self.policy
         return await self._run(
-            policy, ctx, lambda: proxy_intake(http, policy, ctx, refuse), relay, api_hooks.DROP_IN
+            policy, ctx, lambda: proxy_intake(http, policy, refuse), relay, api_hooks.DROP_IN
         )
 
     async def handle_mcp(
@@ -199,7 +203,7 @@ class Pipeline:
         same stages; ``ctx`` is the caller's (the upstream's answer, ``ctx.mcp``)."""
         policy = self.policy
         return await self._run(
-            policy, ctx, lambda: mcp.mcp_intake(http, policy, ctx, refuse), relay, api_hooks.ROUTE
+            policy, ctx, lambda: mcp.mcp_intake(http, policy, refuse), relay, api_hooks.ROUTE
         )
 
     async def handle_a2a(
@@ -219,7 +223,7 @@ class Pipeline:
         return await self._run(
             policy,
             ctx,
-            lambda: a2a.a2a_intake(http, policy, ctx, tasks, refuse, card_key),
+            lambda: a2a.a2a_intake(http, policy, tasks, refuse, card_key),
             relay,
             api_hooks.A2A,
         )
@@ -228,47 +232,47 @@ class Pipeline:
         self,
         policy: PolicySet,
         ctx: CallContext,
-        intake: Callable[[], Intake],
+        intake: Callable[[], Intake | Arrival | ArrivalFields],
         relay: Relay | None,
         hooks: CallHooks,
     ) -> tuple[int, ExternalCallResponse]:
         """The stages of one call, the same for every API: ``intake`` gives its request,
         ``hooks`` are its API's part (:class:`gateway.call.hooks.CallHooks`)."""
-        ctx.policy_sha256 = policy.sha256
+        if ctx.policy_sha256 is None:  # a context the API built
+            ctx.began(policy.sha256)
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
             taken = intake()
-            request = ctx.request = taken.request
-            ctx.api_key_ref = egress_rules.loggable_ref(request.api_key_ref)
+            if isinstance(taken, tuple):  # an API's Arrival, refused or not (not the fast path's)
+                taken = ctx.arrived(taken)
+            request = taken.request
+            # A claimed agent_id is checked against who called, never taken for it.
+            identity = (ctx.identity or policy_identity(ctx.agent_id)).with_claim(request.agent_id)
+            ctx.took(request, egress_rules.loggable_ref(request.api_key_ref), identity)
             if taken.unknown_fields:
                 _unknown_fields(ctx, request, taken.unknown_fields)
-            # A claimed agent_id is checked against who called, never taken for it.
-            identity = ctx.identity or policy_identity(ctx.agent_id)
-            ctx.identity = identity = identity.with_claim(request.agent_id)
             identity.admit(request.target_system)
-            ctx.decision = "denied"
-            ctx.chain = await chain_stage(
-                policy.policy.chain,
-                request,
-                ctx,
-                functools.partial(send.resolve, self),
-                self.chains,
+            ctx.decided("denied")
+            chained = ctx.chained(
+                await chain_stage(policy.policy.chain, request, ctx, self.resolve, self.chains)
             )
+            if chained.error is not None:
+                raise chained.error
             decision = egress_rules.decide(policy, request)
-            ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
-            request, relay = hooks.checked(request, decision.target, ctx, relay)
+            ctx.aimed(decision.target, decision.api_key_ref)
+            request, relay, reading = hooks.checked(request, decision.target, ctx, relay)
+            if reading is not None:
+                ctx.read(reading)  # raises its refusal
             request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
-            ctx.request, ctx.rate_limit_group = request, _call_group(policy, request, decision, ctx)
+            ctx.grouped(request, _call_group(policy, request, decision, ctx))
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
-            ctx.shadow_denied += await self.controls.check(
-                ctx.agent_id, decision.target.name, request, ctx.mcp
+            ctx.allowed(
+                await self.controls.check(ctx.agent_id, decision.target.name, request, ctx.mcp),
+                decision.shadow_rule,
             )
-            ctx.decision = "allowed"
-            if decision.shadow_rule is not None:
-                ctx.shadow_denied.append(f"endpoint:{decision.shadow_rule}")
             # The envelope's timeout, or the chain's deadline when that comes first.
-            deadline = min(ctx.started + request.timeout, time.monotonic() + ctx.chain.remaining_s)
+            deadline = min(ctx.started + request.timeout, time.monotonic() + chained.remaining_s)
             with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
                 if (held := decision.target.spec.approval) is not None:  # a person's yes first
                     name, agent = decision.target.name, ctx.agent_id
@@ -317,19 +321,25 @@ class Pipeline:
         return response
 
     @staticmethod
-    def _intake(
-        body: bytes, ctx: CallContext, refuse: GatewayError | None, policy: PolicySet
-    ) -> Intake:
+    def _intake(body: bytes, refuse: GatewayError | None, policy: PolicySet) -> Arrival:
         """The exact path: parse, keep the ids an invalid envelope claims, validate."""
-        raw = decode_json(body, check_surrogates=False)
+        try:
+            raw = decode_json(body, check_surrogates=False)
+        except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+            return Arrival(None, refusal=exc)
+        claimed = None
         if isinstance(raw, dict):
-            ctx.claimed = {
-                k: printable(raw[k][:256]) for k in CLAIMED if isinstance(raw.get(k), str)
-            }
-        refuse_lone_surrogates(body, raw)
-        if refuse is not None:
-            raise refuse
-        return parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields)
+            claimed = {k: printable(raw[k][:256]) for k in CLAIMED if isinstance(raw.get(k), str)}
+        try:
+            refuse_lone_surrogates(body, raw)
+            if refuse is not None:
+                raise refuse
+            return Arrival(
+                parse_request(raw, unknown_fields=policy.policy.envelope.unknown_fields),
+                claimed=claimed,
+            )
+        except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+            return Arrival(None, claimed=claimed, refusal=exc)
 
     # -- stages ---------------------------------------------------------------------------
 
@@ -347,13 +357,14 @@ class Pipeline:
         target = decision.target
         spec = target.spec
         if spec.idempotency is not None and request.method in spec.idempotency.methods:
-            ctx.idempotency_key = request.idempotency_key or derive_key(
+            key = request.idempotency_key or derive_key(
                 request.trace_id,
                 request.correlation_id,
                 target.name,
                 request.method,
                 request.endpoint,
             )
+            ctx.keyed(key)
             return await self._idempotent(
                 policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
@@ -403,11 +414,8 @@ class Pipeline:
                 rendered=self.rendered,
                 learned=learned,
             )
-        finally:
-            if learned.replayed:
-                ctx.replayed = True
-            if learned.warnings:  # after the send stage's: the order the call met them
-                ctx.warnings.extend(learned.warnings)
+        finally:  # its warnings after the send stage's: the order the call met them
+            ctx.learned(learned.replayed, learned.warnings)
 
     # -- answers and audit ----------------------------------------------------------------
 
@@ -446,10 +454,10 @@ def _models(
     sent (an alias pinned) and its decision; its choice and shadow denials into the
     record. Raises its refusal (``model_not_allowed``), nothing sent."""
     models = model_rules.checked(policy, request, decision, ctx.agent_id)
-    ctx.model = models.choice
     if models.refusal is not None:
+        ctx.chose(models.choice)
         raise models.refusal
-    ctx.shadow_denied += model_rules.shadow_rules(models.choice)
+    ctx.modelled(models.choice, model_rules.shadow_rules(models.choice))
     return models.request, models.decision
 
 
@@ -480,7 +488,7 @@ def _unknown_fields(
     ctx: CallContext, request: ExternalCallRequest, fields: tuple[str, ...]
 ) -> None:
     """Warn (in the answer and the log) of the envelope's fields this sidecar ignored."""
-    ctx.warnings.append("unknown envelope fields ignored: " + ", ".join(fields))
+    ctx.warned(("unknown envelope fields ignored: " + ", ".join(fields),))
     _log.warning(
         "unknown_envelope_fields",
         fields=list(fields),

@@ -50,8 +50,8 @@ from typing import Any, Final
 from gateway import fastjson
 from gateway.agents import chain
 from gateway.call.bodies import is_json_type, media_type
-from gateway.call.intake import Intake, decode_json, parse_built, parse_object_fast, printable
-from gateway.call.record import CLAIM_LIMIT, CallContext
+from gateway.call.intake import decode_json, parse_built, parse_object_fast, printable
+from gateway.call.record import CLAIM_LIMIT, Arrival, ArrivalFields, CallContext
 from gateway.envelope import (
     BODY_METHODS,
     DEFAULT_TIMEOUT_S,
@@ -153,17 +153,17 @@ def header_map(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
 
 
 def proxy_intake(
-    http: ProxyRequest, policy: PolicySet, ctx: CallContext, refuse: GatewayError | None = None
-) -> Intake:
-    """The request of a drop-in call (module docstring), validated as an envelope is.
-    Records the ids and request line in ``ctx`` first, so that a refusal is audited with
-    them. Raises ``refuse`` when given, else :class:`InvalidPayload` (a method the sidecar
-    does not forward, a body on GET/HEAD/DELETE/OPTIONS, a bad header value)."""
-    ctx.api = "proxy"
+    http: ProxyRequest, policy: PolicySet, refuse: GatewayError | None = None
+) -> Arrival | ArrivalFields:
+    """The request of a drop-in call (module docstring), validated as an envelope is,
+    refused or not: the ids and request line come with a refusal, so that it is audited
+    with them. Its refusal: ``refuse`` when given, else :class:`InvalidPayload` (a
+    method the sidecar does not forward, a body on GET/HEAD/DELETE/OPTIONS, a bad header
+    value)."""
     headers = header_map(http.headers)
-    ctx.chain_seen = chain.seen_in(headers)
+    seen = chain.seen_in(headers)
     trace_id, correlation_id = request_ids(headers)
-    ctx.claimed = {
+    claimed = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
         "target_system": _claim(http.target[:CLAIM_LIMIT]),
@@ -171,7 +171,42 @@ def proxy_intake(
         "method": _claim(http.method[:CLAIM_LIMIT]),
     }
     if refuse is not None:
-        raise refuse
+        return Arrival(None, "proxy", claimed, seen, refusal=refuse)
+    try:
+        raw, passthrough = _raw(http, policy, headers, trace_id, correlation_id)
+    except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+        return Arrival(None, "proxy", claimed, seen, refusal=exc)
+    warnings = _retrying(headers, raw) if _SDK_RETRY_HEADER in headers else ()
+    try:
+        intake = parse_built(raw)
+    except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
+        return Arrival(None, "proxy", claimed, seen, refusal=exc, warnings=warnings)
+    # An Arrival's fields as a plain tuple (gateway.call.record.ArrivalFields): per call.
+    return (
+        intake,
+        "proxy",
+        claimed,
+        seen,
+        passthrough,
+        warnings,
+        None,
+        None,
+        None,
+        None,
+        None,
+        False,
+    )
+
+
+def _raw(
+    http: ProxyRequest,
+    policy: PolicySet,
+    headers: dict[str, str],
+    trace_id: str,
+    correlation_id: str,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The envelope (unvalidated) of a drop-in request, and the SDK's headers that go
+    upstream. Raises :class:`InvalidPayload` (:func:`proxy_intake`)."""
     method = http.method
     if method not in METHODS:
         raise _method_not_forwarded(method)
@@ -200,16 +235,20 @@ def proxy_intake(
     ):
         if header in headers and key not in raw:
             raw[key] = headers[header]
+    return raw, passthrough
+
+
+def _retrying(headers: dict[str, str], raw: dict[str, Any]) -> tuple[str, ...]:
+    """An SDK retrying the request (its retry count header above 0) gets one attempt, no
+    retries by the sidecar (``raw``'s ``max_retries``: 0), and a warning saying so."""
     retry_count = headers.get(_SDK_RETRY_HEADER, "0").strip()
-    if retry_count.isdigit() and int(retry_count) > 0:
-        raw["max_retries"] = 0
-        ctx.warnings.append(
-            f"the SDK is retrying this request ({_SDK_RETRY_HEADER}: {retry_count}): one "
-            "attempt, no retries by the sidecar"
-        )
-    intake = parse_built(raw)
-    ctx.passthrough_headers = passthrough
-    return intake
+    if not (retry_count.isdigit() and int(retry_count) > 0):
+        return ()
+    raw["max_retries"] = 0
+    return (
+        f"the SDK is retrying this request ({_SDK_RETRY_HEADER}: {retry_count}): one "
+        "attempt, no retries by the sidecar",
+    )
 
 
 def _forwarded(name: str, forward: frozenset[str], target: CompiledTarget | None) -> bool:

@@ -6,8 +6,10 @@ secret (:func:`resolve`, inside the deadline), the cost reservation
 (:mod:`gateway.call.spend`: refused here, nothing goes out), the attempts
 (:class:`gateway.call.attempts.Attempts`; a database target's attempt runs its statement
 instead of an HTTP request: :func:`_statement`), then the answer's usage settles the cost and
-the group's estimate (a failure releases what it may). The pipeline's context is the
-only thing written: the stages it calls return their results.
+the group's estimate (a failure releases what it may). The stages it calls return their
+results; the call's context takes each through its own methods
+(:class:`gateway.call.record.CallContext`) as soon as it is known, so that a send that
+fails half-way is recorded with what it learned.
 """
 
 from __future__ import annotations
@@ -71,13 +73,12 @@ async def fail_over(
     spec = decision.target.spec
     original, tried = request, 0
     first: tuple[GatewayError, AttemptLog] | None = None
-    ctx.tried = []
+    ctx.failing_over()
     while True:
-        # This option's (forward's attempts replace it): what failed before them is
-        # told apart from the last option's.
-        ctx.attempt_log = AttemptLog(tried=[])
         model = request_model(decision.target.spec.usage, request.endpoint, request.parameters)
-        ctx.served_by = ServedBy(target=decision.target.name, model=model)  # a stream's head
+        # This option's log (forward's attempts replace it): what failed before them is
+        # told apart from the last option's; who serves it: a stream's head.
+        ctx.option(ServedBy(target=decision.target.name, model=model), AttemptLog(tried=[]))
         try:
             response = await forward(pipe, policy, request, decision, ctx, deadline, relay)
         except GatewayError as exc:
@@ -89,18 +90,18 @@ async def fail_over(
                 deadline,
             )  # fmt: skip
             if moved is None:
-                ctx.served_by = None
+                ctx.option(None)
                 if relayed or not tried:
                     raise
                 # The target's own error and answer (a drop-in route passes it on), the
                 # record counting every option's attempts.
-                ctx.prior_attempts += ctx.attempt_log.attempts - first[1].attempts
-                ctx.attempt_log = first[1]
+                ctx.fell_back(ctx.attempt_log.attempts - first[1].attempts, first[1])
                 raise first[0] from None
-            ctx.prior_attempts += ctx.attempt_log.attempts
             tried, request, decision = moved
-            ctx.api_key_ref = decision.api_key_ref
-            ctx.rate_limit_group = decision.target.spec.rate_limit_group
+            ctx.fell_back(
+                ctx.attempt_log.attempts, None, decision.api_key_ref,
+                decision.target.spec.rate_limit_group,
+            )  # fmt: skip
         else:
             _option_tried(ctx, decision.target, request, None)
             return response.model_copy(update={"served_by": ctx.served_by})
@@ -114,11 +115,10 @@ def _option_tried(
 ) -> None:
     """An option's attempts into ``ctx.tried``; one that failed before any attempt (its
     secret, its budget, every key of its pool resting) as one entry of 0 attempts."""
-    assert ctx.tried is not None
     made = ctx.attempt_log.tried or []
     if not made and error is not None:
         made = [tried_entry(target, request, ctx.api_key_ref, error.code.value, sent=False)]
-    ctx.tried.extend(made)
+    ctx.option_tried(made)
 
 
 def _next_fallback(
@@ -158,19 +158,20 @@ def _next_fallback(
         try:
             request, decision = fallback_call(policy, original, chosen)
         except GatewayError as refused:  # never sent: the egress rules refused it
-            assert ctx.tried is not None
-            ctx.tried.append(
-                {
-                    "target": chosen.target,
-                    "model": chosen.model,
-                    "api_key_ref": None,
-                    "attempts": 0,
-                    "outcome": refused.code.value,
-                    "upstream_status": None,
-                    "reason": refused.details.get("reason"),
-                    "response_bytes": None,
-                    "duration_ms": 0.0,
-                }
+            ctx.option_tried(
+                (
+                    {
+                        "target": chosen.target,
+                        "model": chosen.model,
+                        "api_key_ref": None,
+                        "attempts": 0,
+                        "outcome": refused.code.value,
+                        "upstream_status": None,
+                        "reason": refused.details.get("reason"),
+                        "response_bytes": None,
+                        "duration_ms": 0.0,
+                    },
+                )
             )
             continue
         return tried, request, decision
@@ -271,7 +272,7 @@ async def forward(
         tools=call_names(request, ctx.mcp) if pipe.budgets else (),
     )
     rates = cost.price.rates  # the record: the model priced, where its price came from
-    ctx.cost_model, ctx.cost_source = cost.price.model, rates.source if rates else None
+    ctx.attempting(attempts.log, cost.price.model, rates.source if rates else None)
     attempts.breaker = pipe.breakers.get(target.name, cost.price.model)  # a model call's
     if cost.applying:  # else no budget applies: nothing to reserve
         await _reserve(pipe, cost, request, ctx)
@@ -319,10 +320,9 @@ def _wire(
     deadline: float,
 ) -> None:
     """Give ``attempts`` a database target's send (:func:`_statement`) and a key pool's
-    rotation (:func:`next_key`), and the context its log."""
+    rotation (:func:`next_key`)."""
     target, request = attempts.target, attempts.request
     attempts.send = _statement(pipe, policy, target.name, ctx)
-    ctx.attempt_log = attempts.log
     if ctx.tried is not None:  # a call that may fail over: every attempt recorded
         attempts.log.tried = []
     if pool is not None:
@@ -351,7 +351,8 @@ def _model_gate(
     ``record`` the stream is only read)."""
     if ctx.model is None:
         return None
-    choice = ctx.model = models.as_sent(ctx.model, target.spec.usage, request)
+    choice = models.as_sent(ctx.model, target.spec.usage, request)
+    ctx.chose(choice)
     return (
         functools.partial(models.drift, choice, target=target.name) if choice.refuse_drift else None
     )
@@ -379,7 +380,8 @@ def _statement(
     if databases is None:
         raise InternalError("a database target without its engines", details={"target": target})
     if policy.policy.audit.payloads != "summary":
-        call = ctx.db_call = replace(call, params_sha256=None)
+        call = replace(call, params_sha256=None)
+        ctx.bound(call)
     return lambda timeout_s: databases.run(target, call, timeout_s=timeout_s, log=log)
 
 
@@ -401,8 +403,7 @@ def _outbound(
         draft.headers = chain.without_headers(draft.headers)
     elif ctx.chain is not None:  # the call chain it goes out with (gateway.agents.chain)
         draft.headers = chain.with_headers(draft.headers, ctx.chain)
-    ctx.request_bytes, ctx.request_sha256 = digest.size, digest.sha256
-    ctx.traceparent = draft.headers["traceparent"]
+    ctx.sent_out(digest, draft.headers["traceparent"])
     return draft
 
 
@@ -415,10 +416,10 @@ async def _reserve(
         await spend.reserve(pipe.budgets, cost, request)
     finally:
         if cost.refused:
-            ctx.decision, ctx.cost_reason = "denied", "not_sent"
+            ctx.over_budget()
         if cost.warnings or cost.shadow_denied:
             _noted(ctx, cost, again=False)
-    ctx.budgets = cost.budgets
+    ctx.booked(cost.budgets)
 
 
 async def _rebook(pipe: Pipeline, cost: spend.Spend, ctx: CallContext) -> None:
@@ -434,13 +435,13 @@ def _failed(
     """After the attempts failed with ``exc``: release what the reservations may (the
     budgets', the group's token estimate) and count a refusal by the group."""
     log = attempts.log
-    ctx.cost_reason = spend.settle_failed(pipe.budgets, cost, sent=log.sent, billed=log.billed)
+    ctx.cost_failed(spend.settle_failed(pipe.budgets, cost, sent=log.sent, billed=log.billed))
     group = attempts.group
     if group is not None:
         if isinstance(exc, CapacityExceeded) and exc.details.get("source") != "upstream":
             pipe.metrics.observe_ratelimit_rejection(group.name)
             if exc.details.get("group") == group.name:  # not a connection pool's
-                ctx.rate_limit_refused = group.name
+                ctx.group_refused(group.name)
         if log.admitted:
             group.reconcile(attempts.tokens_reserved, 0)  # no answer, no usage: refund it
 
@@ -455,25 +456,28 @@ def _answered(
     """The envelope of the upstream's 2xx ``answer``; its usage settles the call's
     cost and the rate-limit group's token estimate."""
     relayed, target, request = attempts.log.relayed, attempts.target, attempts.request
+    kept = None  # a stream's bytes, for the idempotency store
     if relayed is not None:
-        data, ctx.usage = None, relayed.judge.usage()  # the agent has had the events
+        data, usage = None, relayed.judge.usage()  # the agent has had the events
         if relayed.kept is not None:
-            ctx.stream_body = bytes(relayed.kept)
+            kept = bytes(relayed.kept)
     else:
         data, _ = parse_body(answer.content_type, answer.body, answer.status)
-        ctx.usage = extract_usage(target.spec.usage, data)
+        usage = extract_usage(target.spec.usage, data)
         if ctx.idempotency_key is not None and is_stream_form(data):
-            ctx.stream_body = answer.body
-    ctx.cost_usd, ctx.cost_reason = spend.settle(pipe.budgets, cost, ctx.usage)
+            kept = answer.body
+    usd, reason = spend.settle(pipe.budgets, cost, usage)
+    ctx.settled(usage, usd, reason, kept)
     group = attempts.group
-    if group is not None and ctx.usage is not None:
+    if group is not None and usage is not None:
         # Unknown usage keeps the reservation: the upstream answered, so tokens were
         # spent, and a refund would let the group overspend (design.md).
-        group.reconcile(attempts.tokens_reserved, ctx.usage.total)
+        group.reconcile(attempts.tokens_reserved, usage.total)
     choice = ctx.model
     if choice is not None and relayed is None:  # a relayed stream was judged as it came
-        ctx.answered_model = response_model(target.spec.usage, data)
-        refused = models.drift(choice, ctx.answered_model, target.name)
+        named = response_model(target.spec.usage, data)
+        ctx.answered(named)
+        refused = models.drift(choice, named, target.name)
         if refused is not None:
             raise refused  # spent and settled: only the answer is withheld
     return ExternalCallResponse(
@@ -481,7 +485,7 @@ def _answered(
         status_code=answer.status,
         data=data,
         latency_ms=round((time.monotonic() - ctx.started) * 1000, 3),
-        tokens_used=ctx.usage.total if ctx.usage else None,
+        tokens_used=usage.total if usage else None,
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
         model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
@@ -526,7 +530,7 @@ def _pooled(
             details=details,
             retry_after_s=wait,
         )
-    ctx.api_key_ref = ref
+    ctx.key(ref)
     return egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
 
 
@@ -551,10 +555,10 @@ def next_key(
         ref = pipe.keys.pick(target.name, pool, now)
         if ref is None:
             return None
-        ctx.warnings.append(f"key {ctx.api_key_ref} rests; key {ref} serves")
+        ctx.warned((f"key {ctx.api_key_ref} rests; key {ref} serves",))
         decision = egress_rules.decide(policy, request.model_copy(update={"api_key_ref": ref}))
         resolved = await resolve(pipe, decision.ref, ctx, deadline)
-        ctx.api_key_ref = ref
+        ctx.key(ref)
         credential = pipe.credentials.of(target, resolved)
         return None if credential is None else (credential, ref)
 
@@ -594,7 +598,8 @@ async def resolve(
                     resolved = await pipe.resolvers.resolve(ref)
             except TimeoutError:
                 raise deadline_error("resolving the secret") from None
-    ctx.warnings.extend(resolved.warnings)
+    if resolved.warnings:
+        ctx.warned(resolved.warnings)
     if ref.scheme == "vault":  # the only cached scheme
         pipe.metrics.observe_secret_cache(
             "stale" if resolved.warnings else "hit" if resolved.from_cache else "miss"
@@ -606,10 +611,5 @@ def _noted(ctx: CallContext, cost: spend.Spend, *, again: bool) -> None:
     """The cost stage's new warnings and shadow denials into the record; ``again`` (a
     resend's booking) adds a shadow denial only once."""
     warnings, shadow = cost.take_notes()
-    ctx.warnings.extend(warnings)
-    if not again:
-        ctx.shadow_denied.extend(shadow)
-        return
-    for rule in shadow:
-        if rule not in ctx.shadow_denied:
-            ctx.shadow_denied.append(rule)
+    ctx.warned(warnings)
+    ctx.shadowed(shadow, once=again)
