@@ -444,7 +444,8 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     not passed back: the sidecar's HTTP writer writes header values as UTF-8, so it could
     only pass such a value altered, and a changed value is worse than an absent one.
     ``headers`` is aiohttp's multi-valued mapping (``items()`` gives every line)."""
-    named = {t.strip().lower() for t in headers.get("Connection", "").split(",")}
+    connection = headers.get("Connection")
+    named = {t.strip().lower() for t in connection.split(",")} if connection else ()
     out = []
     decoded = False
     for name, value in headers.items():
