@@ -245,14 +245,13 @@ def _uuid4_hex_pair() -> tuple[str, str]:
     """Two random UUIDs (version 4, RFC 9562 section 5.4) as 32 hex digits each, as
     :func:`uuid.uuid4` makes them (its version and variant bits set on ``os.urandom``),
     from one read of ``os.urandom`` and without its per-UUID checks."""
-    text = f"{int.from_bytes(os.urandom(32), 'big') & _UUID4_KEPT | _UUID4_SET:064x}"
+    raw = bytearray(os.urandom(32))
+    for at in (6, 22):  # octet 6 of each: the version (its high nibble: 0100)
+        raw[at] = raw[at] & 0x0F | 0x40
+    for at in (8, 24):  # octet 8 of each: the variant (its two high bits: 10)
+        raw[at] = raw[at] & 0x3F | 0x80
+    text = raw.hex()
     return text[:32], text[32:]
-
-
-#: :class:`uuid.UUID`'s ``version=4``: the variant (bits 62-63: ``10``) and the version
-#: (bits 76-79: ``0100``) of a 128-bit UUID, here for two of them side by side.
-_UUID4_KEPT: Final = ~((0xC000 << 48 | 0xF000 << 64) * (1 << 128 | 1))
-_UUID4_SET: Final = (0x8000 << 48 | 4 << 76) * (1 << 128 | 1)
 
 
 def _claim(text: str) -> str:
