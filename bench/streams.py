@@ -1,6 +1,7 @@
 """Many paced streams open at once: what the sidecar adds to each (not a test).
 
     python bench/streams.py [--streams K] [--chunks N] [--pace-ms P] [--no-nginx]
+                            [--routes drop-in,envelope]
     make bench-streams
 
 A stand-in upstream (a child process) answers every POST with a 200 ``text/event-stream``
@@ -224,10 +225,13 @@ def _runs(args: argparse.Namespace, work: Path, stand_in: Child) -> dict[str, An
             ("warm-envelope", base + "/v1/calls", env, sse_h),
         ):
             _load(label, url, body, headers, min(k, 20), work, sidecar)
-        runs["drop-in"] = _load(
-            "drop-in", base + "/proxy/openai/v1/chat/completions", raw, json_h, k, work, sidecar
-        )
-        runs["envelope"] = _load("envelope", base + "/v1/calls", env, sse_h, k, work, sidecar)
+        routes = {
+            "drop-in": (base + "/proxy/openai/v1/chat/completions", raw, json_h),
+            "envelope": (base + "/v1/calls", env, sse_h),
+        }
+        for label in args.routes:  # one sidecar, in this order (the second has a grown heap)
+            url, body, headers = routes[label]
+            runs[label] = _load(label, url, body, headers, k, work, sidecar)
     finally:
         sidecar.stop()
     if args.nginx and shutil.which("nginx"):
@@ -259,6 +263,12 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=50, help="chunks per stream")
     parser.add_argument("--pace-ms", type=float, default=20.0, help="gap between chunks")
     parser.add_argument("--no-nginx", dest="nginx", action="store_false")
+    parser.add_argument(
+        "--routes",
+        type=lambda text: text.split(","),
+        default=["drop-in", "envelope"],
+        help="the sidecar's routes to run, in this order (default: drop-in,envelope)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-streams-") as tmp:
         work = Path(tmp)

@@ -36,7 +36,7 @@ ROOT: Final = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gateway.policy.models import Policy  # noqa: E402 - after the path is set
+from gateway.policy.root import Policy  # noqa: E402 - after the path is set
 
 PAGE: Final = ROOT / "docs" / "reference" / "policy.md"
 #: Where examples come from: the policies the project ships, in this order.

@@ -97,6 +97,11 @@ class _Registered(NamedTuple):
 
 _lock = threading.Lock()
 _values: OrderedDict[str, _Registered] = OrderedDict()
+#: Bytes whose absence from a text proves that it holds no registered form: each
+#: value's base64 forms and its anchor (or, without one, every form). Rebuilt when a
+#: value is registered or forgotten, so that :func:`scrub_bytes` tests a text without
+#: walking the values (one search each, ~1,800 instructions apiece in CPython 3.11).
+_gate: tuple[bytes, ...] = ()
 _HEX: Final = re.compile(r"%[0-9A-F]{2}")
 _UNCHANGED: Final = re.compile(r"[A-Za-z0-9._~-]+")
 _MIN_ANCHOR: Final = 4
@@ -198,10 +203,18 @@ def register(value: str) -> None:
         b64,
         tuple(form.encode("ascii") for form in b64),
     )
+    global _gate
     with _lock:
         _values[value] = entry
         while len(_values) > _MAX_TRACKED:
             _values.popitem(last=False)
+        _gate = tuple(needle for known in _values.values() for needle in _needles(known))
+
+
+def _needles(entry: _Registered) -> tuple[bytes, ...]:
+    """What :data:`_gate` searches for ``entry``: every text holding one of its forms
+    holds one of these (the forms of a value without an anchor have nothing in common)."""
+    return (*entry.raw_b64, *((entry.raw_anchor,) if entry.raw_anchor else entry.raw))
 
 
 def scrub(text: str) -> str:
@@ -266,8 +279,14 @@ def scrub_bytes(data: bytes) -> bytes:
     ASCII written plainly (the same JSON value) and the secret redacted."""
     if not _values:
         return data
+    for needle in _gate:
+        if data.find(needle) >= 0:
+            break
+    else:  # no form of any value: only an escaped one could hide there
+        if data.find(b"\\") < 0:
+            return data
     scrubbed = _scrub_forms_bytes(data)
-    if b"\\" in scrubbed:
+    if scrubbed.find(b"\\") >= 0:
         plain = _ESCAPED_ASCII_BYTES.sub(_unescape_bytes, scrubbed)
         if plain != scrubbed:
             cleaned = _scrub_forms_bytes(plain)
@@ -298,14 +317,17 @@ def _unescape(match: re.Match[str]) -> str:
 
 
 def _scrub_forms_bytes(data: bytes) -> bytes:
+    # ``find`` rather than ``in``: CPython's ``bytes.__contains__`` first tries its
+    # argument as an integer and formats a TypeError it then drops (~2,000 instructions
+    # per test; five a relayed chunk, ~7 % of its cost).
     for entry in tuple(_values.values()):
         for form in entry.raw_b64:
-            if form in data:
+            if data.find(form) >= 0:
                 data = data.replace(form, _REDACTED_BYTES)
-        if entry.raw_anchor and entry.raw_anchor not in data:
+        if entry.raw_anchor and data.find(entry.raw_anchor) < 0:
             continue
         for form in entry.raw:
-            if form in data:
+            if data.find(form) >= 0:
                 data = data.replace(form, _REDACTED_BYTES)
     return data
 

@@ -1,5 +1,6 @@
 """A policy that uses an optional extra not installed (a database target without
-``egress-gateway[database]``, ``a2a.card.verify`` without ``egress-gateway[a2a]``) is
+``egress-gateway[database]``, ``a2a.card.verify`` without ``egress-gateway[a2a]``,
+``audit.otlp`` without ``egress-gateway[otel]``) is
 refused by ``validate`` and ``serve`` with one line naming the extra to install, never
 with a traceback or at the first call. Each case runs the CLI in a child interpreter
 where the extra's module is absent (``sys.modules[name] = None`` makes its import raise
@@ -41,6 +42,18 @@ targets:
       card: {verify: true, public_key_ref: "env://CARD_KEY"}
 """
 
+OTLP_POLICY = """\
+version: 1
+agent_id: a
+audit:
+  otlp:
+    endpoint: http://127.0.0.1:4318/v1/logs
+targets:
+  b:
+    base_url: https://api.example.com
+    endpoints: [{path: /v1/items, methods: [GET]}]
+"""
+
 DATABASE_REFUSED = (
     "policy.yaml:6: targets.shop.database: a database target needs asyncpg, not installed "
     "(import of asyncpg halted; None in sys.modules): pip install 'egress-gateway[database]'"
@@ -49,6 +62,12 @@ CARD_REFUSED = (
     "policy.yaml:8: targets.b.a2a.card.verify: a2a.card.verify needs PyJWT with "
     "cryptography, not installed (import of jwt halted; None in sys.modules): "
     "pip install 'egress-gateway[a2a]'"
+)
+
+OTLP_REFUSED = (
+    "policy.yaml:4: audit.otlp: audit.otlp needs the OpenTelemetry SDK, not installed "
+    "(import of opentelemetry.sdk halted; None in sys.modules): "
+    "pip install 'egress-gateway[otel]'"
 )
 
 
@@ -72,6 +91,8 @@ def run_cli(tmp_path: Path, absent: list[str], *argv: str) -> subprocess.Complet
 CASES = [
     pytest.param(DATABASE_POLICY, ["asyncpg"], DATABASE_REFUSED, id="database"),
     pytest.param(CARD_POLICY, ["jwt"], CARD_REFUSED, id="a2a"),
+    # opentelemetry-api alone (an agent's own tracing may bring it): not the SDK.
+    pytest.param(OTLP_POLICY, ["opentelemetry.sdk"], OTLP_REFUSED, id="otel"),
 ]
 
 
@@ -100,7 +121,7 @@ def test_pyjwt_without_cryptography_is_not_enough_to_verify_a_card(tmp_path: Pat
     assert line.endswith(" is installed without cryptography): pip install 'egress-gateway[a2a]'")
 
 
-@pytest.mark.parametrize("policy", [DATABASE_POLICY, CARD_POLICY])
+@pytest.mark.parametrize("policy", [DATABASE_POLICY, CARD_POLICY, OTLP_POLICY])
 def test_with_the_extras_installed_the_same_policies_validate(tmp_path: Path, policy: str) -> None:
     (tmp_path / "policy.yaml").write_text(policy)
     done = run_cli(tmp_path, [], "validate", "policy.yaml")

@@ -136,3 +136,110 @@ async def test_an_envelope_may_not_spend_another_agents_pace(
     foreign, own = sc.audit_records()
     assert (foreign["decision"], foreign["error_code"]) == ("denied", "PERMISSION_DENIED")
     assert (own["rate_limit_group"], own["agent_rate_limit_group"]) == ("planner-pace", None)
+
+
+@pytest.mark.parametrize(
+    ("group", "status", "reason"),
+    [
+        ("coder-pace", 403, "rate_limit_group_not_allowed"),
+        ("no-such", 400, "unknown_rate_limit_group"),
+    ],
+)
+async def test_a_group_the_call_may_not_name_is_refused_before_a_person_is_asked(
+    upstream_factory: Any, sidecar_factory: Any, group: str, status: int, reason: str
+) -> None:
+    # A held target: a call naming another agent's group (or none of the policy's) would
+    # otherwise wait for an operator's yes, and then be refused, its approval used up.
+    held = {"endpoints": [{"path": "/v1/chat/*", "methods": ["POST"]}]}
+    up, sc = await _sidecar(
+        upstream_factory, sidecar_factory,
+        rate_limit_groups={"planner-pace": {**SLOW, "burst": 5},
+                           "coder-pace": {**SLOW, "burst": 5}},
+        target={"approval": held},
+        agents={"planner": {"rate_limit_group": "planner-pace"},
+                "coder": {"rate_limit_group": "coder-pace"}},
+        operators={"alice": {"token_ref": "env://TEST_PLANNER_TOKEN"}},
+    )  # fmt: skip
+    body = envelope(rate_limit_group=group, trace_id="tr-named", timeout=0.2)
+    headers = {"x-egress-agent-token": TOKENS["planner"]}
+    async with sc.session.post(sc.url + "/v1/calls", json=body, headers=headers) as resp:
+        got, answer = resp.status, await resp.json()
+    assert (got, answer["error"]["details"].get("reason")) == (status, reason), answer
+    events = [r["event"] for r in sc.lines() if r.get("event", "").startswith("approval_")]
+    assert events == []
+    assert await sc.gateway.pipeline.approvals.store.recent(10) == []  # nobody was asked
+    assert up.seen == []
+
+
+async def test_a_replayed_answer_takes_nothing_from_the_agents_group(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    # One call's worth of pace: the answer it bought is the agent's again, by its
+    # idempotency key, as often as it asks (a lost answer is what the key is for); only a
+    # call that is sent takes from the group.
+    up, sc = await _sidecar(
+        upstream_factory, sidecar_factory,
+        rate_limit_groups={"pace": {**SLOW, "burst": 1}},
+        target={"idempotency": {"methods": ["POST"]}},
+        agents={"planner": {"rate_limit_group": "pace"}},
+    )  # fmt: skip
+    answers = [await _call(sc, "planner", "tr-same") for _ in range(3)]
+    assert [status for status, _ in answers] == [200] * 3, answers[-1]
+    assert len(up.seen) == 1
+    status, body = await _call(sc, "planner", "tr-another")  # a new call: the pace is spent
+    assert (status, body["error"]["details"]["group"]) == (429, "pace")
+    records = sc.audit_records()
+    assert [(r["replayed"], r["agent_rate_limit_group"], r["rate_limit_refused"])
+            for r in records] == [(False, "pace", None), (True, None, None), (True, None, None),
+                                  (False, "pace", "pace")]  # fmt: skip
+
+
+async def test_a_failed_call_gives_its_token_estimate_back_as_the_targets_group_does(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    # The same group twice, the target's and the planner's: 800 tokens a minute, one
+    # call's estimate (500 + its prompt) fits once. An upstream that answers 500 reports
+    # no usage: both give the estimate back, so a failing upstream does not lock the
+    # agent out of its own pace for a minute (each call reaches the upstream).
+    async def failing(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    up = await upstream_factory(failing)
+    pace = {"requests_per_second": 100, "burst": 100, "tokens_per_minute": 800, "max_queue_s": 0}
+    agents = {"planner": {"rate_limit_group": "pace",
+                          "token_ref": "env://TEST_PLANNER_TOKEN"}}  # fmt: skip
+    target = openai_target(up.url, rate_limit_group="target-pace", circuit_breaker=None)
+    sc = await sidecar_factory(
+        compile_policy({"fake-openai": target}, agents=agents,
+                       rate_limit_groups={"pace": pace, "target-pace": pace})
+    )  # fmt: skip
+    answers = [await _call(sc, "planner", f"tr-{i}", 500) for i in range(3)]
+    assert [body["error"]["code"] for _, body in answers] == ["DEPENDENCY_FAILED"] * 3, answers
+    assert len(up.seen) == 3 * 3  # each call's attempts (max_retries: 2)
+    assert [r["rate_limit_refused"] for r in sc.audit_records()] == [None] * 3
+
+
+async def test_a_fallback_whose_group_is_the_agents_takes_it_once(
+    upstream_factory: Any, sidecar_factory: Any
+) -> None:
+    # The primary (no group) answers 503, its fallback's group is the agent's own: the
+    # call holds that group once (taken on entry), so two calls fit a burst of two.
+    async def down(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+    async def completion(_: web.Request) -> web.StreamResponse:
+        return web.json_response(COMPLETION)
+
+    primary, spare = await upstream_factory(down), await upstream_factory(completion)
+    targets = {
+        "fake-openai": openai_target(primary.url, fallbacks=[{"target": "spare"}]),
+        "spare": openai_target(spare.url, rate_limit_group="pace"),
+    }
+    agents = {"planner": {"rate_limit_group": "pace", "token_ref": "env://TEST_PLANNER_TOKEN"}}
+    groups = {"pace": {**SLOW, "burst": 2}}
+    sc = await sidecar_factory(compile_policy(targets, agents=agents, rate_limit_groups=groups))
+    results = [await _call(sc, "planner", f"tr-fb-{i}") for i in range(3)]
+    assert [status for status, _ in results] == [200, 200, 429]
+    assert [b["served_by"]["target"] for _, b in results[:2]] == ["spare", "spare"]
+    assert results[2][1]["error"]["details"]["group"] == "pace"
+    assert len(spare.seen) == 2

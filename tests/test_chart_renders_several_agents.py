@@ -207,6 +207,30 @@ def test_without_agents_nothing_changes(chart: helm.Chart) -> None:
             {"agents": [{"id": "Planner", "uid": 20001}]},
             'agents Planner: "Planner" is not a container name',
         ),
+        (  # else one policy entry (the last UID) and both containers running as it
+            {"agents": [{"id": "a", "uid": 20001}, {"id": "a", "uid": 20002}]},
+            "agents a is listed twice: one entry per agent",
+        ),
+        (  # the policy alone (no example Deployment): refused all the same
+            {
+                "agents": [{"id": "a", "uid": 20001}, {"id": "a", "uid": 20002}],
+                "agent": {"enabled": False},
+            },
+            "agents a is listed twice: one entry per agent",
+        ),
+        (
+            {
+                "agents": [
+                    {"id": "a", "uid": 20001, "containerName": "worker"},
+                    {"id": "b", "uid": 20002, "containerName": "worker"},
+                ]
+            },
+            'agents a and b have one container name ("worker")',
+        ),
+        (
+            {"agents": [{"id": "a", "uid": 20001, "containerName": "egress-gateway"}]},
+            'agents a: container name "egress-gateway" is the chart\'s own',
+        ),
         (
             {"agents": AGENTS, "policy": {"existingConfigMap": "mine"}},
             "with policy.existingConfigMap write them in that policy",

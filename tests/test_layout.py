@@ -28,6 +28,8 @@ OWNERS: dict[str, frozenset[str]] = {
         {
             "gateway/upstream/client.py",
             "gateway/upstream/resolver.py",
+            "gateway/upstream/answers.py",
+            "gateway/upstream/failures.py",
             "gateway/server/app.py",
             "gateway/inject/server.py",
             "gateway/api/http.py",
@@ -46,6 +48,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/envelope.py",
             "gateway/audit/schema.py",
             "gateway/policy/models.py",
+            "gateway/policy/root.py",
             "gateway/policy/stores.py",
             "gateway/policy/budgets.py",
             "gateway/policy/agents.py",
@@ -64,9 +67,9 @@ OWNERS: dict[str, frozenset[str]] = {
     # Model prices (bundled data, never fetched at run time).
     "genai_prices": frozenset({"gateway/cost/prices.py", "gateway/cost/table.py"}),
     # pydantic's own core (its error types), used where the models are defined.
-    "pydantic_core": frozenset({"gateway/policy/models.py"}),
+    "pydantic_core": frozenset({"gateway/policy/models.py", "gateway/policy/root.py"}),
     "structlog": frozenset({"gateway/audit/log.py"}),
-    "yaml": frozenset({"gateway/policy/loader.py"}),
+    "yaml": frozenset({"gateway/policy/document.py"}),
     "hvac": frozenset({"gateway/secrets/vault.py", "gateway/secrets/vault_auth.py"}),
     "pybreaker": frozenset({"gateway/breaker.py"}),
     "asyncpg": frozenset({"gateway/database/postgres.py"}),

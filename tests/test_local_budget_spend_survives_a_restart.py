@@ -142,7 +142,11 @@ def test_validate_warns_about_a_local_budget_on_several_replicas(tmp_path: Path)
     policy = tmp_path / "policy.yaml"
     policy.write_text(
         policy_yaml(
-            {"fake-openai": openai_target("https://api.openai.com")},
+            {
+                "fake-openai": openai_target(
+                    "https://api.openai.com", call_chain={"propagate": False}
+                )
+            },
             budgets={
                 "daily": {"limit_usd": 10, "window": "daily"},
                 "shared": {"limit_usd": 10, "window": "daily", "scope": "cluster"},

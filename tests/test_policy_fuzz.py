@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.policy import PolicyError, PolicySet, load_policy
-from gateway.policy import models as m
+from gateway.policy.root import Policy
 from tests.test_policy import FIXTURES, ROOT
 from tests.test_policy_input import PROBLEM_LINE, _models_under
 
@@ -47,9 +47,7 @@ SEEDS = [p.read_bytes() for p in sorted((ROOT / "policies").glob("*.yaml"))] + [
     p.read_bytes() for p in sorted(FIXTURES.glob("*.yaml"))
 ]
 #: Every key the policy models know, so mutations and random YAML reach the validators.
-KEYS = sorted(
-    {name for model in [m.Policy, *_models_under(m.Policy)] for name in model.model_fields}
-)
+KEYS = sorted({name for model in [Policy, *_models_under(Policy)] for name in model.model_fields})
 # fmt: off
 #: YAML scalars that have broken YAML loaders or validators somewhere.
 SCALARS = [
@@ -222,7 +220,7 @@ def random_policies(draw: st.DrawFn) -> bytes:
     lines = []
     if draw(st.booleans()):
         lines += ["version: 1", "agent_id: a"]
-    top = st.sampled_from([*m.Policy.model_fields, "<<", "x"])
+    top = st.sampled_from([*Policy.model_fields, "<<", "x"])
     for key, value in draw(st.lists(st.tuples(top, flow_values()), max_size=6)):
         lines.append(f"{key}: {value}")
     if draw(st.booleans()):

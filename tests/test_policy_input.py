@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from gateway.cli import main
 from gateway.policy import PolicyError, a2a, load_policy, parse_policy
 from gateway.policy import defaults as d
-from gateway.policy import models as m
+from gateway.policy.root import Policy
 from gateway.server.runtime import Gateway
 from tests.conftest import calls_made
 from tests.test_policy import BAD_POLICIES, FIXTURES, ROOT, expected_problems
@@ -343,8 +343,8 @@ def _field_of(key: str) -> str:
 
 def test_the_tables_cover_every_number_of_the_policy() -> None:
     # A float or int key added to the models must be added here, with its bound.
-    floats = {name for _, name in _numeric_fields(m.Policy, float)}
-    ints = {name for _, name in _numeric_fields(m.Policy, int)} - {"port", "ops_port"}
+    floats = {name for _, name in _numeric_fields(Policy, float)}
+    ints = {name for _, name in _numeric_fields(Policy, int)} - {"port", "ops_port"}
     assert floats == {_field_of(k) for k in FLOAT_KEYS}
     assert ints == {_field_of(k) for k in INT_KEYS} - {"version"}
     assert set(UPPER_BOUNDS) == set(FLOAT_KEYS) | set(INT_KEYS)

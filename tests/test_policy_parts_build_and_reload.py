@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 import pytest
 
 from gateway.policy import Policy, PolicySet, load_policy
-from gateway.server import components
-from gateway.server.components import COMPONENTS, Component, Keys, Parts
+from gateway.server.components import COMPONENTS
+from gateway.server.parts import Component, Keys, Parts, hot_keys, restart_needed
 from gateway.server.runtime import Gateway
 from tests.conftest import compile_policy, openai_target, policy_yaml
 
@@ -105,7 +105,7 @@ async def test_a_start_that_fails_in_a_part_closes_the_parts_before_it() -> None
 
 
 def test_the_keys_applied_on_reload_are_those_the_parts_say_they_take_in() -> None:
-    hot = components.hot_keys(COMPONENTS)
+    hot = hot_keys(COMPONENTS)
     assert hot == {key for part in COMPONENTS for key in part.keys.hot}
     # The server keys that apply without a restart: each taken in by one part.
     assert {k for k in hot if k.startswith("server.")} == {
@@ -115,7 +115,7 @@ def test_the_keys_applied_on_reload_are_those_the_parts_say_they_take_in() -> No
         "server.max_inflight_request_bytes",
         "server.debug",
     }
-    assert components.hot_keys([*COMPONENTS, _Probe]) == hot  # agent_id: already taken in
+    assert hot_keys([*COMPONENTS, _Probe]) == hot  # agent_id: already taken in
 
 
 def test_every_policy_section_is_read_by_a_part_in_the_list() -> None:
@@ -142,7 +142,7 @@ def test_a_reload_needs_a_restart_for_what_a_part_reads_at_start_only(
     change: dict[str, Any], needed: list[str]
 ) -> None:
     old, new = compile_policy(_TARGETS), compile_policy(_TARGETS, **change)
-    assert components.restart_needed(old, new, COMPONENTS) == needed
+    assert restart_needed(old, new, COMPONENTS) == needed
 
 
 async def test_the_restart_needed_keys_follow_the_list(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import io
 import json
@@ -389,3 +390,22 @@ def test_values_nested_past_the_depth_limit_are_replaced_whole() -> None:
         shallow = {"l": shallow}
     assert '"n": 1' in json.dumps(redact_value(shallow))  # searched, not replaced
     assert "pw" not in json.dumps(redact_value(shallow)).replace("REDACTED", "")
+
+
+def test_scrub_bytes_finds_values_with_and_without_an_anchor() -> None:
+    # scrub_bytes first asks whether any value's anchor (or, for a value without one,
+    # any of its forms) or base64 form is in the text at all: each kind must pass it.
+    anchored = "sk-gate-" + uuid.uuid4().hex
+    unanchored = "+/=&?#" + "".join("+/=& "[b % 5] for b in uuid.uuid4().bytes)
+    for value in (anchored, unanchored):
+        register(value)
+    assert redaction._values[unanchored].anchor == ""  # every form differs somewhere
+    for value in (anchored, unanchored):
+        for form in (value, quote(value, safe=""), json.dumps(value)[1:-1]):
+            data = b'data: {"x": "' + form.encode() + b'"}\n\n'
+            assert scrub_bytes(data) == b'data: {"x": "' + REDACTED.encode() + b'"}\n\n'
+        b64 = base64.b64encode(b"pre:" + value.encode() + b":post")
+        assert b"[REDACTED]" in scrub_bytes(b"data: " + b64 + b"\n\n")
+    escaped = "".join(f"\\u{ord(c):04x}" for c in anchored).encode()  # every character
+    assert scrub_bytes(b'{"x": "' + escaped + b'"}') == b'{"x": "[REDACTED]"}'
+    assert scrub_bytes(b"no secret, a \\n and a \\u0041") == b"no secret, a \\n and a \\u0041"

@@ -527,3 +527,81 @@ async def test_one_timer_bounds_the_gaps_and_the_writes(deadline_s, idle_s, stuc
     assert stream.closed
     assert len(relay.judged_at_send) == (1 if stuck else 2)
     assert time.monotonic() - now < 5  # bounded by the timer, not by the test's timeout
+
+
+class _Slow(_Recorder):
+    """A relay whose agent takes each chunk ``s`` seconds after it is sent (a slow
+    reader, not a stalled one)."""
+
+    def __init__(self, judge: StreamJudge, s: float) -> None:
+        super().__init__(judge)
+        self.s = s
+
+    async def send(self, chunk: bytes) -> None:
+        self.judged_at_send.append(self.judge.events)
+        await asyncio.sleep(self.s)  # the agent's pace, which the idle bound must not cut
+
+
+async def test_a_write_longer_than_the_idle_gap_is_not_cut_and_the_gap_still_bounds_reads():
+    # The timer goes off during the slow write (past the idle gap) and must move on to
+    # the deadline; the read after it must be bounded by the idle gap again, not by the
+    # deadline it was moved to.
+    judge = StreamJudge("openai", "t")
+    relay = _Slow(judge, 0.3)
+    stream = _Then(sse(chat("a")), sse(chat("b")))
+    now = time.monotonic()
+    with pytest.raises(StreamInterrupted) as caught:
+        await relay_stream(
+            stream, relay, Relayed(judge), started=now, deadline=now + 30, idle_timeout_s=0.1,
+            max_bytes=1 << 20,
+        )  # fmt: skip
+    assert caught.value.details["reason"] == "idle_timeout"
+    assert relay.judged_at_send == [0, 1]  # both written whole, each slower than the gap
+    assert time.monotonic() - now < 5  # the idle bound, not the 30 s deadline
+
+
+@pytest.mark.parametrize(
+    ("first_s", "idle_s", "chunks", "reason"),
+    [
+        (30, 0.1, 2, "idle_timeout"),  # after the first event the shorter idle gap rules
+        (0.1, 30, 0, "first_byte_timeout"),  # no first event: its own bound
+    ],
+)
+async def test_the_first_event_bound_gives_way_to_the_idle_gap(first_s, idle_s, chunks, reason):
+    judge = StreamJudge("openai", "t")
+    relay = _Recorder(judge)
+    stream = _Then(*[sse(chat(str(i))) for i in range(chunks)])
+    now = time.monotonic()
+    with pytest.raises(StreamInterrupted) as caught:
+        await relay_stream(
+            stream, relay, Relayed(judge), started=now, deadline=now + 60, idle_timeout_s=idle_s,
+            max_bytes=1 << 20, first_event_timeout_s=first_s,
+        )  # fmt: skip
+    assert caught.value.details["reason"] == reason
+    assert len(relay.judged_at_send) == chunks
+    assert stream.closed
+    assert time.monotonic() - now < 5  # the 0.1 s bound, not the 30 s one
+
+
+async def test_a_cancellation_from_outside_is_not_taken_for_the_timer():
+    # The agent's handler cancelled (it hung up): the relay's task ends cancelled, not
+    # with a timeout error, and its upstream stream is closed.
+    judge = StreamJudge("openai", "t")
+    stream = _Then(sse(chat("a")))
+    now = time.monotonic()
+    relayed = relay_stream(
+        stream, _Recorder(judge), Relayed(judge), started=now, deadline=now + 30,
+        idle_timeout_s=30, max_bytes=1 << 20,
+    )  # fmt: skip
+    task = asyncio.ensure_future(relayed)
+    for _ in range(100):  # until the relay took its chunk and waits on the next read
+        if not stream.chunks:
+            break
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not stream.chunks
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert stream.closed

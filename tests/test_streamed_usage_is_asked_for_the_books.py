@@ -111,3 +111,17 @@ def test_the_removal_keeps_every_other_event() -> None:
     assert unasked_usage_removed(crlf) == _stream_body(False).replace(b"\n\n", b"\r\n\r\n")
     other = b'event: x\ndata: {"usage":{"a":1},"choices":[{"i":0}]}\n\n'
     assert unasked_usage_removed(other) == other
+
+
+def test_the_removal_is_the_same_event_by_event() -> None:
+    # The relay hands in one event at a time (paced upstreams): each alone is rewritten
+    # as it is inside the whole stream, the usage chunk dropped, "usage":null removed.
+    body = _stream_body(with_usage=True)
+    events = [event + b"\n\n" for event in body.split(b"\n\n")[:-1]]
+    assert len(events) > 2
+    assert b"".join(events) == body
+    rewritten = [unasked_usage_removed(event) for event in events]
+    assert b"".join(rewritten) == unasked_usage_removed(body) == _stream_body(False)
+    assert b"" in rewritten  # the usage chunk, alone, is dropped
+    assert b'"usage":null' in events[0]  # compact, as _chunk writes it
+    assert all(b'"usage":null' not in event for event in rewritten)

@@ -389,8 +389,13 @@ class Stream:
 
     async def send(self, chunk: bytes) -> None:
         piece = self._exchange.frame(chunk)
-        if piece:
-            await self._write(piece)
+        if piece:  # _write's body, inline: one coroutine less per relayed chunk
+            response = self._response
+            assert response is not None
+            try:
+                await response.write(redaction.scrub_bytes(piece))
+            except (ConnectionError, RuntimeError) as exc:
+                raise AgentGone from exc
 
     async def _write(self, piece: bytes) -> None:
         assert self._response is not None

@@ -44,7 +44,7 @@ from gateway.call.proxy import (
 )
 from gateway.call.record import CallContext
 from gateway.call.relay import AGENT_STALLED, Relay
-from gateway.call.sse import complete_events
+from gateway.call.sse import EVENT_ENDS, complete_events
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, IdempotencyConflict, InvalidPayload, error_response
 from gateway.providers import DIALECTS, Dialect, drop_in_dialect
@@ -205,6 +205,8 @@ class _Exchange:
 
     def frame(self, chunk: bytes) -> bytes:
         held = self._held
+        if not held and chunk.endswith(EVENT_ENDS):
+            return chunk  # whole events, what the relay hands in: no copy
         held += chunk
         whole = complete_events(held)
         if not whole:

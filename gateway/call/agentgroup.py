@@ -3,9 +3,10 @@
 Every call of an established agent (``agent_auth`` ``uid`` or ``token``) whose entry names
 a group takes one request from it, and its token estimate when the group has
 ``tokens_per_minute``: once per call (retries and fallbacks are the sidecar's, not the
-agent's), after the call's approval and before its idempotency store, its secret, its
-budgets and its own group (the target's ``rate_limit_group``, or the envelope's), which
-each attempt still takes. A call whose own group is the agent's takes it once. Several
+agent's), when it is sent: after the call's approval and its idempotency store (an
+answer replayed by its key takes nothing), before its secret, its budgets and its own
+group (the target's ``rate_limit_group``, or the envelope's), which each attempt still
+takes. A call whose own group is the agent's takes it once. Several
 agents naming one group share its bucket.
 
 The group is an ordinary group of ``rate_limit_groups``: it queues a call within its
@@ -105,20 +106,23 @@ async def taken(
     ctx.agent_rate_limit_wait_s = waited
     pipe.metrics.observe_ratelimit_wait(group.name, waited)
     ctx.shadow_denied.extend(f"rate_limit_group:{g}" for g in shadow)
+    failed = True
     try:
         yield
+        failed = False
     finally:
         if reserved:
-            group.reconcile(reserved, _used(ctx, reserved))
+            group.reconcile(reserved, _used(ctx, reserved, failed=failed))
 
 
-def _used(ctx: CallContext, reserved: int) -> int:
+def _used(ctx: CallContext, reserved: int, *, failed: bool) -> int:
     """The tokens the call spent, for settling ``reserved``: its usage; none when it was
-    replayed or nothing was sent; unknown usage of a call that was sent keeps the
-    reservation (the upstream may have spent them: a refund could overspend)."""
+    replayed, nothing was sent, or it ``failed`` without a usage (as the target's group
+    settles it: no answer, no usage); an answer without a usage keeps the reservation
+    (the upstream spent tokens: a refund could overspend)."""
     if ctx.replayed:
         return 0
     if ctx.usage is not None:
         return ctx.usage.total
     sent = ctx.attempt_log.sent or ctx.prior_attempts > 0
-    return reserved if sent else 0
+    return reserved if sent and not failed else 0

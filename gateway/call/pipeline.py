@@ -1,9 +1,10 @@
 """One call through the stages, in order, inside the envelope's deadline.
 
     intake -> call chain -> egress decision (an MCP target's tool rules too)
-    -> models (allow, pin: :mod:`gateway.call.models`) -> stop switch and repeated-call
-    breaker -> approval -> the agent's own rate-limit group (:mod:`gateway.call.agentgroup`)
-    -> idempotency -> [send: outbound request -> secret -> budget reservation
+    -> models (allow, pin: :mod:`gateway.call.models`) -> the call's rate-limit group
+    (the envelope's one defined, never another agent's own) -> stop switch and repeated-call
+    breaker -> approval -> idempotency -> [the agent's own rate-limit group
+    (:mod:`gateway.call.agentgroup`) -> send: outbound request -> secret -> budget reservation
     -> attempts, each: rate-limit group -> circuit breaker -> send -> retry decision
     (backoff, Retry-After: :mod:`gateway.call.retry`)
     -> usage -> budget settlement] -> answer -> record
@@ -258,7 +259,7 @@ class Pipeline:
             ctx.target, ctx.api_key_ref = decision.target, decision.api_key_ref
             request, relay = hooks.checked(request, decision.target, ctx, relay)
             request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
-            ctx.request = request
+            ctx.request, ctx.rate_limit_group = request, _call_group(policy, request, decision, ctx)
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
             ctx.shadow_denied += await self.controls.check(
                 ctx.agent_id, decision.target.name, request, ctx.mcp
@@ -341,36 +342,8 @@ class Pipeline:
         deadline: float,
         relay: Relay | None,
     ) -> tuple[int, ExternalCallResponse]:
-        target = decision.target
-        spec = target.spec
-        group_name = request.rate_limit_group or spec.rate_limit_group
-        if request.rate_limit_group and group_name not in policy.policy.rate_limit_groups:
-            raise InvalidPayload(
-                f"rate_limit_group {group_name!r} is not defined in the policy "
-                f"(known: {', '.join(sorted(policy.policy.rate_limit_groups)) or 'none'})",
-                details={"reason": "unknown_rate_limit_group", "group": group_name},
-            )
-        named = request.rate_limit_group  # never another agent's own pace
-        refused = agentgroup.named_refusal(policy, ctx.identity, named) if named else None
-        if refused is not None:
-            ctx.decision = "denied"
-            raise refused
-        ctx.rate_limit_group = group_name
-        if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
-            return await self._sent(policy, request, decision, ctx, deadline, relay)
-        async with agentgroup.taken(self, policy, request, ctx, deadline):  # the agent's pace
-            return await self._sent(policy, request, decision, ctx, deadline, relay)
-
-    async def _sent(
-        self,
-        policy: PolicySet,
-        request: ExternalCallRequest,
-        decision: Decision,
-        ctx: CallContext,
-        deadline: float,
-        relay: Relay | None,
-    ) -> tuple[int, ExternalCallResponse]:
-        """The call sent: once per idempotency key when its target keeps them."""
+        """The call past its approval (its group is ``ctx.rate_limit_group``,
+        :func:`_call_group`) sent: once per idempotency key when its target keeps them."""
         target = decision.target
         spec = target.spec
         if spec.idempotency is not None and request.method in spec.idempotency.methods:
@@ -384,7 +357,24 @@ class Pipeline:
             return await self._idempotent(
                 policy, request, decision, ctx, deadline, spec.idempotency, relay
             )
-        return 200, await send.forward(self, policy, request, decision, ctx, deadline, relay)
+        return 200, await self._forward(policy, request, decision, ctx, deadline, relay)
+
+    async def _forward(
+        self,
+        policy: PolicySet,
+        request: ExternalCallRequest,
+        decision: Decision,
+        ctx: CallContext,
+        deadline: float,
+        relay: Relay | None,
+    ) -> ExternalCallResponse:
+        """:func:`gateway.call.send.forward` inside the calling agent's own rate-limit
+        group (:func:`gateway.call.agentgroup.taken`): a call that is sent takes it once,
+        an answer replayed by its idempotency key never."""
+        if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
+            return await send.forward(self, policy, request, decision, ctx, deadline, relay)
+        async with agentgroup.taken(self, policy, request, ctx, deadline):  # the agent's pace
+            return await send.forward(self, policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
         self,
@@ -407,7 +397,7 @@ class Pipeline:
                 ctx,
                 deadline=deadline,
                 ttl_s=idempotency.ttl_s,
-                forward=lambda: send.forward(self, policy, request, decision, ctx, deadline, relay),
+                forward=lambda: self._forward(policy, request, decision, ctx, deadline, relay),
                 failure=lambda exc: self._failure(exc, ctx),
                 relay=relay,
                 rendered=self.rendered,
@@ -461,6 +451,29 @@ def _models(
         raise models.refusal
     ctx.shadow_denied += model_rules.shadow_rules(models.choice)
     return models.request, models.decision
+
+
+def _call_group(
+    policy: PolicySet, request: ExternalCallRequest, decision: Decision, ctx: CallContext
+) -> str | None:
+    """The call's rate-limit group: the envelope's, else its target's (None: none).
+    Raises InvalidPayload (``unknown_rate_limit_group``) for a group the policy does not
+    define, PermissionDenied for another agent's own (:func:`gateway.call.agentgroup.
+    named_refusal`). Decided before the stop switch and any approval: no person is asked
+    for a call that would then be refused (its approval used up, nothing sent)."""
+    named = request.rate_limit_group
+    if named is None:
+        return decision.target.spec.rate_limit_group
+    if named not in policy.policy.rate_limit_groups:
+        raise InvalidPayload(
+            f"rate_limit_group {named!r} is not defined in the policy "
+            f"(known: {', '.join(sorted(policy.policy.rate_limit_groups)) or 'none'})",
+            details={"reason": "unknown_rate_limit_group", "group": named},
+        )
+    refused = agentgroup.named_refusal(policy, ctx.identity, named)  # another agent's pace
+    if refused is not None:
+        raise refused
+    return named
 
 
 def _unknown_fields(

@@ -219,7 +219,10 @@ async def forward(
     request, decision, rewrite, pool = _prepared(pipe, policy, request, decision, ctx, relay)
     gate = _model_gate(ctx, target, request)
     draft = _outbound(policy, request, target, ctx)
-    group = pipe.groups.get(ctx.rate_limit_group) if ctx.rate_limit_group else None
+    # The agent's own group, when this option's group too, is held for the whole call
+    # already (gateway.call.agentgroup.taken): an attempt does not take it a second time.
+    name = ctx.rate_limit_group
+    group = pipe.groups.get(name) if name and name != ctx.agent_rate_limit_group else None
     reserved = 0
     if group is not None and group.spec.tokens_per_minute:
         reserved = estimate_tokens(request.parameters)

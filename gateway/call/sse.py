@@ -16,16 +16,16 @@ length. The relay sends the upstream's bytes unchanged; this decoder only reads 
 from __future__ import annotations
 
 import codecs
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 _BOM: Final = "\ufeff"
 
 
-@dataclass(frozen=True, slots=True)
-class SseEvent:
+class SseEvent(NamedTuple):
     """One dispatched event: its ``event`` type (None for the default ``message``), its
-    ``data`` (the data lines joined with LF) and the last ``id`` seen (or None)."""
+    ``data`` (the data lines joined with LF) and the last ``id`` seen (or None).
+    Immutable; a tuple because one is made per event relayed (a frozen dataclass costs
+    three ``object.__setattr__`` calls to make)."""
 
     event: str | None
     data: str
@@ -63,30 +63,50 @@ class SseDecoder:
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
         """The events completed by ``chunk``. Raises :class:`EventTooLarge`."""
-        text = self._utf8.decode(chunk)
+        utf8 = self._utf8
+        if utf8.buffer:  # a character cut at the last chunk's end
+            text = utf8.decode(chunk)
+        else:
+            try:  # whole characters, the usual: one C call
+                text = chunk.decode()
+            except UnicodeDecodeError:  # a cut character or bytes that are not UTF-8
+                text = utf8.decode(chunk)
         if not self._started and text:
             self._started = True
             text = text.removeprefix(_BOM)
         if self._cr and text.startswith("\n"):
             text = text[1:]  # the LF of a CRLF split across chunks
-        self._cr = text.endswith("\r")
         out: list[SseEvent] = []
         if "\r" in text:
+            self._cr = text.endswith("\r")
             text = text.replace("\r\n", "\n").replace("\r", "\n")
+        else:
+            self._cr = False
+        parts = self._parts
         if "\n" not in text:
             # A line still growing: kept in pieces, joined once when it ends (a long
             # line joined at every chunk would cost its length per chunk).
-            self._parts.append(text)
-            self._line_chars += len(text)
+            if text:
+                parts.append(text)
+                self._line_chars += len(text)
         else:
             lines = text.split("\n")
-            if self._parts:
-                lines[0] = "".join(self._parts) + lines[0]
-                self._parts.clear()
-            for line in lines[:-1]:
-                self._field(line, out)
-            self._parts.append(lines[-1])
-            self._line_chars = len(lines[-1])
+            last = lines.pop()
+            if parts:
+                lines[0] = "".join(parts) + lines[0]
+                parts.clear()
+            for line in lines:
+                if line[:5] == "data:":  # the usual line, read here (not by _field)
+                    value = line[6:] if line[5:6] == " " else line[5:]
+                    self._data.append(value)
+                    self._size += len(value) + 1
+                    if self._size > self._max:
+                        raise EventTooLarge(f"one event passed {self._max} bytes")
+                else:
+                    self._field(line, out)
+            if last:
+                parts.append(last)
+            self._line_chars = len(last)
         if self._size + self._line_chars > self._max:
             raise EventTooLarge(f"one event passed {self._max} bytes")
         return out
@@ -138,7 +158,9 @@ class SseDecoder:
 
 
 #: The ends of an event: a blank line, after LF, CRLF or CR line ends (mixed ones too).
-_EVENT_ENDS: Final = (b"\n\n", b"\r\r", b"\r\n\r\n", b"\n\r\n", b"\r\n\n")
+#: ``chunk.endswith(EVENT_ENDS)``: ``chunk`` is whole events (``complete_events(chunk) ==
+#: len(chunk)``), what a paced upstream sends in each read; one test, no copy.
+EVENT_ENDS: Final = (b"\n\n", b"\r\r", b"\r\n\r\n", b"\n\r\n", b"\r\n\n")
 
 
 def complete_events(buffer: bytes | bytearray, searched: int = 0) -> int:
@@ -151,7 +173,7 @@ def complete_events(buffer: bytes | bytearray, searched: int = 0) -> int:
     chunk by chunk costs its length once, not its length per chunk (quadratic: seconds
     of a blocked event loop for an event of a few MiB)."""
     end = 0
-    for mark in _EVENT_ENDS:
+    for mark in EVENT_ENDS:
         at = buffer.rfind(mark, max(0, searched - len(mark) + 1))
         if at >= 0:
             end = max(end, at + len(mark))

@@ -32,6 +32,7 @@ from gateway.providers.base import END, StreamFailure
 #: Usage-bearing events kept per stream (the first, for Anthropic's ``message_start``,
 #: and the latest others): a stream of any length keeps at most this many.
 MAX_USAGE_EVENTS: Final = 64
+_JSON_STARTS: Final = ("{", "[")
 
 
 def _judged_data(data: str) -> Any:
@@ -100,15 +101,22 @@ class StreamJudge:
         """Judge one event; returns its ``data``, parsed as JSON when it is JSON. A
         provider's event whose data starts like JSON and is not (a malformed event) is
         counted in :attr:`malformed`: its SDK would raise on it."""
-        data = _judged_data(event.data)
-        if (
-            data.__class__ is str
-            and data[:1] in ("{", "[")
-            and data != "[DONE]"  # OpenAI's terminal marker, not JSON by design
-            and self._dialect is not None
-        ):
-            self.malformed += _not_json(data)
+        data: Any = event.data
+        if data[:1] in _JSON_STARTS:
+            try:  # the usual, once per event relayed: one C call
+                data = loads_fast(data)
+            except ValueError:
+                data = self._unread(data)
         return self.observe_data(event.event, data)
+
+    def _unread(self, text: str) -> Any:
+        """Data that starts like JSON and that the fast parser refused: what the stdlib
+        reads of it, else the text (counted malformed for a provider, but for OpenAI's
+        ``[DONE]``, not JSON by design)."""
+        data = _judged_data(text)
+        if data.__class__ is str and data != "[DONE]" and self._dialect is not None:
+            self.malformed += _not_json(data)
+        return data
 
     def observe_data(self, name: str | None, data: Any) -> Any:
         """Judge one event given its type and parsed data (a JSON-array stream's item)."""

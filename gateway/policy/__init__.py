@@ -1,8 +1,10 @@
 """The YAML policy: file -> validated models -> compiled :class:`PolicySet`.
 
-``models`` holds every key of the file with its default and checks; ``compiled`` the
-runtime view the pipeline reads; ``loader`` the YAML loading and the error messages that
-name file, line and key path.
+``models`` holds the keys of the file with their defaults and checks (the server,
+egress, targets, rate-limit groups and telemetry; the other sections in modules of their
+own); ``root`` the whole file's model and the checks across its sections; ``compiled``
+the runtime view the pipeline reads; ``loader`` the YAML loading and the error messages
+that name file, line and key path.
 """
 
 from gateway.policy.compiled import CompiledTarget, PolicySet
@@ -41,7 +43,6 @@ from gateway.policy.models import (
     EnvelopeSpec,
     IdempotencySpec,
     Name,
-    Policy,
     RateLimitGroupSpec,
     RetryOn,
     RetrySpec,
@@ -49,6 +50,7 @@ from gateway.policy.models import (
     ServerSpec,
     TargetSpec,
 )
+from gateway.policy.root import Policy
 from gateway.policy.stores import (
     AuditOtlpSpec,
     AuditSpec,

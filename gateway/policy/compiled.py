@@ -13,7 +13,8 @@ from typing import Any, Final
 from gateway.envelope import HttpMethod
 from gateway.policy.a2a import CARD_PATHS
 from gateway.policy.mcp import MCP_METHODS
-from gateway.policy.models import Policy, TargetSpec
+from gateway.policy.models import TargetSpec
+from gateway.policy.root import Policy
 from gateway.urls import URL
 
 _UNSEEN: Final = object()

@@ -101,7 +101,7 @@ def controls_problems(
 def tool_cap_warnings(policy: Any) -> list[tuple[tuple[str, ...], str]]:
     """Budgets whose ``applies_to.tool`` names no tool or endpoint the policy could ever
     send (a typo would cap nothing): (key path, message) pairs for ``validate``.
-    ``policy`` is a :class:`gateway.policy.models.Policy`. A path glob is compared with
+    ``policy`` is a :class:`gateway.policy.root.Policy`. A path glob is compared with
     the endpoint paths, a tool glob with the MCP targets' ``tools.allow`` globs, of the
     budget's target (or of every target); either way round counts as a match."""
     warnings: list[tuple[tuple[str, ...], str]] = []

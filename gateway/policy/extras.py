@@ -1,9 +1,11 @@
 """The optional extras a policy needs (pyproject.toml's ``[project.optional-dependencies]``):
 a database target needs ``database`` (asyncpg), ``a2a.card.verify`` needs ``a2a`` (PyJWT
-with cryptography). :func:`load_policy <gateway.policy.loader.load_policy>` refuses a
-policy whose extra is not installed, so ``validate``, ``serve`` and a reload name the
-extra to install instead of failing at start or at the first call. The image installs
-every extra (requirements.lock).
+with cryptography), ``audit.otlp`` needs ``otel`` (the OpenTelemetry SDK and its OTLP/HTTP
+exporter; tracing does not: without it the calls go untraced,
+:func:`gateway.telemetry.start`). :func:`load_policy <gateway.policy.loader.load_policy>`
+refuses a policy whose extra is not installed, so ``validate``, ``serve`` and a reload
+name the extra to install instead of failing at start or at the first call. The image
+installs every extra (requirements.lock).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from gateway.policy.models import Policy
+from gateway.policy.root import Policy
 
 KeyPath = tuple[str | int, ...]
 
@@ -32,10 +34,19 @@ def _pyjwt_crypto() -> None:
         raise ImportError(f"PyJWT {jwt.__version__} is installed without cryptography")
 
 
+def _otel_logs() -> None:
+    # What gateway.audit.otlp imports: the SDK's logs and the OTLP/HTTP log exporter (the
+    # SDK first: opentelemetry-api alone, which a client library may bring, is not it).
+    importlib.import_module("opentelemetry.sdk")
+    importlib.import_module("opentelemetry.sdk._logs")
+    importlib.import_module("opentelemetry.exporter.otlp.proto.http._log_exporter")
+
+
 #: extra -> (what needs it, its check: raises ImportError when it is missing).
 EXTRAS: dict[str, tuple[str, Callable[[], None]]] = {
     "database": ("a database target needs asyncpg", _asyncpg),
     "a2a": ("a2a.card.verify needs PyJWT with cryptography", _pyjwt_crypto),
+    "otel": ("audit.otlp needs the OpenTelemetry SDK", _otel_logs),
 }
 
 
@@ -44,6 +55,8 @@ def missing_extras(policy: Policy) -> list[tuple[KeyPath, str]]:
     naming the extra to install; empty when everything the policy uses is there. Each
     extra is imported at most once (the first use that needs it)."""
     uses: list[tuple[KeyPath, str]] = []
+    if policy.audit.otlp is not None:
+        uses.append((("audit", "otlp"), "otel"))
     for name, target in policy.targets.items():
         if target.database is not None:
             uses.append((("targets", name, "database"), "database"))

@@ -1,4 +1,7 @@
-"""The policy's models: every key of the YAML file, its type, default and checks.
+"""The policy's section models: the server, egress, targets (credential, endpoints, retry,
+circuit breaker, idempotency, headers), rate-limit groups and telemetry sections, every
+key with its type, default and checks. The other sections have modules of their own; the
+root that holds them all, and the checks across sections, is :mod:`gateway.policy.root`.
 
 The policy is the operator's contract with the sidecar: keys may be added, never renamed.
 Every model forbids unknown keys and is strictly typed (``port: "8181"`` is an error).
@@ -19,12 +22,10 @@ from pydantic_core import PydanticCustomError
 from gateway.envelope import HttpMethod
 from gateway.policy import defaults as d
 from gateway.policy import desk
-from gateway.policy.a2a import A2aSpec, InboundSpec, check_a2a_target
-from gateway.policy.agents import Agents, agent_problems
-from gateway.policy.budgets import BudgetSpec, Mode, ModelName, PriceSpec, budget_problems
-from gateway.policy.chain import CallChainSpec, ChainSpec, chain_problems, propagation_problems
-from gateway.policy.controls import ControlsSpec, controls_problems
-from gateway.policy.database import DatabaseSpec, database_problems
+from gateway.policy.a2a import A2aSpec, check_a2a_target
+from gateway.policy.budgets import Mode
+from gateway.policy.chain import CallChainSpec
+from gateway.policy.database import DatabaseSpec
 from gateway.policy.database import check_target as check_database_target
 
 # Re-exported: gateway.idempotency.memory imports them from here.
@@ -34,11 +35,10 @@ from gateway.policy.defaults import (
 from gateway.policy.defaults import (
     DEFAULT_IDEMPOTENCY_MAX_ENTRIES as DEFAULT_IDEMPOTENCY_MAX_ENTRIES,
 )
-from gateway.policy.failover import FallbackOn, FallbackSpec, fallback_problems
+from gateway.policy.failover import FallbackOn, FallbackSpec
 from gateway.policy.mcp import McpSpec, check_target
-from gateway.policy.modelrules import ModelsSpec, model_problems
+from gateway.policy.modelrules import ModelsSpec
 from gateway.policy.refs import check_ref as _check_ref
-from gateway.policy.stores import AuditSpec, RedisSpec, SecretsSpec
 from gateway.policy.stores import StrictModel as _Strict
 from gateway.urls import URL
 
@@ -458,96 +458,3 @@ class TelemetrySpec(_Strict):
 
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     models: list[ModelPattern] = Field(default_factory=list, max_length=d.MAX_TELEMETRY_MODELS)
-
-
-class Policy(_Strict):
-    """The whole policy file, as written."""
-
-    version: Literal[1]
-    agent_id: Name
-    server: ServerSpec = Field(default_factory=ServerSpec)
-    envelope: EnvelopeSpec = Field(default_factory=EnvelopeSpec)
-    egress: EgressSpec = Field(default_factory=EgressSpec)
-    targets: dict[Name, TargetSpec] = Field(default_factory=dict)  # empty: deny everything
-    rate_limit_groups: dict[Name, RateLimitGroupSpec] = Field(default_factory=dict)
-    secrets: SecretsSpec = Field(default_factory=SecretsSpec)
-    redis: RedisSpec | None = None
-    audit: AuditSpec = Field(default_factory=AuditSpec)
-    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
-    budgets: dict[Name, BudgetSpec] = Field(default_factory=dict)  # gateway.policy.budgets
-    prices: dict[ModelName, PriceSpec] = Field(default_factory=dict)
-    chain: ChainSpec = Field(default_factory=ChainSpec)  # gateway.policy.chain
-    #: The local agent's own A2A server, behind ``/a2a/in/{path}`` (gateway.policy.a2a).
-    inbound: InboundSpec | None = None  # the agent's own A2A server, behind /a2a/in
-    agents: Agents = Field(default_factory=dict)  # gateway.policy.agents; empty: agent_id
-    controls: ControlsSpec = Field(default_factory=ControlsSpec)  # gateway.policy.controls
-    operators: dict[Name, desk.OperatorSpec] = Field(default_factory=dict)  # gateway.policy.desk
-    approvals: desk.ApprovalsSpec = Field(default_factory=desk.ApprovalsSpec)
-    dead_letters: desk.DeadLettersSpec = Field(default_factory=desk.DeadLettersSpec)
-
-    @model_validator(mode="after")
-    def _cross_references(self) -> Policy:
-        """Keys that refer to other sections. Raises one ``cross_reference`` error whose
-        ``ctx["problems"]`` is a tuple of ``(key path tuple, message)``, so the loader can
-        name each key and its line."""
-        problems: list[tuple[tuple[str | int, ...], str]] = []
-
-        def problem(*loc: str, message: str) -> None:
-            problems.append((loc, message))
-
-        no_redis = "'cluster' needs a redis section"
-        for name, target in self.targets.items():
-            tools_group = target.mcp.tools_rate_limit_group if target.mcp else None
-            for key, group in (("rate_limit_group", target.rate_limit_group),
-                               ("mcp.tools_rate_limit_group", tools_group)):  # fmt: skip
-                if group is not None and group not in self.rate_limit_groups:
-                    known = ", ".join(sorted(self.rate_limit_groups)) or "none"
-                    message = f"no rate-limit group {group!r} (known: {known})"
-                    problem("targets", name, *key.split("."), message=message)
-            for ref in sorted(target.credential.permitted_refs() if target.credential else ()):
-                if ref.startswith("vault://") and self.secrets.vault is None:
-                    message = f"{ref!r} needs a secrets.vault section"
-                    problem("targets", name, "credential", message=message)
-            db = target.database
-            if db is not None:
-                problems += database_problems(name, db, self.secrets.vault is not None)
-            host = (db.host() if db else URL(target.base_url or "").host) or ""
-            try:
-                address = ipaddress.ip_address(host)
-            except ValueError:
-                address = None
-            if address is not None and not self.egress.allows(address):
-                message = (
-                    f"{host} is not allowed by the egress policy (not a public address, or in "
-                    "egress.deny_cidrs); list it in egress.allow_cidrs to allow it"
-                )
-                problem("targets", name, "database" if db else "base_url", message=message)
-            idempotency = target.idempotency
-            if idempotency and idempotency.scope == "cluster" and self.redis is None:
-                problem("targets", name, "idempotency", "scope", message=no_redis)
-        for name, group_spec in self.rate_limit_groups.items():
-            if group_spec.scope == "cluster" and self.redis is None:
-                problem("rate_limit_groups", name, "scope", message=no_redis)
-        groups, has_redis = set(self.rate_limit_groups), self.redis is not None
-        usage = {name: spec.usage for name, spec in self.targets.items()}
-        problems += budget_problems(self.budgets, usage, groups, has_redis)
-        has_vault = self.secrets.vault is not None
-        problems += [*chain_problems(self.chain, has_vault), *propagation_problems(self.targets)]
-        problems += agent_problems(self.agents, self.targets, self.budgets, has_vault, groups)
-        problems += controls_problems(self.controls, has_redis, has_vault)
-        problems += fallback_problems(self.targets, self.agents)
-        problems += model_problems(self.targets, self.agents)
-        operators = desk.all_operators(self.operators, self.controls.operator_token_ref)
-        problems += desk.problems(operators, self.approvals, self.targets, has_redis)
-        if problems:
-            raise PydanticCustomError(
-                "cross_reference",
-                "{summary}",
-                {
-                    "summary": "\n".join(
-                        f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in problems
-                    ),
-                    "problems": tuple(problems),
-                },
-            )
-        return self

@@ -29,11 +29,11 @@ Sources:
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any, Final
 
+from gateway import fastjson
 from gateway.providers.base import (
     END,
     Dialect,
@@ -310,11 +310,15 @@ def unasked_usage_removed(events: bytes) -> bytes:
     as the agent who did not ask would have had them: without the usage chunk (its
     ``choices`` empty, its ``usage`` an object) and without the ``"usage":null`` member
     of the other chunks (pure; any other event unchanged)."""
-    if b'"usage"' not in events:
+    if events.find(b'"usage"') < 0:  # not ``in``: see redaction._scrub_forms_bytes
         return events
+    if events.find(b"\n\n") == len(events) - 2 and events.find(b"\r") < 0:
+        pieces = [events]  # one event, the usual relayed chunk: what the split would give
+    else:
+        pieces = _EVENT_SPLIT.split(events)
     kept = []
-    for event in re.split(rb"(?<=\n\n)|(?<=\r\n\r\n)", events):
-        if b'"usage"' in event:
+    for event in pieces:
+        if event.find(b'"usage"') >= 0:
             if _is_usage_chunk(event):
                 continue
             event = _NULL_USAGE.sub(b"", event)
@@ -322,11 +326,15 @@ def unasked_usage_removed(events: bytes) -> bytes:
     return b"".join(kept)
 
 
+#: After each event's blank line (LF or CRLF line ends).
+_EVENT_SPLIT: Final = re.compile(rb"(?<=\n\n)|(?<=\r\n\r\n)")
+
+
 def _is_usage_chunk(event: bytes) -> bool:
     for line in event.splitlines():
         if line.startswith(b"data:"):
-            try:
-                data = json.loads(line[5:])
+            try:  # every chunk of such a stream: orjson where it reads as json does
+                data = fastjson.loads(line[5:])
             except ValueError:
                 return False
             return (

@@ -31,8 +31,8 @@ from gateway.metrics import Metrics
 from gateway.policy import PolicyError, PolicySet, load_policy
 from gateway.policy.refs import parse_ref
 from gateway.secrets.factory import secrets_ready
-from gateway.server import components
-from gateway.server.components import COMPONENTS, Component, Parts
+from gateway.server.components import COMPONENTS, policy_labels
+from gateway.server.parts import Component, Parts, restart_needed
 from gateway.server.reload import applied_fields, refused_fields
 from gateway.upstream import Resolver
 
@@ -45,7 +45,7 @@ _log = audit.get_logger("gateway.runtime")
 
 def _server_hot_only(old: PolicySet, new: PolicySet) -> bool:
     """True if only the server keys that apply without a restart changed."""
-    return "server" not in components.restart_needed(old, new, COMPONENTS)
+    return "server" not in restart_needed(old, new, COMPONENTS)
 
 
 def _refusal() -> ShuttingDown:
@@ -149,7 +149,7 @@ class Gateway:
         Calls in flight finish under the policy they started with. The keys a component
         reads at start only (listener settings ``server.host``, ``port``, ``ops_*``,
         ``max_request_bytes``; ``secrets``; ``redis``) need a restart; a reload that
-        changes them says so in the log (:func:`~gateway.server.components.restart_needed`).
+        changes them says so in the log (:func:`~gateway.server.parts.restart_needed`).
         What a component must read before it can take the policy in (the agents' tokens:
         ``prepare``) is read first; a failure there refuses the reload too. Applied or
         refused, the reload is an audit record of its own (``policy_reload``).
@@ -163,15 +163,13 @@ class Gateway:
         except (GatewayError, ValueError) as exc:  # an agent token unreadable or empty
             return await self._reload_refused(source, [f"{source}: agents: {exc}"])
         old = self.policy
-        restart_needed = components.restart_needed(old, new, self._component_types)
+        needed = restart_needed(old, new, self._component_types)
         self.apply_policy(new)
         if self._parts is None:  # not started: the labels are set at start
-            self.metrics.set_known(
-                new.targets, new.policy.rate_limit_groups, **components.policy_labels(new)
-            )
+            self.metrics.set_known(new.targets, new.policy.rate_limit_groups, **policy_labels(new))
         self.metrics.observe_policy_reload(ok=True)
         if self.audit is not None:
-            self.audit.event(POLICY_RELOAD_EVENT, **applied_fields(old, new, restart_needed))
+            self.audit.event(POLICY_RELOAD_EVENT, **applied_fields(old, new, needed))
         return True
 
     async def _prepare(self, policy: PolicySet) -> None:

@@ -22,7 +22,8 @@ Errors: :class:`TransportError` for a failed attempt (with ``sent`` telling whet
 request may have reached the upstream); :class:`gateway.errors.EgressDenied`,
 :class:`~gateway.errors.PermissionDenied`, :class:`~gateway.errors.ResponseTooLarge`, and
 :class:`~gateway.errors.DependencyFailed` (not retryable) for an answer aiohttp's parser
-refuses.
+refuses (aiohttp's exceptions are translated in :mod:`gateway.upstream.failures`; the
+answer's reading helpers and :class:`UpstreamStream` are in :mod:`gateway.upstream.answers`).
 No message holds a URL query or a credential: only ``scheme://host:port``.
 
 Connections: each target holds at most its ``max_connections`` at once (an attempt holds
@@ -48,10 +49,19 @@ from aiohttp.abc import AbstractResolver, AbstractStreamWriter
 from aiohttp.connector import Connection
 
 from gateway import __version__
-from gateway.errors import CapacityExceeded, DependencyFailed, PermissionDenied, ResponseTooLarge
+from gateway.errors import CapacityExceeded, PermissionDenied
 from gateway.policy import EgressSpec
 from gateway.policy.egress import check_address, origin_label, redirect_hop
-from gateway.upstream.resolver import EgressResolver, _AddressDenied
+from gateway.upstream.answers import (
+    CutStream,
+    UpstreamStream,
+    escaped,
+    is_event_stream,
+    protocol_switch,
+    too_large,
+)
+from gateway.upstream.failures import translate
+from gateway.upstream.resolver import EgressResolver
 from gateway.upstream.slots import Slots
 from gateway.upstream.types import OutboundRequest, TransportError, UpstreamResponse
 from gateway.urls import URL
@@ -317,8 +327,8 @@ class Upstream:
                 )
                 state.answered = True
                 if resp.status < 200:
-                    return _protocol_switch(resp, started)
-                if stream and resp.status < 300 and _is_event_stream(resp):
+                    return protocol_switch(resp, started)
+                if stream and resp.status < 300 and is_event_stream(resp):
                     return self._streamed(session, resp, url, started, state)
                 async with resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
@@ -335,19 +345,19 @@ class Upstream:
                     cut = False
                     try:
                         content = await self._read(resp, url)
-                    except _CutStream as partial:
+                    except CutStream as partial:
                         content, cut = partial.body, True
                     return UpstreamResponse(
                         status=resp.status,
                         reason=resp.reason or "",
                         headers=resp.headers,
-                        content_type=_escaped(resp.headers.get("Content-Type")),
+                        content_type=escaped(resp.headers.get("Content-Type")),
                         body=content,
                         elapsed_s=time.monotonic() - started,
                         cut=cut,
                     )
             except aiohttp.ClientError as exc:
-                raise _translate(exc, url, state, request.target.name) from None
+                raise translate(exc, url, state, request.target.name) from None
         raise _too_many_redirects(url)
 
     def _streamed(
@@ -363,7 +373,7 @@ class Upstream:
             status=resp.status,
             reason=resp.reason or "",
             headers=resp.headers,
-            content_type=_escaped(resp.headers.get("Content-Type")),
+            content_type=escaped(resp.headers.get("Content-Type")),
             body=b"",
             elapsed_s=time.monotonic() - started,
             stream=self._stream(session, resp, url, state),
@@ -448,7 +458,7 @@ class Upstream:
         declared = resp.content_length
         if declared is not None:
             if declared > limit:
-                raise _too_large(url, limit, resp.status)
+                raise too_large(url, limit, resp.status)
             if "Content-Encoding" not in resp.headers:
                 # At most Content-Length bytes, in one read; a compressed body may inflate
                 # past the limit, so it is counted chunk by chunk below.
@@ -458,160 +468,18 @@ class Upstream:
             async for chunk in resp.content.iter_chunked(_READ_CHUNK):
                 buf += chunk
                 if len(buf) > limit:
-                    raise _too_large(url, limit, resp.status)
+                    raise too_large(url, limit, resp.status)
         except aiohttp.ClientPayloadError:
-            if resp.status < 300 and _is_event_stream(resp):
+            if resp.status < 300 and is_event_stream(resp):
                 # A 2xx stream cut mid-way: what arrived is its answer, judged by its
                 # events (STREAM_INTERRUPTED), not a failure to reach the upstream.
-                raise _CutStream(bytes(buf)) from None
+                raise CutStream(bytes(buf)) from None
             raise
         return bytes(buf)
-
-
-class _CutStream(Exception):
-    """A 2xx event stream whose connection broke while it was read; ``body`` arrived."""
-
-    def __init__(self, body: bytes) -> None:
-        super().__init__("stream cut")
-        self.body = body
 
 
 def _too_many_redirects(url: URL) -> PermissionDenied:
     return PermissionDenied(
         f"{origin_label(url)} redirected more than {MAX_REDIRECTS} times",
         details={"reason": "too_many_redirects"},
-    )
-
-
-def _protocol_switch(resp: aiohttp.ClientResponse, started: float) -> UpstreamResponse:
-    """The answer to a 1xx that reached the caller, its body unread."""
-    # Only a 101 gets here (aiohttp's parser skips the other 1xx, RFC 9110 15.2): a
-    # protocol switch the sidecar never asks for. The connection no longer speaks HTTP,
-    # so it is dropped unread (a body read would wait for the peer to close it); the
-    # attempt judges the status.
-    resp.close()
-    return UpstreamResponse(
-        status=resp.status,
-        reason=resp.reason or "",
-        headers=resp.headers,
-        content_type=None,
-        body=b"",
-        elapsed_s=time.monotonic() - started,
-    )
-
-
-def _escaped(value: str | None) -> str | None:
-    """A header value as text that can be written as UTF-8: bytes that are not UTF-8
-    (obs-text, read by aiohttp as surrogate escapes) as ``\\udcXX`` escapes."""
-    if value is None or value.isascii():
-        return value
-    return value.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
-    return resp.content_type == "text/event-stream"
-
-
-class UpstreamStream:
-    """A 2xx event stream being read as it arrives (see :meth:`Upstream.send`).
-
-    :meth:`read` returns the next chunk (as the network delivered it, decoded from gzip
-    or deflate), ``b""`` at the end. It raises :class:`TransportError` (kind ``reset``)
-    when the connection is lost mid-stream. :meth:`aclose` closes the connection at once
-    (the agent hung up, or the stream failed) and is idempotent; a stream read to its
-    end is released to the pool.
-    """
-
-    __slots__ = ("_done", "_eof", "_origin", "_resp")
-
-    def __init__(self, resp: aiohttp.ClientResponse, origin: str, done: Callable[[], None]):
-        self._resp: aiohttp.ClientResponse | None = resp
-        self._origin = origin
-        self._done = done
-        self._eof = False
-
-    async def read(self) -> bytes:
-        resp = self._resp
-        if resp is None:
-            return b""
-        try:
-            chunk = await resp.content.readany()
-        except aiohttp.ClientError as exc:
-            raise TransportError(
-                "reset", sent=True, message=f"{self._origin} closed the stream mid-way"
-            ) from exc
-        if not chunk:
-            self._eof = True
-        return chunk
-
-    async def aclose(self) -> None:
-        resp, self._resp = self._resp, None
-        if resp is None:
-            return
-        if self._eof:
-            resp.release()
-        else:
-            resp.close()  # not read to its end: the connection cannot be reused
-        self._done()
-
-
-def _too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:
-    return ResponseTooLarge(
-        f"{origin_label(url)} answered with a body larger than the limit of {limit} bytes "
-        "(server.max_response_bytes)",
-        details={"limit_bytes": limit},
-        status_code=status,
-    )
-
-
-def _translate(exc: aiohttp.ClientError, url: URL, state: _Attempt, target: str) -> Exception:
-    origin, sent, answered = origin_label(url), state.sent, state.answered
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        cause = exc.os_error
-        denied = cause if isinstance(cause, _AddressDenied) else cause.__cause__
-        if isinstance(denied, _AddressDenied):
-            return denied.denied
-        if isinstance(exc, aiohttp.ClientConnectorDNSError):
-            return TransportError("connect", sent=False, message=f"cannot resolve {url.host}")
-        reason = cause.strerror or type(cause).__name__
-        return TransportError(
-            "connect", sent=False, message=f"cannot connect to {origin}: {reason}"
-        )
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return TransportError("connect", sent=False, message=f"connecting to {origin} timed out")
-    if isinstance(exc, aiohttp.ServerTimeoutError):
-        return TransportError(
-            "timeout",
-            sent=sent,
-            message=f"{origin} stopped answering (read timeout)",
-            answered=answered,
-        )
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return TransportError(
-            "reset",
-            sent=sent,
-            message=f"{origin} closed the connection mid-call",
-            answered=answered,
-        )
-    if isinstance(exc, aiohttp.ClientResponseError):
-        # With raise_for_status off, only aiohttp's response parser raises this: a bad
-        # status line, a NUL or bare CR in a header, a header line past 8190 bytes. The
-        # same bytes would come back, so it is not retried; its text (the raw header,
-        # perhaps an echoed key) is never shown.
-        return DependencyFailed(
-            f"{origin} answered with a response the HTTP client cannot parse (a malformed "
-            "status line or header, or a header line longer than 8190 bytes); the request "
-            "reached the upstream and was not resent",
-            details={"reason": "malformed_response", "target": target},
-            retryable=False,
-        )
-    if isinstance(exc, aiohttp.ClientOSError):
-        return TransportError(
-            "reset",
-            sent=sent,
-            message=f"connection to {origin} failed: {exc.strerror}",
-            answered=answered,
-        )
-    return TransportError(
-        "reset", sent=sent, message=f"{origin}: {type(exc).__name__}", answered=answered
     )

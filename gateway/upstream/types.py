@@ -117,7 +117,7 @@ class UpstreamResponse:
     body: bytes
     elapsed_s: float
     #: With ``Upstream.send(stream=True)``, a 2xx event stream still to be read (its
-    #: ``body`` is then empty): an :class:`gateway.upstream.client.UpstreamStream`.
+    #: ``body`` is then empty): an :class:`gateway.upstream.answers.UpstreamStream`.
     stream: Any = None
     #: True when ``body`` is a 2xx event stream whose connection broke mid-way.
     cut: bool = False

@@ -193,11 +193,19 @@ Called with the Deployment's context (dict "root" "gateway" "replicas").
 {{- define "egress-gateway.agentContainers" -}}
 {{- $g := .gateway }}
 {{- $items := list }}
+{{- $names := dict }}
 {{- range $g.agents }}
 {{- $name := default .id .containerName }}
 {{- if not (regexMatch "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$" $name) }}
 {{- fail (printf "egress-gateway: agents %s: %q is not a container name (lowercase letters, digits and '-'); set its containerName" .id $name) }}
 {{- end }}
+{{- if or (eq $name "egress-gateway") (hasPrefix "egress-gateway-" $name) }}
+{{- fail (printf "egress-gateway: agents %s: container name %q is the chart's own (egress-gateway*); set its containerName" .id $name) }}
+{{- end }}
+{{- if hasKey $names $name }}
+{{- fail (printf "egress-gateway: agents %s and %s have one container name (%q): set containerName" (get $names $name) .id $name) }}
+{{- end }}
+{{- $_ := set $names $name .id }}
 {{- $security := include "egress-gateway.agentSecurityContext" (dict "gateway" $g "agent" .id) | fromYaml }}
 {{- $items = append $items (dict "name" $name "spec" . "securityContext" $security) }}
 {{- end }}
@@ -282,7 +290,13 @@ fails the render with a message naming the keys to fix.
 {{- fail "egress-gateway: the policy.content has an agents: section and the values list agents: write them in one place" }}
 {{- end }}
 {{- $uids := dict }}
+{{- $ids := dict }}
 {{- range $g.agents }}
+{{- /* one policy entry per id: a second would take the first's place and its container's UID */}}
+{{- if hasKey $ids .id }}
+{{- fail (printf "egress-gateway: agents %s is listed twice: one entry per agent" .id) }}
+{{- end }}
+{{- $_ := set $ids .id true }}
 {{- $uid := toString (.uid | int64) }}
 {{- if eq (.uid | int64) ($g.sidecar.uid | int64) }}
 {{- fail (printf "egress-gateway: agents %s has sidecar.uid (%s): give each agent a UID of its own" .id $uid) }}

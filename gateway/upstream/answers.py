@@ -1,0 +1,111 @@
+"""The upstream's answer as the client reads it (aiohttp's response, the client's part).
+
+:class:`UpstreamStream`: a 2xx event stream relayed as it arrives (read chunk by chunk,
+closed at once when the agent hangs up). Beside it the helpers :class:`Upstream
+<gateway.upstream.client.Upstream>` reads every answer with: :class:`CutStream` (a 2xx
+stream whose connection broke mid-way, with what arrived), :func:`protocol_switch` (a
+101, dropped unread), :func:`escaped` (a header value as writable text),
+:func:`is_event_stream`, and :func:`too_large` (the RESPONSE_TOO_LARGE of a body past
+``server.max_response_bytes``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from gateway.errors import ResponseTooLarge
+from gateway.policy.egress import origin_label
+from gateway.upstream.types import TransportError, UpstreamResponse
+from gateway.urls import URL
+
+
+class CutStream(Exception):
+    """A 2xx event stream whose connection broke while it was read; ``body`` arrived."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__("stream cut")
+        self.body = body
+
+
+def protocol_switch(resp: aiohttp.ClientResponse, started: float) -> UpstreamResponse:
+    """The answer to a 1xx that reached the caller, its body unread."""
+    # Only a 101 gets here (aiohttp's parser skips the other 1xx, RFC 9110 15.2): a
+    # protocol switch the sidecar never asks for. The connection no longer speaks HTTP,
+    # so it is dropped unread (a body read would wait for the peer to close it); the
+    # attempt judges the status.
+    resp.close()
+    return UpstreamResponse(
+        status=resp.status,
+        reason=resp.reason or "",
+        headers=resp.headers,
+        content_type=None,
+        body=b"",
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+def escaped(value: str | None) -> str | None:
+    """A header value as text that can be written as UTF-8: bytes that are not UTF-8
+    (obs-text, read by aiohttp as surrogate escapes) as ``\\udcXX`` escapes."""
+    if value is None or value.isascii():
+        return value
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
+    return resp.content_type == "text/event-stream"
+
+
+class UpstreamStream:
+    """A 2xx event stream being read as it arrives (see :meth:`Upstream.send`).
+
+    :meth:`read` returns the next chunk (as the network delivered it, decoded from gzip
+    or deflate), ``b""`` at the end. It raises :class:`TransportError` (kind ``reset``)
+    when the connection is lost mid-stream. :meth:`aclose` closes the connection at once
+    (the agent hung up, or the stream failed) and is idempotent; a stream read to its
+    end is released to the pool.
+    """
+
+    __slots__ = ("_done", "_eof", "_origin", "_resp")
+
+    def __init__(self, resp: aiohttp.ClientResponse, origin: str, done: Callable[[], None]):
+        self._resp: aiohttp.ClientResponse | None = resp
+        self._origin = origin
+        self._done = done
+        self._eof = False
+
+    async def read(self) -> bytes:
+        resp = self._resp
+        if resp is None:
+            return b""
+        try:
+            chunk = await resp.content.readany()
+        except aiohttp.ClientError as exc:
+            raise TransportError(
+                "reset", sent=True, message=f"{self._origin} closed the stream mid-way"
+            ) from exc
+        if not chunk:
+            self._eof = True
+        return chunk
+
+    async def aclose(self) -> None:
+        resp, self._resp = self._resp, None
+        if resp is None:
+            return
+        if self._eof:
+            resp.release()
+        else:
+            resp.close()  # not read to its end: the connection cannot be reused
+        self._done()
+
+
+def too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:
+    return ResponseTooLarge(
+        f"{origin_label(url)} answered with a body larger than the limit of {limit} bytes "
+        "(server.max_response_bytes)",
+        details={"limit_bytes": limit},
+        status_code=status,
+    )
