@@ -51,6 +51,7 @@ from gateway.upstream import Credential, UpstreamResponse
 
 if TYPE_CHECKING:
     from gateway.call.pipeline import Pipeline
+    from gateway.ratelimit.local import RateLimitGroup
 
 
 async def fail_over(
@@ -199,6 +200,20 @@ def fallback_call(
     return moved, egress_rules.decide(policy, moved)
 
 
+def _attempts_group(
+    pipe: Pipeline, ctx: CallContext, request: ExternalCallRequest
+) -> tuple[RateLimitGroup | None, int]:
+    """The rate-limit group each attempt takes (the call's), and the tokens it reserves
+    there (its estimate when the group counts tokens, else 0)."""
+    # The agent's own group, when this option's group too, is held for the whole call
+    # already (gateway.call.agentgroup.taken): an attempt does not take it a second time.
+    name = ctx.rate_limit_group
+    group = pipe.groups.get(name) if name and name != ctx.agent_rate_limit_group else None
+    if group is not None and group.spec.tokens_per_minute:
+        return group, estimate_tokens(request.parameters)
+    return group, 0
+
+
 async def forward(
     pipe: Pipeline,
     policy: PolicySet,
@@ -219,13 +234,7 @@ async def forward(
     request, decision, rewrite, pool = _prepared(pipe, policy, request, decision, ctx, relay)
     gate = _model_gate(ctx, target, request)
     draft = _outbound(policy, request, target, ctx)
-    # The agent's own group, when this option's group too, is held for the whole call
-    # already (gateway.call.agentgroup.taken): an attempt does not take it a second time.
-    name = ctx.rate_limit_group
-    group = pipe.groups.get(name) if name and name != ctx.agent_rate_limit_group else None
-    reserved = 0
-    if group is not None and group.spec.tokens_per_minute:
-        reserved = estimate_tokens(request.parameters)
+    group, reserved = _attempts_group(pipe, ctx, request)
     resolved = await resolve(pipe, decision.ref, ctx, deadline)
     attempts = Attempts(
         upstream=pipe.upstream,
