@@ -334,6 +334,8 @@ def _refused(
 
 def seen_in(headers: Mapping[str, str]) -> dict[str, str] | None:
     """The chain's headers among request ``headers`` (lower-case names), or None."""
+    if CHAIN_HEADERS.isdisjoint(headers):  # the usual case, checked in C
+        return None
     found = {name: headers[name] for name in CHAIN_HEADERS if name in headers}
     return found or None
 

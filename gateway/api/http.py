@@ -194,7 +194,8 @@ class Incoming:
 
     @property
     def query(self) -> tuple[tuple[str, str], ...]:
-        return tuple(self._request.query.items())
+        request = self._request  # no query string: no parse into a multidict
+        return tuple(request.query.items()) if request.rel_url.raw_query_string else ()
 
     async def read(self, limit: int) -> bytes:
         """The body's bytes, as aiohttp decoded them from their Content-Encoding, read
@@ -316,7 +317,7 @@ def scrubbed(headers: Headers) -> list[tuple[str, str]]:
     one name or value is inside the whole, so a whole that scrubs to itself means that
     every one would (one scrub per answer instead of one per header)."""
     pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
-    joined = "\n".join(f"{name}\n{value}" for name, value in pairs)
+    joined = "\n".join(map("\n".join, pairs))  # name, value, name...: one pass in C
     if redaction.scrub(joined) == joined:
         return pairs
     return [

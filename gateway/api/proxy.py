@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from functools import partial
 from typing import Final, Protocol
 
@@ -178,19 +179,12 @@ class _Exchange:
             else {}
         )
         headers += [*answer_ids(response, ctx).items(), *egress.items(), *model_headers(ctx)]
-        length = answer.headers.get("Content-Length", "")
-        coding = answer.headers.get("Content-Encoding", "identity").strip().lower()
         return Answer(
             status=answer.status,
             reason=passback_reason(answer.reason),
             body=answer.body,
             headers=headers,
-            # The length of the body a GET would get (RFC 9110 sections 9.3.2 and 8.6),
-            # not of the empty one written here. Not for a coded body: a GET here gets it
-            # decoded, of a length no one has said.
-            length=length
-            if method == "HEAD" and length.isdigit() and coding in ("", "identity")
-            else None,
+            length=_head_length(answer.headers) if method == "HEAD" else None,
         )
 
     def head(self) -> Head:
@@ -233,6 +227,15 @@ class _Exchange:
         if reason in _ENDED_BY_ITSELF:
             return b""
         return self._dialect().stream_error(status, error.code.value, error.message)
+
+
+def _head_length(headers: Mapping[str, str]) -> str | None:
+    """The ``Content-Length`` of a HEAD answer: that of the body a GET would get (RFC 9110
+    sections 9.3.2 and 8.6), not of the empty one written here. None for a coded body: a
+    GET here gets it decoded, of a length no one has said."""
+    length = headers.get("Content-Length", "")
+    coding = headers.get("Content-Encoding", "identity").strip().lower()
+    return length if length.isdigit() and coding in ("", "identity") else None
 
 
 def _replayed(

@@ -459,6 +459,12 @@ def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
 #: leaves ``parameters`` of more keys than :data:`_MAX_COPIED_KEYS` uncopied).
 _PARAMETERS: Final = TypeAdapter(dict[str, Any])
 _MAX_COPIED_KEYS: Final = 1024
+_VALIDATE_PARAMETERS: Final[Callable[[bytes], dict[str, Any]]] = _PARAMETERS.validator.validate_json
+#: What ``ExternalCallRequest.model_validate`` calls, without its wrapper (a check of its
+#: keyword defaults).
+_VALIDATE_REQUEST: Final[Callable[[dict[str, Any]], ExternalCallRequest]] = (
+    ExternalCallRequest.__pydantic_validator__.validate_python
+)
 
 
 def parse_object_fast(body: bytes) -> dict[str, Any] | None:
@@ -467,8 +473,8 @@ def parse_object_fast(body: bytes) -> dict[str, Any] | None:
     JSON, a BOM, NaN, a lone surrogate, deep nesting, over :data:`LARGE_BODY_BYTES`)."""
     if len(body) > LARGE_BODY_BYTES or needs_exact_path(body):
         return None
-    try:
-        return _PARAMETERS.validate_json(body)
+    try:  # the core validator itself: TypeAdapter's wrapper only checks its defaults
+        return _VALIDATE_PARAMETERS(body)
     except ValidationError:
         return None
 
@@ -481,7 +487,7 @@ def parse_built(raw: dict[str, Any]) -> Intake:
     if isinstance(parameters, dict) and len(parameters) > _MAX_COPIED_KEYS:
         return parse_request(raw)
     try:
-        request = ExternalCallRequest.model_validate(raw)
+        request = _VALIDATE_REQUEST(raw)
     except ValidationError:
         return parse_request(raw)
     if request.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS or request_problem(request):

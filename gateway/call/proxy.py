@@ -41,6 +41,7 @@ same stages as an envelope. :func:`proxy_intake` builds the request:
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -212,8 +213,7 @@ def _raw(
         raise _method_not_forwarded(method)
     target = policy.targets.get(http.target)
     credential = target.spec.credential if target is not None else None
-    own_query = credential.query_param if credential is not None else None
-    dropped = CREDENTIAL_QUERY | AGENT_QUERY_CREDENTIALS | ({own_query} if own_query else set())
+    dropped = _dropped_query(credential.query_param if credential is not None else None)
     agent_headers, passthrough = _split_headers(headers, target)
     raw: dict[str, Any] = {
         "trace_id": trace_id,
@@ -251,14 +251,6 @@ def _retrying(headers: dict[str, str], raw: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def _forwarded(name: str, forward: frozenset[str], target: CompiledTarget | None) -> bool:
-    """Whether :func:`proxy_intake` forwards the agent's header ``name`` (lower-case) as
-    it came (a ``traceparent`` is forwarded only when valid, hex digits: else replaced)."""
-    if name == "tracestate" or name in forward or name in _PASSED:
-        return True
-    return name == _IDEMPOTENCY_HEADER and (target is None or target.spec.idempotency is None)
-
-
 def _not_utf8(name: str) -> InvalidPayload:
     """The refusal of a header to forward whose value holds bytes that are not UTF-8
     (RFC 9110 section 5.5's obs-text; aiohttp reads them as surrogate escapes): the
@@ -292,14 +284,13 @@ def _uuid4_hex_pair() -> tuple[str, str]:
     """Two random UUIDs (version 4, RFC 9562 section 5.4) as 32 hex digits each, as
     :func:`uuid.uuid4` makes them (its version and variant bits set on ``os.urandom``),
     from one read of ``os.urandom`` and without its per-UUID checks."""
-    text = f"{int.from_bytes(os.urandom(32), 'big') & _UUID4_KEPT | _UUID4_SET:064x}"
+    raw = bytearray(os.urandom(32))
+    for at in (6, 22):  # octet 6 of each: the version (its high nibble: 0100)
+        raw[at] = raw[at] & 0x0F | 0x40
+    for at in (8, 24):  # octet 8 of each: the variant (its two high bits: 10)
+        raw[at] = raw[at] & 0x3F | 0x80
+    text = raw.hex()
     return text[:32], text[32:]
-
-
-#: :class:`uuid.UUID`'s ``version=4``: the variant (bits 62-63: ``10``) and the version
-#: (bits 76-79: ``0100``) of a 128-bit UUID, here for two of them side by side.
-_UUID4_KEPT: Final = ~((0xC000 << 48 | 0xF000 << 64) * (1 << 128 | 1))
-_UUID4_SET: Final = (0x8000 << 48 | 4 << 76) * (1 << 128 | 1)
 
 
 def _claim(text: str) -> str:
@@ -329,29 +320,59 @@ def _split_headers(
     credential headers go nowhere. Raises :class:`InvalidPayload` for a forwarded value
     that is not UTF-8."""
     forward = target.forward_headers if target is not None else frozenset()
-    connection = {t.strip() for t in headers.get("connection", "").lower().split(",")}
+    # No idempotency of the sidecar's for this target: the SDK's key (Stripe's SDK sends
+    # one on every POST and its retries) is the upstream's to dedupe on.
+    routes = _header_routes(forward, target is None or target.spec.idempotency is None)
+    named = headers.get("connection")
+    connection = {t.strip() for t in named.lower().split(",")} if named else ()
     agent_headers: dict[str, str] = {}
     passthrough: dict[str, str] = {}
     for name, value in headers.items():
-        if name in HOP_BY_HOP or name in connection or name in CREDENTIAL_HEADERS:
+        route = routes.get(name)
+        if route is None or name in connection:  # goes nowhere
             continue
-        if not value.isascii() and not _is_utf8(value) and _forwarded(name, forward, target):
+        to_agent, checked = route
+        if checked and not value.isascii() and not _is_utf8(value):
             raise _not_utf8(name)
-        if name in TRACE_HEADERS or name in forward:
+        if to_agent:
             agent_headers[name] = value
-        elif name in _PASSED:  # not the idempotency header: the key goes as the target says
-            passthrough[name] = value
-        elif name == _IDEMPOTENCY_HEADER and (target is None or target.spec.idempotency is None):
-            # No idempotency of the sidecar's for this target: the SDK's key (Stripe's
-            # SDK sends one on every POST and its retries) is the upstream's to dedupe on.
+        else:
             passthrough[name] = value
     return agent_headers, passthrough
+
+
+@functools.lru_cache(maxsize=64)  # a few per policy (its targets' forward_headers)
+def _header_routes(
+    forward: frozenset[str], idempotency_passes: bool
+) -> dict[str, tuple[bool, bool]]:
+    """Where :func:`_split_headers` sends each header name (lower-case) that goes
+    anywhere: ``(to the envelope's headers, else passed through; its value checked to be
+    UTF-8)``. Hop-by-hop and credential headers are in none. A value is checked when it
+    is forwarded as it came: a ``traceparent`` is not (forwarded only when valid, hex
+    digits; else replaced)."""
+    passed = _PASSED | ({_IDEMPOTENCY_HEADER} if idempotency_passes else set())
+    routes: dict[str, tuple[bool, bool]] = {}
+    for name in TRACE_HEADERS | forward | passed:
+        if name in HOP_BY_HOP or name in CREDENTIAL_HEADERS:
+            continue
+        checked = name == "tracestate" or name in forward or name in passed
+        routes[name] = (name in TRACE_HEADERS or name in forward, checked)
+    return routes
+
+
+@functools.lru_cache(maxsize=16)
+def _dropped_query(own: str | None) -> tuple[str, ...]:
+    """The query names never forwarded (:func:`_query`), with the target's own
+    ``query_param`` (``own``) when it has one."""
+    return tuple(CREDENTIAL_QUERY | AGENT_QUERY_CREDENTIALS | ({own} if own else set()))
 
 
 def _query(items: Iterable[tuple[str, str]], dropped: Iterable[str]) -> dict[str, Any]:
     """The query items as the envelope's ``query`` (a repeated name as a list), without
     those an upstream could read as a credential (:data:`AGENT_QUERY_CREDENTIALS`, the
     SDKs' ``key``, the target's own)."""
+    if not items:
+        return {}
     names = tuple(dropped)
     query: dict[str, Any] = {}
     for name, value in items:
@@ -461,7 +482,8 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     not passed back: the sidecar's HTTP writer writes header values as UTF-8, so it could
     only pass such a value altered, and a changed value is worse than an absent one.
     ``headers`` is aiohttp's multi-valued mapping (``items()`` gives every line)."""
-    named = {t.strip().lower() for t in headers.get("Connection", "").split(",")}
+    connection = headers.get("Connection")
+    named = {t.strip().lower() for t in connection.split(",")} if connection else ()
     out = []
     decoded = False
     for name, value in headers.items():
