@@ -393,7 +393,12 @@ def _add_init(sub: Any) -> None:
         metavar="PROVIDER",
         help="openai, anthropic, gemini (default openai)",
     )
-    p.add_argument("-o", "--output", default="policy.yaml", help="file to write, - for stdout")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="policy.yaml",
+        help="file to write (default: policy.yaml in the current directory), - for stdout",
+    )
     p.add_argument("--agent-id", default="my-agent", help="the policy's agent_id")
     p.add_argument("--force", action="store_true", help="replace the file if it exists")
     p.set_defaults(func=_cmd_init)

@@ -450,7 +450,9 @@ class Attempts:
         return OutcomeUnknown(
             f"{exc.message} after the request was sent; it may or may not have been "
             "processed, and it was not resent because the call is not idempotent (no "
-            "idempotency key). Check the upstream before retrying.",
+            "idempotency key; a provider's inference call is resent only when its "
+            "connection closed before any answer and the target's "
+            "retry.resend_unanswered is on). Check the upstream before retrying.",
             details={"reason": exc.kind, "target": self.target.name},
         )
 
