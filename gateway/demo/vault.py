@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import shutil
+import signal
 import socket
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -21,12 +25,28 @@ from gateway.policy import CredentialSpec, PolicySet, SecretsSpec
 
 ROOT_TOKEN: Final = "demo-root-token-NOT-SECRET"  # noqa: S105 - a throw-away dev server
 _START_TIMEOUT_S: Final = 15.0
+_PR_SET_PDEATHSIG: Final = 1  # linux/prctl.h
 
 
 def find_bao() -> str | None:
     """The ``bao`` binary next to this interpreter (a venv) or on PATH."""
     beside = Path(sys.executable).with_name("bao")
     return str(beside) if beside.exists() else shutil.which("bao")
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """What the server's child runs before ``exec``, on Linux: ask the kernel to send it
+    SIGTERM when the demo's process ends, however it ends (a SIGKILL leaves no chance to
+    call :meth:`DemoVault.stop`, and an orphaned ``bao server`` would hold its port).
+    None elsewhere. libc is loaded here, in the parent: the child, forked from a process
+    that may have threads, only calls into it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -56,6 +76,7 @@ class DemoVault:
             f"-dev-listen-address={self.address.removeprefix('http://')}",
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
+            preexec_fn=_die_with_parent(),
         )
         await asyncio.wait_for(self._healthy(), _START_TIMEOUT_S)
         env = {**os.environ, "BAO_TOKEN": ROOT_TOKEN, "VAULT_TOKEN": ROOT_TOKEN}
