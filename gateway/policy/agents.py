@@ -30,7 +30,7 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 from gateway.policy import defaults as d
 from gateway.policy.budgets import BudgetSpec
 from gateway.policy.modelrules import ModelsSpec
-from gateway.policy.refs import InvalidSecretRef, parse_ref
+from gateway.policy.refs import check_ref
 from gateway.policy.stores import StrictModel
 
 _Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")]
@@ -55,10 +55,7 @@ class AgentSpec(StrictModel):
     @classmethod
     def _ref(cls, v: str | None) -> str | None:
         if v is not None:
-            try:
-                parse_ref(v)
-            except InvalidSecretRef as exc:
-                raise ValueError(str(exc)) from None
+            check_ref(v)
         return v
 
     @model_validator(mode="after")

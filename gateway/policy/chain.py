@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from gateway.policy import defaults as d
-from gateway.policy.refs import InvalidSecretRef, parse_ref
+from gateway.policy.refs import check_ref
 from gateway.policy.stores import StrictModel
 
 
@@ -47,10 +47,7 @@ class ChainSpec(StrictModel):
     @classmethod
     def _ref(cls, value: str | None) -> str | None:
         if value is not None:
-            try:
-                parse_ref(value)
-            except InvalidSecretRef as exc:
-                raise ValueError(str(exc)) from None
+            check_ref(value)
         return value
 
     @model_validator(mode="after")

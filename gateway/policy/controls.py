@@ -25,7 +25,7 @@ from pydantic import Field, StringConstraints, field_validator
 
 from gateway.policy import defaults as d
 from gateway.policy.budgets import Mode
-from gateway.policy.refs import InvalidSecretRef, parse_ref
+from gateway.policy.refs import check_ref
 from gateway.policy.stores import StrictModel
 
 #: An endpoint path (starts with ``/``) or an MCP tool name, ``*`` matching any run of
@@ -72,10 +72,7 @@ class ControlsSpec(StrictModel):
     @classmethod
     def _ref(cls, v: str | None) -> str | None:
         if v is not None:
-            try:
-                parse_ref(v)
-            except InvalidSecretRef as exc:
-                raise ValueError(str(exc)) from None
+            check_ref(v)
         return v
 
 

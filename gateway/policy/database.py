@@ -34,7 +34,7 @@ from pydantic import Field, field_validator, model_validator
 
 from gateway.policy import defaults as d
 from gateway.policy.mcp import ArgumentRule
-from gateway.policy.refs import InvalidSecretRef, parse_ref
+from gateway.policy.refs import check_ref
 from gateway.policy.stores import StrictModel
 from gateway.urls import URL
 
@@ -66,10 +66,7 @@ class DbCredential(StrictModel):
     @classmethod
     def _ref(cls, v: str | None) -> str | None:
         if v is not None:
-            try:
-                parse_ref(v)
-            except InvalidSecretRef as exc:
-                raise ValueError(str(exc)) from None
+            check_ref(v)
         return v
 
     @model_validator(mode="after")
