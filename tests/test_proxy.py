@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from gateway.api.answers import passback_headers
 from gateway.call.proxy import (
     ProxyRequest,
     _query,
     _timeout,
     header_map,
-    passback_headers,
     proxy_intake,
 )
 from gateway.call.record import CallContext

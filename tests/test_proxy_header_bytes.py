@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.call.proxy import passback_headers
+from gateway.api.answers import passback_headers
 from tests.conftest import compile_policy, openai_target
 from tests.rawhttp import read_message
 

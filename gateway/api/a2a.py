@@ -30,16 +30,16 @@ from gateway import fastjson
 from gateway.agents import card as cards
 from gateway.agents.identity import identify, policy_identity
 from gateway.api import http
-from gateway.api.http import Answer, Head, Incoming
-from gateway.call.a2a import A2aRequest, CardFetch
-from gateway.call.proxy import (
+from gateway.api.answers import (
     answer_ids,
     egress_headers,
     id_headers,
     passback_headers,
     passback_reason,
-    request_ids,
 )
+from gateway.api.http import Answer, Head, Incoming
+from gateway.call.a2a import A2aRequest, CardFetch
+from gateway.call.proxy import request_ids
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.call.sse import SseDecoder

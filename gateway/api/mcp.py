@@ -38,16 +38,16 @@ from typing import Any, Final, Protocol
 from gateway import fastjson
 from gateway.agents.identity import identify
 from gateway.api import http
-from gateway.api.http import Answer, Head, Incoming
-from gateway.call.mcp import McpRequest
-from gateway.call.proxy import (
+from gateway.api.answers import (
     answer_ids,
     egress_headers,
     id_headers,
     passback_headers,
     passback_reason,
-    request_ids,
 )
+from gateway.api.http import Answer, Head, Incoming
+from gateway.call.mcp import McpRequest
+from gateway.call.proxy import request_ids
 from gateway.call.record import CallContext
 from gateway.call.relay import Relay
 from gateway.call.sse import SseDecoder

@@ -3,7 +3,7 @@ routes"; docs/api/sdks.md).
 
 An SDK pointed at ``http://127.0.0.1:8181/proxy/openai/v1`` (or ``/proxy/anthropic``...)
 gets what the provider would have answered, written back unchanged: the upstream's
-status, headers (less hop-by-hop ones, :func:`gateway.call.proxy.passback_headers`) and
+status, headers (less hop-by-hop ones, :func:`gateway.api.answers.passback_headers`) and
 body, binary included; an event stream relayed as it arrives, whole events at a time. The
 call itself runs through the same pipeline as an envelope (:meth:`Gateway.proxy`; the
 request is built by :func:`gateway.call.proxy.proxy_intake`).
@@ -28,10 +28,8 @@ from typing import Final, Protocol
 
 from gateway.agents.identity import identify
 from gateway.api import http
-from gateway.api.http import Answer, Head, Incoming
-from gateway.call.proxy import (
+from gateway.api.answers import (
     SERVED_BY_HEADER,
-    ProxyRequest,
     answer_ids,
     egress_headers,
     id_headers,
@@ -39,9 +37,10 @@ from gateway.call.proxy import (
     passback_headers,
     passback_reason,
     replayed_body,
-    request_ids,
     served_by_value,
 )
+from gateway.api.http import Answer, Head, Incoming
+from gateway.call.proxy import ProxyRequest, request_ids
 from gateway.call.record import CallContext
 from gateway.call.relay import AGENT_STALLED, Relay
 from gateway.call.sse import EVENT_ENDS, complete_events

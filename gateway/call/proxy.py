@@ -1,6 +1,6 @@
 """The drop-in provider routes, call side (pure, no I/O): an SDK's own HTTP request as an
-:class:`ExternalCallRequest`, and what its answer carries back (design.md, "Drop-in
-provider routes"; docs/api/sdks.md).
+:class:`ExternalCallRequest` (design.md, "Drop-in provider routes"; docs/api/sdks.md);
+what its answer carries back is :mod:`gateway.api.answers`.
 
 ``ANY /proxy/{target}/{path}``: ``{path}`` and the query are the endpoint on ``target``,
 so an SDK whose ``base_url`` is ``http://127.0.0.1:8181/proxy/openai/v1`` goes through the
@@ -48,18 +48,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gateway import fastjson
 from gateway.agents import chain
 from gateway.call.bodies import is_json_type, media_type
 from gateway.call.intake import decode_json, parse_built, parse_object_fast, printable
-from gateway.call.record import CLAIM_LIMIT, Arrival, ArrivalFields, CallContext
+from gateway.call.record import CLAIM_LIMIT, Arrival, ArrivalFields
 from gateway.envelope import (
     BODY_METHODS,
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
-    ErrorPayload,
-    ExternalCallResponse,
-    ServedBy,
 )
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.policy import CompiledTarget, PolicySet
@@ -84,18 +80,9 @@ HOP_BY_HOP: Final = frozenset(
         "upgrade",
     }
 )
-#: Upstream headers not passed back besides those: the body is framed anew by the server.
-_NOT_PASSED_BACK: Final = HOP_BY_HOP | {"content-length"}
-#: The one Content-Encoding aiohttp's client undoes (its ``http_parser``: the first such
-#: header, one coding, ASCII, any case); any other coding is still on the body.
-_DECODED_CODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
-#: The sidecar's own answer headers (:func:`egress_headers`, :func:`id_headers`).
-_OWN_PREFIX: Final = "x-egress-"
 _PASSED: Final = SDK_HEADERS | {"accept"}
 TRACE_ID_HEADER: Final = "x-egress-trace-id"
 CORRELATION_ID_HEADER: Final = "x-egress-correlation-id"
-#: Who answered (docs/features/failover.md): ``target=NAME; model=MODEL``.
-SERVED_BY_HEADER: Final = "x-egress-served-by"
 _SECRET_REF_HEADER: Final = "x-egress-secret-ref"  # noqa: S105 - a header name
 _TIMEOUT_HEADER: Final = "x-egress-timeout"
 _IDEMPOTENCY_HEADER: Final = "idempotency-key"
@@ -107,7 +94,7 @@ _SDK_TIMEOUT_HEADERS: Final = (
     "x-server-timeout",
 )
 _READ_TIMEOUT_HEADERS: Final = frozenset({"x-stainless-timeout", "x-stainless-read-timeout"})
-_OCTETS: Final = "application/octet-stream"
+OCTETS: Final = "application/octet-stream"
 #: Query names under which an agent's own credential may ride (besides the providers'
 #: :data:`gateway.providers.CREDENTIAL_QUERY` and the target's own ``query_param``):
 #: never forwarded, compared as :func:`gateway.policy.egress.same_query_name` does (any
@@ -332,7 +319,7 @@ def _split_headers(
         if route is None or name in connection:  # goes nowhere
             continue
         to_agent, checked = route
-        if checked and not value.isascii() and not _is_utf8(value):
+        if checked and not value.isascii() and not is_utf8(value):
             raise _not_utf8(name)
         if to_agent:
             agent_headers[name] = value
@@ -462,155 +449,15 @@ def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
                 value = None  # not JSON after all: sent as it came, the upstream judges it
         if isinstance(value, dict):
             return {"parameters": value}
-    content_type = (content_type or "").strip() or (_OCTETS if body else "application/json")
+    content_type = (content_type or "").strip() or (OCTETS if body else "application/json")
     return {"body": {"content_type": content_type, "base64": base64.b64encode(body).decode()}}
 
 
-# -- answers ----------------------------------------------------------------------------
-
-
-def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
-    """The upstream's answer headers that go back to the agent: all of them (repeats
-    kept, e.g. ``Set-Cookie``) but hop-by-hop ones, those the upstream's ``Connection``
-    names, ``Content-Length``, and the ``Content-Encoding`` aiohttp undid (the body is
-    written decoded). A coding it did not undo (``x-gzip``, ``gzip, gzip``, ``compress``,
-    a second header) stays on the body, so its header goes back with it (RFC 9110
-    section 8.4). An upstream header named like the sidecar's own (``x-egress-*``) goes
-    back renamed ``x-upstream-egress-*``: only the sidecar says which call this was,
-    whether it failed or was replayed. A value holding bytes that are not UTF-8 (RFC 9110
-    section 5.5's obs-text, e.g. Latin-1; aiohttp decodes them as surrogate escapes) is
-    not passed back: the sidecar's HTTP writer writes header values as UTF-8, so it could
-    only pass such a value altered, and a changed value is worse than an absent one.
-    ``headers`` is aiohttp's multi-valued mapping (``items()`` gives every line)."""
-    connection = headers.get("Connection")
-    named = {t.strip().lower() for t in connection.split(",")} if connection else ()
-    out = []
-    decoded = False
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower in _NOT_PASSED_BACK or lower in named:
-            continue
-        if lower == "content-encoding" and not decoded:
-            decoded = True  # aiohttp reads the first header only
-            if value.isascii() and value.strip().lower() in _DECODED_CODINGS | {"", "identity"}:
-                continue
-        if not value.isascii() and not _is_utf8(value):
-            continue
-        if lower.startswith(_OWN_PREFIX):
-            name = "x-upstream-" + name[2:]
-        out.append((name, value))
-    return out
-
-
-def passback_reason(reason: str) -> str | None:
-    """The upstream's reason phrase to write back, or None (the status's standard phrase):
-    one holding bytes that are not UTF-8 (obs-text, RFC 9112 section 4) could only be
-    written altered, as a header value (:func:`passback_headers`)."""
-    return reason if reason and (reason.isascii() or _is_utf8(reason)) else None
-
-
-def _is_utf8(value: str) -> bool:
+def is_utf8(value: str) -> bool:
+    """False for a value holding a surrogate escape (aiohttp's decoding of a byte that was
+    not UTF-8, RFC 9110 section 5.5's obs-text)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:  # a surrogate escape: a byte that was not UTF-8
         return False
     return True
-
-
-def egress_headers(
-    error: ErrorPayload | None, *, upstream: Mapping[str, str] | None = None, status: int = 0
-) -> dict[str, str]:
-    """The sidecar's headers on a failed drop-in answer: ``x-egress-error-code``,
-    ``x-egress-retryable``, ``retry-after`` (whole seconds, RFC 9110 section 10.2.3) and
-    ``retry-after-ms`` when the wait is known (the OpenAI and Anthropic SDKs read both),
-    and ``x-should-retry``, the header with which the OpenAI and Anthropic APIs tell their
-    SDKs whether to retry (``_base_client.py``, ``_should_retry``).
-
-    On the sidecar's own refusal ``x-should-retry`` says ``retryable``. On an upstream
-    answer passed on (``upstream``: its headers, lower-case names; ``status``) nothing the
-    upstream said is replaced, and ``x-should-retry: false`` is added only where the SDK
-    would otherwise resend what the sidecar judged final (a 429 or 5xx not retryable,
-    e.g. QUOTA_EXHAUSTED): the SDK keeps its own rules for the rest (408, 409)."""
-    if error is None:
-        return {}
-    out = {
-        "x-egress-error-code": error.code.value,
-        "x-egress-retryable": "true" if error.retryable else "false",
-    }
-    given = upstream or {}
-    wait = error.suggested_retry_after
-    if wait is not None and "retry-after" not in given and "retry-after-ms" not in given:
-        out["retry-after"] = str(math.ceil(wait))
-        out["retry-after-ms"] = str(round(wait * 1000))
-    if upstream is None:
-        out["x-should-retry"] = "true" if error.retryable else "false"
-    elif "x-should-retry" not in given and not error.retryable and (status == 429 or status >= 500):
-        out["x-should-retry"] = "false"
-    return out
-
-
-def id_headers(trace_id: str | None, correlation_id: str | None) -> dict[str, str]:
-    """The call's ids, on every drop-in answer, so that its audit record can be found."""
-    out = {}
-    if trace_id:
-        out[TRACE_ID_HEADER] = trace_id
-    if correlation_id:
-        out[CORRELATION_ID_HEADER] = correlation_id
-    return out
-
-
-#: Headers of a drop-in answer under ``models:`` rules: the model asked for, the one sent.
-MODEL_REQUESTED_HEADER: Final = "x-egress-model-requested"
-MODEL_SENT_HEADER: Final = "x-egress-model-sent"
-
-
-def model_headers(ctx: CallContext) -> list[tuple[str, str]]:
-    """The model the call asked for and the one sent (after a pin), when a ``models:``
-    rule applied (none otherwise); a name that is not visible ASCII (the agent's own
-    text) is not put in a header."""
-    choice = ctx.model
-    if choice is None:
-        return []
-    pairs = ((MODEL_REQUESTED_HEADER, choice.requested), (MODEL_SENT_HEADER, choice.sent))
-    return [(k, v) for k, v in pairs if v.isascii() and v.isprintable() and " " not in v]
-
-
-def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
-    """The id headers of a drop-in or MCP answer: the call's ids, else those the request
-    claimed; and ``x-egress-served-by`` when an upstream answered well."""
-    ids = id_headers(
-        response.trace_id or ctx.claimed.get("trace_id"),
-        response.correlation_id or ctx.claimed.get("correlation_id"),
-    )
-    if response.served_by is not None:
-        ids[SERVED_BY_HEADER] = served_by_value(response.served_by)
-    return ids
-
-
-def served_by_value(served: ServedBy) -> str:
-    """``x-egress-served-by``: ``target=NAME`` and, when the request named one,
-    ``; model=MODEL`` (the request's model written in ASCII escapes where it is not
-    printable ASCII: a header value cannot carry it)."""
-    if served.model is None:
-        return f"target={served.target}"
-    model = served.model
-    if not (model.isascii() and model.isprintable()):
-        model = model.encode("unicode_escape").decode("ascii")
-    return f"target={served.target}; model={model}"
-
-
-def replayed_body(response: ExternalCallResponse) -> tuple[str | None, bytes] | None:
-    """The body of a stored answer replayed on a drop-in route, rebuilt from its ``data``
-    (:mod:`gateway.call.bodies` forms): ``(content type, bytes)``; None when the stored
-    answer cannot give one (``data`` null on a 200: a relayed stream stored without its
-    events; one stored with them is replayed to the relay instead, by
-    :func:`gateway.call.idempotent.replay`). JSON is written compactly (the same value;
-    whitespace may differ)."""
-    data = response.data
-    if data is None:
-        return None if response.status_code == 200 else (None, b"")
-    if isinstance(data, dict) and set(data) == {"content_type", "base64", "bytes"}:
-        return data["content_type"] or _OCTETS, base64.b64decode(data["base64"])
-    if isinstance(data, dict) and set(data) == {"content_type", "text"}:
-        return data["content_type"] or "text/plain", str(data["text"]).encode()
-    return "application/json", fastjson.compact(data)
