@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from a2a.client import ClientConfig, create_client
 from a2a.helpers import new_task_from_user_message, new_text_message
@@ -167,3 +168,20 @@ def _text(events: list[Any]) -> str:
         if msg is not None and msg.parts:
             out = msg.parts[0].text
     return out
+
+
+@pytest.fixture(name="agents")
+async def agents_fixture() -> AsyncIterator[Callable[..., Awaitable[Agent]]]:
+    """Make real A2A agents (:class:`Agent`) on loopback: ``await agents(name, ...)``;
+    each is stopped when the test ends."""
+    made: list[Agent] = []
+
+    async def make(name: str, **kwargs: Any) -> Agent:
+        agent = Agent(name, **kwargs)
+        await agent.start()
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        await agent.stop()

@@ -8,34 +8,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 from a2a.utils.errors import A2AError
 from aiohttp import web
 
-from tests.a2a_agents import Agent, ask
+from tests.a2a_agents import Agent, agents_fixture, ask  # noqa: F401 - the fixture `agents`
 from tests.conftest import FakeUpstream, Sidecar, compile_policy
 
 
 def a2a_target(agent: Agent, **a2a: Any) -> dict[str, Any]:
     return {"base_url": agent.url, "a2a": {"agent_id": agent.name, **a2a}}
-
-
-@pytest.fixture
-async def agents() -> AsyncIterator[Callable[..., Awaitable[Agent]]]:
-    made: list[Agent] = []
-
-    async def make(name: str, **kwargs: Any) -> Agent:
-        agent = Agent(name, **kwargs)
-        await agent.start()
-        made.append(agent)
-        return agent
-
-    yield make
-    for agent in made:
-        await agent.stop()
 
 
 async def _sidecar(

@@ -7,33 +7,18 @@ Asserted: what each agent and the LLM upstream received, and the audit records."
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.a2a_agents import Agent, ask
+from tests.a2a_agents import Agent, agents_fixture, ask  # noqa: F401 - the fixture `agents`
 from tests.conftest import FakeUpstream, Sidecar, compile_policy, openai_target
 
 KEY = "chain-key-0123456789abcdef0123456789"
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-@pytest.fixture
-async def agents() -> AsyncIterator[Callable[..., Awaitable[Agent]]]:
-    made: list[Agent] = []
-
-    async def make(name: str, **kwargs: Any) -> Agent:
-        agent = Agent(name, **kwargs)
-        await agent.start()
-        made.append(agent)
-        return agent
-
-    yield make
-    for agent in made:
-        await agent.stop()
 
 
 @pytest.fixture(autouse=True)
