@@ -28,7 +28,8 @@ figures (the setup's p99 minus the direct p99); for the sidecar and nginx also:
   received meanwhile); *relay*: all_first -> end, per chunk received between (the
   target's figure: no intake in it, but the K stream ends, last event and audit record);
   *steady*: all_first -> first stream's end, per chunk received between (nothing but
-  relaying; absent when a stream ended before the last one began);
+  relaying; absent when a stream ended before the last one began; CPU is counted in
+  ticks of 10 ms, so a window of few chunks is coarse: its chunks are printed);
 * its RSS per open stream (the peak ``VmRSS`` sampled while the streams are open, minus
   the RSS before, over K).
 
@@ -408,7 +409,7 @@ def _phase_line(r: dict[str, Any]) -> str:
         f"(+{r['intake_chunks']} chunks); relay {cpu(r['relay_cpu_us_per_chunk'])}/chunk"
     )
     if "steady_cpu_us_per_chunk" in r:
-        line += f"; steady {cpu(r['steady_cpu_us_per_chunk'])}/chunk"
+        line += f"; steady {cpu(r['steady_cpu_us_per_chunk'])}/chunk over {r['steady_chunks']}"
     return line
 
 
