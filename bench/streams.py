@@ -31,10 +31,12 @@ figures (the setup's p99 minus the direct p99); for the sidecar and nginx also:
   relaying; absent when a stream ended before the last one began; CPU is counted in
   ticks of 10 ms, so a window of few chunks is coarse: its chunks are printed);
 * its RSS per open stream (the peak ``VmRSS`` sampled while the streams are open, minus
-  the RSS before, over K).
+  the RSS before, over K; with this policy the peak also holds the answers of the
+  streams that ended, stored for their idempotency keys; ``bench/stream_memory.py``
+  measures held streams alone).
 
-For nginx the CPU is its master's and worker's together. Every
-process shares the machine's cores: at K=1,000, N=50, P=20 the stand-in and the
+For nginx the CPU is its master's and worker's together. Every process shares the
+machine's cores: at K=1,000, N=50, P=20 the stand-in and the
 generator alone write and parse 50,000 chunks/s, so on a 2-core box the box, not the
 sidecar, sets the delays (the direct row shows how much). Results go to
 ``bench/results/streams-<UTC time>.json``.
