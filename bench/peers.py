@@ -63,8 +63,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and every live descendant."""
+def family(pid: int) -> set[int]:
+    """``pid`` and the pids of its live descendants."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -73,13 +73,18 @@ def _tree_cpu_s(pid: int) -> float:
             except OSError:
                 continue
             parents[int(entry.name)] = int(fields[1])
-    family, grew = {pid}, True
+    members, grew = {pid}, True
     while grew:
-        more = {p for p, parent in parents.items() if parent in family} - family
-        family |= more
+        more = {p for p, parent in parents.items() if parent in members} - members
+        members |= more
         grew = bool(more)
+    return members
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and every live descendant."""
     total = 0.0
-    for member in family:
+    for member in family(pid):
         try:
             fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:

@@ -17,10 +17,26 @@ time to its first chunk and, per chunk, how long after its stamp it arrived. Run
 * nginx (``proxy_buffering off``, one worker) when installed (``apt-get install nginx``).
 
 Reported per setup: p50/p99 time to first byte and p99 per-chunk delay, and the added
-figures (the setup's p99 minus the direct p99); for the sidecar also its CPU per relayed
-chunk (``/proc/PID/stat`` over the run / K*N) and its RSS per open stream (the peak
-``VmRSS`` sampled while the streams are open, minus the RSS before, over K). Every
-process shares the machine's cores: at K=1,000, N=50, P=20 the stand-in and the
+figures (the setup's p99 minus the direct p99); for the sidecar and nginx also:
+
+* CPU per chunk over the whole run (``/proc/PID/stat``, user + system, over the run /
+  the chunks received: K intakes, the relay and K stream ends together);
+* the same by phase, from the process's user and system CPU read by the generator itself
+  at four instants: when it starts, when every stream has had its first byte
+  (``all_first``), when the first stream ends, and at the end. *Intake*: start ->
+  all_first, per stream (it also holds the relaying of the ``intake_chunks`` chunks
+  received meanwhile); *relay*: all_first -> end, per chunk received between (the
+  target's figure: no intake in it, but the K stream ends, last event and audit record);
+  *steady*: all_first -> first stream's end, per chunk received between (nothing but
+  relaying; absent when a stream ended before the last one began; CPU is counted in
+  ticks of 10 ms, so a window of few chunks is coarse: its chunks are printed);
+* its RSS per open stream (the peak ``VmRSS`` sampled while the streams are open, minus
+  the RSS before, over K; with this policy the peak also holds the answers of the
+  streams that ended, stored for their idempotency keys; ``bench/stream_memory.py``
+  measures held streams alone).
+
+For nginx the CPU is its master's and worker's together. Every process shares the
+machine's cores: at K=1,000, N=50, P=20 the stand-in and the
 generator alone write and parse 50,000 chunks/s, so on a 2-core box the box, not the
 sidecar, sets the delays (the direct row shows how much). Results go to
 ``bench/results/streams-<UTC time>.json``.
@@ -42,7 +58,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as bench_run
 from harness import BENCH_DIR, BenchError, Child, start
-from peers import Tree, _spawn_http
+from peers import Tree, _spawn_http, family
 
 PY = sys.executable
 
@@ -79,10 +95,26 @@ asyncio.run(main())
 """
 
 LOAD = """
-import asyncio, json, re, sys, time
+import asyncio, json, os, re, sys, time
 import aiohttp
 URL, K, BODY, HEADERS = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), json.loads(sys.argv[4])
+PIDS = [int(p) for p in sys.argv[5].split(",")]
+TICK = os.sysconf("SC_CLK_TCK")
 STAMP = re.compile(rb'^data: [{]"object":"chat.completion.chunk","t":([0-9.]+)')
+def cpu():  # the watched processes' user and system CPU seconds, read at this instant
+    user = system = 0
+    for pid in PIDS:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        user += int(fields[11])
+        system += int(fields[12])
+    return [user / TICK, system / TICK]
+marks = {}
+def mark(name, delays):  # CPU and chunks received so far, once per name
+    if name not in marks:
+        marks[name] = {"cpu_s": cpu(), "chunks": len(delays), "t": time.monotonic()}
 async def one(session, ttfb, delays, ok, i):
     began = time.monotonic()
     first = None
@@ -93,6 +125,9 @@ async def one(session, ttfb, delays, ok, i):
             now = time.monotonic()
             if first is None:
                 first = now - began
+                ttfb.append(first)
+                if len(ttfb) == K:
+                    mark("all_first", delays)
             buf += chunk
             *events, buf = buf.split(b"\\n\\n")
             for event in events:
@@ -101,19 +136,24 @@ async def one(session, ttfb, delays, ok, i):
                     delays.append(now - float(m.group(1)))
         if resp.status == 200 and (b"[DONE]" in chunk or b"egress.response" in chunk):
             ok.append(1)
-    ttfb.append(first if first is not None else float("nan"))
+    mark("first_end", delays)
+    if first is None:
+        ttfb.append(float("nan"))
 async def main():
     ttfb, delays, ok = [], [], []
     conn = aiohttp.TCPConnector(limit=0)
+    mark("start", delays)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
         calls = [one(s, ttfb, delays, ok, i) for i in range(K)]
         await asyncio.gather(*calls, return_exceptions=True)
+    mark("end", delays)
     def pct(v, q):
         v = sorted(v)
         return v[min(len(v) - 1, int(q * len(v)))] * 1000 if v else None
     print(json.dumps({"done": True, "streams_ok": len(ok), "chunks": len(delays),
         "ttfb_ms": {"p50": pct(ttfb, 0.5), "p99": pct(ttfb, 0.99), "max": pct(ttfb, 1)},
-        "chunk_delay_ms": {"p50": pct(delays, 0.5), "p99": pct(delays, 0.99)}}), flush=True)
+        "chunk_delay_ms": {"p50": pct(delays, 0.5), "p99": pct(delays, 0.99)},
+        "marks": marks}), flush=True)
 asyncio.run(main())
 """
 
@@ -173,7 +213,8 @@ def _load(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    argv = [PY, "-c", LOAD, url, str(k), body.decode(), json.dumps(headers)]
+    pids = ",".join(str(p) for p in sorted(family(watch.pid)))
+    argv = [PY, "-c", LOAD, url, str(k), body.decode(), json.dumps(headers), pids]
     gen = start(f"load-{label}", argv, work, ready="done", timeout_s=900)
     stop.set()
     sampler.join()
@@ -255,6 +296,43 @@ def _derive(runs: dict[str, Any], k: int, chunks: int) -> None:
         r["added_chunk_delay_p99_ms"] = r["chunk_delay_ms"]["p99"] - direct["chunk_delay_ms"]["p99"]
         r["cpu_us_per_chunk"] = r["cpu_s"] / max(r["chunks"], 1) * 1e6
         r["rss_per_stream_kib"] = (r["rss_peak_kib"] - r["rss_before_kib"]) / k
+        r.update(_phases(r["marks"], k))
+
+
+def _phases(marks: dict[str, Any], k: int) -> dict[str, Any]:
+    """CPU by phase from the generator's marks (user and system seconds, read at the mark).
+
+    ``intake_cpu_us_per_stream``: start -> every stream's first byte, over K (it also
+    holds the relaying of the ``intake_chunks`` chunks received meanwhile).
+    ``relay_cpu_us_per_chunk``: every stream's first byte -> the last stream's end, over
+    the chunks received between (it also holds the K streams' ends: last event, audit
+    record). ``steady_cpu_us_per_chunk``: every first byte -> the first stream's end,
+    nothing but relaying; absent when a stream ended before the last first byte.
+    """
+    out: dict[str, Any] = {}
+
+    def span(a: str, b: str, per: float) -> dict[str, float] | None:
+        if per <= 0:
+            return None
+        user, system = (marks[b]["cpu_s"][i] - marks[a]["cpu_s"][i] for i in (0, 1))
+        return {
+            "total": (user + system) / per * 1e6,
+            "user": user / per * 1e6,
+            "system": system / per * 1e6,
+        }
+
+    if "all_first" not in marks:  # a stream never got its first byte
+        return out
+    out["intake_chunks"] = marks["all_first"]["chunks"]
+    out["intake_cpu_us_per_stream"] = span("start", "all_first", k)
+    relayed = marks["end"]["chunks"] - marks["all_first"]["chunks"]
+    out["relay_chunks"] = relayed
+    out["relay_cpu_us_per_chunk"] = span("all_first", "end", relayed)
+    steady = marks["first_end"]["chunks"] - marks["all_first"]["chunks"]
+    if marks["first_end"]["t"] > marks["all_first"]["t"] and steady > 0:
+        out["steady_chunks"] = steady
+        out["steady_cpu_us_per_chunk"] = span("all_first", "first_end", steady)
+    return out
 
 
 def main() -> int:
@@ -318,8 +396,23 @@ def _summary(result: dict[str, Any], out: Path) -> str:
                 f"CPU/chunk, {r['rss_per_stream_kib']:.1f} KiB RSS/stream"
             )
         lines.append(line)
+        if r.get("relay_cpu_us_per_chunk"):
+            lines.append("  " + " " * 9 + " " + _phase_line(r))
     lines.append(f"results: {out}")
     return "\n".join(lines)
+
+
+def _phase_line(r: dict[str, Any]) -> str:
+    def cpu(d: dict[str, float]) -> str:
+        return f"{d['total']:.1f} us (user {d['user']:.1f}, sys {d['system']:.1f})"
+
+    line = (
+        f"by phase: intake {cpu(r['intake_cpu_us_per_stream'])}/stream "
+        f"(+{r['intake_chunks']} chunks); relay {cpu(r['relay_cpu_us_per_chunk'])}/chunk"
+    )
+    if "steady_cpu_us_per_chunk" in r:
+        line += f"; steady {cpu(r['steady_cpu_us_per_chunk'])}/chunk over {r['steady_chunks']}"
+    return line
 
 
 if __name__ == "__main__":

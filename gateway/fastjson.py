@@ -59,17 +59,31 @@ _FLOAT_MARKS: Final = bytes(
 )
 
 
-def compact(value: Any, *, default: Callable[[Any], Any] | None = None) -> bytes:
+#: orjson writes into a buffer of this many bytes and hands it back whatever the length
+#: written (``sys.getsizeof`` says the length; the allocation stays ~4 KiB).
+_ORJSON_BUFFER: Final = 4096
+
+
+def compact(
+    value: Any, *, default: Callable[[Any], Any] | None = None, held: bool = False
+) -> bytes:
     """``value`` as compact UTF-8 JSON bytes. ``default`` as in :func:`json.dumps`.
+    ``held``: the bytes are kept for long (a request body held for its attempts while its
+    stream is relayed), so a short result is copied to its length (one copy of at most
+    4 KiB) rather than keep orjson's whole starting buffer.
 
     Raises ``TypeError`` for a value JSON cannot hold (without ``default``),
     ``UnicodeEncodeError`` for a lone surrogate, ``RecursionError`` for a cycle.
     """
     if orjson is not None:
         try:
-            return orjson.dumps(value, default=default)
+            out = orjson.dumps(value, default=default)
         except TypeError:
             pass  # the stdlib decides, and raises its own errors
+        else:
+            if held and len(out) < _ORJSON_BUFFER:
+                return memoryview(out).tobytes()
+            return out
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=default)
     return text.encode("utf-8")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -28,6 +29,18 @@ def test_compact_matches_the_stdlib(value: Any, monkeypatch: pytest.MonkeyPatch)
     assert json.loads(fast) == json.loads(plain) == value
     if not (isinstance(value, dict) and "n" in value):  # floats: orjson 1e16, stdlib 1e+16
         assert fast == plain  # the same bytes: escapes, no whitespace, raw UTF-8
+
+
+@pytest.mark.parametrize("value", VALUES, ids=range(len(VALUES)))
+def test_held_bytes_are_the_same_and_cost_their_length(value: Any) -> None:
+    assert fastjson.compact(value, held=True) == fastjson.compact(value)
+    tracemalloc.start()
+    try:
+        kept = fastjson.compact(value, held=True)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < len(kept) + 128  # the bytes object's header, not a 4 KiB buffer
 
 
 def test_default_and_refusals_are_the_stdlib_ones() -> None:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, NoReturn, Protocol
 from urllib.parse import unquote
 
 from aiohttp import web
@@ -350,6 +350,61 @@ async def edge_errors(request: web.Request, handler: Handler) -> web.StreamRespo
                     answer.headers["Allow"] = exc.headers["Allow"]
                 return answer
         raise
+
+
+class TargetRoute(web.AbstractResource):
+    """``{prefix}/{target}/{path:.*}`` for every method, as aiohttp's own route of that
+    pattern matches it (its ``match_info``: ``target`` and ``path``, ``%2F`` and ``%25``
+    decoded; no match for an empty target, one holding ``{`` or ``}``, a path holding a
+    line feed), without its regular expression: a prefix compared and one split, per
+    request of the drop-in route. ``register(router)`` adds it."""
+
+    def __init__(self, prefix: str, handler: Handler) -> None:
+        super().__init__()
+        self._prefix = prefix
+        self._under = prefix + "/"
+        self._route = web.ResourceRoute("*", handler, self)
+        self._methods: Final = {"*"}
+
+    def register(self, router: web.UrlDispatcher) -> None:
+        router.register_resource(self)
+
+    @property
+    def canonical(self) -> str:
+        return self._prefix + "/{target}/{path}"
+
+    def url_for(self, **parts: str) -> NoReturn:
+        raise NotImplementedError("the drop-in route is matched, never built")
+
+    async def resolve(
+        self, request: web.Request
+    ) -> tuple[web.UrlMappingMatchInfo | None, set[str]]:
+        path = request.rel_url.path_safe  # what aiohttp's routes match: %2F and %25 kept
+        if not path.startswith(self._under):
+            return None, set()
+        target, slash, rest = path[len(self._under) :].partition("/")
+        if not slash or not target or "{" in target or "}" in target or "\n" in rest:
+            return None, set()
+        if "%" in path:  # as aiohttp decodes each part of a match
+            target = target.replace("%2F", "/").replace("%25", "%")
+            rest = rest.replace("%2F", "/").replace("%25", "%")
+        return web.UrlMappingMatchInfo({"target": target, "path": rest}, self._route), self._methods
+
+    def add_prefix(self, prefix: str) -> None:
+        self._prefix = prefix + self._prefix
+        self._under = self._prefix + "/"
+
+    def get_info(self) -> dict[str, str]:  # type: ignore[override]
+        return {"prefix": self._prefix}
+
+    def raw_match(self, path: str) -> bool:
+        return path == self.canonical
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[web.AbstractRoute]:
+        return iter((self._route,))
 
 
 class RelayResponse(web.StreamResponse):

@@ -172,12 +172,17 @@ class _Exchange:
         ):
             return _refusal(status, response, self._dialect(), ctx)
         headers = passback_headers(answer.headers)
-        egress = (  # none without an error, whatever the upstream said
-            egress_headers(error, upstream={k.lower(): v for k, v in headers}, status=answer.status)
-            if error is not None
-            else {}
-        )
-        headers += [*answer_ids(response, ctx).items(), *egress.items(), *model_headers(ctx)]
+        ids = answer_ids(response, ctx).items()
+        if error is None:  # no x-egress-* error headers, whatever the upstream said
+            headers += ids
+        else:
+            upstream = {k.lower(): v for k, v in headers}
+            headers += [
+                *ids,
+                *egress_headers(error, upstream=upstream, status=answer.status).items(),
+            ]
+        if ctx.model is not None:
+            headers += model_headers(ctx)
         return Answer(
             status=answer.status,
             reason=passback_reason(answer.reason),

@@ -387,7 +387,12 @@ class Attempts:
         )
         relayed.judge.watch_model = self.watch_model or self.model_gate is not None
         try:
-            await relay_stream(
+            # In a task of its own: a task's wake-up resumes every coroutine frame it
+            # awaits through, so each chunk would resume the ~20 frames of the call above
+            # the relay (server, API, pipeline, idempotency, attempts) besides the relay's
+            # few. Cancelling the call's task cancels the task it waits on: a stop, the
+            # agent hanging up and the bounds above reach the relay as before.
+            await asyncio.ensure_future(relay_stream(
                 answer.stream,
                 self.relay,
                 relayed,
@@ -397,7 +402,7 @@ class Attempts:
                 max_bytes=self.max_response_bytes,
                 first_event_timeout_s=self.target.spec.first_byte_timeout_s,
                 rewrite=self.rewrite,
-            )
+            ))  # fmt: skip
         except GatewayError as exc:
             return exc
         finally:

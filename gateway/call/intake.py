@@ -531,6 +531,10 @@ def parse_built(raw: dict[str, Any]) -> Intake:
         request = _VALIDATE_REQUEST(raw)
     except ValidationError:
         return parse_request(raw)
-    if request.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS or request_problem(request):
+    # What the model's types cannot say (request_problem) is about a protocol_version,
+    # metadata or a body: the sidecar's drop-in requests carry parameters.
+    if ("metadata" in raw or "protocol_version" in raw or "body" in raw) and (
+        request.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS or request_problem(request)
+    ):
         return parse_request(raw)
     return Intake(request)

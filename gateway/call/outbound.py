@@ -84,7 +84,7 @@ def build(
         body = base64.b64decode(request.body.base64)  # checked at intake
         content_type = request.body.content_type
     elif request.method not in QUERY_METHODS:
-        body = fastjson.compact(request.parameters)
+        body = fastjson.compact(request.parameters, held=True)
     sent = body if body is not None else urlencode(query or []).encode()
     given = request.headers
     headers = {

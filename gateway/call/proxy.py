@@ -211,8 +211,8 @@ def _raw(
         "headers": agent_headers,
         "query": _query(http.query, dropped),
     }
-    raw.update(_body(method, http.body, headers.get("content-type")))
-    raw["timeout"] = _timeout(headers, streamed=_streamed(raw))
+    parameters = _body(method, http.body, headers.get("content-type"), raw)
+    raw["timeout"] = _timeout(headers, streamed=_streamed(parameters, http.path, raw["query"]))
     idempotency = target.spec.idempotency if target is not None else None
     key_header = idempotency.header.lower() if idempotency is not None else _IDEMPOTENCY_HEADER
     for header, key in (
@@ -373,15 +373,16 @@ def _query(items: Iterable[tuple[str, str]], dropped: Iterable[str]) -> dict[str
     return query
 
 
-def _streamed(raw: Mapping[str, Any]) -> bool:
+def _streamed(
+    parameters: Mapping[str, Any] | None, endpoint: str, query: Mapping[str, Any]
+) -> bool:
     """True when the request asks for a stream: ``"stream": true`` in its JSON body
     (OpenAI, Anthropic), or Gemini's ``:streamGenerateContent`` / ``alt=sse``."""
-    parameters = raw.get("parameters")
-    if isinstance(parameters, dict) and parameters.get("stream") is True:
+    if parameters is not None and parameters.get("stream") is True:
         return True
-    return str(raw.get("endpoint", "")).endswith(":streamGenerateContent") or (
-        raw.get("query", {}).get("alt") == "sse"
-    )
+    if endpoint.endswith(":streamGenerateContent"):
+        return True
+    return bool(query) and query.get("alt") == "sse"
 
 
 def egress_timeout(headers: Mapping[str, str]) -> float | None:
@@ -430,17 +431,21 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     return MAX_TIMEOUT_S if streamed else DEFAULT_TIMEOUT_S
 
 
-def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
-    """``parameters`` (a JSON object) or ``body`` (the bytes as they came) for the request."""
+def _body(
+    method: str, body: bytes, content_type: str | None, raw: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Set ``parameters`` (a JSON object, also returned) or ``body`` (the bytes as they
+    came) of the request ``raw``; None when it has no ``parameters``."""
     if method not in BODY_METHODS:
         if body:
             raise InvalidPayload(
                 f"a {method} request carries no body through the sidecar",
                 details={"reason": "body_not_allowed", "method": method},
             )
-        return {}
-    mtype = media_type(content_type)
-    if body and (is_json_type(mtype) or not mtype):
+        return None
+    if body and (
+        content_type is None or content_type == "application/json" or _json_type(content_type)
+    ):
         value = parse_object_fast(body)  # one pass; None: the stdlib's parser decides
         if value is None:
             try:
@@ -448,9 +453,17 @@ def _body(method: str, body: bytes, content_type: str | None) -> dict[str, Any]:
             except InvalidPayload:
                 value = None  # not JSON after all: sent as it came, the upstream judges it
         if isinstance(value, dict):
-            return {"parameters": value}
+            raw["parameters"] = value
+            return value
     content_type = (content_type or "").strip() or (OCTETS if body else "application/json")
-    return {"body": {"content_type": content_type, "base64": base64.b64encode(body).decode()}}
+    raw["body"] = {"content_type": content_type, "base64": base64.b64encode(body).decode()}
+    return None
+
+
+def _json_type(content_type: str) -> bool:
+    """A JSON media type, or none (an empty type: the body is judged by its bytes)."""
+    mtype = media_type(content_type)
+    return not mtype or is_json_type(mtype)
 
 
 def is_utf8(value: str) -> bool:

@@ -41,6 +41,7 @@ from gateway.policy.failover import FallbackSpec
 from gateway.policy.models import TargetSpec
 from gateway.policy.refs import SecretRef
 from gateway.providers import (
+    DIALECTS,
     asking_usage,
     estimate_tokens,
     extract_usage,
@@ -461,6 +462,8 @@ def _answered(
         data, usage = None, relayed.judge.usage()  # the agent has had the events
         if relayed.kept is not None:
             kept = bytes(relayed.kept)
+    elif _body_unread(ctx, target):
+        data, usage = None, None  # written back as the upstream's bytes; nothing reads it
     else:
         data, _ = parse_body(answer.content_type, answer.body, answer.status)
         usage = extract_usage(target.spec.usage, data)
@@ -490,6 +493,22 @@ def _answered(
         correlation_id=request.correlation_id,
         model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
         # served_by: set by fail_over (a target with fallbacks), never paid for here
+    )
+
+
+def _body_unread(ctx: CallContext, target: CompiledTarget) -> bool:
+    """True when nothing reads the parsed body of a 2xx answer, so it is not parsed (a
+    JSON parse of every answer, as costly as the drop-in route's whole intake): a drop-in
+    call (``api: proxy``) is answered with the upstream's own bytes
+    (``ctx.attempt_log.answer``), and its envelope's ``data`` is read only for the usage
+    (a target with a provider ``usage`` dialect: usage, prices, the model answered for
+    tracing), a ``models:`` rule's check of the model answered, or an answer stored
+    under an idempotency key (replayed from its ``data``)."""
+    return (
+        ctx.api == "proxy"
+        and ctx.idempotency_key is None
+        and ctx.model is None
+        and target.spec.usage not in DIALECTS
     )
 
 

@@ -153,7 +153,7 @@ def create_app(
     app[BUDGET_LIMIT_KEY] = lambda: gateway.policy.policy.server.max_inflight_request_bytes
     app.on_response_prepare.append(http.close_if_asked)
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
-    app.router.add_route("*", proxy.PROXY_ROUTE, proxy.handler(gateway))
+    http.TargetRoute(proxy.PREFIX, proxy.handler(gateway)).register(app.router)
     app.router.add_route("*", mcp.MCP_ROUTE, mcp.handler(gateway))
     app.router.add_route("*", a2a.INBOUND_ROUTE, a2a.inbound_handler(gateway))  # before a target's
     app.router.add_route("*", a2a.A2A_ROUTE, a2a.handler(gateway))
