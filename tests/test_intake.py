@@ -482,9 +482,11 @@ _FAST_CORPUS: dict[str, bytes] = {
     ).encode(),
     "int-timeout": _with('"timeout": 5'),
     "floats": _with('"parameters": {"a": 1e5, "b": 1.5e-7, "c": 1E+2, "d": -0.0}'),
-    "underflow": _with('"parameters": {"a": 1e-400}'),  # 0.0 both ways, via the exact one
+    "underflow": _with('"parameters": {"a": 1e-400}'),  # 0.0 both ways
     "big-float": _with('"parameters": {"a": 1e308}'),
     "big-int": _with('"parameters": {"a": 123456789012345678901234567890}'),
+    "null": _with('"parameters": {"a": null, "b": [null]}'),
+    "nan-in-a-string": _with('"parameters": {"a": "NaN, Infinity and 1e400"}'),
     "escapes": _with(r'"parameters": {"a": "\ud83d\ude00 \u00e9 \n \" \\ \/"}'),
     "raw-unicode": _with('"parameters": {"a": "Zoë ☃ 😀"}').decode().encode("utf-8"),
     "whitespace": b"\n\t " + _with("") + b" \r\n",
@@ -510,6 +512,9 @@ _FAST_CORPUS: dict[str, bytes] = {
     # Everything below must be refused by both paths, or left to the exact one.
     "nan": _with('"parameters": {"a": NaN}'),
     "infinity": _with('"parameters": {"a": -Infinity}'),
+    "nan-beside-null": _with('"parameters": {"a": null, "b": NaN}'),
+    "nan-in-query": _with('"query": {"a": NaN}'),
+    "big-int-beside-nan": _with('"parameters": {"a": 123456789012345678901234567890, "b": NaN}'),
     "overflow": _with('"parameters": {"a": 1e400}'),
     "overflow-upper": _with('"parameters": {"a": [1, -2.5E+400]}'),
     "long-mantissa": _with('"parameters": {"a": ' + "9" * 400 + ".0}"),
@@ -533,8 +538,9 @@ _FAST_CORPUS: dict[str, bytes] = {
     "empty": b"",
 }
 _TAKES_FAST_PATH = {
-    "minimal", "full", "int-timeout", "floats", "big-int", "escapes", "raw-unicode",
-    "whitespace", "duplicate-key", "nulls", "openai",
+    "minimal", "full", "int-timeout", "floats", "underflow", "big-float", "big-int", "null",
+    "nan-in-a-string", "escapes", "raw-unicode", "whitespace", "duplicate-key", "nulls",
+    "openai",
 }  # fmt: skip
 
 

@@ -52,7 +52,7 @@ async def chain_stage(
     now_ms = int(time.time() * 1000)
     if ctx.chain_inbound:
         return _admitted(spec, request, ctx, keys, memory, now_ms)
-    if seen is None and memory is not None:
+    if seen is None and memory:  # empty (no inbound call yet): no trace id derived
         seen = memory.recall([("trace", trace_key(request))], now_ms)
     if seen is None and ctx.target_agent is None:
         # The common case, a chain that starts here: decide()'s decision without its

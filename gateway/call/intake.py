@@ -369,6 +369,43 @@ def metadata_problem(metadata: dict[str, Any]) -> str | None:
     bytes of compact JSON (as the audit line holds it)."""
     if not metadata:
         return None
+    if not _flat_and_plain(metadata):
+        problem = _shape_problem(metadata)
+        if problem is not None:
+            return problem
+    try:
+        size = len(fastjson.compact(metadata, default=str))
+    except UnicodeEncodeError:  # a lone surrogate: refused at intake, counted here
+        text = json.dumps(metadata, ensure_ascii=False, separators=(",", ":"), default=str)
+        size = len(text.encode("utf-8", "replace"))
+    if size > MAX_METADATA_BYTES:
+        return (
+            f"metadata is {size} bytes of JSON; at most {MAX_METADATA_BYTES} are kept in "
+            "the audit record (put payloads in parameters)"
+        )
+    return None
+
+
+#: The types of a JSON scalar, as parsed (exact types: a subclass takes the walks).
+_SCALARS: Final = frozenset({str, int, float, bool, type(None)})
+
+
+def _flat_and_plain(metadata: dict[str, Any]) -> bool:
+    """True for what the usual metadata is (a few scalars under plain keys), which
+    :func:`_shape_problem` would pass without its walks (~20,000 instructions): one
+    level of at most ``MAX_METADATA_BYTES // 2`` items, and no control character in
+    any key (searched once, in the keys joined)."""
+    return (
+        len(metadata) <= MAX_METADATA_BYTES // 2
+        and set(map(type, metadata.values())) <= _SCALARS
+        # Printable text has no control character (a C test); else the regex decides.
+        and ((keys := "".join(metadata)).isprintable() or not CONTROL_CHARACTERS.search(keys))
+    )
+
+
+def _shape_problem(metadata: dict[str, Any]) -> str | None:
+    """Why ``metadata``'s shape cannot be audited (too many items, too deep, a key with
+    control characters), or None."""
     # Every item takes at least two bytes of compact JSON (the value and a separator):
     # counted first, with an early stop, so that a huge metadata is refused without
     # walking all of it (or writing it out).
@@ -387,16 +424,6 @@ def metadata_problem(metadata: dict[str, Any]) -> str | None:
         return (
             f"metadata key {key[:64]!r} contains control characters "
             "(U+0000-U+001F, U+007F-U+009F); keys are copied into log lines"
-        )
-    try:
-        size = len(fastjson.compact(metadata, default=str))
-    except UnicodeEncodeError:  # a lone surrogate: refused at intake, counted here
-        text = json.dumps(metadata, ensure_ascii=False, separators=(",", ":"), default=str)
-        size = len(text.encode("utf-8", "replace"))
-    if size > MAX_METADATA_BYTES:
-        return (
-            f"metadata is {size} bytes of JSON; at most {MAX_METADATA_BYTES} are kept in "
-            "the audit record (put payloads in parameters)"
         )
     return None
 
@@ -432,6 +459,12 @@ def _control_key(value: Any) -> str | None:
     return None
 
 
+#: What ``ExternalCallRequest.model_validate_json`` calls, without its wrapper.
+_VALIDATE_ENVELOPE: Final[Callable[[bytes], ExternalCallRequest]] = (
+    ExternalCallRequest.__pydantic_validator__.validate_json
+)
+
+
 def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
     """The envelope in ``body`` validated in one pass by pydantic's JSON parser, or None
     when the exact path must decide (anything invalid, unknown fields, another
@@ -441,14 +474,22 @@ def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
     Not for bodies over :data:`LARGE_BODY_BYTES`: pydantic's errors for a million unknown
     keys or header values would cost seconds before the exact path even starts, and that
     path parses a large body with the same parser, once."""
-    if len(body) > LARGE_BODY_BYTES or needs_exact_path(body):
+    if len(body) > LARGE_BODY_BYTES:
         return None
     try:
         # Strict, extra fields forbidden; a lone surrogate escape is a JSON error here.
-        request = ExternalCallRequest.model_validate_json(body)
+        request = _VALIDATE_ENVELOPE(body)
     except ValidationError:
         return None
     if request.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
+        return None
+    # What the two parsers read differently (NaN, infinities, floats past a double's
+    # range: gateway.call.fastpath) can only be in the free-form fields, every other one
+    # being typed, its floats bounded: checked there in C (~1,500 instructions), the
+    # body's text (~20,000: five scans) only when they may hold one.
+    if not fastjson.surely_finite(
+        (request.parameters, request.metadata, request.query)
+    ) and needs_exact_path(body):
         return None
     if (request.metadata or request.body is not None) and request_problem(request):
         return None
