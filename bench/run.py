@@ -77,6 +77,14 @@ FEATURES: dict[str, str] = {
 VARIANT_HEADERS: dict[str, dict[str, str]] = {
     "controls": {"x-egress-agent-token": "bench-agent-token"},
 }
+#: The controls of the ``controls`` variant one can leave out: ``controls-no-NAME``
+#: (bench/instructions.py) is ``controls`` less that one, what it costs is the difference
+#: (the stop switch is always on).
+CONTROLS: tuple[str, ...] = ("identity", "chain", "repeats", "approval", "fallback")
+for _name in CONTROLS:
+    VARIANT_HEADERS[f"controls-no-{_name}"] = (
+        {} if _name == "identity" else VARIANT_HEADERS["controls"]
+    )
 
 
 def policy_for(upstream: str, secret_file: Path, audit_file: Path, variant: str) -> dict[str, Any]:
@@ -124,6 +132,11 @@ def policy_for(upstream: str, secret_file: Path, audit_file: Path, variant: str)
         },
         "audit": audit,
     }
+    without = variant.removeprefix("controls-no-") if variant.startswith("controls-no-") else None
+    if without is not None:
+        if without not in CONTROLS:
+            raise ValueError(f"unknown control {without!r} (one of {', '.join(CONTROLS)})")
+        variant = "controls"
     if variant in ("audit_devnull", "minimal", "controls"):
         audit.update(path="/dev/null", max_bytes=None)
     if variant == "audit_chain":
@@ -146,27 +159,34 @@ def policy_for(upstream: str, secret_file: Path, audit_file: Path, variant: str)
             "key_prefix": f"egw-bench-{os.getpid()}",
         }
     if variant == "controls":
-        _with_controls(policy, target, secret_file)
+        _with_controls(policy, target, secret_file, without)
     return policy
 
 
-def _with_controls(policy: dict[str, Any], target: dict[str, Any], secret_file: Path) -> None:
+def _with_controls(
+    policy: dict[str, Any], target: dict[str, Any], secret_file: Path, without: str | None = None
+) -> None:
     """The agent controls of the ``controls`` variant, none of which refuses the bench's
     calls: identity by token (``VARIANT_HEADERS``), chains signed with the fleet's key,
     the repeated-call breaker (its cap far above the calls of a run), an approval rule
     for another endpoint and a fallback target (the same upstream). The stop switch is
-    always on (local)."""
+    always on (local). ``without``: a name of :data:`CONTROLS` left out."""
     token = secret_file.with_name("agent-token")
     token.write_text(VARIANT_HEADERS["controls"]["x-egress-agent-token"] + "\n")
     chain_key = secret_file.with_name("chain-key")
     chain_key.write_text("bench-chain-signing-key-0123456789abcdef\n")
-    policy["agents"] = {"bench-agent": {"token_ref": f"file://{token}"}}
-    policy["chain"] = {"signing_key_ref": f"file://{chain_key}"}
-    policy["controls"] = {"repeated_calls": {"max_repeats": 10_000, "window_s": 1}}
+    if without != "identity":
+        policy["agents"] = {"bench-agent": {"token_ref": f"file://{token}"}}
+    if without != "chain":
+        policy["chain"] = {"signing_key_ref": f"file://{chain_key}"}
+    if without != "repeats":
+        policy["controls"] = {"repeated_calls": {"max_repeats": 10_000, "window_s": 1}}
     policy["operators"] = {"bench-operator": {"token_ref": f"file://{token}"}}
-    target["approval"] = {"endpoints": [{"path": "/v1/files/*", "methods": ["DELETE"]}]}
-    target["fallbacks"] = [{"target": "openai_b"}]
-    policy["targets"]["openai_b"] = {**target, "fallbacks": []}
+    if without != "approval":
+        target["approval"] = {"endpoints": [{"path": "/v1/files/*", "methods": ["DELETE"]}]}
+    if without != "fallback":
+        target["fallbacks"] = [{"target": "openai_b"}]
+        policy["targets"]["openai_b"] = {**target, "fallbacks": []}
 
 
 def envelope_template() -> str:

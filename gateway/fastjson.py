@@ -125,7 +125,9 @@ def sorted_compact(value: Any) -> bytes | None:
         out = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except TypeError:  # past 64 bits, non-str keys, lone surrogates, too deep, unknown
         return None
-    if b"0." in out.translate(_FLOAT_MARKS) or b"null" in out:
+    # ``find`` rather than ``in``: bytes.__contains__ first tries its argument as an
+    # integer and formats a TypeError it then drops (~2,000 instructions each).
+    if out.translate(_FLOAT_MARKS).find(b"0.") >= 0 or out.find(b"null") >= 0:
         return None
     return out
 

@@ -7,6 +7,7 @@ fail_closed refuses, retryable)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import pytest
 
@@ -130,7 +131,7 @@ async def test_a_cluster_count_with_redis_down(private_redis: PrivateRedis, on_e
         )
     )
     breaker = RepeatedCalls(spec, redis=client)
-    op = [Operation("/v1/x", "digest")]
+    op = [Operation("/v1/x", b'"call"')]
     try:
         assert await breaker.check("a1", op) == ()
         private_redis.kill()
@@ -143,5 +144,25 @@ async def test_a_cluster_count_with_redis_down(private_redis: PrivateRedis, on_e
             assert await breaker.check("a1", op) == ()  # counted here alone: the first
             [refusal] = await breaker.check("a1", op)
             assert refusal.details["count"] == 2
+    finally:
+        await client.aclose()
+
+
+async def test_a_cluster_count_key_is_the_fleets(private_redis: PrivateRedis) -> None:
+    """Every sidecar of a fleet, of any version, names a counted call alike in Redis:
+    ``repeat:`` and the SHA-256 hex of ``AGENT\\n`` and the SHA-256 hex of the call's
+    canonical bytes (whatever hash a local count uses)."""
+    spec = RepeatedCallsSpec(max_repeats=5, window_s=60, scope="cluster")
+    client = RedisClient(RedisSpec(url=private_redis.url, key_prefix="egw"))
+    canonical = b'{"endpoint":"/v1/x"}'
+    try:
+        assert (
+            await RepeatedCalls(spec, redis=client).check("a1", [Operation("/v1/x", canonical)])
+            == ()
+        )
+        listed = await client.script("return redis.call('KEYS', ARGV[1])")([], ["egw:repeat:*"])
+        inner = hashlib.sha256(canonical).hexdigest()
+        expected = "egw:repeat:" + hashlib.sha256(f"a1\n{inner}".encode()).hexdigest()
+        assert [k.decode() if isinstance(k, bytes) else k for k in listed] == [expected]
     finally:
         await client.aclose()

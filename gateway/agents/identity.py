@@ -31,7 +31,7 @@ import hmac
 import socket
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 from gateway.agents import peers
@@ -69,6 +69,18 @@ class Agents:
 
     default: str
     agents: tuple[Agent, ...] = ()
+    #: Whether some agent has a ``uid`` (:attr:`reads_uid`), and the agents by the
+    #: SHA-256 of their token: both derived from ``agents`` once, not per call.
+    _reads_uid: bool = field(init=False, repr=False, compare=False)
+    _by_token_sha256: dict[bytes, Agent] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_digest: dict[bytes, Agent] = {}
+        for agent in self.agents:
+            if agent.token_sha256 is not None:
+                by_digest[agent.token_sha256] = agent  # the last one, as the loop found
+        object.__setattr__(self, "_reads_uid", any(a.uid is not None for a in self.agents))
+        object.__setattr__(self, "_by_token_sha256", by_digest)
 
     @property
     def default_identity(self) -> Identity:
@@ -82,22 +94,29 @@ class Agents:
     @property
     def reads_uid(self) -> bool:
         """Whether the callers' UIDs are asked of the kernel (some agent has a ``uid``)."""
-        return any(a.uid is not None for a in self.agents)
+        return self._reads_uid
 
     def by_uid(self, uid: int | None) -> Agent | None:
-        return next((a for a in self.agents if uid is not None and a.uid == uid), None)
+        if uid is None or not self._reads_uid:
+            return None
+        return next((a for a in self.agents if a.uid == uid), None)
 
     def by_token(self, token: str) -> Agent | None:
-        """The agent whose token is ``token``. Every agent's digest is compared, each in
-        constant time (``hmac.compare_digest``), so the time says nothing of which."""
+        """The agent whose token is ``token``: found by the SHA-256 of ``token``, then
+        that digest compared to the agent's in constant time (``hmac.compare_digest``).
+
+        Why a dict lookup keyed by the digest leaks nothing of a token: what the lookup
+        compares (a SipHash of the digest, then the digest's bytes) depends on the
+        SHA-256 of the presented value, never on the stored token's bytes directly. An
+        attacker timing it learns at most how many leading bytes of a *digest* matched,
+        and turning that into a token would take SHA-256 preimages; the tokens
+        themselves are never kept (only their digests). One digest per call, whatever
+        the number of agents (a loop compared each)."""
         presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
-        found = None
-        for agent in self.agents:
-            if agent.token_sha256 is not None and hmac.compare_digest(
-                presented, agent.token_sha256
-            ):
-                found = agent
-        return found
+        found = self._by_token_sha256.get(presented)
+        if found is None or found.token_sha256 is None:
+            return None
+        return found if hmac.compare_digest(presented, found.token_sha256) else None
 
 
 def token_digest(value: str) -> bytes:

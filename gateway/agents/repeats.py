@@ -17,6 +17,12 @@ refusal (``decision: shadow_denied``, ``shadow_denials_total{kind="repeated_call
 and lets the call go. Scope ``local`` counts in this sidecar's memory (bounded:
 :data:`MAX_KEYS` calls, the oldest forgotten first); ``cluster`` in Redis (one sorted
 set per call, expiring with its window), so that N replicas of one agent share the count.
+
+A cluster count's Redis key is ``repeat:`` and the SHA-256 hex of ``AGENT\nDIGEST``
+(:attr:`Operation.digest`): every sidecar of a fleet, of any version, names a call so.
+A local count is keyed by the agent and the BLAKE2b-256 of the same canonical bytes
+(never shared, so its hash is free to differ: about half SHA-256's cost in OpenSSL 3,
+whose per-digest set-up dominates a short input; as collision-resistant).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Final
 
 from gateway.errors import CapacityExceeded, RepeatedCall
-from gateway.idempotency.keys import canonical_json, fingerprint
+from gateway.idempotency.keys import canonical_json, fingerprinted
 from gateway.policy.controls import RepeatedCallsSpec
 
 if TYPE_CHECKING:
@@ -59,18 +65,30 @@ return redis.call('ZCARD', KEYS[1])
 @dataclass(frozen=True, slots=True)
 class Operation:
     """One operation of a call, as the breaker counts it: ``name`` is the endpoint path
-    or the MCP tool's name (what ``repeat_exempt`` matches); ``digest`` the SHA-256 hex
-    of the operation and its canonical arguments."""
+    or the MCP tool's name (what ``repeat_exempt`` matches); ``canonical`` the canonical
+    JSON of the operation and its arguments (what is hashed, once, by the scope that
+    counts it)."""
 
     name: str
-    digest: str
+    canonical: bytes
+
+    @property
+    def digest(self) -> str:
+        """The SHA-256 hex of :attr:`canonical` (a cluster count's key is made of it)."""
+        return hashlib.sha256(self.canonical).hexdigest()
+
+    def local_key(self, agent: str) -> tuple[str, bytes]:
+        """A local count's key: ``agent`` and the BLAKE2b-256 of :attr:`canonical`
+        (bounded: an id and 32 bytes)."""
+        return agent, hashlib.blake2b(self.canonical, digest_size=32).digest()
 
 
 def operations(
     target: str, request: ExternalCallRequest, exchange: McpExchange | None
 ) -> list[Operation]:
     """The operations a call is counted as: one per ``tools/call`` of an MCP request
-    (none for protocol traffic), else one for the HTTP request."""
+    (none for protocol traffic), else one for the HTTP request (canonical as the
+    idempotency fingerprint's, :func:`gateway.idempotency.keys.fingerprinted`)."""
     if exchange is not None:
         found = []
         for message in exchange.requests:
@@ -78,14 +96,13 @@ def operations(
             if tool is None:
                 continue
             args = message.params.get("arguments") if isinstance(message.params, dict) else None
-            digest = hashlib.sha256(canonical_json(["tool", target, tool, args])).hexdigest()
-            found.append(Operation(tool, digest))
+            found.append(Operation(tool, canonical_json(["tool", target, tool, args])))
         return found
     body = request.body.model_dump() if request.body is not None else None
-    digest = fingerprint(
+    canonical = fingerprinted(
         target, request.method, request.endpoint, request.parameters, query=request.query, body=body
     )
-    return [Operation(request.endpoint, digest)]
+    return [Operation(request.endpoint, canonical)]
 
 
 def call_names(request: ExternalCallRequest, exchange: McpExchange | None) -> list[str]:
@@ -138,7 +155,7 @@ class RepeatedCalls:
         redis: RedisClient | None = None,
     ) -> None:
         self._redis = redis
-        self._local: OrderedDict[str, deque[float]] = OrderedDict()
+        self._local: OrderedDict[tuple[str, bytes], deque[float]] = OrderedDict()
         self._script = redis.script(_COUNT) if redis is not None else None
         self.update(spec, exempt)
 
@@ -146,6 +163,7 @@ class RepeatedCalls:
         """Take in a reloaded policy's rule; the counts so far are kept."""
         self.spec = spec
         self.exempt = tuple(exempt)
+        self._exempt = _exempt(self.exempt)  # compiled once per policy, not per call
 
     async def check(self, agent: str, ops: Sequence[Operation]) -> tuple[RepeatedCall, ...]:
         """Count each operation; the refusals they earn (empty: go ahead). Raises
@@ -155,18 +173,22 @@ class RepeatedCalls:
         if spec is None:
             return ()
         refused = []
+        exempt = self._exempt
         for op in ops:
-            if is_exempt(op.name, self.exempt):
+            if exempt is not None and exempt.match(op.name) is not None:
                 continue
-            key = f"{agent}\n{op.digest}"  # a local count's key as it is (bounded: ids)
             if spec.scope == "cluster":  # a Redis key of fixed length, as every sidecar's
-                key = hashlib.sha256(key.encode()).hexdigest()
-            count = await self._count(key, spec)
+                key = hashlib.sha256(f"{agent}\n{op.digest}".encode()).hexdigest()
+                count = await self._count(key, op, agent, spec)
+            else:
+                count = self._count_local(op.local_key(agent), spec)
             if count > spec.max_repeats:
                 refused.append(refusal(count, spec, op.name))
         return tuple(refused)
 
-    async def _count(self, key: str, spec: RepeatedCallsSpec) -> int:
+    async def _count(self, key: str, op: Operation, agent: str, spec: RepeatedCallsSpec) -> int:
+        """The cluster count of Redis key ``key``; the local one of ``op`` when Redis
+        cannot count it and ``on_redis_error`` lets the call go (``fail_open``)."""
         if spec.scope == "cluster" and self._redis is not None and self._script is not None:
             from gateway.stores.redis import RedisUnavailable
 
@@ -186,9 +208,9 @@ class RepeatedCalls:
                         details={"reason": "redis_unavailable"},
                         retry_after_s=1.0,
                     ) from exc
-        return self._count_local(key, spec)
+        return self._count_local(op.local_key(agent), spec)
 
-    def _count_local(self, key: str, spec: RepeatedCallsSpec) -> int:
+    def _count_local(self, key: tuple[str, bytes], spec: RepeatedCallsSpec) -> int:
         now = time.monotonic()
         seen = self._local.pop(key, None)
         if seen is None or seen.maxlen != spec.max_repeats + 1:

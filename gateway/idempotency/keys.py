@@ -26,7 +26,14 @@ from typing import Any, Final
 
 from gateway.fastjson import sorted_compact
 
-__all__ = ["DERIVED_KEY_PREFIX", "canonical_json", "derive_key", "fingerprint", "store_key"]
+__all__ = [
+    "DERIVED_KEY_PREFIX",
+    "canonical_json",
+    "derive_key",
+    "fingerprint",
+    "fingerprinted",
+    "store_key",
+]
 
 #: Prefix of derived keys (versioned, so the derivation can change without collisions).
 #: A derived key is this plus 64 hex digits: 69 characters, within Stripe's 255.
@@ -105,20 +112,33 @@ def fingerprint(
 ) -> str:
     """SHA-256 hex of the request a key stands for (target, method, endpoint, parameters,
     and the envelope's ``query`` and ``body`` when it has them: an envelope without them
-    keeps the fingerprint it always had)."""
+    keeps the fingerprint it always had): of :func:`fingerprinted`'s bytes."""
+    data = fingerprinted(target_system, method, endpoint, parameters, query=query, body=body)
+    return hashlib.sha256(data).hexdigest()
+
+
+def fingerprinted(
+    target_system: str,
+    method: str,
+    endpoint: str,
+    parameters: Any,
+    *,
+    query: Any = None,
+    body: Any = None,
+) -> bytes:
+    """The canonical JSON bytes :func:`fingerprint` hashes (its arguments); raises what
+    :func:`canonical_json` raises."""
     if query or body is not None:
-        return hashlib.sha256(
-            canonical_json(
-                {
-                    "target_system": target_system,
-                    "method": method.upper(),
-                    "endpoint": endpoint,
-                    "parameters": parameters,
-                    "query": query or {},
-                    "body": body,
-                }
-            )
-        ).hexdigest()
+        return canonical_json(
+            {
+                "target_system": target_system,
+                "method": method.upper(),
+                "endpoint": endpoint,
+                "parameters": parameters,
+                "query": query or {},
+                "body": body,
+            }
+        )
     # = canonical_json({"target_system": ..., "method": ..., "endpoint": ...,
     # "parameters": ...}): keys in sorted order, the strings by the stdlib's encoder.
     params = canonical_json(parameters)
@@ -126,7 +146,7 @@ def fingerprint(
         '{"endpoint":' + _encode_str(endpoint) + ',"method":' + _encode_str(method.upper())
     ).encode("utf-8")
     tail = (',"target_system":' + _encode_str(target_system) + "}").encode("utf-8")
-    return hashlib.sha256(head + b',"parameters":' + params + tail).hexdigest()
+    return b"".join((head, b',"parameters":', params, tail))
 
 
 def store_key(target_system: str, idempotency_key: str) -> str:
