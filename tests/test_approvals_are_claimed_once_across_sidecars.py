@@ -59,8 +59,8 @@ async def test_two_sidecars_share_requests_and_run_an_approved_call_once(
     assert upstream.hits == 1
 
 
-# A thousand rounds of Redis trips: ~8 s on a quiet 2-core box, 27-60 s with the box's
-# cores busy with other suites; the bound is a hang guard, the work is bounded by count.
+# A thousand rounds of Redis trips: 27 s alone on a 2-core box at load 8, over 60 s in
+# the whole suite at that load; the bound is a hang guard, the work is bounded by count.
 @pytest.mark.timeout(240)
 async def test_a_thousand_approvals_across_two_sidecars_and_a_restart_never_run_twice(
     redis_prefix: str,
