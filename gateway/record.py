@@ -186,61 +186,107 @@ _PER_JSONRPC_REQUEST: dict[str, Any] = {
 
 def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, Any]:
     """The audit record of a call that ended with ``response`` (schema v1)."""
+    # A copy of the blank record (every field, in the line's order, at its value for a
+    # call that used no control), then only the fields a call sets: the dict is cloned in
+    # one C call and keeps its order, where a literal of every field cost a lookup of each
+    # name on Fields (not specialised by CPython 3.11) and the merge of six dicts
+    # (docs/performance.md, "the audit record and metrics"). Field names are literals
+    # here, as attribute lookups are what cost; the length check catches a misspelt one.
+    record = _BLANK.copy()
     request, target, usage, error = call.request, call.target, call.usage, response.error
     agent_id = call.agent_id  # a claimed agent_id is never who called
+    record["agent_id"] = agent_id
+    if request is not None:
+        record["trace_id"] = request.trace_id
+        record["correlation_id"] = request.correlation_id
+        record["target_system"] = request.target_system
+        record["endpoint"] = request.endpoint
+        record["method"] = request.method
+        record["metadata"] = request.metadata
+    else:
+        claimed = call.claimed
+        if claimed:
+            record["trace_id"] = claimed.get("trace_id")
+            record["correlation_id"] = claimed.get("correlation_id")
+            record["target_system"] = claimed.get("target_system")
+            record["endpoint"] = claimed.get("endpoint")
+            record["method"] = claimed.get("method")
+        record["metadata"] = {}
+    if target is not None:
+        record["upstream"] = origin_label(target.base_url)
+    record["decision"] = decision_of(call)
+    success = response.success
+    record["success"] = success
+    record["status_code"] = response.status_code
     warnings = call.warnings  # built for this record (CallContext.record)
-    if error is not None and error.code is ErrorCode.EGRESS_DENIED:
-        warnings = [*warnings, f"egress denied: {error.message}"]  # the destination
-    shadow = [*call.shadow_denied]  # a list of its own (the record's may be the context's)
-    decision = decision_of(call)
+    if error is not None:
+        record["error_code"] = error.code.value
+        record["retryable"] = error.retryable
+        if error.code is ErrorCode.EGRESS_DENIED:
+            warnings = [*warnings, f"egress denied: {error.message}"]  # the destination
+    record["attempts"] = call.attempts
+    record["latency_ms"] = response.latency_ms
     latency = call.upstream_latency_s
-    return {
-        F.AGENT_ID: agent_id,
-        **_named(call),
-        F.UPSTREAM: origin_label(target.base_url) if target else None,
-        F.DECISION: decision,
-        F.SUCCESS: response.success,
-        F.STATUS_CODE: response.status_code,
-        F.ERROR_CODE: error.code.value if error else None,
-        F.RETRYABLE: error.retryable if error else None,
-        F.ATTEMPTS: call.attempts,
-        F.LATENCY_MS: response.latency_ms,
-        F.UPSTREAM_LATENCY_MS: round(latency * 1000, 3) if latency is not None else None,
-        F.TOKENS_USED: usage.total if usage else None,
-        F.TOKENS_INPUT: usage.input if usage else None,
-        F.TOKENS_OUTPUT: usage.output if usage else None,
-        F.TOKENS_CACHED: usage.cached if usage else None,
-        F.REQUEST_BYTES: call.request_bytes,
-        F.REQUEST_SHA256: call.request_sha256,
-        F.RESPONSE_BYTES: call.response_bytes,
-        F.API_KEY_REF: call.api_key_ref,
-        F.RATE_LIMIT_GROUP: call.rate_limit_group,
-        F.RATE_LIMIT_WAIT_MS: round(call.rate_limit_wait_s * 1000, 3),
-        F.AGENT_RATE_LIMIT_GROUP: call.agent_rate_limit_group,
-        F.RATE_LIMIT_REFUSED: call.rate_limit_refused,
-        F.IDEMPOTENCY_KEY: call.idempotency_key,
-        F.REPLAYED: call.replayed,
-        F.WARNINGS: warnings,
-        F.METADATA: request.metadata if request else {},
-        F.TRACEPARENT: call.traceparent,
-        # Set by refusal_record only: the pipeline's calls came in as POST /v1/calls.
-        F.HTTP_METHOD: None,
-        F.HTTP_PATH: None,
-        F.HTTP_STATUS: None,
-        **_stream_and_cost(call, shadow),
-        **_PER_JSONRPC_REQUEST,
-        **_chain(call.chain),
-        **_caller(call, agent_id),
-        F.SERVED_BY: (
-            {"target": call.served_by.target, "model": call.served_by.model}
-            if call.served_by is not None and response.success
-            else None
-        ),
-        F.TRIED: call.tried,
-        # Most calls name no models rule and no database: their fields' constant Nones.
-        **(_models(call.models) if call.models is not None else _NO_MODELS_FIELDS),
-        **(_database(call.database) if call.database is not None else _NO_DATABASE_FIELDS),
-    }
+    if latency is not None:
+        record["upstream_latency_ms"] = round(latency * 1000, 3)
+    if usage is not None:
+        record["tokens_used"] = usage.total
+        record["tokens_input"] = usage.input
+        record["tokens_output"] = usage.output
+        record["tokens_cached"] = usage.cached
+        record["tokens_reasoning"] = usage.reasoning
+    record["request_bytes"] = call.request_bytes
+    record["request_sha256"] = call.request_sha256
+    record["response_bytes"] = call.response_bytes
+    record["api_key_ref"] = call.api_key_ref
+    record["rate_limit_group"] = call.rate_limit_group
+    record["rate_limit_wait_ms"] = round(call.rate_limit_wait_s * 1000, 3)
+    record["agent_rate_limit_group"] = call.agent_rate_limit_group
+    record["rate_limit_refused"] = call.rate_limit_refused
+    record["idempotency_key"] = call.idempotency_key
+    replayed = call.replayed
+    record["replayed"] = replayed
+    record["warnings"] = warnings
+    record["traceparent"] = call.traceparent
+    stream = call.stream
+    if stream is not None:
+        record["stream"] = True
+        record["stream_events"] = stream.events
+        if stream.first_byte_s is not None:
+            record["time_to_first_byte_ms"] = round(stream.first_byte_s * 1000, 3)
+    record["api"] = call.api
+    if call.cost_usd is not None:
+        record["cost_usd"] = round(call.cost_usd, 9)
+    record["cost_reason"] = "replayed" if replayed else call.cost_reason
+    record["cost_model"] = call.cost_model
+    record["cost_source"] = call.cost_source
+    record["budgets"] = [*call.budgets]
+    record["shadow_denied"] = [*call.shadow_denied]  # its own (the record's may be the context's)
+    chain = call.chain
+    if chain is not None and chain.agents:
+        record["call_chain"] = list(chain.agents)
+        record["call_chain_depth"] = chain.depth
+    identity = call.identity
+    claimed_id = None
+    if identity is not None:
+        record["agent_auth"] = identity.agent_auth
+        record["peer_uid"] = identity.peer_uid
+        claimed_id = identity.claimed
+    if not claimed_id:
+        claim = call.claimed.get("agent_id") if request is None else None
+        claimed_id = claim if claim is not None and claim != agent_id else None
+    record["agent_claimed"] = claimed_id
+    record["policy_sha256"] = call.policy_sha256
+    served_by = call.served_by
+    if served_by is not None and success:
+        record["served_by"] = {"target": served_by.target, "model": served_by.model}
+    record["tried"] = call.tried
+    if call.models is not None:
+        record.update(_models(call.models))
+    if call.database is not None:
+        record.update(_database(call.database))
+    assert len(record) == len(_BLANK), set(record) - set(_BLANK)  # a misspelt field name
+    return record
 
 
 def _database(facts: DatabaseFacts | None) -> dict[str, Any]:
@@ -272,71 +318,68 @@ def _models(models: ModelFacts | None) -> dict[str, Any]:
 _NO_MODELS_FIELDS: Final = _models(None)
 _NO_DATABASE_FIELDS: Final = _database(None)
 
-
-def _named(call: CallRecord) -> dict[str, Any]:
-    """What the call names (its ids, target, endpoint, method): the envelope's, or for an
-    envelope that failed validation the ids it claimed, if any."""
-    request = call.request
-    if request is not None:
-        return {
-            F.TRACE_ID: request.trace_id,
-            F.CORRELATION_ID: request.correlation_id,
-            F.TARGET_SYSTEM: request.target_system,
-            F.ENDPOINT: request.endpoint,
-            F.METHOD: request.method,
-        }
-    claimed = call.claimed
-    return {
-        F.TRACE_ID: claimed.get(F.TRACE_ID),
-        F.CORRELATION_ID: claimed.get(F.CORRELATION_ID),
-        F.TARGET_SYSTEM: claimed.get(F.TARGET_SYSTEM),
-        F.ENDPOINT: claimed.get(F.ENDPOINT),
-        F.METHOD: claimed.get(F.METHOD),
-    }
-
-
-def _stream_and_cost(call: CallRecord, shadow: list[str]) -> dict[str, Any]:
-    """The record's stream, reasoning tokens, API, cost, budgets and shadow denials."""
-    stream, usage = call.stream, call.usage
-    return {
-        F.STREAM: stream is not None,
-        F.STREAM_EVENTS: stream.events if stream is not None else None,
-        F.TIME_TO_FIRST_BYTE_MS: (
-            round(stream.first_byte_s * 1000, 3)
-            if stream is not None and stream.first_byte_s is not None
-            else None
-        ),
-        F.TOKENS_REASONING: usage.reasoning if usage else None,
-        F.API: call.api,
-        F.COST_USD: round(call.cost_usd, 9) if call.cost_usd is not None else None,
-        F.COST_REASON: "replayed" if call.replayed else call.cost_reason,
-        F.COST_MODEL: call.cost_model,
-        F.COST_SOURCE: call.cost_source,
-        F.BUDGETS: [*call.budgets],
-        F.SHADOW_DENIED: shadow,
-    }
-
-
-def _chain(chain: ChainDecision | None) -> dict[str, Any]:
-    """The call chain the call went out with (None without agents calling agents)."""
-    agents = chain is not None and bool(chain.agents)
-    return {
-        F.CALL_CHAIN: list(chain.agents) if chain is not None and agents else None,
-        F.CALL_CHAIN_DEPTH: chain.depth if chain is not None and agents else None,
-    }
-
-
-def _caller(call: CallRecord, agent_id: str) -> dict[str, Any]:
-    """Who called (:class:`gateway.agents.identity.Identity`) and under which policy."""
-    identity = call.identity
-    claim = call.claimed.get(F.AGENT_ID) if call.request is None else None
-    claimed = identity.claimed if identity is not None else None
-    return {
-        F.AGENT_AUTH: identity.agent_auth if identity is not None else None,
-        F.AGENT_CLAIMED: claimed or (claim if claim is not None and claim != agent_id else None),
-        F.PEER_UID: identity.peer_uid if identity is not None else None,
-        F.POLICY_SHA256: call.policy_sha256,
-    }
+#: Every field of a call's record, in the order of its line, at its value for a call
+#: that used no control and reached nothing (:func:`audit_record` copies it).
+_BLANK: Final[dict[str, Any]] = {
+    F.AGENT_ID: None,
+    F.TRACE_ID: None,
+    F.CORRELATION_ID: None,
+    F.TARGET_SYSTEM: None,
+    F.ENDPOINT: None,
+    F.METHOD: None,
+    F.UPSTREAM: None,
+    F.DECISION: None,
+    F.SUCCESS: None,
+    F.STATUS_CODE: None,
+    F.ERROR_CODE: None,
+    F.RETRYABLE: None,
+    F.ATTEMPTS: None,
+    F.LATENCY_MS: None,
+    F.UPSTREAM_LATENCY_MS: None,
+    F.TOKENS_USED: None,
+    F.TOKENS_INPUT: None,
+    F.TOKENS_OUTPUT: None,
+    F.TOKENS_CACHED: None,
+    F.REQUEST_BYTES: None,
+    F.REQUEST_SHA256: None,
+    F.RESPONSE_BYTES: None,
+    F.API_KEY_REF: None,
+    F.RATE_LIMIT_GROUP: None,
+    F.RATE_LIMIT_WAIT_MS: None,
+    F.AGENT_RATE_LIMIT_GROUP: None,
+    F.RATE_LIMIT_REFUSED: None,
+    F.IDEMPOTENCY_KEY: None,
+    F.REPLAYED: None,
+    F.WARNINGS: None,
+    F.METADATA: None,
+    F.TRACEPARENT: None,
+    # Set by refusal_record only: the pipeline's calls came in as POST /v1/calls.
+    F.HTTP_METHOD: None,
+    F.HTTP_PATH: None,
+    F.HTTP_STATUS: None,
+    F.STREAM: False,
+    F.STREAM_EVENTS: None,
+    F.TIME_TO_FIRST_BYTE_MS: None,
+    F.TOKENS_REASONING: None,
+    F.API: None,
+    F.COST_USD: None,
+    F.COST_REASON: None,
+    F.COST_MODEL: None,
+    F.COST_SOURCE: None,
+    F.BUDGETS: None,
+    F.SHADOW_DENIED: None,
+    **_PER_JSONRPC_REQUEST,
+    F.CALL_CHAIN: None,
+    F.CALL_CHAIN_DEPTH: None,
+    F.AGENT_AUTH: None,
+    F.AGENT_CLAIMED: None,
+    F.PEER_UID: None,
+    F.POLICY_SHA256: None,
+    F.SERVED_BY: None,
+    F.TRIED: None,
+    **_NO_MODELS_FIELDS,
+    **_NO_DATABASE_FIELDS,
+}
 
 
 def refused(
