@@ -105,7 +105,7 @@ async def fail_over(
             )  # fmt: skip
         else:
             _option_tried(ctx, decision.target, request, None)
-            return response.model_copy(update={"served_by": ctx.served_by})
+            return response  # built naming ctx.served_by (_answered): no copy
 
 
 def _option_tried(
@@ -492,7 +492,9 @@ def _answered(
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
         model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
-        # served_by: set by fail_over (a target with fallbacks), never paid for here
+        # The option fail_over sends now (a target with fallbacks), else None: named
+        # here, not by a copy of the answer afterwards (a model_copy cost ~10 us).
+        served_by=ctx.served_by,
     )
 
 
