@@ -509,7 +509,7 @@ def _answered(
         correlation_id=request.correlation_id,
         model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
         # The option fail_over sends now (a target with fallbacks), else None: named
-        # here, not by a copy of the answer afterwards (a model_copy cost ~10 us).
+        # here, not by a model_copy of the answer afterwards (docs/performance.md).
         served_by=ctx.served_by,
     )
 
