@@ -79,7 +79,9 @@ async def fail_over(
         model = request_model(decision.target.spec.usage, request.endpoint, request.parameters)
         # This option's log (forward's attempts replace it): what failed before them is
         # told apart from the last option's; who serves it: a stream's head.
-        ctx.option(ServedBy(target=decision.target.name, model=model), AttemptLog(tried=[]))
+        # The first option keeps the call's log, which nothing wrote before the send
+        # stage (a dataclass of three lists less per call answered at once).
+        ctx.option(_served_by(decision.target.name, model), AttemptLog(tried=[]) if tried else None)
         try:
             response = await forward(pipe, policy, request, decision, ctx, deadline, relay)
         except GatewayError as exc:
@@ -105,7 +107,21 @@ async def fail_over(
             )  # fmt: skip
         else:
             _option_tried(ctx, decision.target, request, None)
-            return response.model_copy(update={"served_by": ctx.served_by})
+            return response  # built naming ctx.served_by (_answered): no copy
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_served_by(target: str, model: str | None) -> ServedBy:
+    return ServedBy(target=target, model=model)
+
+
+def _served_by(target: str, model: str | None) -> ServedBy:
+    """``ServedBy(target=target, model=model)``, validated once per pair: it is frozen,
+    so calls may share one. The model is the agent's: only a name of at most 256
+    characters is kept, so the cache holds at most 256 x that."""
+    if model is not None and len(model) > 256:
+        return ServedBy(target=target, model=model)
+    return _cached_served_by(target, model)
 
 
 def _option_tried(
@@ -492,7 +508,9 @@ def _answered(
         trace_id=request.trace_id,
         correlation_id=request.correlation_id,
         model=ModelNames(requested=choice.requested, sent=choice.sent) if choice else None,
-        # served_by: set by fail_over (a target with fallbacks), never paid for here
+        # The option fail_over sends now (a target with fallbacks), else None: named
+        # here, not by a model_copy of the answer afterwards (docs/performance.md).
+        served_by=ctx.served_by,
     )
 
 
