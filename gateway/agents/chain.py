@@ -88,10 +88,21 @@ REASONS: Final[tuple[Reason, ...]] = (
 @dataclass(frozen=True, slots=True)
 class SigningKeys:
     """The fleet's chain keys, resolved from ``chain.signing_key_ref`` (``current``, which
-    signs) and ``previous_signing_key_ref`` (still accepted); none: chains unsigned."""
+    signs) and ``previous_signing_key_ref`` (still accepted); none: chains unsigned.
+    The current key's HMAC states are made once, here (:meth:`sign`)."""
 
     current: Secret | None = None
     previous: Secret | None = None
+    _states: tuple[Any, Any] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        states = None if self.current is None else _hmac_states(self.current.reveal().encode())
+        object.__setattr__(self, "_states", states)
+
+    def sign(self, agents: Sequence[str], deadline_ms: int | None) -> str | None:
+        """:func:`sign` with the current key (None: no key, chains unsigned)."""
+        states = self._states
+        return None if states is None else _signed(states, agents, deadline_ms)
 
 
 NO_KEYS: Final = SigningKeys()
@@ -153,8 +164,11 @@ def canonical(agents: Sequence[str], deadline_ms: int | None) -> bytes:
 def sign(agents: Sequence[str], deadline_ms: int | None, key: Secret) -> str:
     """``v1=`` and the unpadded base64url HMAC-SHA256 (RFC 2104) of :func:`canonical`
     (the key's hash states kept, :func:`_hmac_states`; tested equal to :mod:`hmac`'s)."""
-    inner, outer = _hmac_states(key.reveal().encode())
-    inner, outer = inner.copy(), outer.copy()
+    return _signed(_hmac_states(key.reveal().encode()), agents, deadline_ms)
+
+
+def _signed(states: tuple[Any, Any], agents: Sequence[str], deadline_ms: int | None) -> str:
+    inner, outer = states[0].copy(), states[1].copy()
     inner.update(canonical(agents, deadline_ms))
     outer.update(inner.digest())
     text = binascii.b2a_base64(outer.digest(), newline=False).translate(_URLSAFE)
@@ -273,7 +287,7 @@ def decide(
     if deadline <= now_ms:
         message = f"the call chain's deadline passed {now_ms - deadline} ms ago"
         return _refused(received, agents, deadline, "ttl_expired", message)
-    signature = sign(agents, deadline, keys.current) if keys.current is not None else None
+    signature = keys.sign(agents, deadline)
     return ChainDecision(
         received=before,
         agents=agents,
@@ -300,7 +314,7 @@ def start(
         received=(),
         agents=agents,
         deadline_ms=deadline,
-        signature=sign(agents, deadline, keys.current) if keys.current is not None else None,
+        signature=keys.sign(agents, deadline),
         remaining_s=min(timeout_s, ttl_ms / 1000),
     )
 

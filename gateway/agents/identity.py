@@ -73,6 +73,9 @@ class Agents:
     #: SHA-256 of their token: both derived from ``agents`` once, not per call.
     _reads_uid: bool = field(init=False, repr=False, compare=False)
     _by_token_sha256: dict[bytes, Agent] = field(init=False, repr=False, compare=False)
+    #: The identity each token gives a caller whose UID is not asked (immutable: made
+    #: once per agent, not per call), by the token's SHA-256.
+    _token_identities: dict[bytes, Identity] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         by_digest: dict[bytes, Agent] = {}
@@ -81,6 +84,10 @@ class Agents:
                 by_digest[agent.token_sha256] = agent  # the last one, as the loop found
         object.__setattr__(self, "_reads_uid", any(a.uid is not None for a in self.agents))
         object.__setattr__(self, "_by_token_sha256", by_digest)
+        identities = {
+            d: Identity(a.agent_id, "token", None, a.targets) for d, a in by_digest.items()
+        }
+        object.__setattr__(self, "_token_identities", identities)
 
     @property
     def default_identity(self) -> Identity:
@@ -117,6 +124,19 @@ class Agents:
         if found is None or found.token_sha256 is None:
             return None
         return found if hmac.compare_digest(presented, found.token_sha256) else None
+
+    def token_identity(self, token: str) -> Identity | None:
+        """What :func:`establish` decides for a caller whose UID is not asked and who
+        sent ``token`` and no claim: the identity of the agent :meth:`by_token` finds
+        (the same digest and constant-time compare), made once per agent; None when no
+        agent's token it is."""
+        presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        found = self._by_token_sha256.get(presented)
+        if found is None or found.token_sha256 is None:
+            return None
+        if not hmac.compare_digest(presented, found.token_sha256):
+            return None
+        return self._token_identities[found.token_sha256]
 
 
 def token_digest(value: str) -> bytes:
@@ -262,6 +282,16 @@ def identify(transport: Transport | None, headers: Mapping[str, str], agents: Ag
         claim = headers.get(CLAIM_HEADER)
         identity = agents.default_identity
         return identity if claim is None else identity.with_claim(claim)
+    if listener == "tcp" and not agents.reads_uid:
+        # No UID to ask: a token and no claim is the agent's identity, made once
+        # (Agents.token_identity); anything else is establish()'s to decide.
+        token = _only(headers, TOKEN_HEADER)
+        claim = _only(headers, CLAIM_HEADER)
+        if token is not None and claim is None:
+            known = agents.token_identity(token)
+            if known is not None:
+                return known
+        return establish(Seen(listener, None, token, claim), agents)
     uid = None
     if listener == "unix" or agents.reads_uid:  # the socket only when the kernel is asked
         uid = _TCP_OWNERS.get(transport) if listener == "tcp" else None

@@ -18,11 +18,48 @@ from gateway.call.record import CallContext
 from gateway.envelope import ExternalCallRequest
 from gateway.policy.chain import ChainSpec
 from gateway.policy.refs import SecretRef, parse_ref
-from gateway.secrets import ResolvedSecret
+from gateway.secrets import ResolvedSecret, SecretResolvers
 from gateway.tracing import trace_id_of
 
 #: How the pipeline resolves a secret reference within a deadline (monotonic seconds).
 Resolve = Callable[[SecretRef, CallContext, float], Awaitable[ResolvedSecret | None]]
+
+
+class ChainKeys:
+    """The fleet's signing keys as last resolved (one pipeline's, so one policy's at a
+    time), kept while their secrets are unchanged: like Vault Agent's cache, an
+    unchanged key costs a ``stat`` (a ``file://`` key; a look at the environment for
+    ``env://``), not a resolution, a :class:`~gateway.agents.chain.SigningKeys` and
+    its HMAC states per call.
+
+    Kept only what went through the resolvers' whole :meth:`SecretResolvers.resolve`
+    (its checks), and only while :meth:`SecretResolvers.unchanged` says each secret is
+    still the very one resolved: a rotated key (a rewritten or swapped file, a changed
+    variable) or an invalidated one is resolved again on the next call, as before. A
+    ``vault://`` key is resolved per call (its own cache decides)."""
+
+    __slots__ = ("_kept", "_resolvers")
+
+    def __init__(self, resolvers: SecretResolvers) -> None:
+        self._resolvers = resolvers
+        #: (the references, what each resolved to, the keys made of them)
+        self._kept: tuple[tuple[SecretRef, ...], tuple[ResolvedSecret, ...], chain.SigningKeys]
+        self._kept = ((), (), chain.NO_KEYS)
+
+    async def keys(
+        self, refs: tuple[SecretRef, ...], ctx: CallContext, deadline: float, resolve: Resolve
+    ) -> chain.SigningKeys:
+        """The keys ``refs`` (current first) name: the kept ones while unchanged, else
+        resolved through ``resolve`` (its errors raised) and kept."""
+        kept_refs, kept, keys = self._kept
+        if kept_refs is refs and all(map(self._resolvers.unchanged, refs, kept)):
+            return keys
+        resolved = [await resolve(ref, ctx, deadline) for ref in refs]
+        found = tuple(r for r in resolved if r is not None)
+        keys = chain.SigningKeys(*(r.secret for r in found))
+        if len(found) == len(refs):
+            self._kept = (refs, found, keys)
+        return keys
 
 
 async def chain_stage(
@@ -31,6 +68,7 @@ async def chain_stage(
     ctx: CallContext,
     resolve: Resolve,
     memory: ChainMemory | None = None,
+    cache: ChainKeys | None = None,
 ) -> chain.ChainDecision:
     """The call's chain decision, refused or not (its ``error``, a
     :class:`~gateway.errors.CallChainRefused` (409), is for the caller to record, then
@@ -41,13 +79,19 @@ async def chain_stage(
     A call that carries no chain gets the one ``memory`` remembers for its W3C trace
     (an agent that leaves the chain out keeps its depth). A call to this sidecar's agent
     (``ctx.chain_inbound``: the inbound route) is admitted, not extended
-    (:func:`gateway.agents.chain.admit`), and remembered in ``memory``."""
+    (:func:`gateway.agents.chain.admit`), and remembered in ``memory``.
+
+    ``cache``: the keys as last resolved (:class:`ChainKeys`), used again while their
+    secrets are unchanged; without one they are resolved per call."""
     keys = chain.NO_KEYS
-    if spec.signing_key_ref is not None:  # resolved per call: a rotated key is taken up
+    if spec.signing_key_ref is not None:  # checked per call: a rotated key is taken up
         deadline = ctx.started + request.timeout
         refs = _parsed(spec.signing_key_ref, spec.previous_signing_key_ref)
-        resolved = [await resolve(ref, ctx, deadline) for ref in refs]
-        keys = chain.SigningKeys(*(r.secret for r in resolved if r is not None))
+        if cache is not None:
+            keys = await cache.keys(refs, ctx, deadline, resolve)
+        else:
+            resolved = [await resolve(ref, ctx, deadline) for ref in refs]
+            keys = chain.SigningKeys(*(r.secret for r in resolved if r is not None))
     seen = request.call_chain if request.call_chain is not None else ctx.chain_seen
     now_ms = int(time.time() * 1000)
     if ctx.chain_inbound:

@@ -40,7 +40,7 @@ from gateway.budgets import Budgets
 from gateway.call import a2a, agentgroup, mcp, send
 from gateway.call import hooks as api_hooks
 from gateway.call import models as model_rules
-from gateway.call.chain import chain_stage
+from gateway.call.chain import ChainKeys, chain_stage
 from gateway.call.hooks import CallHooks
 from gateway.call.idempotent import Learned, Rendered, answer_status, once_per_key
 from gateway.call.intake import (
@@ -141,6 +141,8 @@ class Pipeline:
         self.dead_letters = DeadLetters(max_count=1000, max_bytes=16 << 20, audit=audit)
         #: How the chain stage resolves its signing keys (gateway.call.send.resolve).
         self.resolve = functools.partial(send.resolve, self)
+        #: The chain's signing keys, kept while unchanged (gateway.call.chain.ChainKeys).
+        self.chain_keys = ChainKeys(resolvers)
 
     def apply_policy(self, policy: PolicySet) -> None:
         """Swap in a new policy; calls already running keep the one they started with.
@@ -255,7 +257,9 @@ class Pipeline:
             identity.admit(request.target_system)
             ctx.decided("denied")
             chained = ctx.chained(
-                await chain_stage(policy.policy.chain, request, ctx, self.resolve, self.chains)
+                await chain_stage(
+                    policy.policy.chain, request, ctx, self.resolve, self.chains, self.chain_keys
+                )
             )
             if chained.error is not None:
                 raise chained.error

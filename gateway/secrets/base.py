@@ -79,6 +79,10 @@ class SecretResolver(Protocol):
     async def aclose(self) -> None: ...
 
 
+def _never(ref: SecretRef, resolved: ResolvedSecret) -> bool:
+    return False
+
+
 class SecretResolvers:
     """Dispatches references to the resolver registered for their scheme."""
 
@@ -113,6 +117,18 @@ class SecretResolvers:
                 details={"api_key_ref": ref.raw, "reason": "invalid_value"},
             )
         return resolved
+
+    def unchanged(self, ref: SecretRef, resolved: ResolvedSecret) -> bool:
+        """True if resolving ``ref`` now would give ``resolved`` again (the very object a
+        previous :meth:`resolve` returned), as its resolver can tell at once without
+        waiting (a file's ``stat``, the environment): a caller that keeps what it made
+        of ``resolved`` (the chain's signing keys) may use it again, and a rotated or
+        invalidated secret is resolved anew. False when the resolver cannot tell (Vault:
+        its own cache decides, in :meth:`resolve`). A resolver says so with a method
+        ``unchanged(ref, resolved) -> bool``."""
+        resolver = self._resolvers.get(ref.scheme)
+        check = getattr(resolver, "unchanged", _never)
+        return check(ref, resolved) is True
 
     def invalidate(self, ref: SecretRef) -> None:
         resolver = self._resolvers.get(ref.scheme)

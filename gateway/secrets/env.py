@@ -28,6 +28,12 @@ class EnvResolver:
             )
         return ResolvedSecret(Secret(value))
 
+    def unchanged(self, ref: SecretRef, resolved: ResolvedSecret) -> bool:
+        """True if the variable still holds ``resolved``'s value (what :meth:`resolve`
+        would read now), so a caller may keep what it made of it."""
+        value = os.environ.get(ref.path, "").removesuffix("\n").removesuffix("\r")
+        return bool(value) and value == resolved.secret.reveal()
+
     def invalidate(self, ref: SecretRef) -> None:
         """Nothing is cached."""
 

@@ -97,6 +97,19 @@ class FileResolver:
             )
         return ResolvedSecret(Secret(value))
 
+    def unchanged(self, ref: SecretRef, resolved: ResolvedSecret) -> bool:
+        """True if :meth:`resolve` would answer ``resolved`` from its cache now: the file's
+        ``stat`` is the one cached with it (the same test, so a rewritten, swapped or
+        re-permissioned file, or an invalidated entry, is read again)."""
+        cached = self._cache.get(ref.path)
+        if cached is None or cached[1] is not resolved:
+            return False
+        try:
+            st = os.stat(ref.path)
+        except OSError:
+            return False
+        return cached[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
     def invalidate(self, ref: SecretRef) -> None:
         self._cache.pop(ref.path, None)
 
