@@ -349,6 +349,7 @@ def inventory_target(url: str) -> dict[str, Any]:
         "//169.254.169.254/latest/meta-data/",
         "/latest/meta-data/@169.254.169.254",
         "/%2e%2e/latest/meta-data/",
+        "/latest/%%32e%%32e/%%32e%%32e/admin",  # sent as %252e: ".." to a double decoder
     ],
 )
 async def test_b17_endpoint_cannot_change_host(upstream_factory, sidecar_factory, endpoint):

@@ -71,6 +71,14 @@ from tests.conftest import compile_policy
         ("/v1%7f", "encoded_separator"),
         ("/v1/a%252e", "encoded_separator"),
         ("/v1/a%25", "encoded_separator"),
+        # a "%" that is not an escape: sent as %25, an upstream decoding twice reads ".."
+        ("/v1/models/%%32e%%32e%%32ffiles", "malformed_percent_encoding"),
+        ("/v1/models/%%32e%%32e", "malformed_percent_encoding"),
+        ("/v1/x%%35c", "malformed_percent_encoding"),
+        ("/v1/a%2", "malformed_percent_encoding"),
+        ("/v1/a%", "malformed_percent_encoding"),
+        ("/v1/a%g1", "malformed_percent_encoding"),
+        ("/v1/%zz", "malformed_percent_encoding"),
         # literal control characters anywhere (header / request-line injection)
         ("/v1\r\nHost: evil.example", "control_characters"),
         ("/v1\rx", "control_characters"),
@@ -91,6 +99,7 @@ from tests.conftest import compile_policy
         ("/api/chat.postMessage", None),
         ("/v1/ünïcode/名前", None),
         ("/v1/a%20b", None),
+        ("/v1/a%C3%A9b", None),
         ("/v1/.well-known", None),
         ("/v1/...", None),
         ("/v1/a..b", None),

@@ -146,6 +146,7 @@ async def test_wrong_route_is_json(upstream_factory, sidecar_factory, method, pa
         ({"endpoint": "//evil.example/v1/chat/completions"}, "endpoint_not_a_path"),
         ({"endpoint": "http://169.254.169.254/latest/meta-data/"}, "endpoint_not_a_path"),
         ({"endpoint": "/v1/models/..%2f..%2fadmin", "method": "GET"}, "endpoint_not_a_path"),
+        ({"endpoint": "/v1/models/%%32e%%32e%%32ffiles", "method": "GET"}, "endpoint_not_a_path"),
         ({"endpoint": "/v1/chat/completions\r\nHost: evil"}, "endpoint_not_a_path"),
         ({"api_key_ref": "env://OTHER_KEY"}, "ref_not_allowed"),
         ({"headers": {"X-Forwarded-For": "1.2.3.4"}}, "header_not_allowed"),

@@ -47,6 +47,11 @@ from gateway.urls import URL
 
 _ENCODED_FORBIDDEN: Final = re.compile(r"%(2e|2f|5c|0[0-9a-f]|1[0-9a-f]|7f|25)", re.IGNORECASE)
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+#: A ``%`` not followed by two hex digits (RFC 3986, section 2.1: pct-encoded = "%"
+#: HEXDIG HEXDIG). yarl sends it as ``%25`` and decodes what follows where it can
+#: (``%%32e`` goes out as ``%252e``), so an upstream or proxy that decodes twice reads
+#: ``.``, ``/`` or ``\`` where the allowlist saw none.
+_MALFORMED_PERCENT: Final = re.compile(r"%(?![0-9A-Fa-f]{2})")
 #: C0 and C1 controls and DEL: WHATWG URL parsers drop tab and newline where yarl
 #: percent-encodes them, so the two would read another path.
 _LOCATION_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -118,6 +123,8 @@ def _endpoint_problem(endpoint: str) -> str | None:
         return "query_or_fragment"
     if _ENCODED_FORBIDDEN.search(endpoint):
         return "encoded_separator"
+    if _MALFORMED_PERCENT.search(endpoint):
+        return "malformed_percent_encoding"
     # "..;x" is ".." to Tomcat and Spring (path parameters are dropped before resolving).
     if any(seg.split(";", 1)[0] in (".", "..") for seg in endpoint.split("/")):
         return "dot_segment"
