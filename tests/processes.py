@@ -67,8 +67,29 @@ class Process:
             cwd=ROOT, env=environ, stdout=asyncio.subprocess.PIPE, stderr=stderr,
         )  # fmt: skip
         process = cls(proc)
-        await wait_for(lambda: bool(process.calls_url) or proc.returncode is not None, timeout_s)
+        try:
+            await wait_for(
+                lambda: bool(process.calls_url) or proc.returncode is not None, timeout_s
+            )
+        except BaseException:  # not listening in time: no sidecar outlives its test
+            await process.kill()
+            raise
         return process
+
+    @classmethod
+    async def start_many(cls, count: int, policy_path: Path, **options: Any) -> list[Process]:
+        """``count`` sidecars started at once (``start``'s options); if one fails to
+        start, the others are killed before its error is raised."""
+        started = await asyncio.gather(
+            *(cls.start(policy_path, **options) for _ in range(count)), return_exceptions=True
+        )
+        failed = [result for result in started if isinstance(result, BaseException)]
+        if failed:
+            for result in started:
+                if isinstance(result, Process):
+                    await result.kill()
+            raise failed[0]
+        return [result for result in started if isinstance(result, Process)]
 
     async def kill(self) -> None:
         if self.proc.returncode is None:

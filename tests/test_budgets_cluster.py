@@ -187,9 +187,7 @@ async def test_three_sidecars_share_one_budget(
     budget = {"limit_usd": limit, "window": "daily", "scope": "cluster"}
     path = tmp_path / "policy.yaml"
     path.write_text(_policy(up.url, redis_prefix, budget))
-    procs = await asyncio.gather(
-        *(Process.start(path, drop_env=("REDIS_URL",), timeout_s=30) for _ in range(3))
-    )
+    procs = await Process.start_many(3, path, drop_env=("REDIS_URL",), timeout_s=30)
     try:
         assert all(p.calls_url for p in procs), "a sidecar did not start"
         env = envelope(parameters={"model": "fake-model-1", "max_tokens": 10, "messages": MESSAGES})
