@@ -175,14 +175,30 @@ def dumps_line(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
+#: What :func:`orjson_value` gives when it leaves the text to ``json`` to decide.
+UNDECIDED: Final = object()
+
+
+def orjson_value(raw: bytes) -> Any:
+    """``raw`` parsed by orjson where that is exactly ``json.loads``'s value, else
+    :data:`UNDECIDED`: orjson refused it (NaN, an infinity such as ``1e400``, a lone
+    surrogate, a BOM, UTF-16 or -32, invalid JSON) or it holds an integer of more digits
+    than orjson keeps exact. Never raises."""
+    if orjson is None or _LONG_DIGITS in raw.translate(_DIGITS_ONLY):
+        return UNDECIDED
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return UNDECIDED
+
+
 def loads(raw: bytes) -> Any:
     """Parse one JSON value exactly as ``json.loads`` does (integers of any size stay
     integers), with orjson's speed where that gives the same value. Raises ``ValueError``
     (``json.JSONDecodeError``, ``UnicodeDecodeError``) if invalid."""
-    if orjson is not None and _LONG_DIGITS not in raw.translate(_DIGITS_ONLY):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass  # NaN, lone surrogates, or really invalid: let json decide and explain
-    # Without the line ending, an error's column is the column on the line.
+    value = orjson_value(raw)
+    if value is not UNDECIDED:
+        return value
+    # NaN, lone surrogates, or really invalid: json decides and explains. Without the
+    # line ending, an error's column is the column on the line.
     return json.loads(raw.rstrip(b"\r\n"))

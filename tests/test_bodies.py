@@ -226,3 +226,37 @@ def test_b21_a_300_kib_single_event_is_assembled_exactly() -> None:
     assert len(data["content"]) == 307200
     assert data["content"] == content
     assert data["events"] == [big, usage]
+
+
+@pytest.mark.parametrize(
+    ("body", "is_json"),
+    [
+        (b'{"id":"chatcmpl-1","choices":[{"message":{"content":"hi"}}],"usage":{"n":3}}', True),
+        (b'{"a":1,"a":2}', True),
+        (b"[1e-400, -0.0, 1.0, 0.1, 123456789012345678]", True),
+        (b"123456789012345678901234567890", True),  # more digits than orjson keeps exact
+        (b"\xef\xbb\xbf{}", True),  # a BOM, as json reads bytes
+        ('{"é":"名前"}'.encode("utf-16"), True),
+        (b'"a\x7fb"', True),
+        (b'{"n":1e400}', False),  # an infinity: not JSON the sidecar can write back
+        (b'{"n":NaN}', False),
+        (b'"\\ud800"', False),  # a lone surrogate escape
+        (b'"\xed\xa0\x80"', True),  # a lone surrogate's bytes: json's value, as before
+        (b"[" * 200 + b"]" * 200, True),  # at the depth bound
+        (b"[" * 201 + b"]" * 201, False),  # deeper than the bound
+        (b'{"a":[1,2,}', False),
+    ],
+)
+def test_an_answer_is_parsed_as_the_json_module_parses_it(body: bytes, is_json: bool) -> None:
+    # parse_body reads with orjson where that gives json's value, and json decides the
+    # rest: the same values, and the same refusals (infinities, NaN, surrogates, depth).
+    from gateway import fastjson
+
+    data, parsed = parse_body("application/json", body, 200)
+    assert parsed is is_json
+    if is_json:
+        assert data == json.loads(body)
+        assert json.dumps(data) == json.dumps(json.loads(body))  # ints stay ints
+    value = fastjson.orjson_value(body)
+    if value is not fastjson.UNDECIDED:  # where orjson decided, it gave json's value
+        assert json.dumps(value) == json.dumps(json.loads(body))

@@ -25,6 +25,7 @@ import base64
 import json
 from typing import Any, Final
 
+from gateway import fastjson
 from gateway.call.intake import has_lone_surrogates
 from gateway.call.sse import decode_all
 from gateway.providers import delta_text
@@ -86,7 +87,11 @@ def _decode(text: str | bytes) -> Any:
 
 def _loads(text: str | bytes, max_depth: int) -> Any:
     """``text`` as a JSON value that can be written back exactly, or raises ValueError."""
-    value = _decode(text)
+    # orjson where it gives json's value (~30,000 instructions less for a chat answer);
+    # what it refuses (NaN, infinities, a BOM, lone surrogates) json decides, as before.
+    value = fastjson.orjson_value(text) if isinstance(text, bytes) else fastjson.UNDECIDED
+    if value is fastjson.UNDECIDED:
+        value = _decode(text)
     raw = text.encode() if isinstance(text, str) else text
     # Cheap bound first: fewer opening brackets than the limit cannot nest deeper.
     if raw.count(b"[") + raw.count(b"{") > max_depth and (
