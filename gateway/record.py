@@ -193,25 +193,9 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
     # (docs/performance.md, "the audit record and metrics"). Field names are literals
     # here, as attribute lookups are what cost; the length check catches a misspelt one.
     record = _BLANK.copy()
-    request, target, usage, error = call.request, call.target, call.usage, response.error
-    agent_id = call.agent_id  # a claimed agent_id is never who called
-    record["agent_id"] = agent_id
-    if request is not None:
-        record["trace_id"] = request.trace_id
-        record["correlation_id"] = request.correlation_id
-        record["target_system"] = request.target_system
-        record["endpoint"] = request.endpoint
-        record["method"] = request.method
-        record["metadata"] = request.metadata
-    else:
-        claimed = call.claimed
-        if claimed:
-            record["trace_id"] = claimed.get("trace_id")
-            record["correlation_id"] = claimed.get("correlation_id")
-            record["target_system"] = claimed.get("target_system")
-            record["endpoint"] = claimed.get("endpoint")
-            record["method"] = claimed.get("method")
-        record["metadata"] = {}
+    target, error = call.target, response.error
+    record["agent_id"] = call.agent_id  # a claimed agent_id is never who called
+    _write_request(record, call)
     if target is not None:
         record["upstream"] = origin_label(target.base_url)
     record["decision"] = decision_of(call)
@@ -229,12 +213,6 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
     latency = call.upstream_latency_s
     if latency is not None:
         record["upstream_latency_ms"] = round(latency * 1000, 3)
-    if usage is not None:
-        record["tokens_used"] = usage.total
-        record["tokens_input"] = usage.input
-        record["tokens_output"] = usage.output
-        record["tokens_cached"] = usage.cached
-        record["tokens_reasoning"] = usage.reasoning
     record["request_bytes"] = call.request_bytes
     record["request_sha256"] = call.request_sha256
     record["response_bytes"] = call.response_bytes
@@ -244,38 +222,13 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
     record["agent_rate_limit_group"] = call.agent_rate_limit_group
     record["rate_limit_refused"] = call.rate_limit_refused
     record["idempotency_key"] = call.idempotency_key
-    replayed = call.replayed
-    record["replayed"] = replayed
+    record["replayed"] = call.replayed
     record["warnings"] = warnings
     record["traceparent"] = call.traceparent
-    stream = call.stream
-    if stream is not None:
-        record["stream"] = True
-        record["stream_events"] = stream.events
-        if stream.first_byte_s is not None:
-            record["time_to_first_byte_ms"] = round(stream.first_byte_s * 1000, 3)
     record["api"] = call.api
-    if call.cost_usd is not None:
-        record["cost_usd"] = round(call.cost_usd, 9)
-    record["cost_reason"] = "replayed" if replayed else call.cost_reason
-    record["cost_model"] = call.cost_model
-    record["cost_source"] = call.cost_source
-    record["budgets"] = [*call.budgets]
+    _write_spend(record, call)
     record["shadow_denied"] = [*call.shadow_denied]  # its own (the record's may be the context's)
-    chain = call.chain
-    if chain is not None and chain.agents:
-        record["call_chain"] = list(chain.agents)
-        record["call_chain_depth"] = chain.depth
-    identity = call.identity
-    claimed_id = None
-    if identity is not None:
-        record["agent_auth"] = identity.agent_auth
-        record["peer_uid"] = identity.peer_uid
-        claimed_id = identity.claimed
-    if not claimed_id:
-        claim = call.claimed.get("agent_id") if request is None else None
-        claimed_id = claim if claim is not None and claim != agent_id else None
-    record["agent_claimed"] = claimed_id
+    _write_agent(record, call)
     record["policy_sha256"] = call.policy_sha256
     served_by = call.served_by
     if served_by is not None and success:
@@ -287,6 +240,71 @@ def audit_record(call: CallRecord, response: ExternalCallResponse) -> dict[str, 
         record.update(_database(call.database))
     assert len(record) == len(_BLANK), set(record) - set(_BLANK)  # a misspelt field name
     return record
+
+
+def _write_spend(record: dict[str, Any], call: CallRecord) -> None:
+    """What the call spent: its tokens, its stream's events and first byte, its cost
+    (``replayed`` when an idempotent replay cost nothing) and the budgets it was booked to."""
+    usage = call.usage
+    if usage is not None:
+        record["tokens_used"] = usage.total
+        record["tokens_input"] = usage.input
+        record["tokens_output"] = usage.output
+        record["tokens_cached"] = usage.cached
+        record["tokens_reasoning"] = usage.reasoning
+    stream = call.stream
+    if stream is not None:
+        record["stream"] = True
+        record["stream_events"] = stream.events
+        if stream.first_byte_s is not None:
+            record["time_to_first_byte_ms"] = round(stream.first_byte_s * 1000, 3)
+    if call.cost_usd is not None:
+        record["cost_usd"] = round(call.cost_usd, 9)
+    record["cost_reason"] = "replayed" if call.replayed else call.cost_reason
+    record["cost_model"] = call.cost_model
+    record["cost_source"] = call.cost_source
+    record["budgets"] = [*call.budgets]
+
+
+def _write_request(record: dict[str, Any], call: CallRecord) -> None:
+    """The call's request fields: the validated request's, else what a refused one claimed
+    (the ids and target it named, never trusted for anything else)."""
+    request = call.request
+    if request is not None:
+        record["trace_id"] = request.trace_id
+        record["correlation_id"] = request.correlation_id
+        record["target_system"] = request.target_system
+        record["endpoint"] = request.endpoint
+        record["method"] = request.method
+        record["metadata"] = request.metadata
+        return
+    claimed = call.claimed
+    if claimed:
+        record["trace_id"] = claimed.get("trace_id")
+        record["correlation_id"] = claimed.get("correlation_id")
+        record["target_system"] = claimed.get("target_system")
+        record["endpoint"] = claimed.get("endpoint")
+        record["method"] = claimed.get("method")
+    record["metadata"] = {}
+
+
+def _write_agent(record: dict[str, Any], call: CallRecord) -> None:
+    """Who called, as the sidecar established it: the call chain, how the agent was known
+    (``agent_auth``, ``peer_uid``) and an ``agent_id`` it claimed that is not who it is."""
+    chain = call.chain
+    if chain is not None and chain.agents:
+        record["call_chain"] = list(chain.agents)
+        record["call_chain_depth"] = chain.depth
+    identity = call.identity
+    claimed_id = None
+    if identity is not None:
+        record["agent_auth"] = identity.agent_auth
+        record["peer_uid"] = identity.peer_uid
+        claimed_id = identity.claimed
+    if not claimed_id:
+        claim = call.claimed.get("agent_id") if call.request is None else None
+        claimed_id = claim if claim is not None and claim != call.agent_id else None
+    record["agent_claimed"] = claimed_id
 
 
 def _database(facts: DatabaseFacts | None) -> dict[str, Any]:

@@ -245,16 +245,7 @@ class Pipeline:
         trace = self.tracer.begin(ctx)
         status, response = 500, None
         try:
-            taken = intake()
-            if isinstance(taken, tuple):  # an API's Arrival, refused or not (not the fast path's)
-                taken = ctx.arrived(taken)
-            request = taken.request
-            # A claimed agent_id is checked against who called, never taken for it.
-            identity = (ctx.identity or policy_identity(ctx.agent_id)).with_claim(request.agent_id)
-            ctx.took(request, egress_rules.loggable_ref(request.api_key_ref), identity)
-            if taken.unknown_fields:
-                _unknown_fields(ctx, request, taken.unknown_fields)
-            identity.admit(request.target_system)
+            request = _took(ctx, intake())
             ctx.decided("denied")
             chained = ctx.chained(
                 await chain_stage(
@@ -486,6 +477,21 @@ def _call_group(
     if refused is not None:
         raise refused
     return named
+
+
+def _took(ctx: CallContext, taken: Intake | Arrival | ArrivalFields) -> ExternalCallRequest:
+    """The request an intake gave, taken into ``ctx`` with who is calling; raises the
+    intake's refusal, or the identity's when the caller may not call its target."""
+    if isinstance(taken, tuple):  # an API's Arrival, refused or not (not the fast path's)
+        taken = ctx.arrived(taken)
+    request = taken.request
+    # A claimed agent_id is checked against who called, never taken for it.
+    identity = (ctx.identity or policy_identity(ctx.agent_id)).with_claim(request.agent_id)
+    ctx.took(request, egress_rules.loggable_ref(request.api_key_ref), identity)
+    if taken.unknown_fields:
+        _unknown_fields(ctx, request, taken.unknown_fields)
+    identity.admit(request.target_system)
+    return request
 
 
 def _unknown_fields(
