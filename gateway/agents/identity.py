@@ -130,11 +130,8 @@ class Agents:
         sent ``token`` and no claim: the identity of the agent :meth:`by_token` finds
         (the same digest and constant-time compare), made once per agent; None when no
         agent's token it is."""
-        presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
-        found = self._by_token_sha256.get(presented)
+        found = self.by_token(token)
         if found is None or found.token_sha256 is None:
-            return None
-        if not hmac.compare_digest(presented, found.token_sha256):
             return None
         return self._token_identities[found.token_sha256]
 

@@ -32,6 +32,11 @@ MAX_CACHED_FILES: Final = 256
 _Stamp = tuple[int, int, int, int, int]
 
 
+def _stamp(st: os.stat_result) -> _Stamp:
+    """What tells a file's content changed: another file, size, write or inode change."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 class FileResolver:
     #: Reads local state only, never waits (SecretResolvers.is_local).
     local: Final = True
@@ -45,7 +50,7 @@ class FileResolver:
         except OSError:
             st = None  # reading reports why, with the usual errors
         if st is not None:
-            stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            stamp = _stamp(st)
             cached = self._cache.get(ref.path)
             if cached is not None and cached[0] == stamp:
                 return cached[1]
@@ -108,7 +113,7 @@ class FileResolver:
             st = os.stat(ref.path)
         except OSError:
             return False
-        return cached[0] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return cached[0] == _stamp(st)
 
     def invalidate(self, ref: SecretRef) -> None:
         self._cache.pop(ref.path, None)
