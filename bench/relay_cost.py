@@ -143,10 +143,11 @@ class _Callgrind:
         return total
 
 
-async def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    stand_in = StandIn()
+async def serve_stand_in(handle: Any, work: Path) -> web.AppRunner:
+    """``handle`` serving every POST on a loopback port, and in ``work`` the benchmark's
+    full policy (bench/run.py) aimed at it: ``policy.json``, its key in ``secret``."""
     app = web.Application()
-    app.router.add_post("/{tail:.*}", stand_in.handle)
+    app.router.add_post("/{tail:.*}", handle)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
@@ -156,6 +157,12 @@ async def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     secret.write_text(bench_run.SECRET)
     policy = bench_run.policy_for(f"{host}:{port}", secret, work / "audit.jsonl", "full")
     (work / "policy.json").write_text(json.dumps(policy))
+    return runner
+
+
+async def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    stand_in = StandIn()
+    runner = await serve_stand_in(stand_in.handle, work)
     argv = [PY, "-m", "gateway", "serve", "--policy", str(work / "policy.json"),
             "--port", "0", "--ops-port", "0"]  # fmt: skip
     env = dict(os.environ, PYTHONHASHSEED="0")

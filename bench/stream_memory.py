@@ -46,6 +46,7 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as bench_run
 from harness import Child, start
+from relay_cost import serve_stand_in
 
 PY = sys.executable
 CHUNK = b'data: {"object":"chat.completion.chunk","i":%d,"choices":[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\n\n'  # noqa: E501
@@ -164,17 +165,7 @@ async def _wait_file(path: Path) -> None:
 
 async def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     stand_in = StandIn(args.held)
-    app = web.Application()
-    app.router.add_post("/{tail:.*}", stand_in.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    secret = work / "secret"
-    secret.write_text(bench_run.SECRET)
-    policy = bench_run.policy_for(f"{host}:{port}", secret, work / "audit.jsonl", "full")
-    (work / "policy.json").write_text(json.dumps(policy))
+    runner = await serve_stand_in(stand_in.handle, work)
     snap = work / "snapshot"
     argv = [PY, "-c", SIDECAR, str(snap), "serve", "--policy", str(work / "policy.json"),
             "--port", "0", "--ops-port", "0"]  # fmt: skip
