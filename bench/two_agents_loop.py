@@ -1,5 +1,5 @@
-"""The README's two-agent walkthrough with real processes (README, "Two agents, step by
-step"): two sidecars (``egress-gateway serve``), two a2a-sdk agents
+"""The two-agent walkthrough with real processes (docs/api/a2a.md, "Two agents, step
+by step"): two sidecars (``egress-gateway serve``), two a2a-sdk agents
 (tests/a2a_agents.py); a user asks the planner through its sidecar, the planner's task
 asks the executor, which asks the planner back. Prints how many times each agent was
 called, what it answered, and each sidecar's audit records: the loop stops at the first
