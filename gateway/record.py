@@ -144,7 +144,7 @@ class CallRecord(NamedTuple):
     chain: ChainDecision | None
     #: Who answered (target and model; None: no upstream answered well) and every
     #: attempt (:func:`gateway.call.attempts.tried_entry`) of a target with
-    #: ``fallbacks`` (gateway.call.send.fail_over), or of a call that was retried.
+    #: ``fallbacks`` (gateway.call.failover.fail_over), or of a call that was retried.
     served_by: ServedBy | None = None
     tried: list[dict[str, Any]] | None = None
     #: The models asked for, sent and answered (None: no ``models:`` rule applied).

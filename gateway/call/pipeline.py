@@ -37,7 +37,7 @@ from gateway.audit import AuditLog, get_logger
 from gateway.audit.schema import Fields
 from gateway.breaker import CircuitBreakers
 from gateway.budgets import Budgets
-from gateway.call import a2a, agentgroup, mcp, send
+from gateway.call import a2a, agentgroup, failover, mcp, send
 from gateway.call import hooks as api_hooks
 from gateway.call import models as model_rules
 from gateway.call.chain import ChainKeys, chain_stage
@@ -374,13 +374,15 @@ class Pipeline:
         deadline: float,
         relay: Relay | None,
     ) -> ExternalCallResponse:
-        """:func:`gateway.call.send.forward` inside the calling agent's own rate-limit
-        group (:func:`gateway.call.agentgroup.taken`): a call that is sent takes it once,
-        an answer replayed by its idempotency key never."""
+        """:func:`gateway.call.send.forward` (through :func:`gateway.call.failover.
+        fail_over` for a target with ``fallbacks``) inside the calling agent's own
+        rate-limit group (:func:`gateway.call.agentgroup.taken`): a call that is sent
+        takes it once, an answer replayed by its idempotency key never."""
+        sent = failover.fail_over if decision.target.spec.fallbacks else send.forward
         if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
-            return await send.forward(self, policy, request, decision, ctx, deadline, relay)
+            return await sent(self, policy, request, decision, ctx, deadline, relay)
         async with agentgroup.taken(self, policy, request, ctx, deadline):  # the agent's pace
-            return await send.forward(self, policy, request, decision, ctx, deadline, relay)
+            return await sent(self, policy, request, decision, ctx, deadline, relay)
 
     async def _idempotent(
         self,

@@ -177,7 +177,7 @@ class CallContext:
     chain_seen: dict[str, str] | None = None
     chain: ChainDecision | None = None
     #: Who answered (the target and model of the serving attempt; None: none did), the
-    #: attempts of a call with ``fallbacks``, every option's (gateway.call.send.fail_over;
+    #: attempts of a call with ``fallbacks``, every option's (gateway.call.failover.fail_over;
     #: None: a call without, whose attempts are its log's ``tried`` when it retried), and
     #: the attempts made on the options before the last.
     served_by: ServedBy | None = None
