@@ -189,11 +189,13 @@ def _report(
     unexpected = [row[0] for row in rows if row[8].startswith("no")]
     if streamed and not streamed[-1].endswith("success"):
         unexpected.append("streamed call")
-    records = sum(
-        1 for line in Path(audit_path).read_text().splitlines() if '"event":"egress_call"' in line
-    )
+    lines = Path(audit_path).read_text().splitlines()
+    records = sum(1 for line in lines if '"event":"egress_call"' in line)
+    # The file also holds the sidecar's own events (its start, the policy, the Vault
+    # login), each a record of the same chain: counted apart so the two numbers add up.
     console.print(
-        f"\n{records} audit records (one per call) are in [bold]{audit_path}[/bold] as JSON lines."
+        f"\n{records} audit records of calls (one per call) and {len(lines) - records} of "
+        f"the sidecar's own events are in [bold]{audit_path}[/bold] as JSON lines."
     )
     cmd = _program()
     # One command per line: a wrapped line must never cut a command a reader copies.
