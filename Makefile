@@ -78,12 +78,13 @@ bench-quick: $(VENV)/.fast
 bench-stream: $(VENV)/.fast
 	$(BIN)/python bench/stream.py $(BENCH_ARGS)
 
-# Optional, not in CI: LiteLLM, the Portkey gateway and nginx beside the sidecar and the
-# 1,000 paced streams open at once through both routes (and nginx when installed):
-# added time to first byte and per chunk, CPU per chunk, RSS per open stream.
+# 1,000 paced streams open at once through both routes, nginx (when installed) and
+# LiteLLM's proxy (installed on first use into bench/.peers/): added time to first byte
+# and per chunk, CPU per chunk, RSS per open stream (~10 minutes; not in CI).
 bench-streams: $(VENV)/.fast
 	$(BIN)/python bench/streams.py $(BENCH_ARGS)
 
+# Optional, not in CI: LiteLLM, the Portkey gateway and nginx beside the sidecar and the
 # pass-through in one run (installed on first use into bench/.peers/; ~10 minutes).
 bench-peers: $(VENV)/.fast
 	$(BIN)/python bench/peers.py $(BENCH_ARGS)

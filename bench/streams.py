@@ -1,7 +1,7 @@
 """Many paced streams open at once: what the sidecar adds to each (not a test).
 
     python bench/streams.py [--streams K] [--chunks N] [--pace-ms P] [--no-nginx]
-                            [--routes drop-in,envelope]
+                            [--no-litellm] [--peer-timeout-s S] [--routes drop-in,envelope]
     make bench-streams
 
 A stand-in upstream (a child process) answers every POST with a 200 ``text/event-stream``
@@ -14,7 +14,11 @@ time to its first chunk and, per chunk, how long after its stamp it arrived. Run
 * the sidecar (``python -m gateway serve``, bench/run.py's realistic policy, every
   feature on) on its drop-in route (``/proxy/openai/v1/chat/completions``) and on its
   envelope route (``POST /v1/calls`` with ``Accept: text/event-stream``);
-* nginx (``proxy_buffering off``, one worker) when installed (``apt-get install nginx``).
+* nginx (``proxy_buffering off``, one worker) when installed (``apt-get install nginx``);
+* LiteLLM's proxy (bench/peers.py's version and config, one worker), installed into
+  ``bench/.peers/`` on first use: its pass-through endpoint (bytes relayed as they are)
+  and its ``/chat/completions`` (each chunk re-encoded, so no per-chunk delay), each
+  run cut after ``--peer-timeout-s`` (streams not ended by then did not end well).
 
 Reported per setup: p50/p99 time to first byte and p99 per-chunk delay, and the added
 figures (the setup's p99 minus the direct p99); for the sidecar and nginx also:
@@ -56,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers
 import run as bench_run
 from harness import BENCH_DIR, BenchError, Child, start
 from peers import Tree, _spawn_http, family
@@ -99,6 +104,7 @@ import asyncio, json, os, re, sys, time
 import aiohttp
 URL, K, BODY, HEADERS = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), json.loads(sys.argv[4])
 PIDS = [int(p) for p in sys.argv[5].split(",")]
+TOTAL_S = float(sys.argv[6])  # every stream ended or cut by then: counted as not ended well
 TICK = os.sysconf("SC_CLK_TCK")
 STAMP = re.compile(rb'^data: [{]"object":"chat.completion.chunk","t":([0-9.]+)')
 def cpu():  # the watched processes' user and system CPU seconds, read at this instant
@@ -137,13 +143,14 @@ async def one(session, ttfb, delays, ok, i):
         if resp.status == 200 and (b"[DONE]" in chunk or b"egress.response" in chunk):
             ok.append(1)
     mark("first_end", delays)
-    if first is None:
-        ttfb.append(float("nan"))
+    if first is None:  # no first byte: it counts as the slowest (an infinite wait)
+        ttfb.append(float("inf"))
 async def main():
     ttfb, delays, ok = [], [], []
     conn = aiohttp.TCPConnector(limit=0)
     mark("start", delays)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
+    bound = aiohttp.ClientTimeout(total=TOTAL_S)
+    async with aiohttp.ClientSession(connector=conn, timeout=bound) as s:
         calls = [one(s, ttfb, delays, ok, i) for i in range(K)]
         await asyncio.gather(*calls, return_exceptions=True)
     mark("end", delays)
@@ -151,6 +158,7 @@ async def main():
         v = sorted(v)
         return v[min(len(v) - 1, int(q * len(v)))] * 1000 if v else None
     print(json.dumps({"done": True, "streams_ok": len(ok), "chunks": len(delays),
+        "first_bytes": sum(1 for t in ttfb if t != float("inf")),
         "ttfb_ms": {"p50": pct(ttfb, 0.5), "p99": pct(ttfb, 0.99), "max": pct(ttfb, 1)},
         "chunk_delay_ms": {"p50": pct(delays, 0.5), "p99": pct(delays, 0.99)},
         "marks": marks}), flush=True)
@@ -196,9 +204,17 @@ http {{
 
 
 def _load(
-    label: str, url: str, body: bytes, headers: dict[str, str], k: int, work: Path, watch: Child
+    label: str,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    k: int,
+    work: Path,
+    watch: Child,
+    total_s: float = 600.0,
 ) -> dict[str, Any]:
-    """Run the generator once against ``url``; ``watch``'s CPU and peak RSS meanwhile."""
+    """Run the generator once against ``url``; ``watch``'s CPU and peak RSS meanwhile.
+    A stream still open after ``total_s`` seconds is cut and not counted as ended well."""
     rss0 = watch.memory_kib()["VmRSS"]
     cpu0 = watch.cpu_s()
     peak = [rss0]
@@ -214,8 +230,8 @@ def _load(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     pids = ",".join(str(p) for p in sorted(family(watch.pid)))
-    argv = [PY, "-c", LOAD, url, str(k), body.decode(), json.dumps(headers), pids]
-    gen = start(f"load-{label}", argv, work, ready="done", timeout_s=900)
+    argv = [PY, "-c", LOAD, url, str(k), body.decode(), json.dumps(headers), pids, str(total_s)]
+    gen = start(f"load-{label}", argv, work, ready="done", timeout_s=total_s + 300)
     stop.set()
     sampler.join()
     assert gen.info is not None
@@ -284,6 +300,37 @@ def _runs(args: argparse.Namespace, work: Path, stand_in: Child) -> dict[str, An
             nginx.stop()
     elif args.nginx:
         runs["nginx"] = {"skipped": "nginx is not installed (apt-get install nginx)"}
+    if args.litellm:
+        runs.update(_litellm_runs(args, work, up, raw, json_h))
+    return runs
+
+
+def _litellm_runs(
+    args: argparse.Namespace, work: Path, up: str, raw: bytes, json_h: dict[str, str]
+) -> dict[str, Any]:
+    """LiteLLM's proxy (bench/peers.py installs it into bench/.peers/ on first use) on its
+    pass-through endpoint, which relays the stand-in's bytes as they are (so each chunk's
+    stamp arrives and its delay is measured), and on ``/chat/completions``, which
+    re-encodes each chunk (time to first byte and streams ended well only). Each run is
+    cut after ``--peer-timeout-s``: what has not ended by then did not end well."""
+    why = peers.install("litellm")
+    if why is not None:
+        return {"litellm": {"skipped": f"LiteLLM: {why}"}}
+    runs: dict[str, Any] = {}
+    proxy = peers._litellm(up, work)
+    try:
+        base = f"http://{proxy.address}"
+        auth = {**json_h, "Authorization": f"Bearer {peers.LITELLM_KEY}"}
+        _load("warm-litellm", base + "/bench/chat/completions", raw, auth, 4, work, proxy)
+        for label, path in (
+            ("litellm-passthrough", "/bench/chat/completions"),
+            ("litellm-chat", "/chat/completions"),
+        ):
+            runs[label] = _load(
+                label, base + path, raw, auth, args.streams, work, proxy, args.peer_timeout_s
+            )
+    finally:
+        proxy.stop()
     return runs
 
 
@@ -293,8 +340,11 @@ def _derive(runs: dict[str, Any], k: int, chunks: int) -> None:
         if label == "direct" or "skipped" in r:
             continue
         r["added_ttfb_p99_ms"] = r["ttfb_ms"]["p99"] - direct["ttfb_ms"]["p99"]
-        r["added_chunk_delay_p99_ms"] = r["chunk_delay_ms"]["p99"] - direct["chunk_delay_ms"]["p99"]
-        r["cpu_us_per_chunk"] = r["cpu_s"] / max(r["chunks"], 1) * 1e6
+        chunk_p99 = r["chunk_delay_ms"]["p99"]  # None: no chunk kept its stamp (re-encoded)
+        r["added_chunk_delay_p99_ms"] = (
+            None if chunk_p99 is None else chunk_p99 - direct["chunk_delay_ms"]["p99"]
+        )
+        r["cpu_us_per_chunk"] = r["cpu_s"] / r["chunks"] * 1e6 if r["chunks"] else None
         r["rss_per_stream_kib"] = (r["rss_peak_kib"] - r["rss_before_kib"]) / k
         r.update(_phases(r["marks"], k))
 
@@ -342,6 +392,18 @@ def main() -> int:
     parser.add_argument("--pace-ms", type=float, default=20.0, help="gap between chunks")
     parser.add_argument("--no-nginx", dest="nginx", action="store_false")
     parser.add_argument(
+        "--no-litellm",
+        dest="litellm",
+        action="store_false",
+        help="leave out LiteLLM's proxy (installed into bench/.peers/ on first use)",
+    )
+    parser.add_argument(
+        "--peer-timeout-s",
+        type=float,
+        default=120.0,
+        help="a peer's run is cut after this long; streams not ended by then did not end well",
+    )
+    parser.add_argument(
         "--routes",
         type=lambda text: text.split(","),
         default=["drop-in", "envelope"],
@@ -382,24 +444,31 @@ def _summary(result: dict[str, Any], out: Path) -> str:
     ]
     for label, r in result["runs"].items():
         if "skipped" in r:
-            lines.append(f"  {label:9} skipped: {r['skipped']}")
+            lines.append(f"  {label:19} skipped: {r['skipped']}")
             continue
         line = (
-            f"  {label:9} ok {r['streams_ok']:5}  ttfb p50 {r['ttfb_ms']['p50']:8.1f} "
+            f"  {label:19} ok {r['streams_ok']:5}  ttfb p50 {r['ttfb_ms']['p50']:8.1f} "
             f"p99 {r['ttfb_ms']['p99']:8.1f} ms  chunk delay p99 "
-            f"{r['chunk_delay_ms']['p99']:8.1f} ms"
+            f"{_ms(r['chunk_delay_ms']['p99'])}"
         )
         if "added_ttfb_p99_ms" in r:
+            cpu = r["cpu_us_per_chunk"]
             line += (
                 f"  added: ttfb p99 {r['added_ttfb_p99_ms']:+.1f} ms, chunk p99 "
-                f"{r['added_chunk_delay_p99_ms']:+.1f} ms; {r['cpu_us_per_chunk']:.1f} us "
-                f"CPU/chunk, {r['rss_per_stream_kib']:.1f} KiB RSS/stream"
+                f"{_ms(r['added_chunk_delay_p99_ms'], '+')}; "
+                f"{'-' if cpu is None else f'{cpu:.1f}'} us CPU/chunk, "
+                f"{r['rss_per_stream_kib']:.1f} KiB RSS/stream"
             )
         lines.append(line)
         if r.get("relay_cpu_us_per_chunk"):
-            lines.append("  " + " " * 9 + " " + _phase_line(r))
+            lines.append("  " + " " * 19 + " " + _phase_line(r))
     lines.append(f"results: {out}")
     return "\n".join(lines)
+
+
+def _ms(value: float | None, sign: str = "") -> str:
+    """``value`` ms as the summary prints it; ``-`` when not measured (no stamped chunk)."""
+    return "       -" if value is None else f"{value:{sign}8.1f} ms"
 
 
 def _phase_line(r: dict[str, Any]) -> str:
