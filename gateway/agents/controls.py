@@ -365,6 +365,13 @@ class Controls:
         self.repeats = repeats if repeats is not None else RepeatedCalls(None)
         self.caps = caps if caps is not None else CallCaps({})
 
+    @property
+    def counting(self) -> bool:
+        """Whether a call is counted (the repeated-call breaker is on, or a tool cap is
+        set): else :meth:`check` is the stop switch's alone, which the call path makes
+        without a coroutine (``stops.check``)."""
+        return self.repeats.spec is not None or bool(self.caps)
+
     async def check(
         self,
         agent: str,

@@ -332,24 +332,21 @@ Unmatched = Callable[[Incoming, int], Answer]
 EDGES_KEY: Final = web.AppKey[dict[str, Unmatched]]("edges")
 
 
-@web.middleware
-async def edge_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer a request under a route family (``/proxy``, ``/mcp``) that none of its
-    routes matched (aiohttp's 404 or 405) with that family's API (the calls application's
-    :data:`EDGES_KEY`), in its shape and written here; the path of a ``CONNECT`` (an
-    authority to aiohttp) is its raw request target. Any other error goes on to the
-    application's JSON errors."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        path = request.path or request.raw_path.partition("?")[0]
-        for prefix, unmatched in request.app.get(EDGES_KEY, {}).items():
-            if exc.status >= 400 and (path == prefix or path.startswith(prefix + "/")):
-                answer = respond(unmatched(Incoming(request), exc.status))
-                if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
-                    answer.headers["Allow"] = exc.headers["Allow"]
-                return answer
-        raise
+def edge_answer(request: web.Request, exc: web.HTTPException) -> web.Response | None:
+    """The answer to a request under a route family (``/proxy``, ``/mcp``) that none of
+    its routes matched (aiohttp's 404 or 405, ``exc``): that family's API's (the calls
+    application's :data:`EDGES_KEY`), in its shape; the path of a ``CONNECT`` (an
+    authority to aiohttp) is its raw request target. None for any other error: the
+    application's JSON errors answer it (the calls application's one middleware,
+    :mod:`gateway.server.app`, calls this first)."""
+    path = request.path or request.raw_path.partition("?")[0]
+    for prefix, unmatched in request.app.get(EDGES_KEY, {}).items():
+        if exc.status >= 400 and (path == prefix or path.startswith(prefix + "/")):
+            answer = respond(unmatched(Incoming(request), exc.status))
+            if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
+                answer.headers["Allow"] = exc.headers["Allow"]
+            return answer
+    return None
 
 
 class TargetRoute(web.AbstractResource):

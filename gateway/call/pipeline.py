@@ -259,13 +259,17 @@ class Pipeline:
             request, relay, reading = hooks.checked(request, decision.target, ctx, relay)
             if reading is not None:
                 ctx.read(reading)  # raises its refusal
-            request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
+            if model_rules.ruled(policy, decision, ctx.agent_id):  # else nothing to check
+                request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
             ctx.grouped(request, _call_group(policy, request, decision, ctx))
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
-            ctx.allowed(
-                await self.controls.check(ctx.agent_id, decision.target.name, request, ctx.mcp),
-                decision.shadow_rule,
-            )
+            controls = self.controls
+            if controls.counting:  # a breaker or tool caps: counted, maybe in Redis
+                shadow = await controls.check(ctx.agent_id, decision.target.name, request, ctx.mcp)
+            else:  # the stop switch alone: a lookup, no coroutine
+                controls.stops.check(ctx.agent_id, decision.target.name)
+                shadow = []
+            ctx.allowed(shadow, decision.shadow_rule)
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + chained.remaining_s)
             with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it

@@ -18,7 +18,7 @@ The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/read
 ``/metrics``, ``/openapi.json``, the stop switch (:mod:`gateway.server.ops`) and the
 approvals and dead letters (:mod:`gateway.server.desk`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
-``/proxy``, ``/mcp`` and ``/a2a`` in that route's shape: :func:`gateway.api.http.edge_errors`).
+``/proxy``, ``/mcp`` and ``/a2a`` in that route's shape: :func:`gateway.api.http.edge_answer`).
 """
 
 from __future__ import annotations
@@ -63,23 +63,29 @@ _log = get_logger("gateway.server")
 
 @web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn aiohttp's own HTTP errors (404, 405, 413...) into JSON answers; write a large
-    answer within ``body_timeout_s`` (:func:`gateway.api.http.send_bounded`); then give the
-    request's body charge back (:func:`gateway.api.http.give_back_charge`), whatever
-    happened: the outermost middleware, so after the answer is written."""
+    """Turn aiohttp's own HTTP errors (404, 405, 413...) into JSON answers (under a route
+    family, ``/proxy``, ``/mcp``, in that family's shape: :func:`gateway.api.http.
+    edge_answer`); write a large answer within ``body_timeout_s`` (:func:`gateway.api.
+    http.send_bounded`); then give the request's body charge back (:func:`gateway.api.
+    http.give_back_charge`), whatever happened: after the answer is written. One
+    middleware for all three, as each one more is a coroutine around every call."""
     started = time.monotonic()
     try:
-        response = await handler(request)
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            edge = http.edge_answer(request, exc)
+            if edge is None:
+                return _route_error(request, exc, started)
+            response = edge
         if http.needs_bounded_write(request, response):
             assert isinstance(response, web.Response)
             await http.send_bounded(
                 request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
             )
         return response
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _route_error(request, exc, started)
     finally:
         http.give_back_charge(request)
 
@@ -142,7 +148,7 @@ def create_app(
     ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
-        middlewares=[_json_errors, http.edge_errors],
+        middlewares=[_json_errors],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
