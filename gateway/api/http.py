@@ -18,9 +18,10 @@ guarantees without remembering them:
 
 It also reads a request's body by the listener's rules (:meth:`Incoming.read`), the same
 for every API, each byte charged to the memory budget of the bodies in flight before it
-is held (:mod:`gateway.api.admission`; given back by :func:`give_back_charge` once the
-answer is written), so that every API refuses what does not fit alike, through its own
-refusal shape. It is, with :mod:`gateway.server.app`, the only importer of aiohttp.web.
+is held (:mod:`gateway.api.admission`; made by :func:`charge` and given back by the
+calls application's middleware once the answer is written), so that every API refuses
+what does not fit alike, through its own refusal shape. It is, with
+:mod:`gateway.server.app`, the only importer of aiohttp.web.
 """
 
 from __future__ import annotations
@@ -534,7 +535,8 @@ async def _read_admitted(request: web.Request, limit: int) -> bytes:
     bytes as they arrive (chunked or coded bodies), :func:`~gateway.api.admission.
     held_bytes` once whole. Raises the refusal of :meth:`Charge.grow_to` as soon as a
     charge does not fit (the rest is not read), :class:`InvalidPayload` 413 past
-    ``limit`` bytes; the charge is given back by :func:`give_back_charge` once answered."""
+    ``limit`` bytes; the charge is given back by the middleware that made it (:func:`charge`) once
+    answered."""
     charge = request.get(_CHARGE_KEY)
     if charge is None:
         budget = request.app.get(BUDGET_KEY)
@@ -544,14 +546,16 @@ async def _read_admitted(request: web.Request, limit: int) -> bytes:
         if limit_now is not None:  # the policy in force: the key is hot
             budget.limit_bytes = limit_now()
         charge = request[_CHARGE_KEY] = budget.charge()
-    if request.content_length:
-        charge.grow_to(COPIES * request.content_length)
+    declared = request.content_length  # a property parsing the header: read once
+    if declared:
+        charge.grow_to(COPIES * declared)
     content = request.content
     if content.is_eof():  # the whole body is buffered (decoded): one read, no chunks
         body = content.read_nowait()
         if len(body) > limit:
             raise too_large(None, limit)
-        charge.grow_to(COPIES * len(body))
+        if len(body) != declared:  # else charged just above
+            charge.grow_to(COPIES * len(body))
         charge.grow_to(held_bytes(body))
         return body
     chunks: list[bytes] = []
@@ -569,12 +573,12 @@ async def _read_admitted(request: web.Request, limit: int) -> bytes:
     return body
 
 
-def give_back_charge(request: web.Request) -> None:
-    """Give a request's body charge back to the budget (the calls application's outermost
-    middleware calls it once the answer is written, whatever happened)."""
-    charge = request.get(_CHARGE_KEY)
-    if charge is not None:  # the answer is written: its body's bytes are free again
-        charge.release()
+def charge(request: web.Request, budget: ByteBudget) -> Charge:
+    """A new charge in ``budget`` for ``request``'s body, for :func:`_read_admitted` to
+    grow: the calls application's middleware makes it before the handler runs and gives
+    it back (:meth:`Charge.release`) once the answer is written, whatever happened."""
+    made = request[_CHARGE_KEY] = budget.charge()
+    return made
 
 
 def _decoded(encodings: list[str]) -> bool:
