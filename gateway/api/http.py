@@ -577,6 +577,9 @@ def charge(request: web.Request, budget: ByteBudget) -> Charge:
     """A new charge in ``budget`` for ``request``'s body, for :func:`_read_admitted` to
     grow: the calls application's middleware makes it before the handler runs and gives
     it back (:meth:`Charge.release`) once the answer is written, whatever happened."""
+    # Its close flag too (unset: False): close_if_asked reads it for every answer, and a
+    # key missing from the request's mapping costs a KeyError raised and caught in Python.
+    request[_CLOSE_KEY] = False
     made = request[_CHARGE_KEY] = budget.charge()
     return made
 

@@ -276,7 +276,7 @@ class Pipeline:
             ctx.allowed(shadow, decision.shadow_rule)
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + chained.remaining_s)
-            with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+            with controls.stops.track(ctx.agent_id, decision.target.name):  # a stop cancels it
                 if (held := decision.target.spec.approval) is not None:  # a person's yes first
                     name, agent = decision.target.name, ctx.agent_id
                     await self.approvals.check(held, name, request, ctx.mcp, agent, deadline)
