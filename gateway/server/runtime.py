@@ -92,6 +92,9 @@ class Gateway:
         #: time.monotonic() of the last change in the calls in flight (or of SIGTERM).
         self._last_activity = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
+        # The in-flight gauge is read from the calls' set when scraped, not kept by an
+        # increment and a decrement per call (each takes the metric's lock).
+        self.metrics.inflight.set_function(self._tasks.__len__)
         self._idle = asyncio.Event()
         self._idle.set()
         #: When each A2A task was first seen (a2a.task_ttl_s), and the agents' cards
@@ -458,11 +461,9 @@ class Gateway:
         self._tasks.add(task)
         self._idle.clear()
         self._last_activity = time.monotonic()
-        self.metrics.inflight.inc()
         return task
 
     def _forget(self, task: asyncio.Task[Any]) -> None:
-        self.metrics.inflight.dec()
         self._tasks.discard(task)
         if not self._tasks:
             self._last_activity = time.monotonic()
