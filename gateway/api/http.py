@@ -230,9 +230,9 @@ class Incoming:
         timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
         try:
             if request.content.is_eof():  # all of it has arrived: nothing to wait for
-                return await _read_admitted(request, limit)
+                return await _read_admitted(request, limit, self.content_length)
             async with asyncio.timeout(timeout_s):
-                return await _read_admitted(request, limit)
+                return await _read_admitted(request, limit, self.content_length)
         except web.HTTPRequestEntityTooLarge:  # aiohttp's own read, in an app with no budget
             raise too_large(None, limit) from None
         except TimeoutError:
@@ -529,14 +529,14 @@ def drop_connection(request: web.Request) -> None:
 # -- reading a request's body ---------------------------------------------------------
 
 
-async def _read_admitted(request: web.Request, limit: int) -> bytes:
+async def _read_admitted(request: web.Request, limit: int, declared: int | None) -> bytes:
     """The body, each byte charged to the app's :class:`ByteBudget` before it is held:
-    Content-Length x :data:`~gateway.api.admission.COPIES` before the first read, the
-    bytes as they arrive (chunked or coded bodies), :func:`~gateway.api.admission.
-    held_bytes` once whole. Raises the refusal of :meth:`Charge.grow_to` as soon as a
-    charge does not fit (the rest is not read), :class:`InvalidPayload` 413 past
-    ``limit`` bytes; the charge is given back by the middleware that made it (:func:`charge`) once
-    answered."""
+    Content-Length (``declared``) x :data:`~gateway.api.admission.COPIES` before the
+    first read, the bytes as they arrive (chunked or coded bodies), :func:`~gateway.api.
+    admission.held_bytes` once whole. Raises the refusal of :meth:`Charge.grow_to` as
+    soon as a charge does not fit (the rest is not read), :class:`InvalidPayload` 413
+    past ``limit`` bytes; the charge is given back by the middleware that made it
+    (:func:`charge`) once answered."""
     charge = request.get(_CHARGE_KEY)
     if charge is None:
         budget = request.app.get(BUDGET_KEY)
@@ -546,8 +546,7 @@ async def _read_admitted(request: web.Request, limit: int) -> bytes:
         if limit_now is not None:  # the policy in force: the key is hot
             budget.limit_bytes = limit_now()
         charge = request[_CHARGE_KEY] = budget.charge()
-    declared = request.content_length  # a property parsing the header: read once
-    if declared:
+    if declared:  # the Content-Length (Incoming read it: a property parsing the header)
         charge.grow_to(COPIES * declared)
     content = request.content
     if content.is_eof():  # the whole body is buffered (decoded): one read, no chunks
