@@ -144,25 +144,23 @@ def check_reason(reason: str) -> str:
 
 
 class _Tracked:
-    """:meth:`StopSwitch.track`'s block: a class, not a generator context manager, as it
-    wraps every call (a generator-based one costs about three times the instructions)."""
+    """:meth:`StopSwitch.track`'s block, one per switch: ``track`` has registered the
+    task, and the block's end finds it again as the current task, so a call makes no
+    object of its own (a class, not a generator context manager: it wraps every call)."""
 
-    __slots__ = ("_agent", "_switch", "_target", "_task")
+    __slots__ = ("_switch",)
 
-    def __init__(self, switch: StopSwitch, agent: str, target: str | None) -> None:
-        self._switch, self._agent, self._target = switch, agent, target
-        self._task: asyncio.Task[Any] | None = None
+    def __init__(self, switch: StopSwitch) -> None:
+        self._switch = switch
 
     def __enter__(self) -> None:
-        task = self._task = asyncio.current_task()
-        if task is not None:  # not in a task: nothing to cancel
-            self._switch._inflight[task] = (self._agent, self._target)
+        return None
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
     ) -> None:
-        task = self._task
-        if task is None:
+        task = asyncio.current_task()
+        if task is None:  # not in a task: nothing was registered
             return
         switch = self._switch
         switch._inflight.pop(task, None)
@@ -197,6 +195,7 @@ class StopSwitch:
         self._inflight: dict[asyncio.Task[Any], tuple[str, str | None]] = {}
         self._cancelled: dict[asyncio.Task[Any], Stop] = {}
         self._task: asyncio.Task[None] | None = None
+        self._tracked = _Tracked(self)
         if self._redis is not None:
             self._hash = self._redis.key("controls", "stops")
             self._write = self._redis.script(_WRITE)
@@ -222,8 +221,12 @@ class StopSwitch:
         """Register the current task as a call of ``agent`` to ``target`` while the block
         runs: a stop that covers it cancels it, and the block raises AGENT_STOPPED
         instead of CancelledError (another cancellation, such as the agent hanging up or
-        the shutdown, still propagates)."""
-        return _Tracked(self, agent, target)
+        the shutdown, still propagates). The task is registered now: use it as ``with
+        switch.track(...):``, in the task it registers."""
+        task = asyncio.current_task()
+        if task is not None:  # not in a task: nothing to cancel
+            self._inflight[task] = (agent, target)
+        return self._tracked
 
     @property
     def inflight(self) -> int:
@@ -364,6 +367,13 @@ class Controls:
         self.stops = stops if stops is not None else StopSwitch(StopSwitchSpec())
         self.repeats = repeats if repeats is not None else RepeatedCalls(None)
         self.caps = caps if caps is not None else CallCaps({})
+
+    @property
+    def counting(self) -> bool:
+        """Whether a call is counted (the repeated-call breaker is on, or a tool cap is
+        set): else :meth:`check` is the stop switch's alone, which the call path makes
+        without a coroutine (``stops.check``)."""
+        return self.repeats.spec is not None or bool(self.caps)
 
     async def check(
         self,

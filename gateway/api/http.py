@@ -18,9 +18,10 @@ guarantees without remembering them:
 
 It also reads a request's body by the listener's rules (:meth:`Incoming.read`), the same
 for every API, each byte charged to the memory budget of the bodies in flight before it
-is held (:mod:`gateway.api.admission`; given back by :func:`give_back_charge` once the
-answer is written), so that every API refuses what does not fit alike, through its own
-refusal shape. It is, with :mod:`gateway.server.app`, the only importer of aiohttp.web.
+is held (:mod:`gateway.api.admission`; made by :func:`charge` and given back by the
+calls application's middleware once the answer is written), so that every API refuses
+what does not fit alike, through its own refusal shape. It is, with
+:mod:`gateway.server.app`, the only importer of aiohttp.web.
 """
 
 from __future__ import annotations
@@ -229,9 +230,9 @@ class Incoming:
         timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
         try:
             if request.content.is_eof():  # all of it has arrived: nothing to wait for
-                return await _read_admitted(request, limit)
+                return await _read_admitted(request, limit, self.content_length)
             async with asyncio.timeout(timeout_s):
-                return await _read_admitted(request, limit)
+                return await _read_admitted(request, limit, self.content_length)
         except web.HTTPRequestEntityTooLarge:  # aiohttp's own read, in an app with no budget
             raise too_large(None, limit) from None
         except TimeoutError:
@@ -332,24 +333,21 @@ Unmatched = Callable[[Incoming, int], Answer]
 EDGES_KEY: Final = web.AppKey[dict[str, Unmatched]]("edges")
 
 
-@web.middleware
-async def edge_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer a request under a route family (``/proxy``, ``/mcp``) that none of its
-    routes matched (aiohttp's 404 or 405) with that family's API (the calls application's
-    :data:`EDGES_KEY`), in its shape and written here; the path of a ``CONNECT`` (an
-    authority to aiohttp) is its raw request target. Any other error goes on to the
-    application's JSON errors."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        path = request.path or request.raw_path.partition("?")[0]
-        for prefix, unmatched in request.app.get(EDGES_KEY, {}).items():
-            if exc.status >= 400 and (path == prefix or path.startswith(prefix + "/")):
-                answer = respond(unmatched(Incoming(request), exc.status))
-                if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
-                    answer.headers["Allow"] = exc.headers["Allow"]
-                return answer
-        raise
+def edge_answer(request: web.Request, exc: web.HTTPException) -> web.Response | None:
+    """The answer to a request under a route family (``/proxy``, ``/mcp``) that none of
+    its routes matched (aiohttp's 404 or 405, ``exc``): that family's API's (the calls
+    application's :data:`EDGES_KEY`), in its shape; the path of a ``CONNECT`` (an
+    authority to aiohttp) is its raw request target. None for any other error: the
+    application's JSON errors answer it (the calls application's one middleware,
+    :mod:`gateway.server.app`, calls this first)."""
+    path = request.path or request.raw_path.partition("?")[0]
+    for prefix, unmatched in request.app.get(EDGES_KEY, {}).items():
+        if exc.status >= 400 and (path == prefix or path.startswith(prefix + "/")):
+            answer = respond(unmatched(Incoming(request), exc.status))
+            if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
+                answer.headers["Allow"] = exc.headers["Allow"]
+            return answer
+    return None
 
 
 class TargetRoute(web.AbstractResource):
@@ -531,13 +529,14 @@ def drop_connection(request: web.Request) -> None:
 # -- reading a request's body ---------------------------------------------------------
 
 
-async def _read_admitted(request: web.Request, limit: int) -> bytes:
+async def _read_admitted(request: web.Request, limit: int, declared: int | None) -> bytes:
     """The body, each byte charged to the app's :class:`ByteBudget` before it is held:
-    Content-Length x :data:`~gateway.api.admission.COPIES` before the first read, the
-    bytes as they arrive (chunked or coded bodies), :func:`~gateway.api.admission.
-    held_bytes` once whole. Raises the refusal of :meth:`Charge.grow_to` as soon as a
-    charge does not fit (the rest is not read), :class:`InvalidPayload` 413 past
-    ``limit`` bytes; the charge is given back by :func:`give_back_charge` once answered."""
+    Content-Length (``declared``) x :data:`~gateway.api.admission.COPIES` before the
+    first read, the bytes as they arrive (chunked or coded bodies), :func:`~gateway.api.
+    admission.held_bytes` once whole. Raises the refusal of :meth:`Charge.grow_to` as
+    soon as a charge does not fit (the rest is not read), :class:`InvalidPayload` 413
+    past ``limit`` bytes; the charge is given back by the middleware that made it
+    (:func:`charge`) once answered."""
     charge = request.get(_CHARGE_KEY)
     if charge is None:
         budget = request.app.get(BUDGET_KEY)
@@ -547,14 +546,15 @@ async def _read_admitted(request: web.Request, limit: int) -> bytes:
         if limit_now is not None:  # the policy in force: the key is hot
             budget.limit_bytes = limit_now()
         charge = request[_CHARGE_KEY] = budget.charge()
-    if request.content_length:
-        charge.grow_to(COPIES * request.content_length)
+    if declared:  # the Content-Length (Incoming read it: a property parsing the header)
+        charge.grow_to(COPIES * declared)
     content = request.content
     if content.is_eof():  # the whole body is buffered (decoded): one read, no chunks
         body = content.read_nowait()
         if len(body) > limit:
             raise too_large(None, limit)
-        charge.grow_to(COPIES * len(body))
+        if len(body) != declared:  # else charged just above
+            charge.grow_to(COPIES * len(body))
         charge.grow_to(held_bytes(body))
         return body
     chunks: list[bytes] = []
@@ -572,12 +572,15 @@ async def _read_admitted(request: web.Request, limit: int) -> bytes:
     return body
 
 
-def give_back_charge(request: web.Request) -> None:
-    """Give a request's body charge back to the budget (the calls application's outermost
-    middleware calls it once the answer is written, whatever happened)."""
-    charge = request.get(_CHARGE_KEY)
-    if charge is not None:  # the answer is written: its body's bytes are free again
-        charge.release()
+def charge(request: web.Request, budget: ByteBudget) -> Charge:
+    """A new charge in ``budget`` for ``request``'s body, for :func:`_read_admitted` to
+    grow: the calls application's middleware makes it before the handler runs and gives
+    it back (:meth:`Charge.release`) once the answer is written, whatever happened."""
+    # Its close flag too (unset: False): close_if_asked reads it for every answer, and a
+    # key missing from the request's mapping costs a KeyError raised and caught in Python.
+    request[_CLOSE_KEY] = False
+    made = request[_CHARGE_KEY] = budget.charge()
+    return made
 
 
 def _decoded(encodings: list[str]) -> bool:

@@ -161,17 +161,7 @@ class Attempts:
     async def run(self) -> UpstreamResponse:
         """The upstream's final 2xx answer. Raises a GatewayError otherwise: the attempts
         run until :func:`gateway.call.retry.next_step` says stop, which is the one end."""
-        retry = self.target.spec.retry
-        # tuple.__new__: the named tuple without its Python-level __new__ (once per call)
-        budget = _new_budget(
-            RetryBudget,
-            (
-                min(self.request.max_retries, retry.max_retries),
-                self.deadline,
-                retry.backoff_base_s,
-                retry.backoff_max_s,
-            ),
-        )
+        budget: RetryBudget | None = None  # made once an attempt fails (most calls: never)
         retry_number = 0
         log = self.log
         while True:
@@ -182,6 +172,21 @@ class Attempts:
                 if log.tried is not None:
                     self._note(Outcome(exc), None, sent=log.attempts > made)
                 raise
+            if outcome is DONE and log.tried is None:  # next_step's stop, nothing to note
+                assert answer is not None
+                return answer
+            if budget is None:
+                retry = self.target.spec.retry
+                # tuple.__new__: the named tuple without its Python-level __new__
+                budget = _new_budget(
+                    RetryBudget,
+                    (
+                        min(self.request.max_retries, retry.max_retries),
+                        self.deadline,
+                        retry.backoff_base_s,
+                        retry.backoff_max_s,
+                    ),
+                )
             step = next_step(outcome, retry_number, budget, time.monotonic(), self.rng)
             if log.tried is not None or step.action == "retry":
                 self._note(outcome, answer, sent=log.attempts > made)
@@ -208,7 +213,8 @@ class Attempts:
         log.answer = None
         if self.deadline - time.monotonic() <= 0:
             return Outcome(deadline_error("waiting to retry")), None
-        await self._admit(first=log.attempts == 0)
+        if self.group is not None:  # else no admission: no coroutine for it
+            await self._admit(first=log.attempts == 0)
         self.began = now = time.monotonic()
         self.began_key = self.key_ref
         remaining = self.deadline - now
@@ -410,8 +416,7 @@ class Attempts:
         return None
 
     async def _admit(self, *, first: bool) -> None:
-        if self.group is None:
-            return
+        assert self.group is not None
         with telemetry.current().span(telemetry.RATE_LIMIT_WAIT, self.group.name):
             waited = await self.group.acquire(
                 tokens=self.tokens_reserved if first else 0,

@@ -58,6 +58,15 @@ def rules_for(policy: PolicySet, decision: Decision, agent_id: str) -> list[tupl
     return rules
 
 
+def ruled(policy: PolicySet, decision: Decision, agent_id: str) -> bool:
+    """Whether any ``models:`` rule applies to a call (:func:`rules_for` not empty),
+    without building the list: a call under none skips the stage (most calls)."""
+    if decision.target.spec.models is not None:
+        return True
+    agent = policy.policy.agents.get(agent_id)
+    return agent is not None and agent.models is not None
+
+
 def checked(
     policy: PolicySet, request: ExternalCallRequest, decision: Decision, agent_id: str
 ) -> Checked:

@@ -26,7 +26,8 @@ import functools
 import random
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from gateway import telemetry
 from gateway.agents.approvals import Approvals, MemoryApprovalStore
@@ -151,15 +152,17 @@ class Pipeline:
         self.policy = policy
         self.credentials = Credentials()  # the old targets' secrets are not kept
 
-    async def handle(
+    def handle(
         self,
         body: bytes,
         *,
         refuse: GatewayError | None = None,
         relay: Relay | None = None,
         identity: Identity | None = None,
-    ) -> tuple[int, ExternalCallResponse]:
-        """Run one call from its raw envelope bytes. Returns (HTTP status, answer).
+    ) -> Coroutine[Any, Any, tuple[int, ExternalCallResponse]]:
+        """Run one call from its raw envelope bytes: await it for (HTTP status, answer).
+        Its policy and start are taken now (a plain function handing back the stages'
+        coroutine: no frame of its own to resume at each of the call's awaits).
 
         With ``refuse`` the call is answered with that error at once (still audited).
         ``identity``: who called (:func:`gateway.agents.identity.identify`); None: the
@@ -175,21 +178,22 @@ class Pipeline:
             fast = parse_envelope_fast(body) if refuse is None else None
             return Intake(fast) if fast is not None else self._intake(body, refuse, policy)
 
-        return await self._run(policy, ctx, intake, relay, api_hooks.ENVELOPE)
+        return self._run(policy, ctx, intake, relay, api_hooks.ENVELOPE)
 
-    async def handle_proxy(
+    def handle_proxy(
         self,
         http: ProxyRequest,
         *,
         ctx: CallContext,
         refuse: GatewayError | None = None,
         relay: Relay | None = None,
-    ) -> tuple[int, ExternalCallResponse]:
+    ) -> Coroutine[Any, Any, tuple[int, ExternalCallResponse]]:
         """Run one call of a drop-in provider route (:mod:`gateway.call.proxy` builds its
-        request from ``http``): the same stages as an envelope. ``ctx`` is the caller's,
-        so that it can write back the upstream's own answer (``ctx.attempt_log.answer``)."""
+        request from ``http``): the same stages as an envelope, its policy taken now, as
+        :meth:`handle`. ``ctx`` is the caller's, so that it can write back the upstream's
+        own answer (``ctx.attempt_log.answer``)."""
         policy = self.policy
-        return await self._run(
+        return self._run(
             policy, ctx, lambda: proxy_intake(http, policy, refuse), relay, api_hooks.DROP_IN
         )
 
@@ -259,20 +263,32 @@ class Pipeline:
             request, relay, reading = hooks.checked(request, decision.target, ctx, relay)
             if reading is not None:
                 ctx.read(reading)  # raises its refusal
-            request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
+            if model_rules.ruled(policy, decision, ctx.agent_id):  # else nothing to check
+                request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
             ctx.grouped(request, _call_group(policy, request, decision, ctx))
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
-            ctx.allowed(
-                await self.controls.check(ctx.agent_id, decision.target.name, request, ctx.mcp),
-                decision.shadow_rule,
-            )
+            controls = self.controls
+            if controls.counting:  # a breaker or tool caps: counted, maybe in Redis
+                shadow = await controls.check(ctx.agent_id, decision.target.name, request, ctx.mcp)
+            else:  # the stop switch alone: a lookup, no coroutine
+                controls.stops.check(ctx.agent_id, decision.target.name)
+                shadow = []
+            ctx.allowed(shadow, decision.shadow_rule)
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + chained.remaining_s)
-            with self.controls.track(ctx.agent_id, decision.target.name):  # a stop cancels it
+            with controls.stops.track(ctx.agent_id, decision.target.name):  # a stop cancels it
                 if (held := decision.target.spec.approval) is not None:  # a person's yes first
                     name, agent = decision.target.name, ctx.agent_id
                     await self.approvals.check(held, name, request, ctx.mcp, agent, deadline)
-                status, response = await self._call(policy, request, decision, ctx, deadline, relay)
+                # Sent (its group is ctx.rate_limit_group, _call_group), once per
+                # idempotency key when its target keeps them.
+                if (keyed := self._keyed(request, decision, ctx)) is None:
+                    sent = self._forward(policy, request, decision, ctx, deadline, relay)
+                    status, response = 200, await sent
+                else:
+                    status, response = await self._idempotent(
+                        policy, request, decision, ctx, deadline, keyed, relay
+                    )
             response = hooks.answered(ctx, response)
         except GatewayError as exc:
             status = answer_status(exc)
@@ -338,7 +354,27 @@ class Pipeline:
 
     # -- stages ---------------------------------------------------------------------------
 
-    async def _call(
+    @staticmethod
+    def _keyed(
+        request: ExternalCallRequest, decision: Decision, ctx: CallContext
+    ) -> IdempotencySpec | None:
+        """The call's idempotency (its key into ``ctx``) when its target keeps keys for
+        its method: it is then sent once per key (:meth:`_idempotent`); else None."""
+        target = decision.target
+        idempotency = target.spec.idempotency
+        if idempotency is None or request.method not in idempotency.methods:
+            return None
+        key = request.idempotency_key or derive_key(
+            request.trace_id,
+            request.correlation_id,
+            target.name,
+            request.method,
+            request.endpoint,
+        )
+        ctx.keyed(key)
+        return idempotency
+
+    def _forward(
         self,
         policy: PolicySet,
         request: ExternalCallRequest,
@@ -346,27 +382,20 @@ class Pipeline:
         ctx: CallContext,
         deadline: float,
         relay: Relay | None,
-    ) -> tuple[int, ExternalCallResponse]:
-        """The call past its approval (its group is ``ctx.rate_limit_group``,
-        :func:`_call_group`) sent: once per idempotency key when its target keeps them."""
-        target = decision.target
-        spec = target.spec
-        if spec.idempotency is not None and request.method in spec.idempotency.methods:
-            key = request.idempotency_key or derive_key(
-                request.trace_id,
-                request.correlation_id,
-                target.name,
-                request.method,
-                request.endpoint,
-            )
-            ctx.keyed(key)
-            return await self._idempotent(
-                policy, request, decision, ctx, deadline, spec.idempotency, relay
-            )
-        return 200, await self._forward(policy, request, decision, ctx, deadline, relay)
+    ) -> Coroutine[Any, Any, ExternalCallResponse]:
+        """:func:`gateway.call.send.forward` (through :func:`gateway.call.failover.
+        fail_over` for a target with ``fallbacks``) inside the calling agent's own
+        rate-limit group (:func:`gateway.call.agentgroup.taken`): a call that is sent
+        takes it once, an answer replayed by its idempotency key never. Hands back the
+        coroutine to await: without an agent's group, the send's own (no frame here)."""
+        sent = failover.fail_over if decision.target.spec.fallbacks else send.forward
+        if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
+            return sent(self, policy, request, decision, ctx, deadline, relay)  # no frame here
+        return self._paced(sent, policy, request, decision, ctx, deadline, relay)
 
-    async def _forward(
+    async def _paced(
         self,
+        sent: Callable[..., Coroutine[Any, Any, ExternalCallResponse]],
         policy: PolicySet,
         request: ExternalCallRequest,
         decision: Decision,
@@ -374,13 +403,8 @@ class Pipeline:
         deadline: float,
         relay: Relay | None,
     ) -> ExternalCallResponse:
-        """:func:`gateway.call.send.forward` (through :func:`gateway.call.failover.
-        fail_over` for a target with ``fallbacks``) inside the calling agent's own
-        rate-limit group (:func:`gateway.call.agentgroup.taken`): a call that is sent
-        takes it once, an answer replayed by its idempotency key never."""
-        sent = failover.fail_over if decision.target.spec.fallbacks else send.forward
-        if agentgroup.group_of(policy, ctx.identity) is None:  # most calls: no agent's group
-            return await sent(self, policy, request, decision, ctx, deadline, relay)
+        """``sent`` inside the calling agent's own group (:func:`gateway.call.agentgroup.
+        taken`)."""
         async with agentgroup.taken(self, policy, request, ctx, deadline):  # the agent's pace
             return await sent(self, policy, request, decision, ctx, deadline, relay)
 

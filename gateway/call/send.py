@@ -123,9 +123,9 @@ async def forward(
     rates = cost.price.rates  # the record: the model priced, where its price came from
     ctx.attempting(attempts.log, cost.price.model, rates.source if rates else None)
     attempts.breaker = pipe.breakers.get(target.name, cost.price.model)  # a model call's
-    if cost.applying:  # else no budget applies: nothing to reserve
+    if cost.applying:  # else no budget applies: nothing to reserve, nor to book again
         await _reserve(pipe, cost, request, ctx)
-    attempts.before_resend = lambda: _rebook(pipe, cost, ctx)
+        attempts.before_resend = lambda: _rebook(pipe, cost, ctx)
     try:
         answer = await attempts.run()
     except BaseException as exc:

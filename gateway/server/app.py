@@ -18,7 +18,7 @@ The ops listener (``server.ops_host``/``ops_port``) serves ``/healthz``, ``/read
 ``/metrics``, ``/openapi.json``, the stop switch (:mod:`gateway.server.ops`) and the
 approvals and dead letters (:mod:`gateway.server.desk`).
 Any other path or method gets a JSON error answer too, never an HTML page (under
-``/proxy``, ``/mcp`` and ``/a2a`` in that route's shape: :func:`gateway.api.http.edge_errors`).
+``/proxy``, ``/mcp`` and ``/a2a`` in that route's shape: :func:`gateway.api.http.edge_answer`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Final
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway import openapi
 from gateway.agents.identity import identify
@@ -61,27 +62,47 @@ LINGERING_TIME_S: Final = 10.0
 _log = get_logger("gateway.server")
 
 
-@web.middleware
-async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn aiohttp's own HTTP errors (404, 405, 413...) into JSON answers; write a large
-    answer within ``body_timeout_s`` (:func:`gateway.api.http.send_bounded`); then give the
-    request's body charge back (:func:`gateway.api.http.give_back_charge`), whatever
-    happened: the outermost middleware, so after the answer is written."""
-    started = time.monotonic()
-    try:
-        response = await handler(request)
-        if http.needs_bounded_write(request, response):
-            assert isinstance(response, web.Response)
-            await http.send_bounded(
-                request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
-            )
-        return response
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _route_error(request, exc, started)
-    finally:
-        http.give_back_charge(request)
+def _json_errors(
+    budget: ByteBudget | None = None, limit_now: Callable[[], int] | None = None
+) -> Middleware:
+    """The application's one middleware. Turns aiohttp's own HTTP errors (404, 405,
+    413...) into JSON answers (under a route family, ``/proxy``, ``/mcp``, in that
+    family's shape: :func:`gateway.api.http.edge_answer`); writes a large answer within
+    ``body_timeout_s`` (:func:`gateway.api.http.send_bounded`). With ``budget`` (the
+    calls application's), each request gets its body's charge (:func:`gateway.api.http.
+    charge`, its limit ``limit_now()``: the policy in force) and gives it back whatever
+    happened, after the answer is written. One middleware for all of it, as each one
+    more is a coroutine around every call; the charge is its local, not looked up again."""
+
+    @web.middleware
+    async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.monotonic()
+        charge = None
+        if budget is not None:
+            if limit_now is not None:
+                budget.limit_bytes = limit_now()
+            charge = http.charge(request, budget)
+        try:
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                edge = http.edge_answer(request, exc)
+                if edge is None:
+                    return _route_error(request, exc, started)
+                response = edge
+            if http.needs_bounded_write(request, response):
+                assert isinstance(response, web.Response)
+                await http.send_bounded(
+                    request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+                )
+            return response
+        finally:
+            if charge is not None:  # the answer is written: its body's bytes are free again
+                charge.release()
+
+    return json_errors
 
 
 def _route_error(request: web.Request, exc: web.HTTPException, started: float) -> web.Response:
@@ -140,17 +161,22 @@ def create_app(
 ) -> web.Application:
     """The calls application. With ``manage_lifecycle`` it starts and closes ``gateway``.
     ``body_timeout_s``: seconds for an envelope's body to arrive after its headers."""
+    # The memory request bodies in flight may hold, its limit read at each request from
+    # the policy then in force (a hot key: server.components.Listeners).
+    budget = ByteBudget(gateway.policy.policy.server.max_inflight_request_bytes)
+
+    def limit_now() -> int:
+        return gateway.policy.policy.server.max_inflight_request_bytes
+
     app = web.Application(
         client_max_size=gateway.policy.policy.server.max_request_bytes,
-        middlewares=[_json_errors, http.edge_errors],
+        middlewares=[_json_errors(budget, limit_now)],
     )
     app[GATEWAY_KEY] = gateway
     app[AUDITED_KEY] = True
     app[BODY_TIMEOUT_KEY] = body_timeout_s
-    # The memory request bodies in flight may hold, its limit read at each request from
-    # the policy then in force (a hot key: server.components.Listeners).
-    app[BUDGET_KEY] = ByteBudget(gateway.policy.policy.server.max_inflight_request_bytes)
-    app[BUDGET_LIMIT_KEY] = lambda: gateway.policy.policy.server.max_inflight_request_bytes
+    app[BUDGET_KEY] = budget
+    app[BUDGET_LIMIT_KEY] = limit_now
     app.on_response_prepare.append(http.close_if_asked)
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
     http.TargetRoute(proxy.PREFIX, proxy.handler(gateway)).register(app.router)
@@ -181,7 +207,7 @@ def create_app(
 
 def create_ops_app(gateway: Gateway) -> web.Application:
     """Health, readiness, metrics, the operator's routes (operator token): safe on the pod IP."""
-    app = web.Application(middlewares=[_json_errors])
+    app = web.Application(middlewares=[_json_errors()])
     app[GATEWAY_KEY] = gateway
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
