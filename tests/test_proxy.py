@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from multidict import MultiDict
 
 from gateway.api.answers import passback_headers
 from gateway.call.proxy import (
@@ -359,6 +360,34 @@ def test_header_map_joins_repeats_and_passback_drops_connection_named() -> None:
     assert header_map([("A", "1"), ("a", "2"), ("B", "3")]) == {"a": "1, 2", "b": "3"}
     given = {"Connection": "x-a", "x-a": "1", "Transfer-Encoding": "chunked", "X-B": "2"}
     assert passback_headers(given) == [("X-B", "2")]
+
+
+def test_passed_back_names_are_the_same_on_every_answer_and_past_the_names_kept() -> None:
+    # The names' routes are kept between answers (a bounded memo): the second answer, a
+    # name past the length kept and names past the count kept are routed as the first.
+    long = "X-Egress-" + "n" * 80
+    given = [
+        ("Content-Type", "application/json"),
+        ("KEEP-ALIVE", "timeout=5"),
+        ("Content-Length", "2"),
+        ("X-Egress-Error-Code", "forged"),
+        ("x-EGRESS-trace-id", "forged"),
+        (long, "1"),
+        ("Set-Cookie", "a=1"),
+        ("Set-Cookie", "b=2"),
+    ]
+    want = [
+        ("Content-Type", "application/json"),
+        ("x-upstream-Egress-Error-Code", "forged"),
+        ("x-upstream-EGRESS-trace-id", "forged"),
+        ("x-upstream-" + long[2:], "1"),
+        ("Set-Cookie", "a=1"),
+        ("Set-Cookie", "b=2"),
+    ]
+    assert passback_headers(MultiDict(given)) == want
+    assert passback_headers(MultiDict(given)) == want
+    many = [(f"X-Name-{i}", str(i)) for i in range(1500)]
+    assert passback_headers(MultiDict([*many, ("Upgrade", "h2c"), *given])) == [*many, *want]
 
 
 @pytest.mark.parametrize(

@@ -52,8 +52,8 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     out = []
     decoded = False
     for name, value in headers.items():
-        lower = name.lower()
-        if lower in _NOT_PASSED_BACK or lower in named:
+        lower, passed = _NAMES.get(name) or _name_route(name)
+        if passed is None or lower in named:
             continue
         if lower == "content-encoding" and not decoded:
             decoded = True  # aiohttp reads the first header only
@@ -61,10 +61,31 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
                 continue
         if not value.isascii() and not is_utf8(value):
             continue
-        if lower.startswith(_OWN_PREFIX):
-            name = "x-upstream-" + name[2:]
-        out.append((name, value))
+        out.append((passed, value))
     return out
+
+
+#: An upstream header name (as sent) -> (its lower case, the name it is passed back
+#: under or None: never passed back), so that the few names an upstream sends on every
+#: answer are not lower-cased and compared again per answer. Bounded (at most ~200 KB): a
+#: name past the count or the length is routed without being kept.
+_NAMES: Final[dict[str, tuple[str, str | None]]] = {}
+_MAX_NAMES: Final = 1024
+_MAX_KEPT_NAME: Final = 64
+
+
+def _name_route(name: str) -> tuple[str, str | None]:
+    """``name``'s entry in :data:`_NAMES` (kept while there is room)."""
+    lower = name.lower()
+    if lower in _NOT_PASSED_BACK:
+        route: tuple[str, str | None] = (lower, None)
+    elif lower.startswith(_OWN_PREFIX):  # only the sidecar says which call this was
+        route = (lower, "x-upstream-" + name[2:])
+    else:
+        route = (lower, name)
+    if len(_NAMES) < _MAX_NAMES and len(name) <= _MAX_KEPT_NAME:
+        _NAMES[name] = route
+    return route
 
 
 def passback_reason(reason: str) -> str | None:

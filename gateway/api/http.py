@@ -172,8 +172,8 @@ class Incoming:
     def raw_path(self) -> str:
         """The path as sent (percent-encoding kept); for ``CONNECT``, whose target aiohttp
         reads as an authority (an empty path), the raw request target."""
-        request = self._request
-        return request.rel_url.raw_path if request.path else request.raw_path
+        request = self._request  # an empty raw path is an empty path: no decoding to ask
+        return request.rel_url.raw_path or request.raw_path
 
     @property
     def named_target(self) -> str:
