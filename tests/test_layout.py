@@ -40,7 +40,8 @@ OWNERS: dict[str, frozenset[str]] = {
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
-    "multidict": frozenset({"gateway/ratelimit/headers.py"}),
+    # And istr: the identity headers' keys, read case-insensitively without lowering.
+    "multidict": frozenset({"gateway/ratelimit/headers.py", "gateway/agents/identity.py"}),
     # The modelling library of the contract, the policy and the audit schema, and the two
     # places that translate its ValidationError into the sidecar's own errors.
     "pydantic": frozenset(
