@@ -318,8 +318,9 @@ def _orders(data: bytes) -> list[int]:
     (:func:`_needles`; repeated, unordered, empty when none): every value one of whose
     forms ``data`` holds is among them. The cost does not grow with the number of values
     whose needles are long: the text's 8-byte words at every :data:`_STRIDE`-th offset
-    are looked up in :data:`_grams` (one C call when none is known); only short needles
-    are searched one by one."""
+    are looked up in :data:`_grams` (one C call when none is known); the short needles
+    (and all of them while they are few) are searched in one pass, then one by one only
+    when that pass finds one."""
     gate = _gate
     orders: list[int] = []
     # One pass for all of them first: a text seldom holds one. ``find`` rather than
