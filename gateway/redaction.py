@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Any, AnyStr, Final, NamedTuple
 from urllib.parse import quote, quote_plus
 
+from gateway.literals import MAX_NEEDLES, AnyOf
 from gateway.urls import URL
 
 REDACTED: Final = "[REDACTED]"
@@ -107,12 +108,13 @@ _registered = itertools.count()
 #: A needle of :data:`_GRAM_MIN` bytes or more is known by the 8-byte words at its first
 #: :data:`_STRIDE` offsets (:data:`_grams`: word -> the order of the value it belongs to,
 #: or a set of orders when several share it); a shorter one is searched as it is
-#: (:data:`_gate`), as are the long ones while there are at most :data:`_FEW`: a search
-#: each is then cheaper than reading the words of the text (~240 instructions a word).
+#: (:data:`_gate`: all of them in one pass, :class:`gateway.literals.AnyOf`), as are the
+#: long ones while all the needles are at most :data:`_FEW`: that one pass is then
+#: cheaper than reading the words of the text (~240 instructions a word).
 #: Maintained under :data:`_lock` as values come and go.
 _STRIDE: Final = 24
 _GRAM_MIN: Final = _STRIDE + 7
-_FEW: Final = 12
+_FEW: Final = MAX_NEEDLES
 _grams: dict[int, int | set[int]] = {}
 _by_order: dict[int, _Registered] = {}
 #: Each value's short and long needles (as bytes, as str, with its order), by order:
@@ -122,13 +124,16 @@ _long_of: dict[int, tuple[tuple[bytes, str, int], ...]] = {}
 
 
 class _Gate(NamedTuple):
-    """The needles searched one by one (bytes and str, with their value's order), and
-    whether the long ones are looked up by words instead (one snapshot, replaced whole)."""
+    """The needles searched by their own search (bytes and str, with their value's order),
+    that search (:class:`gateway.literals.AnyOf`: whether a text holds one of them, in one
+    pass; which ones is then asked of each), and whether the long needles are looked up by
+    words instead (one snapshot, replaced whole)."""
 
     finds: tuple[tuple[bytes, int], ...] = ()
     finds_str: tuple[tuple[str, int], ...] = ()
     by_words: bool = False
-    raw: tuple[bytes, ...] = ()  # finds without their orders: scrub_bytes's first look
+    any_raw: AnyOf = AnyOf(())
+    any_str: AnyOf = AnyOf(())
 
 
 _gate = _Gate()
@@ -243,11 +248,16 @@ def register(value: str) -> None:
         while len(_values) > _MAX_TRACKED:
             _index(_values.popitem(last=False)[1], add=False)
         finds = list(itertools.chain.from_iterable(_short_of.values()))
-        by_words = len(_long_of) > _FEW or sum(map(len, _long_of.values())) > _FEW
+        by_words = len(finds) + sum(map(len, _long_of.values())) > _FEW
         if not by_words:
             finds += itertools.chain.from_iterable(_long_of.values())
-        raw = tuple((b, o) for b, _, o in finds)
-        _gate = _Gate(raw, tuple((t, o) for _, t, o in finds), by_words, tuple(b for b, _ in raw))
+        _gate = _Gate(
+            tuple((b, o) for b, _, o in finds),
+            tuple((t, o) for _, t, o in finds),
+            by_words,
+            AnyOf.of_bytes({b for b, _, _ in finds}),
+            AnyOf({t for _, t, _ in finds}),
+        )
 
 
 def _needles(entry: _Registered) -> tuple[tuple[bytes, str], ...]:
@@ -308,15 +318,16 @@ def _orders(data: bytes) -> list[int]:
     (:func:`_needles`; repeated, unordered, empty when none): every value one of whose
     forms ``data`` holds is among them. The cost does not grow with the number of values
     whose needles are long: the text's 8-byte words at every :data:`_STRIDE`-th offset
-    are looked up in :data:`_grams` (one C call when none is known); only short needles
-    are searched one by one."""
+    are looked up in :data:`_grams` (one C call when none is known); the short needles
+    (and all of them while they are few) are searched in one pass, then one by one only
+    when that pass finds one."""
     gate = _gate
     orders: list[int] = []
-    # ``find`` rather than ``in``: CPython's ``bytes.__contains__`` first tries its
-    # argument as an integer and formats a TypeError it then drops (~2,000 instructions).
-    for needle, order in gate.finds:
-        if data.find(needle) >= 0:
-            orders.append(order)
+    # One pass for all of them first: a text seldom holds one. ``find`` rather than
+    # ``in``: CPython's ``bytes.__contains__`` first tries its argument as an integer and
+    # formats a TypeError it then drops (~2,000 instructions).
+    if gate.finds and gate.any_raw.found_bytes(data):
+        orders += (order for needle, order in gate.finds if data.find(needle) >= 0)
     if gate.by_words:
         grams = _grams
         words = memoryview(data)[: len(data) & ~7].cast("Q")[:: _STRIDE // 8]
@@ -335,6 +346,8 @@ def _text_orders(text: str) -> list[int]:
     else its UTF-8 bytes' words (every value for a text UTF-8 cannot encode)."""
     gate = _gate
     if not gate.by_words:
+        if not gate.any_str.found(text):
+            return []
         return [order for needle, order in gate.finds_str if needle in text]
     try:
         return _orders(text.encode("utf-8", "surrogateescape"))
@@ -431,14 +444,6 @@ def scrub_bytes(data: bytes) -> bytes:
     ASCII written plainly (the same JSON value) and the secret redacted."""
     if not _values:
         return data
-    gate = _gate
-    if not gate.by_words:  # the usual answer, one or two secrets: no call (~1,300 instr.)
-        for needle in gate.raw:
-            if data.find(needle) >= 0:
-                break
-        else:
-            if data.find(b"\\") < 0:
-                return data
     orders = _orders(data)
     if not orders and data.find(b"\\") < 0:
         return data

@@ -40,7 +40,8 @@ OWNERS: dict[str, frozenset[str]] = {
         }
     ),
     "yarl": frozenset({"gateway/urls.py"}),
-    "multidict": frozenset({"gateway/ratelimit/headers.py"}),
+    # And istr: the identity headers' keys, read case-insensitively without lowering.
+    "multidict": frozenset({"gateway/ratelimit/headers.py", "gateway/agents/identity.py"}),
     # The modelling library of the contract, the policy and the audit schema, and the two
     # places that translate its ValidationError into the sidecar's own errors.
     "pydantic": frozenset(
@@ -66,8 +67,11 @@ OWNERS: dict[str, frozenset[str]] = {
     "prometheus_client": frozenset({"gateway/metrics/__init__.py", "gateway/metrics/series.py"}),
     # Model prices (bundled data, never fetched at run time).
     "genai_prices": frozenset({"gateway/cost/prices.py", "gateway/cost/table.py"}),
-    # pydantic's own core (its error types), used where the models are defined.
-    "pydantic_core": frozenset({"gateway/policy/models.py", "gateway/policy/root.py"}),
+    # pydantic's own core: its error types, used where the models are defined, and its
+    # string pattern (Rust's regex), the secret scrub's one search for many needles.
+    "pydantic_core": frozenset(
+        {"gateway/policy/models.py", "gateway/policy/root.py", "gateway/literals.py"}
+    ),
     "structlog": frozenset({"gateway/audit/log.py"}),
     "yaml": frozenset({"gateway/policy/document.py"}),
     "hvac": frozenset({"gateway/secrets/vault.py", "gateway/secrets/vault_auth.py"}),
