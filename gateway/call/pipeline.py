@@ -263,9 +263,7 @@ class Pipeline:
             request, relay, reading = hooks.checked(request, decision.target, ctx, relay)
             if reading is not None:
                 ctx.read(reading)  # raises its refusal
-            if model_rules.ruled(policy, decision, ctx.agent_id):  # else nothing to check
-                request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
-            ctx.grouped(request, _call_group(policy, request, decision, ctx))
+            request, decision = _ruled(policy, request, decision, ctx)  # model, group
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
             controls = self.controls
             if controls.counting:  # a breaker or tool caps: counted, maybe in Redis
@@ -294,14 +292,9 @@ class Pipeline:
             status = answer_status(exc)
             response = self._failure(exc, ctx)
         except asyncio.CancelledError:
-            interrupted = _interrupted_error(ctx)
-            status = interrupted.http_status
-            response = self._failure(interrupted, ctx)
-            task = asyncio.current_task()
-            if not self.aborting or task is None:
+            status, response, answered = self._interrupted(ctx)  # audited either way
+            if not answered:
                 raise
-            # Cancelled by our own shutdown (drain time over): answer instead of vanishing.
-            task.uncancel()
         except Exception as exc:  # noqa: BLE001 - a bug must still get an answer
             status, response = 500, self._crashed(exc, ctx, policy)
         finally:
@@ -309,6 +302,19 @@ class Pipeline:
                 self.dead_letters.after(ctx, response)  # kept when it failed for good
                 trace.end(self._write_audit(ctx, response, hooks), status, response)
         return status, response
+
+    def _interrupted(self, ctx: CallContext) -> tuple[int, ExternalCallResponse, bool]:
+        """A call cancelled in flight (the agent hung up, the shutdown): its status and
+        answer for the record, and whether it is answered (True: our own shutdown
+        cancelled it once its drain time was over, the task is uncancelled and answers
+        instead of vanishing; False: the cancellation goes on)."""
+        interrupted = _interrupted_error(ctx)
+        response = self._failure(interrupted, ctx)
+        task = asyncio.current_task()
+        if not self.aborting or task is None:
+            return interrupted.http_status, response, False
+        task.uncancel()
+        return interrupted.http_status, response, True
 
     def _crashed(self, exc: Exception, ctx: CallContext, policy: PolicySet) -> ExternalCallResponse:
         """The answer to a bug inside the sidecar (logged with its traceback): UNKNOWN,
@@ -466,6 +472,19 @@ class Pipeline:
                 self.metrics.observe_mcp(record[Fields.TARGET_SYSTEM], *labels)
         observe(self.metrics, call, response)
         return call
+
+
+def _ruled(
+    policy: PolicySet, request: ExternalCallRequest, decision: Decision, ctx: CallContext
+) -> tuple[ExternalCallRequest, Decision]:
+    """The policy's rules on an allowed call, before the stop switch: the models stage
+    when a rule applies to it (:func:`_models`), then its rate-limit group into the
+    record (:func:`_call_group`). Returns the request as it is to be sent and its
+    decision; raises their refusals."""
+    if model_rules.ruled(policy, decision, ctx.agent_id):  # else nothing to check
+        request, decision = _models(policy, request, decision, ctx)  # allowed, pinned
+    ctx.grouped(request, _call_group(policy, request, decision, ctx))
+    return request, decision
 
 
 def _models(
