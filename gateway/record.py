@@ -294,7 +294,7 @@ def _write_agent(record: dict[str, Any], call: CallRecord) -> None:
     chain = call.chain
     if chain is not None and chain.agents:
         record["call_chain"] = list(chain.agents)
-        record["call_chain_depth"] = chain.depth
+        record["call_chain_depth"] = len(chain.agents)
     identity = call.identity
     claimed_id = None
     if identity is not None:

@@ -64,3 +64,16 @@ def test_a_chain_started_here_on_a_signing_fleet_is_decided_as_the_rules_decide(
     assert short == full
     assert short is not None
     assert short.headers() == full.headers()
+
+
+def test_a_started_chain_is_signed_as_any_chain_for_every_agent_and_deadline() -> None:
+    """The inner state kept per agent (SigningKeys.sign_origin) gives sign()'s signature,
+    for more agents than are kept (the states cleared and made again)."""
+    key = Secret("the-current-key")
+    keys = chain.SigningKeys(key)
+    for round_ in range(2):
+        for n in range(chain.MAX_ORIGINS + 3):
+            agent, deadline = f"agent-{n}", 1_767_000_000_000 + 7 * n + round_
+            assert keys.sign_origin(agent, deadline) == keys.sign((agent,), deadline)
+            assert keys.sign((agent,), deadline) == chain.sign((agent,), deadline, key)
+    assert chain.NO_KEYS.sign_origin("agent-a", 1) is None

@@ -47,7 +47,7 @@ import hmac
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 from gateway.envelope import CallChain
 from gateway.errors import CallChainRefused
@@ -59,6 +59,10 @@ DEADLINE_HEADER: Final = "x-egress-deadline"
 SIGNATURE_HEADER: Final = "x-egress-call-chain-sig"
 #: The chain's headers (lower case): the sidecar writes them, never passes the agent's on.
 CHAIN_HEADERS: Final = frozenset({CHAIN_HEADER, DEADLINE_HEADER, SIGNATURE_HEADER})
+#: Their lengths: a name of none of them is none of them, whatever its case (the one
+#: character whose lower case is longer, U+0130, lowers to a non-ASCII pair), which is
+#: told without lower-casing each name (:func:`with_headers`).
+_CHAIN_HEADER_LENGTHS: Final = frozenset(map(len, CHAIN_HEADERS))
 #: Bounds of a received chain (the issue's): far past any sane depth, and small enough
 #: for every proxy's header limit.
 MAX_CHAIN_AGENTS: Final = 64
@@ -74,6 +78,9 @@ _URLSAFE: Final = bytes.maketrans(b"+/", b"-_")
 #: SHA-256's block size and HMAC's pads (RFC 2104), as translation tables of a key block.
 _SHA256_BLOCK: Final = 64
 _IPAD: Final = bytes(x ^ 0x36 for x in range(256))
+#: The agents whose started chains :meth:`SigningKeys.sign_origin` keeps a state for
+#: (a sidecar signs for its one ``agent_id``; past this: cleared).
+MAX_ORIGINS: Final = 16
 _OPAD: Final = bytes(x ^ 0x5C for x in range(256))
 
 Reason = Literal["circular_call_detected", "max_depth_exceeded", "ttl_expired", "invalid_chain"]
@@ -94,15 +101,37 @@ class SigningKeys:
     current: Secret | None = None
     previous: Secret | None = None
     _states: tuple[Any, Any] | None = field(init=False, repr=False, compare=False)
+    #: Per agent, the inner hash state after the canonical bytes of a chain it starts,
+    #: up to its deadline (:meth:`sign_origin`): the same for every chain it starts, so
+    #: fed once, not per call. Dies with the keys (a rotated key makes new ones).
+    _origins: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         states = None if self.current is None else _hmac_states(self.current.reveal().encode())
         object.__setattr__(self, "_states", states)
+        object.__setattr__(self, "_origins", {})
 
     def sign(self, agents: Sequence[str], deadline_ms: int | None) -> str | None:
         """:func:`sign` with the current key (None: no key, chains unsigned)."""
         states = self._states
         return None if states is None else _signed(states, agents, deadline_ms)
+
+    def sign_origin(self, own_agent: str, deadline_ms: int) -> str | None:
+        """:meth:`sign` of the chain ``(own_agent,)`` (one this agent starts): the same
+        signature, from the inner state kept for the agent."""
+        states = self._states
+        if states is None:
+            return None
+        origins = self._origins
+        inner = origins.get(own_agent)
+        if inner is None:
+            if len(origins) >= MAX_ORIGINS:
+                origins.clear()
+            inner = origins[own_agent] = states[0].copy()
+            inner.update(_CANONICAL_V1 + own_agent.encode("ascii") + b"\n")
+        inner = inner.copy()
+        inner.update(str(deadline_ms).encode("ascii"))
+        return _finished(states[1], inner)
 
 
 NO_KEYS: Final = SigningKeys()
@@ -119,8 +148,7 @@ class Received:
     problem: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ChainDecision:
+class ChainDecision(NamedTuple):
     """What :func:`decide` made of a call's chain.
 
     ``received``: the agents the call came with (empty: it starts a chain); ``agents``:
@@ -129,6 +157,10 @@ class ChainDecision:
     Unix ms); ``signature``: of the chain sent (None: unsigned); ``verified``: the
     received chain's signature was checked; ``remaining_s``: seconds the call may take
     (the earlier of its timeout and the chain's deadline); ``error``: the refusal, or None.
+
+    A named tuple, immutable as a frozen dataclass is, because one is made on every call
+    and a frozen dataclass's ``__init__`` (an ``object.__setattr__`` per field) costs
+    three times a tuple's construction.
     """
 
     received: tuple[str, ...]
@@ -137,7 +169,7 @@ class ChainDecision:
     signature: str | None = None
     verified: bool = False
     remaining_s: float = 0.0
-    error: CallChainRefused | None = field(default=None, compare=False)
+    error: CallChainRefused | None = None
 
     @property
     def depth(self) -> int:
@@ -146,12 +178,16 @@ class ChainDecision:
 
     def headers(self) -> dict[str, str]:
         """The chain's outbound headers (empty for a refusal)."""
-        if self.error is not None or self.deadline_ms is None:
+        deadline = self.deadline_ms
+        if self.error is not None or deadline is None:
             return {}
-        out = {CHAIN_HEADER: ",".join(self.agents), DEADLINE_HEADER: str(self.deadline_ms)}
-        if self.signature is not None:
-            out[SIGNATURE_HEADER] = self.signature
-        return out
+        if self.signature is None:
+            return {CHAIN_HEADER: ",".join(self.agents), DEADLINE_HEADER: str(deadline)}
+        return {
+            CHAIN_HEADER: ",".join(self.agents),
+            DEADLINE_HEADER: str(deadline),
+            SIGNATURE_HEADER: self.signature,
+        }
 
 
 def canonical(agents: Sequence[str], deadline_ms: int | None) -> bytes:
@@ -161,6 +197,10 @@ def canonical(agents: Sequence[str], deadline_ms: int | None) -> bytes:
     return f"egress-call-chain/v1\n{','.join(agents)}\n{deadline}".encode("ascii")
 
 
+#: :func:`canonical`'s version line.
+_CANONICAL_V1: Final = b"egress-call-chain/v1\n"
+
+
 def sign(agents: Sequence[str], deadline_ms: int | None, key: Secret) -> str:
     """``v1=`` and the unpadded base64url HMAC-SHA256 (RFC 2104) of :func:`canonical`
     (the key's hash states kept, :func:`_hmac_states`; tested equal to :mod:`hmac`'s)."""
@@ -168,11 +208,18 @@ def sign(agents: Sequence[str], deadline_ms: int | None, key: Secret) -> str:
 
 
 def _signed(states: tuple[Any, Any], agents: Sequence[str], deadline_ms: int | None) -> str:
-    inner, outer = states[0].copy(), states[1].copy()
+    inner = states[0].copy()
     inner.update(canonical(agents, deadline_ms))
+    return _finished(states[1], inner)
+
+
+def _finished(outer_state: Any, inner: Any) -> str:
+    """The signature of the HMAC whose inner hash has been fed: ``v1=`` and the outer
+    digest in unpadded base64url (a SHA-256's 32 bytes: 43 characters and one ``=``)."""
+    outer = outer_state.copy()
     outer.update(inner.digest())
-    text = binascii.b2a_base64(outer.digest(), newline=False).translate(_URLSAFE)
-    return SIGNATURE_PREFIX + text.rstrip(b"=").decode()
+    text = binascii.b2a_base64(outer.digest(), newline=False)
+    return SIGNATURE_PREFIX + text[:43].translate(_URLSAFE).decode()
 
 
 @functools.lru_cache(maxsize=4)  # the fleet's current and previous keys
@@ -306,17 +353,20 @@ def start(
     when the fleet signs chains; the same decision, without reading headers or checking
     what cannot fail (a chain that came with none has no signature to check). None when
     the rules could refuse it after all (a ttl under a millisecond): :func:`decide` then."""
-    ttl_ms = round(spec.ttl_s * 1000)
+    agents, ttl_ms, ttl_s = _origin(own_agent, spec.ttl_s)
     if ttl_ms <= 0:
         return None
-    agents, deadline = (own_agent,), now_ms + ttl_ms
-    return ChainDecision(
-        received=(),
-        agents=agents,
-        deadline_ms=deadline,
-        signature=keys.sign(agents, deadline),
-        remaining_s=min(timeout_s, ttl_ms / 1000),
-    )
+    deadline = now_ms + ttl_ms
+    signature = None if keys is NO_KEYS else keys.sign_origin(own_agent, deadline)
+    return ChainDecision((), agents, deadline, signature, False, min(timeout_s, ttl_s))
+
+
+@functools.lru_cache(maxsize=16)  # one per policy's agent_id and chain.ttl_s
+def _origin(own_agent: str, ttl_s: float) -> tuple[tuple[str, ...], int, float]:
+    """What every chain ``own_agent`` starts shares: its agents, its life in ms (as
+    :func:`decide` rounds it) and in seconds (that rounding's)."""
+    ttl_ms = round(ttl_s * 1000)
+    return (own_agent,), ttl_ms, ttl_ms / 1000
 
 
 def _authenticated(received: Received, spec: ChainSpec, keys: SigningKeys) -> Received:
@@ -357,7 +407,7 @@ def seen_in(headers: Mapping[str, str]) -> dict[str, str] | None:
 def with_headers(headers: Mapping[str, str], decision: ChainDecision) -> dict[str, str]:
     """``headers`` with the chain's own (:meth:`ChainDecision.headers`) in place of any
     the agent set, whatever their case: the sidecar's chain is the only one sent."""
-    if CHAIN_HEADERS.isdisjoint(map(str.lower, headers)):  # the usual case, checked in C
+    if _CHAIN_HEADER_LENGTHS.isdisjoint(map(len, headers)):  # the usual case, checked in C
         return {**headers, **decision.headers()}
     kept = {k: v for k, v in headers.items() if k.lower() not in CHAIN_HEADERS}
     return {**kept, **decision.headers()}
