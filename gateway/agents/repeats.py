@@ -210,8 +210,9 @@ class RepeatedCalls:
         if text is None:
             return None
         # (The envelope refuses an endpoint with a lone surrogate: it has a UTF-8 form.)
-        tail = f"\0{request.method}\0{name}".encode()
-        digest = hashlib.blake2b(text + tail, digest_size=32).digest()
+        hashed = hashlib.blake2b(text, digest_size=32)
+        hashed.update(f"\0{request.method}\0{name}".encode())  # no copy of the text
+        digest = hashed.digest()
         count = self._count_local((agent, target, digest), spec)
         return (refusal(count, spec, name),) if count > spec.max_repeats else ()
 
