@@ -34,6 +34,7 @@ __all__ = [
     "loads_fast",
     "log_line",
     "sorted_compact",
+    "sorted_text",
     "surely_finite",
 ]
 
@@ -130,6 +131,24 @@ def sorted_compact(value: Any) -> bytes | None:
     if out.translate(_FLOAT_MARKS).find(b"0.") >= 0 or out.find(b"null") >= 0:
         return None
     return out
+
+
+def sorted_text(value: Any) -> bytes | None:
+    """``value`` as orjson's compact JSON with keys sorted: a text that names it exactly
+    (equal values, whatever their keys' order, give equal bytes; different ones, different
+    bytes), for a key this process alone uses; not the stdlib's bytes (floats may be
+    spelled otherwise: :func:`sorted_compact` for those). None where orjson is absent,
+    refuses the value (integers past 64 bits, non-string keys, lone surrogates, too
+    deep) or wrote a ``null``, which may stand for NaN or an infinity as well as
+    ``None``: the caller then asks the stdlib. Several thousand instructions fewer than
+    :func:`sorted_compact`, which also reads its bytes back for floats."""
+    if orjson is None:
+        return None
+    try:
+        out = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return None
+    return None if out.find(b"null") >= 0 else out
 
 
 def surely_finite(value: Any) -> bool:

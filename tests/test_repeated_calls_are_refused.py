@@ -7,14 +7,16 @@ counted."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 
-from gateway.agents.repeats import Operation, is_exempt, operations
+from gateway.agents.repeats import Operation, RepeatedCalls, is_exempt, operations
 from gateway.envelope import ExternalCallRequest
+from gateway.policy.controls import RepeatedCallsSpec
 from gateway.policy.loader import PolicyError, parse_policy
 from tests.conftest import (
     FakeUpstream,
@@ -175,6 +177,64 @@ def test_what_counts_as_the_same_call(a: dict[str, Any], b: dict[str, Any], same
     [second] = operations("t", _request(**b), None)
     assert (first.digest == second.digest) is same
     assert isinstance(first, Operation)
+
+
+_PAIRS = [
+    ({}, {}),
+    (
+        {"parameters": {"b": 1, "a": [2, {"y": 1, "x": 2}]}},
+        {"parameters": {"a": [2, {"x": 2, "y": 1}], "b": 1}},
+    ),
+    ({"parameters": {"a": 1}}, {"parameters": {"a": 2}}),
+    ({"parameters": {"a": 1}}, {"parameters": {"a": 1.0}}),  # 500 and 500.0 differ
+    ({"parameters": {"a": 0.0}}, {"parameters": {"a": -0.0}}),
+    ({"parameters": {"a": 1e16}}, {"parameters": {"a": 1e16}}),  # spelled 1e+16 by json
+    ({"parameters": {"a": 1e-07}}, {"parameters": {"a": 1e-7}}),
+    ({"parameters": {"a": True}}, {"parameters": {"a": 1}}),
+    ({"parameters": {"a": "1"}}, {"parameters": {"a": 1}}),
+    ({"parameters": {"é": "Zoë \u2028"}}, {"parameters": {"é": "Zoë \u2028"}}),
+    ({"parameters": {"a": None}}, {"parameters": {"a": None}}),  # counted by canonical JSON
+    ({"parameters": {"a": 2**70}}, {"parameters": {"a": 2**70}}),  # past orjson's integers
+    ({"parameters": {"a": 2**70}}, {"parameters": {"a": 2**70 + 1}}),
+    ({"endpoint": "/v1/x"}, {"endpoint": "/v1/y"}),
+    ({"method": "POST"}, {"method": "PUT"}),
+    ({"query": {"q": "1"}}, {"query": {"q": "1"}}),  # counted by canonical JSON
+    ({"query": {"q": "1"}}, {"query": {"q": "2"}}),
+    ({"trace_id": "t1"}, {"trace_id": "t2"}),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), _PAIRS)
+def test_a_local_count_tells_calls_apart_as_their_canonical_json_does(
+    a: dict[str, Any], b: dict[str, Any]
+) -> None:
+    """A local count of a plain HTTP call is keyed without its canonical JSON
+    (``check_here``); two calls are counted as one exactly when their canonical JSON
+    is the same."""
+    breaker = RepeatedCalls(RepeatedCallsSpec(max_repeats=1, window_s=60))
+    counted = []
+    for overrides in (a, b):
+        request = _request(**overrides)
+        refused = breaker.check_here("agent", "t", request, None)
+        if refused is None:  # not a call check_here counts: the canonical path's
+            assert request.query or any(
+                v is None or (isinstance(v, int) and v > 2**63) for v in request.parameters.values()
+            )
+            refused = asyncio.run(breaker.check("agent", operations("t", request, None)))
+        counted.append(refused)
+    [first] = operations("t", _request(**a), None)
+    [second] = operations("t", _request(**b), None)
+    assert counted[0] == ()
+    assert (counted[1] != ()) is (first.canonical == second.canonical)
+
+
+def test_a_local_count_is_per_agent_and_target() -> None:
+    breaker = RepeatedCalls(RepeatedCallsSpec(max_repeats=1, window_s=60))
+    request = _request()
+    for agent, target in (("a1", "t"), ("a2", "t"), ("a1", "u")):
+        assert breaker.check_here(agent, target, request, None) == ()
+    [refusal] = breaker.check_here("a1", "t", request, None) or ()
+    assert refusal.details["count"] == 2
 
 
 @pytest.mark.parametrize(

@@ -391,7 +391,9 @@ class Controls:
         shadow = []
         spec = self.repeats.spec
         if spec is not None:  # off by default: no fingerprint to compute
-            refused = await self.repeats.check(agent, operations(target, request, exchange))
+            refused = self.repeats.check_here(agent, target, request, exchange)
+            if refused is None:  # not a plain HTTP call counted here: its canonical JSON
+                refused = await self.repeats.check(agent, operations(target, request, exchange))
             if refused and spec.mode == "enforce":
                 raise refused[0]
             if refused:

@@ -22,7 +22,15 @@ A cluster count's Redis key is ``repeat:`` and the SHA-256 hex of ``AGENT\nDIGES
 (:attr:`Operation.digest`): every sidecar of a fleet, of any version, names a call so.
 A local count is keyed by the agent and the BLAKE2b-256 of the same canonical bytes
 (never shared, so its hash is free to differ: about half SHA-256's cost in OpenSSL 3,
-whose per-digest set-up dominates a short input; as collision-resistant).
+whose per-digest set-up dominates a short input; as collision-resistant). An HTTP call
+with neither ``query`` nor ``body`` (the envelope's and the drop-in route's usual call)
+is counted locally without its canonical JSON (:meth:`RepeatedCalls.check_here`): by the
+agent, the target and the BLAKE2b-256 of orjson's sorted text of its parameters, its
+method and endpoint (:func:`gateway.fastjson.sorted_text`: a text that names the
+parameters exactly, keys in any order, as the canonical JSON does, without the
+stdlib's float spelling to match). Equal calls give equal keys, different calls
+different ones; a call whose parameters orjson cannot name so (a ``null``, which may be
+NaN, integers past 64 bits) is counted by its canonical JSON, as every call once was.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Final
 
 from gateway.errors import CapacityExceeded, RepeatedCall
+from gateway.fastjson import sorted_text
 from gateway.idempotency.keys import canonical_json, fingerprinted
 from gateway.policy.controls import RepeatedCallsSpec
 
@@ -49,6 +58,11 @@ if TYPE_CHECKING:
 
 #: Distinct calls the local counter remembers (each holds up to max_repeats + 1 times).
 MAX_KEYS: Final = 10_000
+
+#: A local count's key: the agent and the BLAKE2b-256 of the call's canonical JSON, or
+#: the agent, the target and the BLAKE2b-256 of the sorted text of a plain HTTP call
+#: (:meth:`RepeatedCalls.check_here`; of another length, so never equal to the first).
+_LocalKey = tuple[str, bytes] | tuple[str, str, bytes]
 
 _COUNT: Final = """
 local t = redis.call('TIME')
@@ -155,7 +169,7 @@ class RepeatedCalls:
         redis: RedisClient | None = None,
     ) -> None:
         self._redis = redis
-        self._local: OrderedDict[tuple[str, bytes], deque[float]] = OrderedDict()
+        self._local: OrderedDict[_LocalKey, deque[float]] = OrderedDict()
         self._script = redis.script(_COUNT) if redis is not None else None
         self.update(spec, exempt)
 
@@ -164,6 +178,43 @@ class RepeatedCalls:
         self.spec = spec
         self.exempt = tuple(exempt)
         self._exempt = _exempt(self.exempt)  # compiled once per policy, not per call
+
+    def check_here(
+        self,
+        agent: str,
+        target: str,
+        request: ExternalCallRequest,
+        exchange: McpExchange | None,
+    ) -> tuple[RepeatedCall, ...] | None:
+        """:meth:`check` of the call's one operation without its canonical JSON, for a
+        local count of an HTTP call with neither ``query`` nor ``body``: keyed by the
+        agent, the target and the BLAKE2b-256 of the sorted text of its parameters
+        (:func:`gateway.fastjson.sorted_text`; a JSON text has one end and holds no raw
+        NUL, so the NUL-separated method and endpoint after it are told apart). None
+        when it does not apply (cluster scope, an MCP exchange, a query or a body,
+        parameters orjson cannot name exactly): the caller then awaits :meth:`check` of
+        :func:`operations`."""
+        spec = self.spec
+        if (
+            spec is None
+            or spec.scope != "local"
+            or exchange is not None
+            or request.body is not None
+            or request.query
+        ):
+            return None
+        name = request.endpoint
+        if self._exempt is not None and self._exempt.match(name) is not None:
+            return ()
+        text = sorted_text(request.parameters)
+        if text is None:
+            return None
+        # (The envelope refuses an endpoint with a lone surrogate: it has a UTF-8 form.)
+        hashed = hashlib.blake2b(text, digest_size=32)
+        hashed.update(f"\0{request.method}\0{name}".encode())  # no copy of the text
+        digest = hashed.digest()
+        count = self._count_local((agent, target, digest), spec)
+        return (refusal(count, spec, name),) if count > spec.max_repeats else ()
 
     async def check(self, agent: str, ops: Sequence[Operation]) -> tuple[RepeatedCall, ...]:
         """Count each operation; the refusals they earn (empty: go ahead). Raises
@@ -210,15 +261,20 @@ class RepeatedCalls:
                     ) from exc
         return self._count_local(op.local_key(agent), spec)
 
-    def _count_local(self, key: tuple[str, bytes], spec: RepeatedCallsSpec) -> int:
+    def _count_local(self, key: _LocalKey, spec: RepeatedCallsSpec) -> int:
         now = time.monotonic()
-        seen = self._local.pop(key, None)
-        if seen is None or seen.maxlen != spec.max_repeats + 1:
-            seen = deque(seen or (), maxlen=spec.max_repeats + 1)
-        while seen and seen[0] <= now - spec.window_s:
-            seen.popleft()
+        local, limit = self._local, spec.max_repeats + 1
+        seen = local.get(key)
+        if seen is None:
+            seen = local[key] = deque(maxlen=limit)  # most recent last
+            if len(local) > MAX_KEYS:
+                local.popitem(last=False)
+        else:
+            local.move_to_end(key)
+            if seen.maxlen != limit:  # a reloaded policy changed max_repeats
+                seen = local[key] = deque(seen, maxlen=limit)
+            cutoff = now - spec.window_s
+            while seen and seen[0] <= cutoff:
+                seen.popleft()
         seen.append(now)
-        self._local[key] = seen  # most recent last
-        while len(self._local) > MAX_KEYS:
-            self._local.popitem(last=False)
         return len(seen)
