@@ -141,7 +141,9 @@ class StreamJudge:
         if self.watch_model and self.model is None:
             self.model = dialect.response_model(data)
         signal = dialect.stream_signal(name, data)
-        if signal is END:
+        if signal is None:  # the usual: a delta
+            pass
+        elif signal is END:
             self.complete = True
         elif isinstance(signal, StreamFailure) and self.failure is None:
             self.failure = signal
