@@ -72,7 +72,7 @@ class SseDecoder:
         value is the UTF-8 of its text; a caller that decodes it with ``errors="replace"``
         reads what :meth:`feed` would have read). Else None, and nothing was consumed:
         :meth:`feed` reads the chunk. What a paced upstream sends in each read, read
-        without decoding, splitting or joining the chunk's text (a third of the judge's
+        without decoding, splitting or joining the chunk's text (nearly half the judge's
         cost per event). The event's ``id`` is the last one seen, as before it: the
         chunk has no ``id`` line."""
         if not self._idle:
