@@ -340,6 +340,10 @@ def _idle(judge: StreamJudge, idle_timeout_s: float) -> GatewayError:
 
 def _feed(decoder: SseDecoder, judge: StreamJudge, chunk: bytes, max_bytes: int) -> None:
     """Decode ``chunk``'s events and have ``judge`` observe each."""
+    whole = decoder.feed_whole(chunk)
+    if whole is not None:  # one event alone, the usual read: its data not decoded
+        judge.observe_raw(*whole)
+        return
     try:
         for event in decoder.feed(chunk):
             judge.observe(event)

@@ -44,8 +44,8 @@ class SseDecoder:
     here (for judging the stream only; the relayed bytes are the upstream's).
     """
 
-    __slots__ = ("_cr", "_data", "_event", "_last_id", "_line_chars", "_max", "_parts",
-                 "_size", "_started", "_utf8", "events")  # fmt: skip
+    __slots__ = ("_cr", "_data", "_event", "_idle", "_last_id", "_line_chars", "_max",
+                 "_parts", "_size", "_started", "_utf8", "events")  # fmt: skip
 
     def __init__(self, max_event_bytes: int) -> None:
         self._max = max_event_bytes
@@ -58,8 +58,53 @@ class SseDecoder:
         self._last_id: str | None = None
         self._size = 0
         self._started = False
+        # Holding nothing between events (no line, data, event type, CR or cut
+        # character; past the BOM): what lets :meth:`feed_whole` read a chunk alone.
+        self._idle = False
         #: Events dispatched in all (for the audit record).
         self.events = 0
+
+    def feed_whole(self, chunk: bytes) -> tuple[str | None, bytes] | None:
+        """``(event type, data)`` when ``chunk`` is exactly one event that :meth:`feed`
+        would dispatch alone: the decoder holds nothing, and the chunk is one ``data:``
+        line, after at most one ``event:`` line, and its blank line (LF line ends; CRLF
+        for a ``data:`` line alone). The data is the line's bytes, not decoded (an SSE
+        value is the UTF-8 of its text; a caller that decodes it with ``errors="replace"``
+        reads what :meth:`feed` would have read). Else None, and nothing was consumed:
+        :meth:`feed` reads the chunk. What a paced upstream sends in each read, read
+        without decoding, splitting or joining the chunk's text (nearly half the judge's
+        cost per event). The event's ``id`` is the last one seen, as before it: the
+        chunk has no ``id`` line."""
+        if not self._idle:
+            return None
+        end = len(chunk) - 2
+        if chunk.endswith(b"\n\n"):
+            cr_at = -1  # no CR at all
+        elif chunk.endswith(b"\r\n\r\n"):
+            end -= 2
+            cr_at = end  # only the CRLF after the data line, then the blank line's
+        else:
+            return None
+        name: str | None = None
+        if chunk.startswith(b"data:"):
+            start = 5
+        elif chunk.startswith(b"event:"):
+            at = chunk.find(b"\n", 6)
+            if at < 0 or chunk.find(b"data:", at + 1, at + 6) < 0:
+                return None
+            raw = chunk[7:at] if chunk[6:7] == b" " else chunk[6:at]
+            name = raw.decode("utf-8", "replace") or None
+            start = at + 6
+        else:
+            return None
+        if chunk[start : start + 1] == b" ":
+            start += 1
+        if chunk.find(b"\n", start) != end + (cr_at >= 0) or chunk.find(b"\r") != cr_at:
+            return None  # another line, or a CR line end somewhere else
+        if end - start + 1 > self._max:
+            return None  # feed decides, counting characters
+        self.events += 1
+        return name, chunk[start:end]
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
         """The events completed by ``chunk``. Raises :class:`EventTooLarge`."""
@@ -109,6 +154,11 @@ class SseDecoder:
             self._line_chars = len(last)
         if self._size + self._line_chars > self._max:
             raise EventTooLarge(f"one event passed {self._max} bytes")
+        self._idle = (
+            self._started
+            and self._event is None
+            and not (parts or self._data or self._cr or utf8.buffer)
+        )
         return out
 
     def close(self) -> list[SseEvent]:
@@ -120,6 +170,7 @@ class SseDecoder:
         tail = self._utf8.decode(b"", final=True)
         line = "".join(self._parts) + tail
         self._parts.clear()
+        self._idle = False
         self._line_chars = 0
         if line:
             self._field(line, out)

@@ -33,6 +33,7 @@ from gateway.providers.base import END, StreamFailure
 #: and the latest others): a stream of any length keeps at most this many.
 MAX_USAGE_EVENTS: Final = 64
 _JSON_STARTS: Final = ("{", "[")
+_JSON_BYTE_STARTS: Final = (b"{", b"[")
 
 
 def _judged_data(data: str) -> Any:
@@ -109,6 +110,19 @@ class StreamJudge:
                 data = self._unread(data)
         return self.observe_data(event.event, data)
 
+    def observe_raw(self, name: str | None, raw: bytes) -> Any:
+        """:meth:`observe` for an event given as its type and the UTF-8 bytes of its data
+        (:meth:`gateway.call.sse.SseDecoder.feed_whole`): the same judgement, the same
+        data; JSON is parsed from the bytes, not from a decoded copy."""
+        if raw[:1] in _JSON_BYTE_STARTS:
+            try:
+                data = loads_fast(raw)
+            except ValueError:  # not JSON, or not UTF-8: read as observe reads its text
+                data = self._unread(raw.decode("utf-8", "replace"))
+        else:
+            data = raw.decode("utf-8", "replace")
+        return self.observe_data(name, data)
+
     def _unread(self, text: str) -> Any:
         """Data that starts like JSON and that the fast parser refused: what the stdlib
         reads of it, else the text (counted malformed for a provider, but for OpenAI's
@@ -127,7 +141,9 @@ class StreamJudge:
         if self.watch_model and self.model is None:
             self.model = dialect.response_model(data)
         signal = dialect.stream_signal(name, data)
-        if signal is END:
+        if signal is None:  # the usual: a delta
+            pass
+        elif signal is END:
             self.complete = True
         elif isinstance(signal, StreamFailure) and self.failure is None:
             self.failure = signal

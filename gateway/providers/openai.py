@@ -113,7 +113,8 @@ def usage(body: Any) -> TokenUsage | None:
 
 def _event_usage(event: Any) -> TokenUsage | None:
     """A chat chunk's ``usage``, or the Responses API's final ``response.usage``."""
-    if isinstance(event, dict) and event.get("type") in _RESPONSES_DONE:
+    kind = event.get("type") if isinstance(event, dict) else None
+    if kind.__class__ is str and kind in _RESPONSES_DONE:  # not always hashable
         return usage(event.get("response"))
     return usage(event)
 
@@ -125,8 +126,11 @@ def stream_usage(events: list[Any]) -> TokenUsage | None:
 
 
 def usage_event(data: Any) -> bool:
-    return isinstance(data, dict) and (
-        isinstance(data.get("usage"), dict) or data.get("type") in _RESPONSES_DONE
+    if not isinstance(data, dict):
+        return False
+    kind = data.get("type")  # an upstream's value: not always hashable
+    return isinstance(data.get("usage"), dict) or (
+        kind.__class__ is str and kind in _RESPONSES_DONE
     )
 
 
@@ -136,20 +140,19 @@ def stream_signal(event: str | None, data: Any) -> StreamSignal | None:
     ``response.incomplete`` (Responses API streaming events). Failures: a chunk
     ``{"error": {...}}``, ``response.failed`` and the ``error`` event."""
     del event  # the Responses API repeats its event type in data.type
-    if data == "[DONE]":
-        return END
     if not isinstance(data, dict):
-        return None
+        return END if data == "[DONE]" else None
     kind = data.get("type")
-    if kind in _RESPONSES_DONE:
-        return END
-    if kind == "response.failed":
-        response = data.get("response")
-        error = response.get("error") if isinstance(response, dict) else None
-        error = error if isinstance(error, dict) else {}
-        return _failure(error.get("code"), error.get("message"))
-    if kind == "error":
-        return _failure(data.get("code") or data.get("type"), data.get("message"))
+    if kind is not None:  # a Responses API event (chat chunks have no type)
+        if kind.__class__ is str and kind in _RESPONSES_DONE:  # not always hashable
+            return END
+        if kind == "response.failed":
+            response = data.get("response")
+            error = response.get("error") if isinstance(response, dict) else None
+            error = error if isinstance(error, dict) else {}
+            return _failure(error.get("code"), error.get("message"))
+        if kind == "error":
+            return _failure(data.get("code") or data.get("type"), data.get("message"))
     error = data.get("error")
     if isinstance(error, dict):
         return _failure(error.get("code") or error.get("type"), error.get("message"))
