@@ -14,6 +14,12 @@ TARGET_CPU_US = 280.0
 ISSUE_PASSTHROUGH_CPU_US = 144.0
 TARGET_IDLE_RSS_MIB = 50.0  # after the first call
 TARGET_LOAD_RSS_MIB = 80.0  # peak (VmHWM) after the runs at up to 64 connections
+#: Issue 35's ("Performance, round three") that this benchmark measures: the drop-in
+#: route at least as fast as the envelope route (req/s at c16, added p50 at c1), and
+#: RSS after the first call. Its stream targets are bench/streams.py's, its instruction
+#: counts (the controls' cost) bench/instructions.py's.
+TARGET_DROP_IN_VS_ENVELOPE = 1.0  # drop-in req/s / envelope req/s, at c16
+TARGET_RSS_MIB_35 = 48.0
 #: "Flat": RSS after the soak exceeds RSS after 10k calls by at most this much...
 FLAT_SLACK_MIB = 2.0
 #: ...or by at most this fraction, whichever is larger.
@@ -122,6 +128,18 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
             "value": soak_summary["growth_mib"],
             "met": soak_summary["growth_mib"] <= slack,
         }
+    targets_35: dict[str, Any] = {}
+    if "proxy" in rps:
+        targets_35["drop_in_vs_envelope_c16"] = _target(
+            round(rps["proxy"]["c16"] / rps["sidecar"]["c16"], 3), ">=", TARGET_DROP_IN_VS_ENVELOPE
+        )
+        targets_35["drop_in_added_p50_c1_ms"] = _target(
+            added["proxy"]["c1"]["p50"], "<=", added["sidecar"]["c1"]["p50"]
+        )
+    if idle:
+        targets_35["rss_after_first_call_mib"] = _target(
+            round(idle["VmRSS"] / 1024, 1), "<=", TARGET_RSS_MIB_35
+        )
     return {
         "rps": rps,
         "ratios": ratios,
@@ -131,6 +149,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         "soak": soak_summary,
         "features": features,
         "targets": targets,
+        "targets_35": targets_35,
     }
 
 
@@ -195,8 +214,18 @@ def table(results: dict[str, Any]) -> str:
                 f"{f['added_p50_ms_c1']:9.3f}{f['added_p99_ms_c1']:9.3f}  {f['off']}"
             )
     lines += ["", "targets (issue 21; stream targets: bench/stream.py):"]
-    for name, t in s["targets"].items():
-        lines.append(
-            f"  {'MET ' if t['met'] else 'MISS'} {name:22s} {t['value']!s:>8s}  ({t['target']})"
-        )
+    lines += _target_lines(s["targets"])
+    if s.get("targets_35"):
+        lines += [
+            "targets (issue 35; streams: bench/streams.py, the controls' cost: "
+            "bench/instructions.py):"
+        ]
+        lines += _target_lines(s["targets_35"])
     return "\n".join(lines)
+
+
+def _target_lines(targets: dict[str, Any]) -> list[str]:
+    return [
+        f"  {'MET ' if t['met'] else 'MISS'} {name:24s} {t['value']!s:>8s}  ({t['target']})"
+        for name, t in targets.items()
+    ]
