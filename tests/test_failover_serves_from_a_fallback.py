@@ -246,7 +246,31 @@ async def test_a_primary_that_answers_names_itself_and_a_target_without_fallback
     _, body = await sc.call(_call())
     assert body["served_by"] == {"target": "primary", "model": "primary-model"}
     [record] = sc.audit_records()
-    assert record["tried"][0]["outcome"] == "ok"
+    [answered] = record["tried"]  # the one attempt, noted as it answered
+    assert list(answered) == [
+        "target",
+        "model",
+        "api_key_ref",
+        "attempts",
+        "outcome",
+        "upstream_status",
+        "reason",
+        "response_bytes",
+        "duration_ms",
+    ]  # the line's order (docs/audit.md)
+    duration = answered.pop("duration_ms")
+    assert isinstance(duration, float)
+    assert duration >= 0
+    assert answered == {
+        "target": "primary",
+        "model": "primary-model",
+        "api_key_ref": record["api_key_ref"],
+        "attempts": 1,
+        "outcome": "ok",
+        "upstream_status": 200,
+        "reason": None,
+        "response_bytes": record["response_bytes"],
+    }
     assert (primary.hits, backup.hits) == (1, 0)
     plain = await sidecar_factory(compile_policy({"primary": openai_target(primary.url)}))
     _, body = await plain.call(_call())

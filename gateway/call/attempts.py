@@ -172,8 +172,10 @@ class Attempts:
                 if log.tried is not None:
                     self._note(Outcome(exc), None, sent=log.attempts > made)
                 raise
-            if outcome is DONE and log.tried is None:  # next_step's stop, nothing to note
+            if outcome is DONE:  # next_step's stop: no budget, no step to decide
                 assert answer is not None
+                if log.tried is not None:  # a call that may fail over: noted as next_step's
+                    log.tried.append(self._answered_entry(answer))
                 return answer
             if budget is None:
                 retry = self.target.spec.retry
@@ -277,6 +279,24 @@ class Attempts:
         if tried is None:
             tried = self.log.tried = []
         tried.append(self._entry(outcome, answer, sent=sent))
+
+    def _answered_entry(self, answer: UpstreamResponse) -> dict[str, Any]:
+        """The entry :meth:`_entry` makes of an attempt that ended :data:`DONE` (sent,
+        answered, no error), built in one frame: the same keys, in the same order, with
+        the same values (:func:`tried_entry`)."""
+        target = self.target
+        request = self.request
+        return {
+            "target": target.name,
+            "model": request_model(target.spec.usage, request.endpoint, request.parameters),
+            "api_key_ref": self.began_key,
+            "attempts": 1,
+            "outcome": "ok",
+            "upstream_status": answer.status,
+            "reason": None,
+            "response_bytes": self.log.response_bytes,
+            "duration_ms": round((time.monotonic() - self.began) * 1000, 3),
+        }
 
     def _entry(
         self, outcome: Outcome, answer: UpstreamResponse | None, *, sent: bool
