@@ -154,3 +154,15 @@ async def test_kept_keys_are_given_without_resolving_until_a_rewrite(tmp_path: P
     aged(key, "fleet-chain-key-00002\n")
     assert cache.kept(refs) is None
     assert resolve.calls == 1
+
+
+async def test_a_resolver_registered_since_resolves_the_keys_again(tmp_path: Path) -> None:
+    """The kept keys' checks are their resolvers' at the time: a resolver registered
+    since (SecretResolvers.register) has the keys resolved again, through it."""
+    _, refs, resolve, cache = setup(tmp_path)
+    await cache.keys(refs, None, 0.0, resolve)  # type: ignore[arg-type]
+    resolve.resolvers.register("file", FileResolver())
+    assert cache.kept(refs) is None
+    again = await cache.keys(refs, None, 0.0, resolve)  # type: ignore[arg-type]
+    assert resolve.calls == 2
+    assert cache.kept(refs) is again

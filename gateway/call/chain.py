@@ -38,21 +38,27 @@ class ChainKeys:
     variable) or an invalidated one is resolved again on the next call, as before. A
     ``vault://`` key is resolved per call (its own cache decides)."""
 
-    __slots__ = ("_kept", "_resolvers")
+    __slots__ = ("_checks", "_kept", "_registered", "_resolvers")
 
     def __init__(self, resolvers: SecretResolvers) -> None:
         self._resolvers = resolvers
-        #: (the references, what each resolved to, the keys made of them)
+        #: (the references, what each resolved to, the keys made of them, and each
+        #: reference's check of SecretResolvers.unchanged, looked up once when kept)
         self._kept: tuple[tuple[SecretRef, ...], tuple[ResolvedSecret, ...], chain.SigningKeys]
         self._kept = ((), (), chain.NO_KEYS)
+        self._checks: tuple[Callable[[SecretRef, ResolvedSecret], object], ...] = ()
+        self._registered = resolvers.registered
 
     def kept(self, refs: tuple[SecretRef, ...]) -> chain.SigningKeys | None:
         """The keys kept for ``refs`` while each secret is unchanged, else None (to be
         resolved: :meth:`keys`)."""
         kept_refs, kept, keys = self._kept
-        if kept_refs is refs and all(map(self._resolvers.unchanged, refs, kept)):
-            return keys
-        return None
+        if kept_refs is not refs or self._registered != self._resolvers.registered:
+            return None
+        for check, ref, resolved in zip(self._checks, refs, kept, strict=True):
+            if check(ref, resolved) is not True:
+                return None
+        return keys
 
     async def keys(
         self, refs: tuple[SecretRef, ...], ctx: CallContext, deadline: float, resolve: Resolve
@@ -66,6 +72,8 @@ class ChainKeys:
         found = tuple(r for r in resolved if r is not None)
         keys = chain.SigningKeys(*(r.secret for r in found))
         if len(found) == len(refs):
+            self._checks = tuple(map(self._resolvers.unchanged_check, refs))
+            self._registered = self._resolvers.registered
             self._kept = (refs, found, keys)
         return keys
 
