@@ -142,3 +142,27 @@ async def test_the_previous_key_is_kept_and_checked_too(tmp_path: Path) -> None:
     assert again.previous is not None
     assert again.previous.reveal() == "fleet-chain-key-09999"
     assert resolve.calls == 4  # both keys, twice
+
+
+async def test_kept_keys_are_given_without_resolving_until_a_rewrite(tmp_path: Path) -> None:
+    """The call path's synchronous look (ChainKeys.kept): the kept keys while unchanged,
+    None (to be resolved) before the first resolution and after a rewrite."""
+    key, refs, resolve, cache = setup(tmp_path)
+    assert cache.kept(refs) is None
+    first = await cache.keys(refs, None, 0.0, resolve)  # type: ignore[arg-type]
+    assert cache.kept(refs) is first
+    aged(key, "fleet-chain-key-00002\n")
+    assert cache.kept(refs) is None
+    assert resolve.calls == 1
+
+
+async def test_a_resolver_registered_since_resolves_the_keys_again(tmp_path: Path) -> None:
+    """The kept keys' checks are their resolvers' at the time: a resolver registered
+    since (SecretResolvers.register) has the keys resolved again, through it."""
+    _, refs, resolve, cache = setup(tmp_path)
+    await cache.keys(refs, None, 0.0, resolve)  # type: ignore[arg-type]
+    resolve.resolvers.register("file", FileResolver())
+    assert cache.kept(refs) is None
+    again = await cache.keys(refs, None, 0.0, resolve)  # type: ignore[arg-type]
+    assert resolve.calls == 2
+    assert cache.kept(refs) is again

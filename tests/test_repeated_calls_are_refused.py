@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 
+from gateway.agents.controls import Controls
 from gateway.agents.repeats import Operation, RepeatedCalls, is_exempt, operations
 from gateway.envelope import ExternalCallRequest
+from gateway.errors import RepeatedCall
 from gateway.policy.controls import RepeatedCallsSpec
 from gateway.policy.loader import PolicyError, parse_policy
 from tests.conftest import (
@@ -258,3 +260,25 @@ def test_cluster_scope_needs_a_redis_section() -> None:
     with pytest.raises(PolicyError) as caught:
         parse_policy(text, "p.yaml")
     assert "controls.repeated_calls.scope: 'cluster' needs a redis section" in str(caught.value)
+
+
+@pytest.mark.parametrize("mode", ["enforce", "shadow"])
+def test_the_controls_counted_here_answer_as_their_coroutine(mode: str) -> None:
+    """Controls.check_here (no coroutine) and Controls.check give the same answers, call
+    for call: the shadow refusal returned, the enforced one raised; a call it cannot
+    count here is left to the coroutine, uncounted."""
+    spec = RepeatedCallsSpec(max_repeats=1, window_s=60, mode=mode)  # type: ignore[arg-type]
+    here, awaited = Controls(repeats=RepeatedCalls(spec)), Controls(repeats=RepeatedCalls(spec))
+    assert here.check_here("a", "t", _request(query={"q": "1"}), None) is None
+    request = _request()
+    for _ in range(3):
+        try:
+            got: object = here.check_here("a", "t", request, None)
+        except RepeatedCall as exc:
+            got = (exc.code, str(exc), exc.details)
+        try:
+            want: object = asyncio.run(awaited.check("a", "t", request, None))
+        except RepeatedCall as exc:
+            want = (exc.code, str(exc), exc.details)
+        assert got == want
+    assert asyncio.run(here.check("a", "t", _request(query={"q": "1"}), None)) == []

@@ -375,6 +375,29 @@ class Controls:
         without a coroutine (``stops.check``)."""
         return self.repeats.spec is not None or bool(self.caps)
 
+    def check_here(
+        self,
+        agent: str,
+        target: str,
+        request: ExternalCallRequest,
+        exchange: McpExchange | None,
+    ) -> list[str] | None:
+        """:meth:`check` without a coroutine when the breaker counts the call here
+        (:meth:`RepeatedCalls.check_here`) and no tool cap is set: the same refusals
+        raised and shadow refusals returned. None when it does not apply, having
+        counted nothing (the stop switch was looked at, which changes nothing): the
+        caller then awaits :meth:`check`."""
+        spec = self.repeats.spec
+        if spec is None or self.caps:
+            return None
+        self.stops.check(agent, target)
+        refused = self.repeats.check_here(agent, target, request, exchange)
+        if refused is None:
+            return None
+        if refused and spec.mode == "enforce":
+            raise refused[0]
+        return [f"repeated_call:{target}"] if refused else []
+
     async def check(
         self,
         agent: str,

@@ -38,26 +38,42 @@ class ChainKeys:
     variable) or an invalidated one is resolved again on the next call, as before. A
     ``vault://`` key is resolved per call (its own cache decides)."""
 
-    __slots__ = ("_kept", "_resolvers")
+    __slots__ = ("_checks", "_kept", "_registered", "_resolvers")
 
     def __init__(self, resolvers: SecretResolvers) -> None:
         self._resolvers = resolvers
-        #: (the references, what each resolved to, the keys made of them)
+        #: (the references, what each resolved to, the keys made of them, and each
+        #: reference's check of SecretResolvers.unchanged, looked up once when kept)
         self._kept: tuple[tuple[SecretRef, ...], tuple[ResolvedSecret, ...], chain.SigningKeys]
         self._kept = ((), (), chain.NO_KEYS)
+        self._checks: tuple[Callable[[SecretRef, ResolvedSecret], object], ...] = ()
+        self._registered = resolvers.registered
+
+    def kept(self, refs: tuple[SecretRef, ...]) -> chain.SigningKeys | None:
+        """The keys kept for ``refs`` while each secret is unchanged, else None (to be
+        resolved: :meth:`keys`)."""
+        kept_refs, kept, keys = self._kept
+        if kept_refs is not refs or self._registered != self._resolvers.registered:
+            return None
+        for check, ref, resolved in zip(self._checks, refs, kept, strict=True):
+            if check(ref, resolved) is not True:
+                return None
+        return keys
 
     async def keys(
         self, refs: tuple[SecretRef, ...], ctx: CallContext, deadline: float, resolve: Resolve
     ) -> chain.SigningKeys:
         """The keys ``refs`` (current first) name: the kept ones while unchanged, else
         resolved through ``resolve`` (its errors raised) and kept."""
-        kept_refs, kept, keys = self._kept
-        if kept_refs is refs and all(map(self._resolvers.unchanged, refs, kept)):
+        keys = self.kept(refs)
+        if keys is not None:
             return keys
         resolved = [await resolve(ref, ctx, deadline) for ref in refs]
         found = tuple(r for r in resolved if r is not None)
         keys = chain.SigningKeys(*(r.secret for r in found))
         if len(found) == len(refs):
+            self._checks = tuple(map(self._resolvers.unchanged_check, refs))
+            self._registered = self._resolvers.registered
             self._kept = (refs, found, keys)
         return keys
 
@@ -92,6 +108,38 @@ async def chain_stage(
         else:
             resolved = [await resolve(ref, ctx, deadline) for ref in refs]
             keys = chain.SigningKeys(*(r.secret for r in resolved if r is not None))
+    return _decided(spec, request, ctx, keys, memory)
+
+
+def chain_here(
+    spec: ChainSpec,
+    request: ExternalCallRequest,
+    ctx: CallContext,
+    memory: ChainMemory | None = None,
+    cache: ChainKeys | None = None,
+) -> chain.ChainDecision | None:
+    """:func:`chain_stage`'s decision without a coroutine when no signing key is to be
+    resolved (none named, or ``cache`` keeps them unchanged: :meth:`ChainKeys.kept`).
+    None otherwise, having resolved nothing: the caller then awaits :func:`chain_stage`."""
+    keys = chain.NO_KEYS
+    if spec.signing_key_ref is not None:  # checked per call: a rotated key is taken up
+        if cache is None:
+            return None
+        kept = cache.kept(_parsed(spec.signing_key_ref, spec.previous_signing_key_ref))
+        if kept is None:
+            return None
+        keys = kept
+    return _decided(spec, request, ctx, keys, memory)
+
+
+def _decided(
+    spec: ChainSpec,
+    request: ExternalCallRequest,
+    ctx: CallContext,
+    keys: chain.SigningKeys,
+    memory: ChainMemory | None,
+) -> chain.ChainDecision:
+    """The call's chain decision with its signing keys resolved (:func:`chain_stage`)."""
     seen = request.call_chain if request.call_chain is not None else ctx.chain_seen
     now_ms = int(time.time() * 1000)
     if ctx.chain_inbound:

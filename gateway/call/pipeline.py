@@ -41,7 +41,7 @@ from gateway.budgets import Budgets
 from gateway.call import a2a, agentgroup, failover, mcp, send
 from gateway.call import hooks as api_hooks
 from gateway.call import models as model_rules
-from gateway.call.chain import ChainKeys, chain_stage
+from gateway.call.chain import ChainKeys, chain_here, chain_stage
 from gateway.call.hooks import CallHooks
 from gateway.call.idempotent import Learned, Rendered, answer_status, once_per_key
 from gateway.call.intake import (
@@ -251,11 +251,13 @@ class Pipeline:
         try:
             request = _took(ctx, intake())
             ctx.decided("denied")
-            chained = ctx.chained(
-                await chain_stage(
-                    policy.policy.chain, request, ctx, self.resolve, self.chains, self.chain_keys
-                )
-            )
+            spec = policy.policy.chain  # its keys kept unchanged: decided without a coroutine
+            made = chain_here(spec, request, ctx, self.chains, self.chain_keys)
+            if made is None:
+                made = await chain_stage(
+                    spec, request, ctx, self.resolve, self.chains, self.chain_keys
+                )  # fmt: skip
+            chained = ctx.chained(made)
             if chained.error is not None:
                 raise chained.error
             decision = egress_rules.decide(policy, request)
@@ -267,7 +269,10 @@ class Pipeline:
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
             controls = self.controls
             if controls.counting:  # a breaker or tool caps: counted, maybe in Redis
-                shadow = await controls.check(ctx.agent_id, decision.target.name, request, ctx.mcp)
+                name = decision.target.name
+                shadow = controls.check_here(ctx.agent_id, name, request, ctx.mcp)
+                if shadow is None:  # not counted here: its canonical JSON, maybe Redis
+                    shadow = await controls.check(ctx.agent_id, name, request, ctx.mcp)
             else:  # the stop switch alone: a lookup, no coroutine
                 controls.stops.check(ctx.agent_id, decision.target.name)
                 shadow = []

@@ -10,6 +10,7 @@ request.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -88,9 +89,13 @@ class SecretResolvers:
 
     def __init__(self, resolvers: dict[str, SecretResolver]) -> None:
         self._resolvers = dict(resolvers)
+        #: Resolvers registered since construction: a check of :meth:`unchanged_check`
+        #: holds while this is the count it was taken at.
+        self.registered = 0
 
     def register(self, scheme: str, resolver: SecretResolver) -> None:
         self._resolvers[scheme] = resolver
+        self.registered += 1
 
     def get(self, scheme: str) -> SecretResolver | None:
         return self._resolvers.get(scheme)
@@ -126,9 +131,18 @@ class SecretResolvers:
         invalidated secret is resolved anew. False when the resolver cannot tell (Vault:
         its own cache decides, in :meth:`resolve`). A resolver says so with a method
         ``unchanged(ref, resolved) -> bool``."""
+        return self.unchanged_check(ref)(ref, resolved) is True
+
+    def unchanged_check(self, ref: SecretRef) -> Callable[[SecretRef, ResolvedSecret], object]:
+        """The check :meth:`unchanged` makes for ``ref`` (its resolver's ``unchanged``, or
+        one that always answers False), for a caller that checks the same reference on
+        every call without looking up its resolver and method each time, while
+        :attr:`registered` is unchanged. Its answer counts only when it is ``True``."""
         resolver = self._resolvers.get(ref.scheme)
-        check = getattr(resolver, "unchanged", _never)
-        return check(ref, resolved) is True
+        check: Callable[[SecretRef, ResolvedSecret], object] = getattr(
+            resolver, "unchanged", _never
+        )
+        return check
 
     def invalidate(self, ref: SecretRef) -> None:
         resolver = self._resolvers.get(ref.scheme)
