@@ -368,13 +368,6 @@ class Controls:
         self.repeats = repeats if repeats is not None else RepeatedCalls(None)
         self.caps = caps if caps is not None else CallCaps({})
 
-    @property
-    def counting(self) -> bool:
-        """Whether a call is counted (the repeated-call breaker is on, or a tool cap is
-        set): else :meth:`check` is the stop switch's alone, which the call path makes
-        without a coroutine (``stops.check``)."""
-        return self.repeats.spec is not None or bool(self.caps)
-
     def check_here(
         self,
         agent: str,
@@ -382,15 +375,17 @@ class Controls:
         request: ExternalCallRequest,
         exchange: McpExchange | None,
     ) -> list[str] | None:
-        """:meth:`check` without a coroutine when the breaker counts the call here
-        (:meth:`RepeatedCalls.check_here`) and no tool cap is set: the same refusals
-        raised and shadow refusals returned. None when it does not apply, having
-        counted nothing (the stop switch was looked at, which changes nothing): the
-        caller then awaits :meth:`check`."""
-        spec = self.repeats.spec
-        if spec is None or self.caps:
+        """:meth:`check` without a coroutine when no tool cap is set and the breaker is
+        off (the stop switch alone) or counts the call here
+        (:meth:`RepeatedCalls.check_here`): the same refusals raised and shadow refusals
+        returned. None when it does not apply, having counted nothing (the stop switch
+        was looked at, which changes nothing): the caller then awaits :meth:`check`."""
+        if self.caps:
             return None
         self.stops.check(agent, target)
+        spec = self.repeats.spec
+        if spec is None:  # the stop switch alone
+            return []
         refused = self.repeats.check_here(agent, target, request, exchange)
         if refused is None:
             return None

@@ -251,13 +251,12 @@ class Pipeline:
         try:
             request = _took(ctx, intake())
             ctx.decided("denied")
-            spec = policy.policy.chain  # its keys kept unchanged: decided without a coroutine
-            made = chain_here(spec, request, ctx, self.chains, self.chain_keys)
-            if made is None:
-                made = await chain_stage(
-                    spec, request, ctx, self.resolve, self.chains, self.chain_keys
-                )  # fmt: skip
-            chained = ctx.chained(made)
+            # Without a coroutine while its keys are kept (a decision is a tuple, never false)
+            spec, memory, keys = policy.policy.chain, self.chains, self.chain_keys
+            chained = ctx.chained(
+                chain_here(spec, request, ctx, memory, keys)
+                or await chain_stage(spec, request, ctx, self.resolve, memory, keys)
+            )
             if chained.error is not None:
                 raise chained.error
             decision = egress_rules.decide(policy, request)
@@ -267,15 +266,10 @@ class Pipeline:
                 ctx.read(reading)  # raises its refusal
             request, decision = _ruled(policy, request, decision, ctx)  # model, group
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
-            controls = self.controls
-            if controls.counting:  # a breaker or tool caps: counted, maybe in Redis
-                name = decision.target.name
-                shadow = controls.check_here(ctx.agent_id, name, request, ctx.mcp)
-                if shadow is None:  # not counted here: its canonical JSON, maybe Redis
-                    shadow = await controls.check(ctx.agent_id, name, request, ctx.mcp)
-            else:  # the stop switch alone: a lookup, no coroutine
-                controls.stops.check(ctx.agent_id, decision.target.name)
-                shadow = []
+            controls, name = self.controls, decision.target.name
+            shadow = controls.check_here(ctx.agent_id, name, request, ctx.mcp)  # no coroutine
+            if shadow is None:  # a tool cap, or counted by its canonical JSON, maybe in Redis
+                shadow = await controls.check(ctx.agent_id, name, request, ctx.mcp)
             ctx.allowed(shadow, decision.shadow_rule)
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + chained.remaining_s)
