@@ -47,13 +47,15 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     not passed back: the sidecar's HTTP writer writes header values as UTF-8, so it could
     only pass such a value altered, and a changed value is worse than an absent one.
     ``headers`` is aiohttp's multi-valued mapping (``items()`` gives every line)."""
-    connection = headers.get("Connection")
-    named = {t.strip().lower() for t in connection.split(",")} if connection else ()
     out = []
+    lowers = []  # each passed header's lower-case name, for a Connection header's names
+    connection = None
     decoded = False
     for name, value in headers.items():
         lower, passed = _NAMES.get(name) or _name_route(name)
-        if passed is None or lower in named:
+        if passed is None:
+            if lower == "connection" and connection is None:  # the first, as get() reads
+                connection = value  # the names it lists are left out below, wherever they are
             continue
         if lower == "content-encoding" and not decoded:
             decoded = True  # aiohttp reads the first header only
@@ -62,7 +64,11 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
         if not value.isascii() and not is_utf8(value):
             continue
         out.append((passed, value))
-    return out
+        lowers.append(lower)
+    if connection is None:  # most answers: no name of the upstream's to leave out
+        return out
+    named = {t.strip().lower() for t in connection.split(",")}
+    return [pair for pair, lower in zip(out, lowers, strict=True) if lower not in named]
 
 
 #: An upstream header name (as sent) -> (its lower case, the name it is passed back

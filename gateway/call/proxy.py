@@ -44,7 +44,7 @@ import base64
 import functools
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 from gateway.agents import chain
@@ -130,10 +130,13 @@ class ProxyRequest(NamedTuple):
     body: bytes
 
 
-def header_map(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+def header_map(headers: Sequence[tuple[str, str]]) -> dict[str, str]:
     """Headers by lower-case name; a repeated name's values joined with ``", "`` (RFC 9110
     section 5.3)."""
-    merged: dict[str, str] = {}
+    merged = {name.lower(): value for name, value in headers}
+    if len(merged) == len(headers):  # no name repeated (the usual request): as built
+        return merged
+    merged = {}
     for name, value in headers:
         key = name.lower()
         merged[key] = f"{merged[key]}, {value}" if key in merged else value
@@ -151,12 +154,17 @@ def proxy_intake(
     headers = header_map(http.headers)
     seen = chain.seen_in(headers)
     trace_id, correlation_id = request_ids(headers)
+    target, path, method = http.target[:CLAIM_LIMIT], http.path[:CLAIM_LIMIT], http.method
+    if not (target.isascii() and target.isprintable()):  # _claim's test, inline: per call
+        target = printable(target)
+    if not (path.isascii() and path.isprintable()):
+        path = printable(path)
     claimed = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
-        "target_system": _claim(http.target[:CLAIM_LIMIT]),
-        "endpoint": _claim(http.path[:CLAIM_LIMIT]),
-        "method": _claim(http.method[:CLAIM_LIMIT]),
+        "target_system": target,
+        "endpoint": path,
+        "method": method if method in METHODS else _claim(method[:CLAIM_LIMIT]),
     }
     if refuse is not None:
         return Arrival(None, "proxy", claimed, seen, refusal=refuse)
