@@ -93,6 +93,7 @@ _SDK_TIMEOUT_HEADERS: Final = (
     "x-server-timeout",
 )
 _READ_TIMEOUT_HEADERS: Final = frozenset({"x-stainless-timeout", "x-stainless-read-timeout"})
+_ALL_TIMEOUT_HEADERS: Final = frozenset({_TIMEOUT_HEADER, *_SDK_TIMEOUT_HEADERS})
 OCTETS: Final = "application/octet-stream"
 #: Query names under which an agent's own credential may ride (besides the providers'
 #: :data:`gateway.providers.CREDENTIAL_QUERY` and the target's own ``query_param``):
@@ -465,6 +466,8 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     the gaps. A streamed request without any timeout header (a plain HTTP client) gets
     :data:`MAX_TIMEOUT_S` too, not the 30 s default: its stall is found by
     ``stream_idle_timeout_s``, well before."""
+    if _ALL_TIMEOUT_HEADERS.isdisjoint(headers):  # none given (a plain client): no lookups
+        return MAX_TIMEOUT_S if streamed else DEFAULT_TIMEOUT_S
     given = egress_timeout(headers)
     if given is not None:
         return given
