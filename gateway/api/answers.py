@@ -47,13 +47,38 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     not passed back: the sidecar's HTTP writer writes header values as UTF-8, so it could
     only pass such a value altered, and a changed value is worse than an absent one.
     ``headers`` is aiohttp's multi-valued mapping (``items()`` gives every line)."""
-    connection = headers.get("Connection")
-    named = {t.strip().lower() for t in connection.split(",")} if connection else ()
+    names = tuple(headers.keys())
+    plan = _PLANS.get(names)
+    if plan is not None:
+        values = tuple(headers.values())
+        if "".join(values).isascii():  # no value to test for UTF-8: the plan holds
+            return [(passed, values[at]) for at, passed in plan]
+    return _routed(headers, names)
+
+
+#: An upstream's header names, in order (as sent) -> which of them go back and under
+#: what name (position, name passed back): an upstream sends the same names on every
+#: answer, so they are routed once, not per answer. Only names whose route does not
+#: depend on a value are planned (none is ``Connection`` or ``Content-Encoding``), and a
+#: plan is used only when every value is ASCII (each then passes as it is). Bounded, as
+#: :data:`_NAMES` is.
+_PLANS: Final[dict[tuple[str, ...], tuple[tuple[int, str], ...]]] = {}
+_MAX_PLANS: Final = 256
+_MAX_PLANNED_NAMES: Final = 64
+_VALUED: Final = frozenset({"connection", "content-encoding"})
+
+
+def _routed(headers: Mapping[str, str], names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """:func:`passback_headers`, header by header; plans ``names`` when it may."""
     out = []
+    lowers = []  # each passed header's lower-case name, for a Connection header's names
+    connection = None
     decoded = False
     for name, value in headers.items():
         lower, passed = _NAMES.get(name) or _name_route(name)
-        if passed is None or lower in named:
+        if passed is None:
+            if lower == "connection" and connection is None:  # the first, as get() reads
+                connection = value  # the names it lists are left out below, wherever they are
             continue
         if lower == "content-encoding" and not decoded:
             decoded = True  # aiohttp reads the first header only
@@ -62,7 +87,13 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
         if not value.isascii() and not is_utf8(value):
             continue
         out.append((passed, value))
-    return out
+        lowers.append(lower)
+    if connection is None:  # most answers: no name of the upstream's to leave out
+        if len(_PLANS) < _MAX_PLANS and len(names) <= _MAX_PLANNED_NAMES:
+            _plan(names)
+        return out
+    named = {t.strip().lower() for t in connection.split(",")}
+    return [pair for pair, lower in zip(out, lowers, strict=True) if lower not in named]
 
 
 #: An upstream header name (as sent) -> (its lower case, the name it is passed back
@@ -86,6 +117,20 @@ def _name_route(name: str) -> tuple[str, str | None]:
     if len(_NAMES) < _MAX_NAMES and len(name) <= _MAX_KEPT_NAME:
         _NAMES[name] = route
     return route
+
+
+def _plan(names: tuple[str, ...]) -> None:
+    """Keep ``names``' plan in :data:`_PLANS` unless a route among them depends on a value."""
+    plan = []
+    for at, name in enumerate(names):
+        if len(name) > _MAX_KEPT_NAME:
+            return
+        lower, passed = _NAMES.get(name) or _name_route(name)
+        if lower in _VALUED:
+            return
+        if passed is not None:
+            plan.append((at, passed))
+    _PLANS[names] = tuple(plan)
 
 
 def passback_reason(reason: str) -> str | None:

@@ -44,7 +44,7 @@ import base64
 import functools
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, NamedTuple
 
 from gateway.agents import chain
@@ -93,6 +93,7 @@ _SDK_TIMEOUT_HEADERS: Final = (
     "x-server-timeout",
 )
 _READ_TIMEOUT_HEADERS: Final = frozenset({"x-stainless-timeout", "x-stainless-read-timeout"})
+_ALL_TIMEOUT_HEADERS: Final = frozenset({_TIMEOUT_HEADER, *_SDK_TIMEOUT_HEADERS})
 OCTETS: Final = "application/octet-stream"
 #: Query names under which an agent's own credential may ride (besides the providers'
 #: :data:`gateway.providers.CREDENTIAL_QUERY` and the target's own ``query_param``):
@@ -130,10 +131,13 @@ class ProxyRequest(NamedTuple):
     body: bytes
 
 
-def header_map(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+def header_map(headers: Sequence[tuple[str, str]]) -> dict[str, str]:
     """Headers by lower-case name; a repeated name's values joined with ``", "`` (RFC 9110
     section 5.3)."""
-    merged: dict[str, str] = {}
+    merged = {name.lower(): value for name, value in headers}
+    if len(merged) == len(headers):  # no name repeated (the usual request): as built
+        return merged
+    merged = {}
     for name, value in headers:
         key = name.lower()
         merged[key] = f"{merged[key]}, {value}" if key in merged else value
@@ -151,12 +155,17 @@ def proxy_intake(
     headers = header_map(http.headers)
     seen = chain.seen_in(headers)
     trace_id, correlation_id = request_ids(headers)
+    target, path, method = http.target[:CLAIM_LIMIT], http.path[:CLAIM_LIMIT], http.method
+    if not (target.isascii() and target.isprintable()):  # _claim's test, inline: per call
+        target = printable(target)
+    if not (path.isascii() and path.isprintable()):
+        path = printable(path)
     claimed = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
-        "target_system": _claim(http.target[:CLAIM_LIMIT]),
-        "endpoint": _claim(http.path[:CLAIM_LIMIT]),
-        "method": _claim(http.method[:CLAIM_LIMIT]),
+        "target_system": target,
+        "endpoint": path,
+        "method": method if method in METHODS else _claim(method[:CLAIM_LIMIT]),
     }
     if refuse is not None:
         return Arrival(None, "proxy", claimed, seen, refusal=refuse)
@@ -276,10 +285,12 @@ def _uuid4_hex_pair() -> tuple[str, str]:
     :func:`uuid.uuid4` makes them (its version and variant bits set on ``os.urandom``),
     from one read of ``os.urandom`` and without its per-UUID checks."""
     raw = bytearray(os.urandom(32))
-    for at in (6, 22):  # octet 6 of each: the version (its high nibble: 0100)
-        raw[at] = raw[at] & 0x0F | 0x40
-    for at in (8, 24):  # octet 8 of each: the variant (its two high bits: 10)
-        raw[at] = raw[at] & 0x3F | 0x80
+    # Octet 6 of each: the version (its high nibble: 0100); octet 8: the variant (its two
+    # high bits: 10). Written out, not looped: a loop's bytecode doubles the cost.
+    raw[6] = raw[6] & 0x0F | 0x40
+    raw[22] = raw[22] & 0x0F | 0x40
+    raw[8] = raw[8] & 0x3F | 0x80
+    raw[24] = raw[24] & 0x3F | 0x80
     text = raw.hex()
     return text[:32], text[32:]
 
@@ -313,7 +324,16 @@ def _split_headers(
     forward = target.forward_headers if target is not None else frozenset()
     # No idempotency of the sidecar's for this target: the SDK's key (Stripe's SDK sends
     # one on every POST and its retries) is the upstream's to dedupe on.
-    routes = _header_routes(forward, target is None or target.spec.idempotency is None)
+    passes = target is None or target.spec.idempotency is None
+    key = (tuple(headers), forward, passes)
+    plan = _SPLITS.get(key)
+    if plan is not None:
+        agent_names, passed_names, checked_names = plan
+        if not checked_names or "".join([headers[n] for n in checked_names]).isascii():
+            return {n: headers[n] for n in agent_names}, {n: headers[n] for n in passed_names}
+    routes = _header_routes(forward, passes)
+    if "connection" not in headers and len(_SPLITS) < _MAX_SPLITS:
+        _SPLITS[key] = _split_plan(key[0], routes)
     named = headers.get("connection")
     connection = {t.strip() for t in named.lower().split(",")} if named else ()
     agent_headers: dict[str, str] = {}
@@ -330,6 +350,37 @@ def _split_headers(
         else:
             passthrough[name] = value
     return agent_headers, passthrough
+
+
+#: (the request's header names in order, the target's ``forward_headers``, whether the
+#: SDK's idempotency key passes) -> (the names the envelope carries, those passed
+#: through, those whose value is checked to be UTF-8): an SDK sends the same names on
+#: every request, so they are routed once, not per request. Not made for a request with
+#: a ``Connection`` header (its value routes names). Bounded.
+_SPLITS: Final[
+    dict[
+        tuple[tuple[str, ...], frozenset[str], bool],
+        tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]],
+    ]
+] = {}
+_MAX_SPLITS: Final = 256
+
+
+def _split_plan(
+    names: tuple[str, ...], routes: dict[str, tuple[bool, bool]]
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """Where :func:`_split_headers` sends each of ``names`` (an entry of :data:`_SPLITS`)."""
+    to_agent: list[str] = []
+    passed: list[str] = []
+    checked: list[str] = []
+    for name in names:
+        route = routes.get(name)
+        if route is None:
+            continue
+        (to_agent if route[0] else passed).append(name)
+        if route[1]:
+            checked.append(name)
+    return tuple(to_agent), tuple(passed), tuple(checked)
 
 
 @functools.lru_cache(maxsize=64)  # a few per policy (its targets' forward_headers)
@@ -415,6 +466,8 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
     the gaps. A streamed request without any timeout header (a plain HTTP client) gets
     :data:`MAX_TIMEOUT_S` too, not the 30 s default: its stall is found by
     ``stream_idle_timeout_s``, well before."""
+    if _ALL_TIMEOUT_HEADERS.isdisjoint(headers):  # none given (a plain client): no lookups
+        return MAX_TIMEOUT_S if streamed else DEFAULT_TIMEOUT_S
     given = egress_timeout(headers)
     if given is not None:
         return given
