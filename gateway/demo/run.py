@@ -193,7 +193,7 @@ def _report(
     records = sum(1 for line in lines if '"event":"egress_call"' in line)
     # The file also holds the sidecar's own events (its start, the policy, the Vault
     # login): counted apart so the two numbers add up to its lines. Which lines the hash
-    # chain links is `audit verify`'s to say (the lines before the policy's are not).
+    # chain links is `audit verify`'s to say (the Vault login and the start line are not).
     console.print(
         f"\n{records} audit records of calls (one per call) and {len(lines) - records} of "
         f"the sidecar's own events are in [bold]{audit_path}[/bold] as JSON lines."
