@@ -37,8 +37,7 @@ async def upstream() -> AsyncIterator[Callable[[bytes, bytes], int]]:
             await read_message(reader)
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\n%sX-Plain: ok\r\n"
-                b"Content-Length: %d\r\n\r\n%s"
-                % (content_type, CONTROL_HEADERS, len(body), body)
+                b"Content-Length: %d\r\n\r\n%s" % (content_type, CONTROL_HEADERS, len(body), body)
             )
             await writer.drain()
             writer.close()
