@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NoReturn, Protocol
@@ -311,33 +310,15 @@ def respond(answer: Answer) -> web.Response:
     return response
 
 
-#: A control character other than HTAB and LF (the separator of :func:`scrubbed`'s
-#: joined text, counted apart): RFC 9110 section 5.5 allows none in a field, and
-#: aiohttp's writer raises on one (after the call was audited), so such a header is
-#: never written.
-_CONTROL: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-_ANY_CONTROL: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-
-
-def _has_control(pair: tuple[str, str]) -> bool:
-    return _ANY_CONTROL.search(pair[0]) is not None or _ANY_CONTROL.search(pair[1]) is not None
-
-
 def scrubbed(headers: Headers) -> list[tuple[str, str]]:
     """``headers`` as pairs, each value scrubbed (:func:`gateway.redaction.scrub`) and any
     header whose name holds a secret's form left out (a name cannot be rewritten into a
-    valid one): the one scrub of every answer head, streamed or not. A header whose name
-    or value holds a control character (CR, LF, NUL, ``\\x01``...; HTAB aside) is left
-    out too: it is not a valid field (RFC 9110 section 5.5) and aiohttp refuses to write
-    it, which would drop the answer after its call was recorded. The headers are
+    valid one): the one scrub of every answer head, streamed or not. The headers are
     scrubbed one by one only when their text, joined, holds a secret's form: a form inside
     one name or value is inside the whole, so a whole that scrubs to itself means that
     every one would (one scrub per answer instead of one per header)."""
     pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
     joined = "\n".join(map("\n".join, pairs))  # name, value, name...: one pass in C
-    if _CONTROL.search(joined) is not None or joined.count("\n") >= 2 * len(pairs):
-        pairs = [pair for pair in pairs if not _has_control(pair)]
-        joined = "\n".join(map("\n".join, pairs))
     if redaction.scrub(joined) == joined:
         return pairs
     return [
