@@ -18,6 +18,7 @@ from collections.abc import Callable
 import pytest
 from aiohttp import web
 
+from gateway.errors import GatewayError
 from gateway.upstream.codings import left_on_body
 from tests.conftest import compile_policy, envelope, openai_stack, openai_target
 
@@ -178,3 +179,25 @@ def test_the_codings_left_on_a_body_are_those_aiohttp_did_not_undo(
 
     headers = CIMultiDictProxy(CIMultiDict([("Content-Encoding", v) for v in lines]))
     assert left_on_body(headers) == left
+
+
+@pytest.mark.parametrize(
+    ("codings", "body", "code"),
+    [
+        (("x-gzip",), gzip.compress(PLAIN)[:-9], "DEPENDENCY_FAILED"),  # cut short
+        (("x-gzip",), gzip.compress(PLAIN) * 2, "DEPENDENCY_FAILED"),  # two members
+        (("gzip", "gzip"), gzip.compress(PLAIN), "DEPENDENCY_FAILED"),  # one layer only
+        (("gzip", "gzip"), gzip.compress(gzip.compress(b"\0" * 5000)), "RESPONSE_TOO_LARGE"),
+        (("x-gzip",), gzip.compress(b"\0" * 4097), "RESPONSE_TOO_LARGE"),
+    ],
+)
+def test_a_body_that_is_not_what_its_codings_say_or_too_large_once_undone_is_refused(
+    codings: tuple[str, ...], body: bytes, code: str
+) -> None:
+    from gateway.upstream.codings import decoded
+    from gateway.urls import URL
+
+    with pytest.raises(GatewayError) as refused:
+        decoded(body, codings, URL("https://api.example/v1"), 4096, 200)
+    assert refused.value.code.value == code
+    assert decoded(gzip.compress(b"\0" * 4096), ("x-gzip",), URL("https://a.example/"), 4096, 200)

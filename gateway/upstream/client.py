@@ -478,6 +478,10 @@ class Upstream:
                     raise too_large(url, limit, resp.status)
         except aiohttp.ClientPayloadError:
             if resp.status < 300 and is_event_stream(resp):
+                if "Content-Encoding" in resp.headers and left_on_body(resp.headers) != ():
+                    # Part of a coded body cannot be undone, so it cannot be scrubbed.
+                    coding = ", ".join(resp.headers.getall("Content-Encoding"))
+                    raise unreadable(url, coding, resp.status) from None
                 # A 2xx stream cut mid-way: what arrived is its answer, judged by its
                 # events (STREAM_INTERRUPTED), not a failure to reach the upstream.
                 raise CutStream(bytes(buf)) from None

@@ -86,8 +86,10 @@ def _inflate(body: bytes, wbits: int, limit: int, url: URL, status: int) -> byte
     out += inflater.flush()
     if len(out) > limit:
         raise too_large(url, limit, status)
-    if not inflater.eof and body:
-        raise zlib.error("truncated")
+    if body and (not inflater.eof or inflater.unused_data):
+        # Cut short, or followed by more (a second gzip member): not what it says, or
+        # not all of it undone, so it is not passed on.
+        raise zlib.error("not one whole coded body")
     return out
 
 
