@@ -71,7 +71,8 @@ _CONTROL: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 #: what name (position, name passed back): an upstream sends the same names on every
 #: answer, so they are routed once, not per answer. Only names whose route does not
 #: depend on a value are planned (``Connection`` is not), and a plan is used only when
-#: every value is ASCII (each then passes as it is). Bounded, as :data:`_NAMES` is.
+#: every value is printable ASCII (each then passes as it is). Bounded, as
+#: :data:`_NAMES` is.
 _PLANS: Final[dict[tuple[str, ...], tuple[tuple[int, str], ...]]] = {}
 _MAX_PLANS: Final = 256
 _MAX_PLANNED_NAMES: Final = 64
@@ -88,6 +89,8 @@ def _routed(headers: Mapping[str, str], names: tuple[str, ...]) -> list[tuple[st
             if lower == "connection" and connection is None:  # the first, as get() reads
                 connection = value  # the names it lists are left out below, wherever they are
             continue
+        # Printable text (ASCII or not) passes; else a control character (HTAB aside) or
+        # a byte that was not UTF-8 (a surrogate escape) leaves the header out.
         if not value.isprintable() and (_CONTROL.search(value) is not None or not is_utf8(value)):
             continue
         out.append((passed, value))
