@@ -17,7 +17,7 @@ SETS = [
     [("Content-Encoding", "gzip"), ("Content-Type", "application/json")],
     [("Content-Encoding", "x-gzip"), ("Content-Encoding", "br")],
 ]
-VALUES = ["plain", "caf\u00e9", "bad \udce9 byte", ""]
+VALUES = ["plain", "caf\u00e9", "bad \udce9 byte", "", "a\x01b", "a\tb", "a\x7f"]
 
 
 @pytest.mark.parametrize("lines", SETS)
@@ -36,6 +36,6 @@ def test_a_planned_answer_passes_back_what_header_by_header_routing_does(
 
 def test_names_whose_route_depends_on_a_value_are_never_planned() -> None:
     answers._PLANS.clear()
-    for lines in SETS[3:]:
+    for lines in SETS[3:4]:  # Connection: the names it lists are left out
         answers.passback_headers(CIMultiDictProxy(CIMultiDict(lines)))
     assert answers._PLANS == {}

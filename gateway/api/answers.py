@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from collections.abc import Mapping
 from typing import Final
 
@@ -24,10 +25,9 @@ from gateway.call.record import CallContext
 from gateway.envelope import ErrorPayload, ExternalCallResponse, ServedBy
 
 #: Upstream headers not passed back besides those: the body is framed anew by the server.
-_NOT_PASSED_BACK: Final = HOP_BY_HOP | {"content-length"}
-#: The one Content-Encoding aiohttp's client undoes (its ``http_parser``: the first such
-#: header, one coding, ASCII, any case); any other coding is still on the body.
-_DECODED_CODINGS: Final = frozenset({"gzip", "deflate", "br", "zstd"})
+#: ``Content-Encoding``: every body is written decoded (aiohttp or
+#: :mod:`gateway.upstream.codings` undid its codings, to scrub it).
+_NOT_PASSED_BACK: Final = HOP_BY_HOP | {"content-length", "content-encoding"}
 #: The sidecar's own answer headers (:func:`egress_headers`, :func:`id_headers`).
 _OWN_PREFIX: Final = "x-egress-"
 #: Who answered (docs/features/failover.md): ``target=NAME; model=MODEL``.
@@ -37,35 +37,45 @@ SERVED_BY_HEADER: Final = "x-egress-served-by"
 def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """The upstream's answer headers that go back to the agent: all of them (repeats
     kept, e.g. ``Set-Cookie``) but hop-by-hop ones, those the upstream's ``Connection``
-    names, ``Content-Length``, and the ``Content-Encoding`` aiohttp undid (the body is
-    written decoded). A coding it did not undo (``x-gzip``, ``gzip, gzip``, ``compress``,
-    a second header) stays on the body, so its header goes back with it (RFC 9110
-    section 8.4). An upstream header named like the sidecar's own (``x-egress-*``) goes
-    back renamed ``x-upstream-egress-*``: only the sidecar says which call this was,
-    whether it failed or was replayed. A value holding bytes that are not UTF-8 (RFC 9110
-    section 5.5's obs-text, e.g. Latin-1; aiohttp decodes them as surrogate escapes) is
-    not passed back: the sidecar's HTTP writer writes header values as UTF-8, so it could
-    only pass such a value altered, and a changed value is worse than an absent one.
-    ``headers`` is aiohttp's multi-valued mapping (``items()`` gives every line)."""
+    names, ``Content-Length``, and ``Content-Encoding`` (the body is written decoded:
+    :mod:`gateway.upstream.codings` refuses an answer whose codings it cannot undo). An
+    upstream header named like the sidecar's own (``x-egress-*``) goes back renamed
+    ``x-upstream-egress-*``: only the sidecar says which call this was, whether it failed
+    or was replayed. A value holding bytes that are not UTF-8 (RFC 9110 section 5.5's
+    obs-text, e.g. Latin-1; aiohttp decodes them as surrogate escapes) is not passed
+    back: the sidecar's HTTP writer writes header values as UTF-8, so it could only pass
+    such a value altered, and a changed value is worse than an absent one. A value
+    holding a control character other than HTAB (``\\x01``, ``\\x1b``, DEL: not a valid
+    field value, RFC 9110 section 5.5) is not passed back either: aiohttp's writer
+    refuses it, which would drop the whole answer. ``headers`` is aiohttp's multi-valued
+    mapping (``items()`` gives every line)."""
     names = tuple(headers.keys())
     plan = _PLANS.get(names)
     if plan is not None:
         values = tuple(headers.values())
-        if "".join(values).isascii():  # no value to test for UTF-8: the plan holds
+        joined = "".join(values)
+        # Printable ASCII (isascii() is a flag, isprintable() one pass in C): no value to
+        # test for UTF-8 or a control character, the plan holds. HTAB, valid but not
+        # printable, is routed header by header.
+        if joined.isascii() and joined.isprintable():
             return [(passed, values[at]) for at, passed in plan]
     return _routed(headers, names)
+
+
+#: A control character other than HTAB: never in a field value or reason phrase (RFC 9110
+#: section 5.5, RFC 9112 section 4), and refused by aiohttp's writer.
+_CONTROL: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 #: An upstream's header names, in order (as sent) -> which of them go back and under
 #: what name (position, name passed back): an upstream sends the same names on every
 #: answer, so they are routed once, not per answer. Only names whose route does not
-#: depend on a value are planned (none is ``Connection`` or ``Content-Encoding``), and a
-#: plan is used only when every value is ASCII (each then passes as it is). Bounded, as
+#: depend on a value are planned (``Connection`` is not), and a plan is used only when
+#: every value is printable ASCII (each then passes as it is). Bounded, as
 #: :data:`_NAMES` is.
 _PLANS: Final[dict[tuple[str, ...], tuple[tuple[int, str], ...]]] = {}
 _MAX_PLANS: Final = 256
 _MAX_PLANNED_NAMES: Final = 64
-_VALUED: Final = frozenset({"connection", "content-encoding"})
 
 
 def _routed(headers: Mapping[str, str], names: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -73,18 +83,15 @@ def _routed(headers: Mapping[str, str], names: tuple[str, ...]) -> list[tuple[st
     out = []
     lowers = []  # each passed header's lower-case name, for a Connection header's names
     connection = None
-    decoded = False
     for name, value in headers.items():
         lower, passed = _NAMES.get(name) or _name_route(name)
         if passed is None:
             if lower == "connection" and connection is None:  # the first, as get() reads
                 connection = value  # the names it lists are left out below, wherever they are
             continue
-        if lower == "content-encoding" and not decoded:
-            decoded = True  # aiohttp reads the first header only
-            if value.isascii() and value.strip().lower() in _DECODED_CODINGS | {"", "identity"}:
-                continue
-        if not value.isascii() and not is_utf8(value):
+        # Printable text (ASCII or not) passes; else a control character (HTAB aside) or
+        # a byte that was not UTF-8 (a surrogate escape) leaves the header out.
+        if not value.isprintable() and (_CONTROL.search(value) is not None or not is_utf8(value)):
             continue
         out.append((passed, value))
         lowers.append(lower)
@@ -126,7 +133,7 @@ def _plan(names: tuple[str, ...]) -> None:
         if len(name) > _MAX_KEPT_NAME:
             return
         lower, passed = _NAMES.get(name) or _name_route(name)
-        if lower in _VALUED:
+        if lower == "connection":
             return
         if passed is not None:
             plan.append((at, passed))
@@ -136,8 +143,11 @@ def _plan(names: tuple[str, ...]) -> None:
 def passback_reason(reason: str) -> str | None:
     """The upstream's reason phrase to write back, or None (the status's standard phrase):
     one holding bytes that are not UTF-8 (obs-text, RFC 9112 section 4) could only be
-    written altered, as a header value (:func:`passback_headers`)."""
-    return reason if reason and (reason.isascii() or is_utf8(reason)) else None
+    written altered, as a header value (:func:`passback_headers`), and one holding a
+    control character (HTAB included, here) cannot be written at all."""
+    if not reason or reason.isprintable():
+        return reason or None
+    return None if _CONTROL.search(reason) or "\t" in reason or not is_utf8(reason) else reason
 
 
 def egress_headers(

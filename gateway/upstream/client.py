@@ -60,6 +60,7 @@ from gateway.upstream.answers import (
     protocol_switch,
     too_large,
 )
+from gateway.upstream.codings import decoded, left_on_body, unreadable
 from gateway.upstream.failures import translate
 from gateway.upstream.resolver import EgressResolver
 from gateway.upstream.slots import Slots
@@ -329,6 +330,12 @@ class Upstream:
                 if resp.status < 200:
                     return protocol_switch(resp, started)
                 if stream and resp.status < 300 and is_event_stream(resp):
+                    if "Content-Encoding" in resp.headers and left_on_body(resp.headers) != ():
+                        # A stream is relayed as it comes: a coding left on it could
+                        # not be scrubbed, so it is refused unread.
+                        resp.close()
+                        coding = ", ".join(resp.headers.getall("Content-Encoding"))
+                        raise unreadable(url, coding, resp.status)
                     return self._streamed(session, resp, url, started, state)
                 async with resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
@@ -471,10 +478,21 @@ class Upstream:
                     raise too_large(url, limit, resp.status)
         except aiohttp.ClientPayloadError:
             if resp.status < 300 and is_event_stream(resp):
+                if "Content-Encoding" in resp.headers and left_on_body(resp.headers) != ():
+                    # Part of a coded body cannot be undone, so it cannot be scrubbed.
+                    coding = ", ".join(resp.headers.getall("Content-Encoding"))
+                    raise unreadable(url, coding, resp.status) from None
                 # A 2xx stream cut mid-way: what arrived is its answer, judged by its
                 # events (STREAM_INTERRUPTED), not a failure to reach the upstream.
                 raise CutStream(bytes(buf)) from None
             raise
+        if buf and "Content-Encoding" in resp.headers:  # an empty body holds no secret
+            left = left_on_body(resp.headers)
+            if left is None:
+                coding = ", ".join(resp.headers.getall("Content-Encoding"))
+                raise unreadable(url, coding, resp.status)
+            if left:  # what aiohttp did not undo, undone here to be scrubbed
+                return decoded(bytes(buf), left, url, limit, resp.status)
         return bytes(buf)
 
 
