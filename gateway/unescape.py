@@ -94,12 +94,6 @@ def _layer(data: bytes) -> _Layer | None:
 _HIDING: Final = re.compile(rb'\\[u"\\/]|%[0-9a-fA-F]{2}')
 
 
-def has_escape(data: bytes) -> bool:
-    """Whether ``data`` holds a ``\\`` or a ``%`` (two ``find`` calls: the cheap test
-    made of every text); only such a text has a decoded view (:func:`views`)."""
-    return data.find(b"\\") >= 0 or data.find(b"%") >= 0
-
-
 class View(NamedTuple):
     """One decoded view of a text (:func:`views`) and the layers beneath it."""
 
