@@ -3,7 +3,9 @@
 Every :class:`gateway.secrets.Secret` registers its value here when it is created, with
 every form the sidecar may write it in (:func:`encoded_forms`: percent-encoded as it went
 on the wire, JSON-escaped, repr). The audit renderer, the log renderer and the answer
-writer pass their final text through :func:`scrub` or :func:`scrub_bytes`, so a
+writer pass their final text through :func:`scrub` or :func:`scrub_bytes` (which also
+search a text holding escapes in its decoded views, :mod:`gateway.unescape`, for the
+spellings no list can hold), so a
 secret that reached a message by accident (an upstream echoing the key, an exception
 carrying a URL with ``?key=...``) still never leaves the process. It is the second line
 of defence: the first is never putting a value into text at all.

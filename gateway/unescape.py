@@ -60,8 +60,8 @@ def _decoded(token: bytes) -> bytes:
     return chr(code).encode("utf-8", "surrogatepass")  # a lone one matches no value
 
 
-def _layer(data: bytes) -> _Layer | None:
-    """``data`` with its escapes decoded, or None when it holds none."""
+def _layer(data: bytes) -> _Layer:
+    """``data`` with its escapes decoded, and the map back (made only for a hit)."""
     pieces: list[bytes] = []
     starts: list[int] = []
     spans: list[tuple[int, int, bool]] = []
@@ -79,8 +79,6 @@ def _layer(data: bytes) -> _Layer | None:
         spans.append((here, end, False))
         size += len(out)
         kept = end
-    if not spans:
-        return None
     if kept < len(data):
         pieces.append(data[kept:])
         starts.append(size)
@@ -94,31 +92,45 @@ def _layer(data: bytes) -> _Layer | None:
 _HIDING: Final = re.compile(rb'\\[u"\\/]|%[0-9a-fA-F]{2}')
 
 
+#: Decoded escapes, as an answer repeats the same few (``\\u00e9``, ``\\"``): a dict
+#: look-up instead of parsing hex; bounded, cleared when full.
+_MEMO: dict[bytes, bytes] = {}
+_MAX_MEMO: Final = 4096
+
+
+def _decoded_match(match: re.Match[bytes]) -> bytes:
+    token = match.group()
+    out = _MEMO.get(token)
+    if out is None:
+        out = _decoded(token)
+        if len(_MEMO) >= _MAX_MEMO:
+            _MEMO.clear()
+        _MEMO[token] = out
+    return out
+
+
 class View(NamedTuple):
-    """One decoded view of a text (:func:`views`) and the layers beneath it."""
+    """One decoded view of a text (:func:`views`), and the texts each of its layers
+    decoded, outermost first: the map back is made from them only on a hit (rare)."""
 
     data: bytes
-    layers: tuple[_Layer, ...]
+    sources: tuple[bytes, ...]
 
     def origin(self, start: int, stop: int) -> tuple[int, int]:
         """The span of the original text behind ``data[start:stop]`` (not empty)."""
-        for layer in reversed(self.layers):
-            start, stop = layer.origin(start, stop)
+        for source in reversed(self.sources):
+            start, stop = _layer(source).origin(start, stop)
         return start, stop
 
 
 def views(data: bytes) -> list[View]:
     """``data`` with its JSON escapes and percent-encoded bytes decoded, once, then the
-    result again, up to :data:`MAX_LAYERS` times (empty when it holds no escape)."""
+    result again, up to :data:`MAX_LAYERS` times (empty when it holds no escape that may
+    hide a character, :data:`_HIDING`)."""
     found: list[View] = []
-    if _HIDING.search(data) is None:
-        return found
-    layers: tuple[_Layer, ...] = ()
-    while len(layers) < MAX_LAYERS:
-        layer = _layer(data)
-        if layer is None:
-            break
-        layers = (*layers, layer)
-        data = layer.data
-        found.append(View(data, layers))
+    sources: tuple[bytes, ...] = ()
+    while len(sources) < MAX_LAYERS and _HIDING.search(data) is not None:
+        sources = (*sources, data)
+        data = _TOKEN.sub(_decoded_match, data)
+        found.append(View(data, sources))
     return found
