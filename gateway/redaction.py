@@ -3,7 +3,9 @@
 Every :class:`gateway.secrets.Secret` registers its value here when it is created, with
 every form the sidecar may write it in (:func:`encoded_forms`: percent-encoded as it went
 on the wire, JSON-escaped, repr). The audit renderer, the log renderer and the answer
-writer pass their final text through :func:`scrub` or :func:`scrub_bytes`, so a
+writer pass their final text through :func:`scrub` or :func:`scrub_bytes` (which also
+search a text holding escapes in its decoded views, :mod:`gateway.unescape`, for the
+spellings no list can hold), so a
 secret that reached a message by accident (an upstream echoing the key, an exception
 carrying a URL with ``?key=...``) still never leaves the process. It is the second line
 of defence: the first is never putting a value into text at all.
@@ -22,6 +24,7 @@ from typing import Any, AnyStr, Final, NamedTuple
 from urllib.parse import quote, quote_plus
 
 from gateway.literals import MAX_NEEDLES, AnyOf
+from gateway.unescape import views
 from gateway.urls import URL
 
 REDACTED: Final = "[REDACTED]"
@@ -360,19 +363,29 @@ def _entries(orders: list[int]) -> list[_Registered]:
     return [entry for entry in found if entry is not None]
 
 
-def _redact(text: AnyStr, needles: list[AnyStr], mark: AnyStr) -> AnyStr:
-    """``text`` with every occurrence of every needle replaced by ``mark``; occurrences
-    that overlap (two secrets sharing characters, one secret the start of another) are
-    one span, replaced once, so that no character of either is left."""
+def _spans(text: AnyStr, needles: list[AnyStr]) -> list[tuple[int, int]]:
+    """Where each occurrence of each needle is in ``text``."""
     spans: list[tuple[int, int]] = []
     for needle in needles:
         start = text.find(needle)
         while start >= 0:
             spans.append((start, start + len(needle)))
             start = text.find(needle, start + 1)
+    return spans
+
+
+def _redact(text: AnyStr, needles: list[AnyStr], mark: AnyStr) -> AnyStr:
+    """``text`` with every occurrence of every needle replaced by ``mark``."""
+    return _redact_spans(text, _spans(text, needles), mark)
+
+
+def _redact_spans(text: AnyStr, spans: list[tuple[int, int]], mark: AnyStr) -> AnyStr:
+    """``text`` with each span replaced by ``mark``; spans that overlap (two secrets
+    sharing characters, one secret the start of another) are one span, replaced once, so
+    that no character of either is left."""
     if not spans:
         return text
-    spans.sort()
+    spans = sorted(spans)
     pieces: list[AnyStr] = []
     kept, (start, stop) = 0, spans[0]
     for here, end in spans[1:]:
@@ -387,21 +400,36 @@ def _redact(text: AnyStr, needles: list[AnyStr], mark: AnyStr) -> AnyStr:
 
 def scrub(text: str) -> str:
     """``text`` with every registered secret value, in each of its forms, replaced by
-    ``[REDACTED]``; a secret hidden by JSON ``\\uXXXX`` escapes too (see
-    :func:`scrub_bytes`)."""
+    ``[REDACTED]``; a secret spelled with JSON escapes or percent-encoding in any other
+    way too (see :func:`scrub_bytes`)."""
     if not _values:
         return text
     orders = _text_orders(text)
-    if not orders and "\\" not in text:
-        return text
-    scrubbed = _scrub_forms(text, orders)
-    if "\\" in scrubbed:
-        plain = _ESCAPED_ASCII.sub(_unescape, scrubbed)
-        if plain != scrubbed:
-            cleaned = _scrub_forms(plain, _text_orders(plain))
-            if cleaned != plain:
-                return cleaned
-    return scrubbed
+    if "\\" not in text and "%" not in text:
+        return _scrub_forms(text, orders) if orders else text
+    data = text.encode("utf-8", "surrogatepass")  # one byte string for every str
+    spans = _escaped_spans(data)
+    if not spans:
+        return _scrub_forms(text, orders)
+    # Byte offsets to character offsets: a hit starts and ends on a character of the
+    # value, so its span starts and ends between characters of the text.
+    spans = [(_chars(data, start), _chars(data, stop)) for start, stop in spans]
+    return _redact_spans(text, [*_form_spans(text, orders), *spans], REDACTED)
+
+
+def _chars(data: bytes, offset: int) -> int:
+    return len(data[:offset].decode("utf-8", "surrogatepass"))
+
+
+def _form_spans(text: str, orders: list[int]) -> list[tuple[int, int]]:
+    """Where the forms of the values ``orders`` names are in ``text``."""
+    return _spans(text, [form for entry in _entries(orders) for form in (*entry.b64, *entry.forms)])
+
+
+def _raw_form_spans(data: bytes, orders: list[int]) -> list[tuple[int, int]]:
+    """:func:`_form_spans` for UTF-8 bytes."""
+    found = _entries(orders)
+    return _spans(data, [form for entry in found for form in (*entry.raw_b64, *entry.raw)])
 
 
 def _scrub_forms(text: str, orders: list[int]) -> str:
@@ -438,52 +466,36 @@ def nesting_depth(value: Any, limit: int = MAX_REDACT_DEPTH + 1) -> int:
 
 
 def scrub_bytes(data: bytes) -> bytes:
-    """:func:`scrub` for UTF-8 encoded text (the answer and audit line writers); a
-    secret hidden by JSON ``\\uXXXX`` escapes (RFC 8259, section 7: any character may be
-    written so) is found too, and the text then comes back with those escapes of printable
-    ASCII written plainly (the same JSON value) and the secret redacted."""
+    """:func:`scrub` for UTF-8 encoded text (the answer and audit line writers). A
+    secret spelled with JSON escapes (RFC 8259, section 7: any character may be written
+    ``\\uXXXX`` in either hex case, and ``"``, ``\\``, ``/`` as ``\\"``, ``\\\\``,
+    ``\\/``) or percent-encoded bytes (``%XX``, either case) in any mix is found in the
+    text's decoded views (:mod:`gateway.unescape`), and the text's own span behind it is
+    redacted: the rest of the text keeps its bytes, escapes and all."""
     if not _values:
         return data
     orders = _orders(data)
-    if not orders and data.find(b"\\") < 0:
+    # Two memchr passes, inline: what every text without a secret pays for the views.
+    escaped = data.find(b"\\") >= 0 or data.find(b"%") >= 0
+    if not orders and not escaped:
         return data
-    scrubbed = _scrub_forms_bytes(data, orders)
-    if scrubbed.find(b"\\") >= 0:
-        plain = _ESCAPED_ASCII_BYTES.sub(_unescape_bytes, scrubbed)
-        if plain != scrubbed:
-            cleaned = _scrub_forms_bytes(plain, _orders(plain))
-            if cleaned != plain:
-                return cleaned
-    return scrubbed
+    spans = _raw_form_spans(data, orders)
+    if escaped:  # searched in the text as it is: a plain form may share an escape's span
+        spans += _escaped_spans(data)
+    return _redact_spans(data, spans, _REDACTED_BYTES)
 
 
-#: A JSON ``\\u00XX`` escape of printable ASCII, or ``\\/``, not itself escaped.
-_ESCAPED_ASCII_BYTES: Final = re.compile(rb"(?<!\\)((?:\\\\)*)\\(?:u00([2-7][0-9a-fA-F])|/)")
-_ESCAPED_ASCII: Final = re.compile(r"(?<!\\)((?:\\\\)*)\\(?:u00([2-7][0-9a-fA-F])|/)")
-#: Escapes kept as they are: the quote, the backslash and DEL mean something written plain.
-_KEPT_ESCAPED: Final = frozenset({0x22, 0x5C, 0x7F})
-
-
-def _unescape_bytes(match: re.Match[bytes]) -> bytes:
-    code = int(match.group(2), 16) if match.group(2) else 0x2F
-    if code in _KEPT_ESCAPED:
-        return match.group(0)
-    return match.group(1) + bytes((code,))
-
-
-def _unescape(match: re.Match[str]) -> str:
-    code = int(match.group(2), 16) if match.group(2) else 0x2F
-    if code in _KEPT_ESCAPED:
-        return match.group(0)
-    return match.group(1) + chr(code)
-
-
-def _scrub_forms_bytes(data: bytes, orders: list[int]) -> bytes:
-    if not orders:
-        return data
-    found = _entries(orders)
-    needles = [form for entry in found for form in (*entry.raw_b64, *entry.raw)]
-    return _redact(data, needles, _REDACTED_BYTES)
+def _escaped_spans(data: bytes) -> list[tuple[int, int]]:
+    """The spans of ``data`` behind a registered form found in one of its decoded views
+    (none when it holds no escape)."""
+    spans: list[tuple[int, int]] = []
+    for view in views(data):
+        orders = _orders(view.data)
+        if not orders:
+            continue
+        needles = [form for entry in _entries(orders) for form in entry.raw]
+        spans += (view.origin(start, stop) for start, stop in _spans(view.data, needles))
+    return spans
 
 
 def redact_value(value: Any, depth: int = 0) -> Any:
