@@ -84,8 +84,9 @@ def start(
     child = Child(name, proc, log)
     give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up:
-        if proc.poll() is not None:
-            raise BenchError(f"{name} exited with {proc.returncode}; see {log}")
+        # Whether it has exited is read before its output: a child that reports and
+        # exits between two looks (a short load run) is still read.
+        exited = proc.poll() is not None
         for line in log.read_text(errors="replace").splitlines():
             if not line.startswith("{"):
                 continue
@@ -97,6 +98,8 @@ def start(
                 child.address = str(doc[ready])
                 child.info = doc
                 return child
+        if exited:
+            raise BenchError(f"{name} exited with {proc.returncode}; see {log}")
         time.sleep(0.05)
     child.stop()
     raise BenchError(f"{name} did not report {ready!r} within {timeout_s} s; see {log}")
