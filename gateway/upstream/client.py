@@ -139,6 +139,15 @@ class _MarkingRequest(aiohttp.ClientRequest):
         return await super().send(conn)
 
 
+def _refuse_coded_stream(resp: aiohttp.ClientResponse, url: URL) -> None:
+    """Raise DEPENDENCY_FAILED (:func:`gateway.upstream.codings.unreadable`) for a 2xx
+    event stream with a content coding aiohttp left on it, closing it unread: a stream
+    is relayed as it comes, so a coded one could not be scrubbed."""
+    if "Content-Encoding" in resp.headers and left_on_body(resp.headers) != ():
+        resp.close()
+        raise unreadable(url, ", ".join(resp.headers.getall("Content-Encoding")), resp.status)
+
+
 class Upstream:
     """The process's outbound HTTP client. Create with :meth:`start`, close with :meth:`aclose`."""
 
@@ -330,12 +339,7 @@ class Upstream:
                 if resp.status < 200:
                     return protocol_switch(resp, started)
                 if stream and resp.status < 300 and is_event_stream(resp):
-                    if "Content-Encoding" in resp.headers and left_on_body(resp.headers) != ():
-                        # A stream is relayed as it comes: a coding left on it could
-                        # not be scrubbed, so it is refused unread.
-                        resp.close()
-                        coding = ", ".join(resp.headers.getall("Content-Encoding"))
-                        raise unreadable(url, coding, resp.status)
+                    _refuse_coded_stream(resp, url)
                     return self._streamed(session, resp, url, started, state)
                 async with resp:
                     if resp.status in _REDIRECTS and "Location" in resp.headers:
