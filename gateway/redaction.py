@@ -374,11 +374,6 @@ def _spans(text: AnyStr, needles: list[AnyStr]) -> list[tuple[int, int]]:
     return spans
 
 
-def _redact(text: AnyStr, needles: list[AnyStr], mark: AnyStr) -> AnyStr:
-    """``text`` with every occurrence of every needle replaced by ``mark``."""
-    return _redact_spans(text, _spans(text, needles), mark)
-
-
 def _redact_spans(text: AnyStr, spans: list[tuple[int, int]], mark: AnyStr) -> AnyStr:
     """``text`` with each span replaced by ``mark``; spans that overlap (two secrets
     sharing characters, one secret the start of another) are one span, replaced once, so
@@ -435,8 +430,7 @@ def _raw_form_spans(data: bytes, orders: list[int]) -> list[tuple[int, int]]:
 def _scrub_forms(text: str, orders: list[int]) -> str:
     if not orders:
         return text
-    found = _entries(orders)
-    return _redact(text, [form for entry in found for form in (*entry.b64, *entry.forms)], REDACTED)
+    return _redact_spans(text, _form_spans(text, orders), REDACTED)
 
 
 def scrub_cut(text: str, limit: int) -> str:
