@@ -232,7 +232,8 @@ def answer_json(response: ExternalCallResponse, verbatim: bytes | None = None) -
 
     ``verbatim``: JSON bytes whose reading is exactly ``response.data`` (orjson's parse
     of them, :func:`gateway.call.bodies.read_body`), written as they are in its place
-    (no second serialisation; their spacing and escapes kept)."""
+    (no second serialisation; their spacing and escapes kept) where orjson writes the
+    answer; pydantic writes ``data`` itself when it writes the answer."""
     held = response.__dict__
     if orjson is not None and len(held) == _ANSWER_MODELS[ExternalCallResponse]:
         if verbatim is not None:
