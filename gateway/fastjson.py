@@ -10,6 +10,10 @@ the same values. Not for hashes that must not change across installs (idempotenc
 keys and fingerprints, the audit chain): those use the stdlib's bytes, which
 :func:`sorted_compact` gives with orjson's speed where orjson writes exactly the same.
 
+:func:`answer_json` writes an ExternalCallResponse (the envelope answer and what the
+idempotency store keeps): equal as JSON to pydantic's ``model_dump_json``, which writes
+what orjson refuses.
+
 :func:`log_line` writes one log or audit line (text, any value via ``str``);
 :func:`loads` reads JSON back exactly as the stdlib does, :data:`loads_fast` as fast as
 possible (orjson reads an integer past 64 bits as a float: ``2**70`` ->
