@@ -10,6 +10,10 @@ the same values. Not for hashes that must not change across installs (idempotenc
 keys and fingerprints, the audit chain): those use the stdlib's bytes, which
 :func:`sorted_compact` gives with orjson's speed where orjson writes exactly the same.
 
+:func:`answer_json` writes an ExternalCallResponse (the envelope answer and what the
+idempotency store keeps): equal as JSON to pydantic's ``model_dump_json``, which writes
+what orjson refuses.
+
 :func:`log_line` writes one log or audit line (text, any value via ``str``);
 :func:`loads` reads JSON back exactly as the stdlib does, :data:`loads_fast` as fast as
 possible (orjson reads an integer past 64 bits as a float: ``2**70`` ->
@@ -22,12 +26,15 @@ import json
 from collections.abc import Callable
 from typing import Any, Final
 
+from gateway.envelope import ErrorPayload, ExternalCallResponse, ModelNames, ServedBy
+
 try:
     import orjson
 except ImportError:  # pragma: no cover - exercised by installs without the extra
     orjson = None  # type: ignore[assignment]
 
 __all__ = [
+    "answer_json",
     "compact",
     "dumps_line",
     "loads",
@@ -192,6 +199,54 @@ def dumps_line(value: Any) -> str:
         except TypeError:
             pass
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+#: The envelope's models :func:`answer_json` writes itself, with their field counts: one
+#: with a key beyond its fields in ``__dict__`` (a ``model_copy`` update naming an unknown
+#: field, which pydantic does not write) is left to pydantic.
+_ANSWER_MODELS: Final[dict[type, int]] = {
+    model: len(model.model_fields)
+    for model in (ExternalCallResponse, ErrorPayload, ServedBy, ModelNames)
+}
+# Dates and dataclasses to ``default`` (which refuses them): pydantic decides how they
+# are written, not orjson.
+_ANSWER_OPTIONS: Final = (
+    (orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS) if orjson else 0
+)
+
+
+def _answer_part(value: Any) -> dict[str, Any]:
+    """orjson's ``default`` for :func:`answer_json`: a nested envelope model's fields (its
+    ``__dict__``, in the model's order); raises TypeError for anything else."""
+    fields = _ANSWER_MODELS.get(type(value))
+    if fields is None or len(value.__dict__) != fields:
+        raise TypeError(type(value).__name__)
+    held: dict[str, Any] = value.__dict__
+    return held
+
+
+def answer_json(response: ExternalCallResponse, verbatim: bytes | None = None) -> bytes:
+    """``response.model_dump_json()``'s JSON as UTF-8 bytes: equal to it as JSON
+    (``json.loads``), written by orjson where it can (a few times faster), else by
+    pydantic. Floats may be spelled otherwise (the same numbers); NaN and infinities are
+    ``null``, as pydantic writes them (``ser_json_inf_nan="null"``). What orjson refuses
+    (integers past 64 bits, non-string keys, lone surrogates, nesting past 255) or leaves
+    to pydantic (dates, dataclasses, bytes, sets, other models) is written by pydantic,
+    whose errors (``ValueError`` for a lone surrogate) are raised as before.
+
+    ``verbatim``: JSON bytes whose reading is exactly ``response.data`` (orjson's parse
+    of them, :func:`gateway.call.bodies.read_body`), written as they are in its place
+    (no second serialisation; their spacing and escapes kept) where orjson writes the
+    answer; pydantic writes ``data`` itself when it writes the answer."""
+    held = response.__dict__
+    if orjson is not None and len(held) == _ANSWER_MODELS[ExternalCallResponse]:
+        if verbatim is not None:
+            held = {**held, "data": orjson.Fragment(verbatim)}
+        try:
+            return orjson.dumps(held, default=_answer_part, option=_ANSWER_OPTIONS)
+        except TypeError:
+            pass  # pydantic decides, and raises its own errors
+    return response.model_dump_json().encode()
 
 
 #: What :func:`orjson_value` gives when it leaves the text to ``json`` to decide.

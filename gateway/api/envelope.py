@@ -22,6 +22,7 @@ from gateway.audit import get_logger
 from gateway.call.relay import AGENT_STALLED, Relay
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError
+from gateway.fastjson import answer_json
 
 CALLS_PATH: Final = "/v1/calls"
 _STREAM_HEAD: Final = Head(
@@ -51,11 +52,11 @@ def json_answer(status: int, response: ExternalCallResponse, raw: bytes | None =
     bytes, not a second serialisation)."""
     if raw is None:
         try:
-            raw = response.model_dump_json().encode()
+            raw = answer_json(response)
         except ValueError as exc:  # the pipeline rules this out; if not, still an envelope
             _log.error("answer_not_writable", error=str(exc)[:200], trace_id=response.trace_id)
             note = {"content_type": None, "text": "the answer's data could not be written as JSON"}
-            raw = response.model_copy(update={"data": note}).model_dump_json().encode()
+            raw = answer_json(response.model_copy(update={"data": note}))
     return Answer(status=status, body=raw, content_type="application/json")
 
 
@@ -132,5 +133,5 @@ class _Exchange:
     def end(self, status: int, response: ExternalCallResponse) -> bytes | None:
         if response.error is not None and response.error.details.get("reason") == AGENT_STALLED:
             return None  # it reads nothing: the final event would hang
-        final = response.model_copy(update={"data": None}).model_dump_json().encode()
+        final = answer_json(response.model_copy(update={"data": None}))
         return b"event: egress.response\ndata: " + final + b"\n\n"

@@ -27,6 +27,7 @@ from gateway.call.record import CallContext
 from gateway.call.relay import AgentGone, Relay
 from gateway.envelope import ExternalCallRequest, ExternalCallResponse
 from gateway.errors import GatewayError, IdempotencyConflict, UpstreamRejected
+from gateway.fastjson import answer_json
 from gateway.idempotency.base import Conflict, IdempotencyStore, InFlight, Replay
 from gateway.idempotency.keys import fingerprint, store_key
 
@@ -45,11 +46,11 @@ class Rendered:
     __slots__ = ("last",)
 
     def __init__(self) -> None:
-        #: (a weak reference to the answer, its ``model_dump_json()`` bytes), or None.
+        #: (a weak reference to the answer, its JSON bytes: ``answer_json``), or None.
         self.last: tuple[weakref.ref[ExternalCallResponse], bytes] | None = None
 
     def take(self, response: ExternalCallResponse) -> bytes | None:
-        """The bytes of ``response.model_dump_json()`` if they were kept for this answer
+        """The JSON bytes of ``response`` (``answer_json``) if they were kept for this answer
         (the same object, not an equal one), else None. Taken once."""
         last = self.last
         if last is None or last[0]() is not response:
@@ -144,10 +145,10 @@ async def once_per_key(
     # From here on the upstream has acted: whatever fails, the key is completed with
     # the answer the agent gets, so that a resend replays it and never acts twice.
     try:
-        body = response.model_dump_json().encode()
+        body = answer_json(response, _verbatim(ctx, response))
     except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
         response = _unrenderable(response, exc, learned)
-        body = response.model_dump_json().encode()
+        body = answer_json(response)
     if rendered is not None and ctx.api == "envelope" and ctx.mcp is None:
         # The agent gets these same bytes. Not for an MCP exchange, whose data would be
         # filtered in place after this (the policy refuses idempotency on MCP targets
@@ -240,8 +241,16 @@ def stored_answer(
 ) -> bytes:
     """An answer as the idempotency store keeps it: its HTTP status, the envelope, and
     for a streamed answer its events (the stream's bytes, base64), to replay them."""
-    # pydantic's JSON writer (Rust): one pass instead of model_dump + json.dumps.
-    return _stored(status, response.model_dump_json().encode(), stream)
+    return _stored(status, answer_json(response), stream)
+
+
+def _verbatim(ctx: CallContext, response: ExternalCallResponse) -> bytes | None:
+    """The upstream's JSON bytes that ``response.data`` was read from (a drop-in call's
+    answer: :attr:`CallContext.verbatim`), while it is still that very value; else None."""
+    verbatim = ctx.verbatim
+    if verbatim is None or response.data is not verbatim[0]:
+        return None
+    return verbatim[1]
 
 
 def _stored(status: int, body: bytes, stream: bytes | None) -> bytes:
