@@ -29,13 +29,18 @@ _known: dict[str, str] = {}
 
 def trace_id_of(envelope_trace_id: str) -> str:
     """A W3C trace-id (32 hex digits, not all zero) for an envelope's ``trace_id``."""
+    if (
+        len(envelope_trace_id) == 32
+        and envelope_trace_id != _ZERO_TRACE
+        and _HEX32.match(envelope_trace_id)
+    ):
+        # Already one (the ids the sidecar generates, a traceparent's): itself, uncached;
+        # a fresh id per call would only fill the cache (and clear it) with itself.
+        return envelope_trace_id
     known = _known.get(envelope_trace_id)
     if known is not None:
         return known
-    if _HEX32.match(envelope_trace_id) and envelope_trace_id != _ZERO_TRACE:
-        derived = envelope_trace_id
-    else:
-        derived = hashlib.sha256(envelope_trace_id.encode()).hexdigest()[:32]
+    derived = hashlib.sha256(envelope_trace_id.encode()).hexdigest()[:32]
     if len(envelope_trace_id) <= _MAX_KNOWN_LENGTH:
         if len(_known) >= _MAX_KNOWN:
             _known.clear()

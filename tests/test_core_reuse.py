@@ -89,6 +89,15 @@ def test_trace_ids_are_derived_the_same_way_when_remembered() -> None:
     assert tracing._known["agent-run-7"] == _derived("agent-run-7")
 
 
+def test_a_trace_id_that_is_already_a_w3c_one_is_itself_and_not_remembered() -> None:
+    hex_id = "4bf92f3577b34da6a3ce929d0e0e4736"  # as the sidecar generates them
+    assert tracing.trace_id_of(hex_id) == hex_id
+    assert hex_id not in tracing._known
+    # Upper-case hex, a trailing line feed (which the pattern's $ would let by): derived.
+    for other in (hex_id.upper(), hex_id + "\n", hex_id[:31]):
+        assert tracing.trace_id_of(other) == _derived(other)
+
+
 def test_trace_id_memo_is_bounded_and_skips_long_ids() -> None:
     long_id = "x" * (tracing._MAX_KNOWN_LENGTH + 1)
     assert tracing.trace_id_of(long_id) == _derived(long_id)

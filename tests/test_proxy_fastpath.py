@@ -317,6 +317,29 @@ def test_a_built_envelope_is_validated_as_parse_request_validates_it(name: str) 
 
 
 @pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n in BUILT
+        if isinstance(BUILT[n].get("parameters"), dict) and n != "parameters with a non-string key"
+    ],
+)
+def test_parameters_handed_apart_are_set_as_parsed_and_validated_as_parse_request_does(
+    name: str,
+) -> None:
+    raw = dict(BUILT[name])
+    parameters = raw.pop("parameters")
+    got = _outcome(lambda: parse_built(raw, parameters))
+    want = _outcome(lambda: parse_request(BUILT[name]))
+    assert got[0] == want[0]
+    if got[0] == "error":
+        assert got[1] == want[1]
+        return
+    _same_intake(got[1], want[1])
+    assert got[1].request.parameters is parameters  # the parsed object, not a copy
+
+
+@pytest.mark.parametrize(
     ("headers", "kw", "reason"),
     [
         ({"x-egress-timeout": "soon"}, {}, "invalid_header"),

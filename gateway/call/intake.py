@@ -497,9 +497,8 @@ def parse_envelope_fast(body: bytes) -> ExternalCallRequest | None:
 
 
 #: A drop-in call's JSON body as ``parameters``, by pydantic's parser (:func:`parse_built`
-#: leaves ``parameters`` of more keys than :data:`_MAX_COPIED_KEYS` uncopied).
+#: sets it on the request as it is, not validated and copied again).
 _PARAMETERS: Final = TypeAdapter(dict[str, Any])
-_MAX_COPIED_KEYS: Final = 1024
 _VALIDATE_PARAMETERS: Final[Callable[[bytes], dict[str, Any]]] = _PARAMETERS.validator.validate_json
 #: What ``ExternalCallRequest.model_validate`` calls, without its wrapper (a check of its
 #: keyword defaults).
@@ -526,21 +525,26 @@ def parse_object_fast(body: bytes) -> dict[str, Any] | None:
     return value
 
 
-def parse_built(raw: dict[str, Any]) -> Intake:
+def parse_built(raw: dict[str, Any], parameters: dict[str, Any] | None = None) -> Intake:
     """:func:`parse_request` of an envelope the sidecar built (a drop-in call's) in one
-    validation: the same :class:`Intake`, or (anything invalid, ``parameters`` of many
-    keys) :func:`parse_request`'s own answer and error."""
-    parameters = raw.get("parameters")
-    if isinstance(parameters, dict) and len(parameters) > _MAX_COPIED_KEYS:
-        return parse_request(raw)
+    validation: the same :class:`Intake`, or (anything invalid) :func:`parse_request`'s
+    own answer and error. ``parameters``: the request's body, a JSON object as
+    :func:`parse_object_fast` or :func:`decode_json` parsed it (its keys strings, its
+    values JSON: what ``parameters`` is validated to be), set on the validated request
+    as it is: validating it again would only copy it (each key checked a string again)."""
     try:
         request = _VALIDATE_REQUEST(raw)
     except ValidationError:
-        return parse_request(raw)
+        return parse_request(raw if parameters is None else {**raw, "parameters": parameters})
+    if parameters is not None:
+        # What model_copy(update=...) does, without its copy of the fresh request (no one
+        # holds it yet): the field's value, and the field marked as given.
+        request.__dict__["parameters"] = parameters
+        request.__pydantic_fields_set__.add("parameters")
     # What the model's types cannot say (request_problem) is about a protocol_version,
     # metadata or a body: the sidecar's drop-in requests carry parameters.
     if ("metadata" in raw or "protocol_version" in raw or "body" in raw) and (
         request.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS or request_problem(request)
     ):
-        return parse_request(raw)
+        return parse_request(raw if parameters is None else {**raw, "parameters": parameters})
     return Intake(request)

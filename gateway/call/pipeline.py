@@ -192,10 +192,9 @@ class Pipeline:
         request from ``http``): the same stages as an envelope, its policy taken now, as
         :meth:`handle`. ``ctx`` is the caller's, so that it can write back the upstream's
         own answer (``ctx.attempt_log.answer``)."""
-        policy = self.policy
-        return self._run(
-            policy, ctx, lambda: proxy_intake(http, policy, refuse), relay, api_hooks.DROP_IN
-        )
+        policy = self.policy  # a partial, not a lambda: no frame of its own per call
+        intake = functools.partial(proxy_intake, http, policy, refuse)
+        return self._run(policy, ctx, intake, relay, api_hooks.DROP_IN)
 
     async def handle_mcp(
         self,

@@ -156,10 +156,9 @@ def proxy_intake(
     seen = chain.seen_in(headers)
     trace_id, correlation_id = request_ids(headers)
     target, path, method = http.target[:CLAIM_LIMIT], http.path[:CLAIM_LIMIT], http.method
-    if not (target.isascii() and target.isprintable()):  # _claim's test, inline: per call
-        target = printable(target)
-    if not (path.isascii() and path.isprintable()):
-        path = printable(path)
+    both = target + path  # _claim's test, inline and on both at once: per call
+    if not (both.isascii() and both.isprintable()):
+        target, path = printable(target), printable(path)
     claimed = {
         "trace_id": trace_id,
         "correlation_id": correlation_id,
@@ -170,12 +169,12 @@ def proxy_intake(
     if refuse is not None:
         return Arrival(None, "proxy", claimed, seen, refusal=refuse)
     try:
-        raw, passthrough = _raw(http, policy, headers, trace_id, correlation_id)
+        raw, parameters, passthrough = _raw(http, policy, headers, trace_id, correlation_id)
     except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
         return Arrival(None, "proxy", claimed, seen, refusal=exc)
     warnings = _retrying(headers, raw) if _SDK_RETRY_HEADER in headers else ()
     try:
-        intake = parse_built(raw)
+        intake = parse_built(raw, parameters)
     except Exception as exc:  # noqa: BLE001 - the pipeline raises it (ctx.arrived)
         return Arrival(None, "proxy", claimed, seen, refusal=exc, warnings=warnings)
     # An Arrival's fields as a plain tuple (gateway.call.record.ArrivalFields): per call.
@@ -201,9 +200,10 @@ def _raw(
     headers: dict[str, str],
     trace_id: str,
     correlation_id: str,
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """The envelope (unvalidated) of a drop-in request, and the SDK's headers that go
-    upstream. Raises :class:`InvalidPayload` (:func:`proxy_intake`)."""
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, str]]:
+    """The envelope (unvalidated) of a drop-in request, less its ``parameters`` (the JSON
+    object body, None for none: :func:`gateway.call.intake.parse_built` sets it), and the
+    SDK's headers that go upstream. Raises :class:`InvalidPayload` (:func:`proxy_intake`)."""
     method = http.method
     if method not in METHODS:
         raise _method_not_forwarded(method)
@@ -235,7 +235,7 @@ def _raw(
         key = headers.get(_IDEMPOTENCY_HEADER)
     if key is not None:
         raw["idempotency_key"] = key
-    return raw, passthrough
+    return raw, parameters, passthrough
 
 
 def _retrying(headers: dict[str, str], raw: dict[str, Any]) -> tuple[str, ...]:
@@ -265,12 +265,16 @@ def _not_utf8(name: str) -> InvalidPayload:
 def request_ids(headers: Mapping[str, str]) -> tuple[str, str]:
     """(trace_id, correlation_id): the ``x-egress-*`` headers, else the trace-id of a
     valid ``traceparent`` (W3C Trace Context 3.2), else generated (UUID4 hex)."""
-    trace = headers.get(TRACE_ID_HEADER, "").strip()
+    given = headers.get(TRACE_ID_HEADER)
+    correlation = headers.get(CORRELATION_ID_HEADER)
+    if given is None and correlation is None and "traceparent" not in headers:
+        return _uuid4_hex_pair()  # none given (an SDK's usual request): both generated
+    trace = (given or "").strip()
     if not trace and "traceparent" in headers:
         parts = headers["traceparent"].strip().split("-")
         valid = len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32
         trace = parts[1].lower() if valid and _hex(parts[1]) else ""
-    correlation = headers.get(CORRELATION_ID_HEADER, "").strip()
+    correlation = (correlation or "").strip()
     if trace and correlation:
         return _claim(trace[:CLAIM_LIMIT]), _claim(correlation[:CLAIM_LIMIT])
     generated = _uuid4_hex_pair()  # hex digits: nothing to escape
@@ -329,8 +333,15 @@ def _split_headers(
     plan = _SPLITS.get(key)
     if plan is not None:
         agent_names, passed_names, checked_names = plan
-        if not checked_names or "".join([headers[n] for n in checked_names]).isascii():
-            return {n: headers[n] for n in agent_names}, {n: headers[n] for n in passed_names}
+        if not checked_names or "".join(map(headers.__getitem__, checked_names)).isascii():
+            # In C: each name's value, zipped with the names (none routed: empty).
+            pick = headers.__getitem__
+            return (
+                dict(zip(agent_names, map(pick, agent_names), strict=True)) if agent_names else {},
+                dict(zip(passed_names, map(pick, passed_names), strict=True))
+                if passed_names
+                else {},
+            )
     routes = _header_routes(forward, passes)
     if "connection" not in headers and len(_SPLITS) < _MAX_SPLITS:
         _SPLITS[key] = _split_plan(key[0], routes)
@@ -491,8 +502,8 @@ def _timeout(headers: Mapping[str, str], *, streamed: bool = False) -> Any:
 def _body(
     method: str, body: bytes, content_type: str | None, raw: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """Set ``parameters`` (a JSON object, also returned) or ``body`` (the bytes as they
-    came) of the request ``raw``; None when it has no ``parameters``."""
+    """The request's ``parameters`` (a JSON object, returned; the caller sets it), else
+    None and its ``body`` (the bytes as they came) set in the request ``raw``."""
     if method not in BODY_METHODS:
         if body:
             raise InvalidPayload(
@@ -510,7 +521,6 @@ def _body(
             except InvalidPayload:
                 value = None  # not JSON after all: sent as it came, the upstream judges it
         if isinstance(value, dict):
-            raw["parameters"] = value
             return value
     content_type = (content_type or "").strip() or (OCTETS if body else "application/json")
     raw["body"] = {"content_type": content_type, "base64": base64.b64encode(body).decode()}
