@@ -58,7 +58,8 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
         # test for UTF-8 or a control character, the plan holds. HTAB, valid but not
         # printable, is routed header by header.
         if joined.isascii() and joined.isprintable():
-            return [(passed, values[at]) for at, passed in plan]
+            passed, kept = plan  # zip and map: the pairs made in C, no loop in Python
+            return list(zip(passed, map(values.__getitem__, kept), strict=True))
     return _routed(headers, names)
 
 
@@ -68,12 +69,12 @@ _CONTROL: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 #: An upstream's header names, in order (as sent) -> which of them go back and under
-#: what name (position, name passed back): an upstream sends the same names on every
-#: answer, so they are routed once, not per answer. Only names whose route does not
-#: depend on a value are planned (``Connection`` is not), and a plan is used only when
-#: every value is printable ASCII (each then passes as it is). Bounded, as
-#: :data:`_NAMES` is.
-_PLANS: Final[dict[tuple[str, ...], tuple[tuple[int, str], ...]]] = {}
+#: what name (the names passed back, and the positions of their values): an upstream
+#: sends the same names on every answer, so they are routed once, not per answer. Only
+#: names whose route does not depend on a value are planned (``Connection`` is not), and
+#: a plan is used only when every value is printable ASCII (each then passes as it is).
+#: Bounded, as :data:`_NAMES` is.
+_PLANS: Final[dict[tuple[str, ...], tuple[tuple[str, ...], tuple[int, ...]]]] = {}
 _MAX_PLANS: Final = 256
 _MAX_PLANNED_NAMES: Final = 64
 
@@ -128,7 +129,8 @@ def _name_route(name: str) -> tuple[str, str | None]:
 
 def _plan(names: tuple[str, ...]) -> None:
     """Keep ``names``' plan in :data:`_PLANS` unless a route among them depends on a value."""
-    plan = []
+    passed_names: list[str] = []
+    kept: list[int] = []
     for at, name in enumerate(names):
         if len(name) > _MAX_KEPT_NAME:
             return
@@ -136,8 +138,9 @@ def _plan(names: tuple[str, ...]) -> None:
         if lower == "connection":
             return
         if passed is not None:
-            plan.append((at, passed))
-    _PLANS[names] = tuple(plan)
+            passed_names.append(passed)
+            kept.append(at)
+    _PLANS[names] = (tuple(passed_names), tuple(kept))
 
 
 def passback_reason(reason: str) -> str | None:
@@ -182,13 +185,16 @@ def egress_headers(
     return out
 
 
-def id_headers(trace_id: str | None, correlation_id: str | None) -> dict[str, str]:
-    """The call's ids, on every drop-in answer, so that its audit record can be found."""
-    out = {}
+def id_headers(trace_id: str | None, correlation_id: str | None) -> list[tuple[str, str]]:
+    """The call's ids, on every drop-in answer, so that its audit record can be found
+    (header lines: pairs, to be added to an answer's list as they are)."""
+    if trace_id and correlation_id:  # every call the pipeline ran
+        return [(TRACE_ID_HEADER, trace_id), (CORRELATION_ID_HEADER, correlation_id)]
+    out = []
     if trace_id:
-        out[TRACE_ID_HEADER] = trace_id
+        out.append((TRACE_ID_HEADER, trace_id))
     if correlation_id:
-        out[CORRELATION_ID_HEADER] = correlation_id
+        out.append((CORRELATION_ID_HEADER, correlation_id))
     return out
 
 
@@ -208,15 +214,16 @@ def model_headers(ctx: CallContext) -> list[tuple[str, str]]:
     return [(k, v) for k, v in pairs if v.isascii() and v.isprintable() and " " not in v]
 
 
-def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
-    """The id headers of a drop-in or MCP answer: the call's ids, else those the request
-    claimed; and ``x-egress-served-by`` when an upstream answered well."""
+def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> list[tuple[str, str]]:
+    """The id headers of a drop-in or MCP answer (pairs, as :func:`id_headers`): the
+    call's ids, else those the request claimed; and ``x-egress-served-by`` when an
+    upstream answered well."""
     ids = id_headers(
         response.trace_id or ctx.claimed.get("trace_id"),
         response.correlation_id or ctx.claimed.get("correlation_id"),
     )
     if response.served_by is not None:
-        ids[SERVED_BY_HEADER] = served_by_value(response.served_by)
+        ids.append((SERVED_BY_HEADER, served_by_value(response.served_by)))
     return ids
 
 

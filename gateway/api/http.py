@@ -317,7 +317,10 @@ def scrubbed(headers: Headers) -> list[tuple[str, str]]:
     scrubbed one by one only when their text, joined, holds a secret's form: a form inside
     one name or value is inside the whole, so a whole that scrubs to itself means that
     every one would (one scrub per answer instead of one per header)."""
-    pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
+    if isinstance(headers, list):  # the answer's own list (not kept by it): no copy
+        pairs = headers
+    else:
+        pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
     joined = "\n".join(map("\n".join, pairs))  # name, value, name...: one pass in C
     if redaction.scrub(joined) == joined:
         return pairs
