@@ -58,8 +58,7 @@ def passback_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
         # test for UTF-8 or a control character, the plan holds. HTAB, valid but not
         # printable, is routed header by header.
         if joined.isascii() and joined.isprintable():
-            passed, kept = plan  # zip and map: the pairs made in C, no loop in Python
-            return list(zip(passed, map(values.__getitem__, kept), strict=True))
+            return [(passed, values[at]) for at, passed in plan]
     return _routed(headers, names)
 
 
@@ -69,12 +68,12 @@ _CONTROL: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 #: An upstream's header names, in order (as sent) -> which of them go back and under
-#: what name (the names passed back, and the positions of their values): an upstream
-#: sends the same names on every answer, so they are routed once, not per answer. Only
-#: names whose route does not depend on a value are planned (``Connection`` is not), and
-#: a plan is used only when every value is printable ASCII (each then passes as it is).
-#: Bounded, as :data:`_NAMES` is.
-_PLANS: Final[dict[tuple[str, ...], tuple[tuple[str, ...], tuple[int, ...]]]] = {}
+#: what name (position, name passed back): an upstream sends the same names on every
+#: answer, so they are routed once, not per answer. Only names whose route does not
+#: depend on a value are planned (``Connection`` is not), and a plan is used only when
+#: every value is printable ASCII (each then passes as it is). Bounded, as
+#: :data:`_NAMES` is.
+_PLANS: Final[dict[tuple[str, ...], tuple[tuple[int, str], ...]]] = {}
 _MAX_PLANS: Final = 256
 _MAX_PLANNED_NAMES: Final = 64
 
@@ -129,8 +128,7 @@ def _name_route(name: str) -> tuple[str, str | None]:
 
 def _plan(names: tuple[str, ...]) -> None:
     """Keep ``names``' plan in :data:`_PLANS` unless a route among them depends on a value."""
-    passed_names: list[str] = []
-    kept: list[int] = []
+    plan = []
     for at, name in enumerate(names):
         if len(name) > _MAX_KEPT_NAME:
             return
@@ -138,9 +136,8 @@ def _plan(names: tuple[str, ...]) -> None:
         if lower == "connection":
             return
         if passed is not None:
-            passed_names.append(passed)
-            kept.append(at)
-    _PLANS[names] = (tuple(passed_names), tuple(kept))
+            plan.append((at, passed))
+    _PLANS[names] = tuple(plan)
 
 
 def passback_reason(reason: str) -> str | None:

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Final, NoReturn, Protocol
 from urllib.parse import unquote
 
@@ -321,7 +322,7 @@ def scrubbed(headers: Headers) -> list[tuple[str, str]]:
         pairs = headers
     else:
         pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
-    joined = "\n".join(map("\n".join, pairs))  # name, value, name...: one pass in C
+    joined = "\n".join(chain.from_iterable(pairs))  # name, value, name...: one join in C
     if redaction.scrub(joined) == joined:
         return pairs
     return [
