@@ -172,7 +172,7 @@ class _Exchange:
             return _rpc_error(status, response, ctx)
         headers = passback_headers(answer.headers)
         upstream = {k.lower(): v for k, v in headers}
-        headers += [*answer_ids(response, ctx).items()]
+        headers += answer_ids(response, ctx)
         headers += egress_headers(error, upstream=upstream, status=answer.status).items()
         body = self._card(answer.body, answer.status)
         if body is not answer.body:
@@ -207,10 +207,10 @@ class _Exchange:
     def head(self) -> Head:
         answer = self.ctx.attempt_log.answer
         request = self.ctx.request
-        ids = id_headers(request.trace_id, request.correlation_id) if request else {}
+        ids = id_headers(request.trace_id, request.correlation_id) if request else []
         if answer is None:
             return Head(200, [])
-        return Head(answer.status, [*passback_headers(answer.headers), *ids.items()])
+        return Head(answer.status, [*passback_headers(answer.headers), *ids])
 
     def frame(self, chunk: bytes) -> bytes:
         """The chunk as it came; each event's JSON-RPC answer read (ids, final event)."""
@@ -258,7 +258,7 @@ def _rpc_error(status: int, response: ExternalCallResponse, ctx: CallContext) ->
     ident = exchange.id if isinstance(exchange, rpc.A2aExchange) else None
     http_status = 200 if ident is not None else status
     assert response.error is not None
-    headers = {**answer_ids(response, ctx), **egress_headers(response.error)}
+    headers = {**dict(answer_ids(response, ctx)), **egress_headers(response.error)}
     headers["Content-Type"] = "application/json"
     body = json.dumps(error_object(ident, code, message, data)).encode()
     return Answer(status=http_status, body=body, headers=headers)

@@ -182,13 +182,16 @@ def egress_headers(
     return out
 
 
-def id_headers(trace_id: str | None, correlation_id: str | None) -> dict[str, str]:
-    """The call's ids, on every drop-in answer, so that its audit record can be found."""
-    out = {}
+def id_headers(trace_id: str | None, correlation_id: str | None) -> list[tuple[str, str]]:
+    """The call's ids, on every drop-in answer, so that its audit record can be found
+    (header lines: pairs, to be added to an answer's list as they are)."""
+    if trace_id and correlation_id:  # every call the pipeline ran
+        return [(TRACE_ID_HEADER, trace_id), (CORRELATION_ID_HEADER, correlation_id)]
+    out = []
     if trace_id:
-        out[TRACE_ID_HEADER] = trace_id
+        out.append((TRACE_ID_HEADER, trace_id))
     if correlation_id:
-        out[CORRELATION_ID_HEADER] = correlation_id
+        out.append((CORRELATION_ID_HEADER, correlation_id))
     return out
 
 
@@ -208,15 +211,16 @@ def model_headers(ctx: CallContext) -> list[tuple[str, str]]:
     return [(k, v) for k, v in pairs if v.isascii() and v.isprintable() and " " not in v]
 
 
-def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> dict[str, str]:
-    """The id headers of a drop-in or MCP answer: the call's ids, else those the request
-    claimed; and ``x-egress-served-by`` when an upstream answered well."""
+def answer_ids(response: ExternalCallResponse, ctx: CallContext) -> list[tuple[str, str]]:
+    """The id headers of a drop-in or MCP answer (pairs, as :func:`id_headers`): the
+    call's ids, else those the request claimed; and ``x-egress-served-by`` when an
+    upstream answered well."""
     ids = id_headers(
         response.trace_id or ctx.claimed.get("trace_id"),
         response.correlation_id or ctx.claimed.get("correlation_id"),
     )
     if response.served_by is not None:
-        ids[SERVED_BY_HEADER] = served_by_value(response.served_by)
+        ids.append((SERVED_BY_HEADER, served_by_value(response.served_by)))
     return ids
 
 

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Final, NoReturn, Protocol
 from urllib.parse import unquote
 
@@ -317,8 +318,11 @@ def scrubbed(headers: Headers) -> list[tuple[str, str]]:
     scrubbed one by one only when their text, joined, holds a secret's form: a form inside
     one name or value is inside the whole, so a whole that scrubs to itself means that
     every one would (one scrub per answer instead of one per header)."""
-    pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
-    joined = "\n".join(map("\n".join, pairs))  # name, value, name...: one pass in C
+    if isinstance(headers, list):  # the answer's own list (not kept by it): no copy
+        pairs = headers
+    else:
+        pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
+    joined = "\n".join(chain.from_iterable(pairs))  # name, value, name...: one join in C
     if redaction.scrub(joined) == joined:
         return pairs
     return [

@@ -161,7 +161,7 @@ class _Exchange:
             return _rpc_error(status, response, ctx)
         headers = passback_headers(answer.headers)
         upstream = {k.lower(): v for k, v in headers}
-        headers += [*answer_ids(response, ctx).items()]
+        headers += answer_ids(response, ctx)
         headers += egress_headers(error, upstream=upstream, status=answer.status).items()
         rewritten = ctx.mcp.body if ctx.mcp is not None else None
         return Answer(
@@ -174,10 +174,10 @@ class _Exchange:
     def head(self) -> Head:
         answer = self.ctx.attempt_log.answer
         request = self.ctx.request
-        ids = id_headers(request.trace_id, request.correlation_id) if request else {}
+        ids = id_headers(request.trace_id, request.correlation_id) if request else []
         if answer is None:
             return Head(200, [])
-        return Head(answer.status, [*passback_headers(answer.headers), *ids.items()])
+        return Head(answer.status, [*passback_headers(answer.headers), *ids])
 
     def frame(self, chunk: bytes) -> bytes:
         exchange = self.ctx.mcp
@@ -233,7 +233,7 @@ def _rpc_error(status: int, response: ExternalCallResponse, ctx: CallContext) ->
     if body is None:
         body = rpc.error_object(None, code, message, data)
     assert response.error is not None
-    headers = {**answer_ids(response, ctx), **egress_headers(response.error)}
+    headers = {**dict(answer_ids(response, ctx)), **egress_headers(response.error)}
     headers["Content-Type"] = "application/json"
     return Answer(status=http_status, body=json.dumps(body).encode(), headers=headers)
 

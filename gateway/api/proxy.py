@@ -172,15 +172,12 @@ class _Exchange:
         ):
             return _refusal(status, response, self._dialect(), ctx)
         headers = passback_headers(answer.headers)
-        ids = answer_ids(response, ctx).items()
         if error is None:  # no x-egress-* error headers, whatever the upstream said
-            headers += ids
+            headers += answer_ids(response, ctx)
         else:
             upstream = {k.lower(): v for k, v in headers}
-            headers += [
-                *ids,
-                *egress_headers(error, upstream=upstream, status=answer.status).items(),
-            ]
+            headers += answer_ids(response, ctx)
+            headers += egress_headers(error, upstream=upstream, status=answer.status).items()
         if ctx.model is not None:
             headers += model_headers(ctx)
         return Answer(
@@ -196,14 +193,14 @@ class _Exchange:
         stream replayed (idempotency) has its events, not its headers."""
         answer = self.ctx.attempt_log.answer
         request = self.ctx.request
-        ids = id_headers(request.trace_id, request.correlation_id) if request else {}
+        ids = id_headers(request.trace_id, request.correlation_id) if request else []
         if answer is not None:
-            headers = [*passback_headers(answer.headers), *ids.items(), *model_headers(self.ctx)]
+            headers = [*passback_headers(answer.headers), *ids, *model_headers(self.ctx)]
             served = self.ctx.served_by
             if served is not None:  # the attempt whose stream this is
                 headers.append((SERVED_BY_HEADER, served_by_value(served)))
             return Head(answer.status, headers, passback_reason(answer.reason))
-        headers = [("Content-Type", "text/event-stream"), *ids.items()]
+        headers = [("Content-Type", "text/event-stream"), *ids]
         headers.append(("x-egress-replayed", "true"))
         return Head(200, headers)
 
@@ -261,7 +258,7 @@ def _replayed(
         return _refusal(refused.http_status, replay, dialect, ctx)
     content_type, body = rebuilt
     headers = {
-        **answer_ids(response, ctx),
+        **dict(answer_ids(response, ctx)),
         **egress_headers(response.error),
         "x-egress-replayed": "true",
     }
@@ -282,7 +279,7 @@ def _refusal(
     error = response.error
     assert error is not None
     body = json.dumps(dialect.error_body(status, error.code.value, error.message)).encode()
-    headers = {**answer_ids(response, ctx), **egress_headers(error)}
+    headers = {**dict(answer_ids(response, ctx)), **egress_headers(error)}
     headers["Content-Type"] = "application/json"
     if replayed:
         headers["x-egress-replayed"] = "true"
