@@ -329,7 +329,8 @@ def _split_headers(
     # No idempotency of the sidecar's for this target: the SDK's key (Stripe's SDK sends
     # one on every POST and its retries) is the upstream's to dedupe on.
     passes = target is None or target.spec.idempotency is None
-    key = (tuple(headers), forward, passes)
+    named = headers.get("connection")  # an HTTP client's keep-alive, or names to drop
+    key = (tuple(headers), forward, passes, named)
     plan = _SPLITS.get(key)
     if plan is not None:
         agent_names, passed_names, checked_names = plan
@@ -343,10 +344,9 @@ def _split_headers(
                 else {},
             )
     routes = _header_routes(forward, passes)
-    if "connection" not in headers and len(_SPLITS) < _MAX_SPLITS:
-        _SPLITS[key] = _split_plan(key[0], routes)
-    named = headers.get("connection")
-    connection = {t.strip() for t in named.lower().split(",")} if named else ()
+    connection = frozenset(t.strip() for t in named.lower().split(",")) if named else frozenset()
+    if len(_SPLITS) < _MAX_SPLITS and (named is None or len(named) <= _MAX_PLANNED_CONNECTION):
+        _SPLITS[key] = _split_plan(key[0], routes, connection)
     agent_headers: dict[str, str] = {}
     passthrough: dict[str, str] = {}
     for name, value in headers.items():
@@ -364,29 +364,33 @@ def _split_headers(
 
 
 #: (the request's header names in order, the target's ``forward_headers``, whether the
-#: SDK's idempotency key passes) -> (the names the envelope carries, those passed
-#: through, those whose value is checked to be UTF-8): an SDK sends the same names on
-#: every request, so they are routed once, not per request. Not made for a request with
-#: a ``Connection`` header (its value routes names). Bounded.
+#: SDK's idempotency key passes, its ``Connection`` header's value or None) -> (the
+#: names the envelope carries, those passed through, those whose value is checked to be
+#: UTF-8): an SDK sends the same names (and httpx, under every Python SDK, ``Connection:
+#: keep-alive``) on every request, so they are routed once, not per request. Bounded: at
+#: most :data:`_MAX_SPLITS` plans, none for a ``Connection`` value longer than
+#: :data:`_MAX_PLANNED_CONNECTION` characters (routed header by header).
 _SPLITS: Final[
     dict[
-        tuple[tuple[str, ...], frozenset[str], bool],
+        tuple[tuple[str, ...], frozenset[str], bool, str | None],
         tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]],
     ]
 ] = {}
 _MAX_SPLITS: Final = 256
+_MAX_PLANNED_CONNECTION: Final = 256
 
 
 def _split_plan(
-    names: tuple[str, ...], routes: dict[str, tuple[bool, bool]]
+    names: tuple[str, ...], routes: dict[str, tuple[bool, bool]], dropped: frozenset[str]
 ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """Where :func:`_split_headers` sends each of ``names`` (an entry of :data:`_SPLITS`)."""
+    """Where :func:`_split_headers` sends each of ``names`` (an entry of :data:`_SPLITS`),
+    those a ``Connection`` header names (``dropped``) going nowhere."""
     to_agent: list[str] = []
     passed: list[str] = []
     checked: list[str] = []
     for name in names:
         route = routes.get(name)
-        if route is None:
+        if route is None or name in dropped:
             continue
         (to_agent if route[0] else passed).append(name)
         if route[1]:
