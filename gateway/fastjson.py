@@ -225,23 +225,16 @@ def _answer_part(value: Any) -> dict[str, Any]:
     return held
 
 
-def answer_json(response: ExternalCallResponse, verbatim: bytes | None = None) -> bytes:
+def answer_json(response: ExternalCallResponse) -> bytes:
     """``response.model_dump_json()``'s JSON as UTF-8 bytes: equal to it as JSON
     (``json.loads``), written by orjson where it can (a few times faster), else by
     pydantic. Floats may be spelled otherwise (the same numbers); NaN and infinities are
     ``null``, as pydantic writes them (``ser_json_inf_nan="null"``). What orjson refuses
     (integers past 64 bits, non-string keys, lone surrogates, nesting past 255) or leaves
     to pydantic (dates, dataclasses, bytes, sets, other models) is written by pydantic,
-    whose errors (``ValueError`` for a lone surrogate) are raised as before.
-
-    ``verbatim``: JSON bytes whose reading is exactly ``response.data`` (orjson's parse
-    of them, :func:`gateway.call.bodies.read_body`), written as they are in its place
-    (no second serialisation; their spacing and escapes kept) where orjson writes the
-    answer; pydantic writes ``data`` itself when it writes the answer."""
+    whose errors (``ValueError`` for a lone surrogate) are raised as before."""
     held = response.__dict__
     if orjson is not None and len(held) == _ANSWER_MODELS[ExternalCallResponse]:
-        if verbatim is not None:
-            held = {**held, "data": orjson.Fragment(verbatim)}
         try:
             return orjson.dumps(held, default=_answer_part, option=_ANSWER_OPTIONS)
         except TypeError:

@@ -85,14 +85,12 @@ def _decode(text: str | bytes) -> Any:
     return _DECODER.decode(text)
 
 
-def _read(text: str | bytes, max_depth: int) -> tuple[Any, bool]:
-    """``text`` as a JSON value that can be written back exactly, and whether orjson
-    read it (``text`` bytes, read to exactly ``json.loads``'s value); raises ValueError."""
+def _loads(text: str | bytes, max_depth: int) -> Any:
+    """``text`` as a JSON value that can be written back exactly, or raises ValueError."""
     # orjson where it gives json's value (~30,000 instructions less for a chat answer);
     # what it refuses (NaN, infinities, a BOM, lone surrogates) json decides, as before.
     value = fastjson.orjson_value(text) if isinstance(text, bytes) else fastjson.UNDECIDED
-    by_orjson = value is not fastjson.UNDECIDED
-    if not by_orjson:
+    if value is fastjson.UNDECIDED:
         value = _decode(text)
     raw = text.encode() if isinstance(text, str) else text
     # Cheap bound first: fewer opening brackets than the limit cannot nest deeper.
@@ -102,7 +100,7 @@ def _read(text: str | bytes, max_depth: int) -> tuple[Any, bool]:
         raise _NotJson("nested too deeply")
     if has_lone_surrogates(raw, value):
         raise _NotJson("lone surrogate")
-    return value, by_orjson
+    return value
 
 
 def media_type(content_type: str | None) -> str:
@@ -115,34 +113,24 @@ def is_json_type(mtype: str) -> bool:
 
 def parse_body(content_type: str | None, body: bytes, status: int) -> tuple[Any, bool]:
     """Decode ``body``. Returns ``(data, is_json)``; never raises on bad input."""
-    data, is_json, _ = read_body(content_type, body, status)
-    return data, is_json
-
-
-def read_body(content_type: str | None, body: bytes, status: int) -> tuple[Any, bool, bool]:
-    """:func:`parse_body`'s ``(data, is_json)`` and ``verbatim``: True when ``data`` is
-    orjson's reading of ``body``, exactly ``json.loads``'s value (then ``body`` is UTF-8
-    JSON, without a BOM, that may be written in ``data``'s place:
-    :func:`gateway.fastjson.answer_json`). Never raises on bad input."""
     if not body:
-        return None, False, False
+        return None, False
     mtype = media_type(content_type)
     if mtype == "text/event-stream":
         if _as_text(mtype, body) is None:
-            return binary_form(mtype, body, status), False, False  # not UTF-8: kept whole
-        return parse_sse(body), False, False
+            return binary_form(mtype, body, status), False  # not UTF-8: kept whole
+        return parse_sse(body), False
     if is_json_type(mtype) or not mtype:
         try:
-            data, verbatim = _read(body, MAX_DATA_DEPTH)
-            return data, True, verbatim
+            return _loads(body, MAX_DATA_DEPTH), True
         except (ValueError, UnicodeDecodeError, RecursionError):
             pass
     text = _as_text(mtype, body)
     if text is None:
-        return binary_form(mtype, body, status), False, False
+        return binary_form(mtype, body, status), False
     if status >= 400 and len(text) > ERROR_TEXT_LIMIT:
         text = scrub_cut(text, ERROR_TEXT_LIMIT)
-    return {"content_type": mtype or None, "text": text}, False, False
+    return {"content_type": mtype or None, "text": text}, False
 
 
 def _as_text(mtype: str, body: bytes) -> str | None:
@@ -201,6 +189,6 @@ def parse_sse(body: bytes) -> dict[str, Any]:
 def event_data(data: str) -> Any:
     """One event's ``data`` as JSON when it is JSON that can be written back, else as is."""
     try:
-        return _read(data, _EVENT_DEPTH)[0]
+        return _loads(data, _EVENT_DEPTH)
     except (ValueError, RecursionError):
         return data

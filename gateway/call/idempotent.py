@@ -145,7 +145,7 @@ async def once_per_key(
     # From here on the upstream has acted: whatever fails, the key is completed with
     # the answer the agent gets, so that a resend replays it and never acts twice.
     try:
-        body = answer_json(response, _verbatim(ctx, response))
+        body = answer_json(response)
     except ValueError as exc:  # a value the JSON writer refuses (bodies.py rules it out)
         response = _unrenderable(response, exc, learned)
         body = answer_json(response)
@@ -242,15 +242,6 @@ def stored_answer(
     """An answer as the idempotency store keeps it: its HTTP status, the envelope, and
     for a streamed answer its events (the stream's bytes, base64), to replay them."""
     return _stored(status, answer_json(response), stream)
-
-
-def _verbatim(ctx: CallContext, response: ExternalCallResponse) -> bytes | None:
-    """The upstream's JSON bytes that ``response.data`` was read from (a drop-in call's
-    answer: :attr:`CallContext.verbatim`), while it is still that very value; else None."""
-    verbatim = ctx.verbatim
-    if verbatim is None or response.data is not verbatim[0]:
-        return None
-    return verbatim[1]
 
 
 def _stored(status: int, body: bytes, stream: bytes | None) -> bytes:

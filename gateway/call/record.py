@@ -148,10 +148,6 @@ class CallContext:
     #: The bytes of a streamed answer, kept for the idempotency store (keyed calls only):
     #: a replay re-sends them as a stream, or answers their assembled form.
     stream_body: bytes | None = None
-    #: A keyed drop-in call's answer: (its ``data``, the upstream's JSON bytes that
-    #: ``data`` is orjson's exact reading of), for the idempotency store, which writes
-    #: those bytes in ``data``'s place (:func:`gateway.fastjson.answer_json`).
-    verbatim: tuple[Any, bytes] | None = None
     #: The API the call came in by: ``proxy`` for the drop-in provider routes, ``mcp``
     #: for ``/mcp/{target}``.
     api: Api = "envelope"
@@ -413,16 +409,13 @@ class CallContext:
 
     def settled(
         self, usage: TokenUsage | None, cost_usd: float | None, cost_reason: str | None,
-        stream_body: bytes | None, verbatim: tuple[Any, bytes] | None = None,
+        stream_body: bytes | None,
     ) -> None:  # fmt: skip
         """The upstream's 2xx answer: its usage, its cost (None: unknown, and why) and,
-        for the idempotency store, a stream's bytes (None: none kept) or the JSON bytes
-        its data was read from (:attr:`verbatim`)."""
+        for the idempotency store, a stream's bytes (None: none kept)."""
         self.usage, self.cost_usd, self.cost_reason = usage, cost_usd, cost_reason
         if stream_body is not None:
             self.stream_body = stream_body
-        if verbatim is not None:
-            self.verbatim = verbatim
 
     def answered(self, model: str | None) -> None:
         """The model a whole answer named (None: none)."""

@@ -26,7 +26,7 @@ from gateway.agents import chain
 from gateway.agents.repeats import call_names
 from gateway.call import models, spend
 from gateway.call.attempts import Attempts, deadline_error
-from gateway.call.bodies import is_stream_form, read_body
+from gateway.call.bodies import is_stream_form, parse_body
 from gateway.call.outbound import Draft, with_credential
 from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
@@ -307,7 +307,7 @@ def _answered(
     """The envelope of the upstream's 2xx ``answer``; its usage settles the call's
     cost and the rate-limit group's token estimate."""
     relayed, target, request = attempts.log.relayed, attempts.target, attempts.request
-    kept = verbatim = None  # a stream's bytes, the JSON data's: for the idempotency store
+    kept = None  # a stream's bytes, for the idempotency store
     if relayed is not None:
         data, usage = None, relayed.judge.usage()  # the agent has had the events
         if relayed.kept is not None:
@@ -315,15 +315,12 @@ def _answered(
     elif _body_unread(ctx, target):
         data, usage = None, None  # written back as the upstream's bytes; nothing reads it
     else:
-        data, _, exact = read_body(answer.content_type, answer.body, answer.status)
+        data, _ = parse_body(answer.content_type, answer.body, answer.status)
         usage = extract_usage(target.spec.usage, data)
-        if ctx.idempotency_key is not None:
-            if is_stream_form(data):
-                kept = answer.body
-            elif exact and ctx.api == "proxy":  # the agent never sees the stored bytes
-                verbatim = (data, answer.body)
+        if ctx.idempotency_key is not None and is_stream_form(data):
+            kept = answer.body
     usd, reason = spend.settle(pipe.budgets, cost, usage)
-    ctx.settled(usage, usd, reason, kept, verbatim)
+    ctx.settled(usage, usd, reason, kept)
     group = attempts.group
     if group is not None and usage is not None:
         # Unknown usage keeps the reservation: the upstream answered, so tokens were
