@@ -50,6 +50,11 @@ typecheck: $(VENV)/.dev
 
 # Tests that need a system tool skip without it (the reasons are in pytest's summary);
 # .ci/run installs the tools and makes a missing one a failure. Say so before they run.
+# The tests run in PYTEST_WORKERS processes (pytest-xdist; most of the suite waits on
+# loopback servers, so two overlap even on 2 cores); PYTEST_WORKERS=0 runs them in one.
+# worksteal: an idle worker takes half of the other's queue, so the long tests do not
+# leave one worker waiting at the end. Coverage is combined from the workers.
+PYTEST_WORKERS ?= 2
 unit: $(VENV)/.dev
 	@command -v nft >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || echo "make test:" \
 		"no nft or ip (Debian nftables, iproute2): tests/test_enforce.py will be skipped"
@@ -58,7 +63,7 @@ unit: $(VENV)/.dev
 	@$(BIN)/python -c "import socket; socket.create_connection(('127.0.0.1', 6379), 1)" \
 		2>/dev/null || echo "make test: no Redis on" \
 		"127.0.0.1:6379: the cluster-scope tests will be skipped"
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal
 
 # The property-based tests of tests/test_fuzz.py with FUZZ_EXAMPLES random examples each
 # (the suite runs 300, always the same); prints what each saw. About 3 minutes.

@@ -27,20 +27,26 @@ KEY = "sk-fake-TEST-0001-NOTREAL"  # the provider key the sidecar holds (conftes
 PLAIN = json.dumps({"ok": True, "echo": f"Bearer {KEY}"}).encode()
 
 
+def _gzip(data: bytes) -> bytes:
+    """gzip without the time in its header: the bodies made at collection are test IDs, which
+    must be the same in every pytest-xdist worker."""
+    return gzip.compress(data, mtime=0)
+
+
 def _deflate(data: bytes) -> bytes:
     return zlib.compress(data)
 
 
 #: Content-Encoding header lines -> the body coded as they say (last applied last).
 DECODED: dict[str, tuple[list[str], Callable[[bytes], bytes]]] = {
-    "x-gzip": (["x-gzip"], gzip.compress),
-    "X-GZIP": (["X-GZIP"], gzip.compress),
-    "gzip, gzip": (["gzip, gzip"], lambda b: gzip.compress(gzip.compress(b))),
-    "gzip, x-gzip": (["gzip, x-gzip"], lambda b: gzip.compress(gzip.compress(b))),
-    "two headers": (["gzip", "gzip"], lambda b: gzip.compress(gzip.compress(b))),
-    "deflate, gzip": (["deflate, gzip"], lambda b: gzip.compress(_deflate(b))),
-    "gzip, deflate": (["gzip, deflate"], lambda b: _deflate(gzip.compress(b))),
-    "identity, x-gzip": (["identity, x-gzip"], gzip.compress),
+    "x-gzip": (["x-gzip"], _gzip),
+    "X-GZIP": (["X-GZIP"], _gzip),
+    "gzip, gzip": (["gzip, gzip"], lambda b: _gzip(_gzip(b))),
+    "gzip, x-gzip": (["gzip, x-gzip"], lambda b: _gzip(_gzip(b))),
+    "two headers": (["gzip", "gzip"], lambda b: _gzip(_gzip(b))),
+    "deflate, gzip": (["deflate, gzip"], lambda b: _gzip(_deflate(b))),
+    "gzip, deflate": (["gzip, deflate"], lambda b: _deflate(_gzip(b))),
+    "identity, x-gzip": (["identity, x-gzip"], _gzip),
 }
 
 
@@ -82,8 +88,8 @@ async def test_a_coding_aiohttp_left_is_undone_and_the_body_scrubbed(
         (["gzip, br"], PLAIN),
         (["gzip, compress"], PLAIN),
         # Which of two headers aiohttp undid depends on its parser (C: the last).
-        (["x-gzip", "gzip"], gzip.compress(gzip.compress(PLAIN))),
-        (["gzip", "deflate"], _deflate(gzip.compress(PLAIN))),
+        (["x-gzip", "gzip"], _gzip(_gzip(PLAIN))),
+        (["gzip", "deflate"], _deflate(_gzip(PLAIN))),
     ],
 )
 async def test_a_coding_the_sidecar_cannot_undo_is_refused_never_passed_on(
@@ -109,7 +115,7 @@ async def test_a_streamed_answer_with_a_coding_left_on_it_is_refused(
     upstream_factory, sidecar_factory
 ):
     events = f'data: {{"echo": "{KEY}"}}\n\ndata: [DONE]\n\n'.encode()
-    handler = _handler(["x-gzip"], gzip.compress(events), "text/event-stream")
+    handler = _handler(["x-gzip"], _gzip(events), "text/event-stream")
     _, sc = await openai_stack(upstream_factory, sidecar_factory, handler)
     url = f"{sc.url}/proxy/openai/v1/chat/completions"
     async with sc.session.post(url, json={**CHAT, "stream": True}, auto_decompress=False) as resp:
@@ -125,11 +131,7 @@ async def test_every_layer_is_bounded_by_max_response_bytes(
     upstream_factory, sidecar_factory, lines: list[str]
 ):
     bomb = b"\0" * 4_000_000  # ~4 KB gzipped; once more: ~100 bytes
-    body = (
-        gzip.compress(bomb)
-        if len(lines) == 1 and "," not in lines[0]
-        else gzip.compress(gzip.compress(bomb))
-    )
+    body = _gzip(bomb) if len(lines) == 1 and "," not in lines[0] else _gzip(_gzip(bomb))
     up = await upstream_factory(_handler(lines, body))
     sc = await sidecar_factory(
         compile_policy({"openai": openai_target(up.url)}, server={"max_response_bytes": 65536})
@@ -184,11 +186,11 @@ def test_the_codings_left_on_a_body_are_those_aiohttp_did_not_undo(
 @pytest.mark.parametrize(
     ("codings", "body", "code"),
     [
-        (("x-gzip",), gzip.compress(PLAIN)[:-9], "DEPENDENCY_FAILED"),  # cut short
-        (("x-gzip",), gzip.compress(PLAIN) * 2, "DEPENDENCY_FAILED"),  # two members
-        (("gzip", "gzip"), gzip.compress(PLAIN), "DEPENDENCY_FAILED"),  # one layer only
-        (("gzip", "gzip"), gzip.compress(gzip.compress(b"\0" * 5000)), "RESPONSE_TOO_LARGE"),
-        (("x-gzip",), gzip.compress(b"\0" * 4097), "RESPONSE_TOO_LARGE"),
+        (("x-gzip",), _gzip(PLAIN)[:-9], "DEPENDENCY_FAILED"),  # cut short
+        (("x-gzip",), _gzip(PLAIN) * 2, "DEPENDENCY_FAILED"),  # two members
+        (("gzip", "gzip"), _gzip(PLAIN), "DEPENDENCY_FAILED"),  # one layer only
+        (("gzip", "gzip"), _gzip(_gzip(b"\0" * 5000)), "RESPONSE_TOO_LARGE"),
+        (("x-gzip",), _gzip(b"\0" * 4097), "RESPONSE_TOO_LARGE"),
     ],
 )
 def test_a_body_that_is_not_what_its_codings_say_or_too_large_once_undone_is_refused(
@@ -200,4 +202,4 @@ def test_a_body_that_is_not_what_its_codings_say_or_too_large_once_undone_is_ref
     with pytest.raises(GatewayError) as refused:
         decoded(body, codings, URL("https://api.example/v1"), 4096, 200)
     assert refused.value.code.value == code
-    assert decoded(gzip.compress(b"\0" * 4096), ("x-gzip",), URL("https://a.example/"), 4096, 200)
+    assert decoded(_gzip(b"\0" * 4096), ("x-gzip",), URL("https://a.example/"), 4096, 200)

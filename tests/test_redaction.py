@@ -49,17 +49,21 @@ def test_text_without_secrets_is_unchanged() -> None:
     assert scrub_bytes(b"nothing to see") == b"nothing to see"
 
 
+# The prefixes are the parameters and each value is made in its test: a value made at
+# collection time would give each pytest-xdist worker different test IDs, and the workers'
+# collections must match.
 @pytest.mark.parametrize(
-    "value",
+    "prefix",
     [
-        'pa"ss\\word-' + uuid.uuid4().hex,  # quote and backslash
-        "line\nbreak\ttab-" + uuid.uuid4().hex,  # control characters
-        "https://user@host/path-" + uuid.uuid4().hex,  # slashes some encoders escape
-        "clé-secrète-" + uuid.uuid4().hex,  # non-ASCII
-        'clé"with-quote-' + uuid.uuid4().hex,  # non-ASCII and an escape together
+        'pa"ss\\word-',  # quote and backslash
+        "line\nbreak\ttab-",  # control characters
+        "https://user@host/path-",  # slashes some encoders escape
+        "clé-secrète-",  # non-ASCII
+        'clé"with-quote-',  # non-ASCII and an escape together
     ],
 )
-def test_scrub_removes_the_json_escaped_forms(value: str) -> None:
+def test_scrub_removes_the_json_escaped_forms(prefix: str) -> None:
+    value = fresh(prefix)
     register(value)
     renderings = [
         json.dumps({"v": value}),
@@ -102,15 +106,16 @@ def _wire_renderings(value: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "value",
+    "prefix",  # made into a value in the test, as above
     [
-        "gk+fake/TEST=0004 NOTREAL-" + uuid.uuid4().hex,  # "+", "/", "=", a space
-        "clé-€-secrète-" + uuid.uuid4().hex,  # non-ASCII
-        'q"uote\\back%41&amp#hash;semi?' + uuid.uuid4().hex,  # what JSON and URLs escape
-        "emoji-\U0001f511-" + uuid.uuid4().hex,  # astral: \\ud83d\\udd11 in ASCII JSON
+        "gk+fake/TEST=0004 NOTREAL-",  # "+", "/", "=", a space
+        "clé-€-secrète-",  # non-ASCII
+        'q"uote\\back%41&amp#hash;semi?',  # what JSON and URLs escape
+        "emoji-\U0001f511-",  # astral: \\ud83d\\udd11 in ASCII JSON
     ],
 )
-def test_every_encoding_of_a_query_credential_is_scrubbed(value: str) -> None:
+def test_every_encoding_of_a_query_credential_is_scrubbed(prefix: str) -> None:
+    value = fresh(prefix)
     register(value)
     renderings = _wire_renderings(value)
     for rendering in renderings:
