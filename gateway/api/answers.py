@@ -236,14 +236,19 @@ def served_by_value(served: ServedBy) -> str:
     return f"target={served.target}; model={model}"
 
 
-def replayed_body(response: ExternalCallResponse) -> tuple[str | None, bytes] | None:
+def replayed_body(
+    response: ExternalCallResponse, *, json: bool = False
+) -> tuple[str | None, bytes] | None:
     """The body of a stored answer replayed on a drop-in route, rebuilt from its ``data``
     (:mod:`gateway.call.bodies` forms): ``(content type, bytes)``; None when the stored
     answer cannot give one (``data`` null on a 200: a relayed stream stored without its
     events; one stored with them is replayed to the relay instead, by
     :func:`gateway.call.idempotent.replay`). JSON is written compactly (the same value;
-    whitespace may differ)."""
+    whitespace may differ). ``json``: ``data`` is a JSON body's value, written back as
+    JSON whatever its shape (a ``null``, or an object shaped like a form)."""
     data = response.data
+    if json:
+        return "application/json", fastjson.compact(data)
     if data is None:
         return None if response.status_code == 200 else (None, b"")
     if isinstance(data, dict) and set(data) == {"content_type", "base64", "bytes"}:

@@ -247,7 +247,7 @@ def _replayed(
     sidecar's refusal the first time, and is again."""
     if response.error is not None and (response.status_code or 0) < 400:
         return _refusal(status, response, dialect, ctx, replayed=True)
-    rebuilt = (None, b"") if method == "HEAD" else replayed_body(response)
+    rebuilt = (None, b"") if method == "HEAD" else replayed_body(response, json=ctx.json_data)
     if rebuilt is None:
         refused = IdempotencyConflict(
             "this idempotency key's answer was a stream, already delivered; a stream is "

@@ -165,6 +165,21 @@ def binary_form(mtype: str, body: bytes, status: int) -> dict[str, Any]:
     }
 
 
+def looks_like_a_form(data: Any) -> bool:
+    """Whether ``data`` could be read back as one of the forms :func:`parse_body` gives a
+    body that is not JSON (``{content_type, text}``, :func:`binary_form`'s) or as no body
+    (None): a JSON body of that value needs saying so, where it is stored, to be written
+    back as the JSON it was (:func:`gateway.api.answers.replayed_body`)."""
+    if data is None:
+        return True
+    return isinstance(data, dict) and (
+        data.keys() == {"content_type", "text"} or data.keys() == _BINARY_KEYS
+    )
+
+
+_BINARY_KEYS: Final = frozenset({"content_type", "base64", "bytes"})
+
+
 def is_stream_form(data: Any) -> bool:
     """True for the data :func:`parse_sse` makes of an event stream."""
     return isinstance(data, dict) and data.get("content_type") == "text/event-stream"

@@ -72,6 +72,7 @@ class Learned:
 
     # Class defaults and no __init__: made once per keyed call, without a Python frame.
     replayed: bool = False
+    json_data: bool = False  # the stored data was a JSON body's value reading like a form
     warnings: tuple[str, ...] = ()  # rare: a tuple, grown when there is one
 
     def warn(self, note: str) -> None:
@@ -154,7 +155,8 @@ async def once_per_key(
         # filtered in place after this (the policy refuses idempotency on MCP targets
         # today), nor the other routes, which write answers of their own.
         rendered.last = (weakref.ref(response), body)  # taken by Rendered.take
-    await settle(store, key, token, _stored(200, body, ctx.stream_body), ttl_s, ctx, learned)
+    stored = _stored(200, body, ctx.stream_body, json_data=ctx.json_data)
+    await settle(store, key, token, stored, ttl_s, ctx, learned)
     return 200, response
 
 
@@ -172,6 +174,7 @@ async def replay(
     doc = json.loads(stored)
     if learned is not None:
         learned.replayed = True
+        learned.json_data = doc.get("json") is True
     response = ExternalCallResponse.model_validate(doc["response"])
     update: dict[str, Any] = {
         "replayed": True,
@@ -244,8 +247,12 @@ def stored_answer(
     return _stored(status, answer_json(response), stream)
 
 
-def _stored(status: int, body: bytes, stream: bytes | None) -> bytes:
-    """:func:`stored_answer` from the envelope's JSON ``body``."""
+def _stored(status: int, body: bytes, stream: bytes | None, *, json_data: bool = False) -> bytes:
+    """:func:`stored_answer` from the envelope's JSON ``body``; ``json_data``: its data
+    is a JSON body's value that reads like a form (``"json": true``, read by
+    :func:`replay`)."""
+    if json_data:
+        return b'{"status":%d,"response":%s,"json":true}' % (status, body)
     if stream is None:
         return b'{"status":%d,"response":%s}' % (status, body)
     return b'{"status":%d,"response":%s,"stream":"%s"}' % (

@@ -440,7 +440,7 @@ class Pipeline:
                 learned=learned,
             )
         finally:  # its warnings after the send stage's: the order the call met them
-            ctx.learned(learned.replayed, learned.warnings)
+            ctx.learned(learned.replayed, learned.warnings, learned.json_data)
 
     # -- answers and audit ----------------------------------------------------------------
 

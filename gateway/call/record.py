@@ -148,6 +148,10 @@ class CallContext:
     #: The bytes of a streamed answer, kept for the idempotency store (keyed calls only):
     #: a replay re-sends them as a stream, or answers their assembled form.
     stream_body: bytes | None = None
+    #: The upstream's 2xx body was JSON whose value reads like a non-JSON body's form or
+    #: no body (:func:`gateway.call.bodies.looks_like_a_form`): a keyed call stores that
+    #: it was JSON, and a replay of it learns so, to write it back as JSON.
+    json_data: bool = False
     #: The API the call came in by: ``proxy`` for the drop-in provider routes, ``mcp``
     #: for ``/mcp/{target}``.
     api: Api = "envelope"
@@ -329,10 +333,13 @@ class CallContext:
         """The rate-limit group that refused the call (CAPACITY_EXCEEDED)."""
         self.rate_limit_refused = rate_limit_group
 
-    def learned(self, replayed: bool, warnings: Iterable[str]) -> None:
-        """What the idempotency stage learned: the answer is a replay; its warnings."""
+    def learned(self, replayed: bool, warnings: Iterable[str], json_data: bool = False) -> None:
+        """What the idempotency stage learned: the answer is a replay (its data a JSON
+        body's value that reads like a form: :attr:`json_data`); its warnings."""
         if replayed:
             self.replayed = True
+        if json_data:
+            self.json_data = True
         if warnings:
             self.warnings.extend(warnings)
 
@@ -409,13 +416,15 @@ class CallContext:
 
     def settled(
         self, usage: TokenUsage | None, cost_usd: float | None, cost_reason: str | None,
-        stream_body: bytes | None,
+        stream_body: bytes | None, json_data: bool = False,
     ) -> None:  # fmt: skip
         """The upstream's 2xx answer: its usage, its cost (None: unknown, and why) and,
         for the idempotency store, a stream's bytes (None: none kept)."""
         self.usage, self.cost_usd, self.cost_reason = usage, cost_usd, cost_reason
         if stream_body is not None:
             self.stream_body = stream_body
+        if json_data:
+            self.json_data = True
 
     def answered(self, model: str | None) -> None:
         """The model a whole answer named (None: none)."""

@@ -26,7 +26,7 @@ from gateway.agents import chain
 from gateway.agents.repeats import call_names
 from gateway.call import models, spend
 from gateway.call.attempts import Attempts, deadline_error
-from gateway.call.bodies import is_stream_form, parse_body
+from gateway.call.bodies import is_stream_form, looks_like_a_form, parse_body
 from gateway.call.outbound import Draft, with_credential
 from gateway.call.outbound import build as build_outbound
 from gateway.call.record import CallContext
@@ -307,7 +307,7 @@ def _answered(
     """The envelope of the upstream's 2xx ``answer``; its usage settles the call's
     cost and the rate-limit group's token estimate."""
     relayed, target, request = attempts.log.relayed, attempts.target, attempts.request
-    kept = None  # a stream's bytes, for the idempotency store
+    kept, json_data = None, False  # a stream's bytes, a JSON body's kind: for the store
     if relayed is not None:
         data, usage = None, relayed.judge.usage()  # the agent has had the events
         if relayed.kept is not None:
@@ -315,12 +315,14 @@ def _answered(
     elif _body_unread(ctx, target):
         data, usage = None, None  # written back as the upstream's bytes; nothing reads it
     else:
-        data, _ = parse_body(answer.content_type, answer.body, answer.status)
+        data, is_json = parse_body(answer.content_type, answer.body, answer.status)
         usage = extract_usage(target.spec.usage, data)
-        if ctx.idempotency_key is not None and is_stream_form(data):
-            kept = answer.body
+        if ctx.idempotency_key is not None:
+            if is_stream_form(data):
+                kept = answer.body
+            json_data = is_json and looks_like_a_form(data)
     usd, reason = spend.settle(pipe.budgets, cost, usage)
-    ctx.settled(usage, usd, reason, kept)
+    ctx.settled(usage, usd, reason, kept, json_data)
     group = attempts.group
     if group is not None and usage is not None:
         # Unknown usage keeps the reservation: the upstream answered, so tokens were
