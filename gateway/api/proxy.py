@@ -257,11 +257,9 @@ def _replayed(
         replay = error_response(refused, latency_ms=response.latency_ms)
         return _refusal(refused.http_status, replay, dialect, ctx)
     content_type, body = rebuilt
-    headers = {
-        **dict(answer_ids(response, ctx)),
-        **egress_headers(response.error),
-        "x-egress-replayed": "true",
-    }
+    headers = dict(answer_ids(response, ctx))
+    headers.update(egress_headers(response.error))
+    headers["x-egress-replayed"] = "true"
     if content_type is not None:
         headers["Content-Type"] = content_type
     return Answer(status=response.status_code or status, body=body, headers=headers)
@@ -279,7 +277,8 @@ def _refusal(
     error = response.error
     assert error is not None
     body = json.dumps(dialect.error_body(status, error.code.value, error.message)).encode()
-    headers = {**dict(answer_ids(response, ctx)), **egress_headers(error)}
+    headers = dict(answer_ids(response, ctx))
+    headers.update(egress_headers(error))
     headers["Content-Type"] = "application/json"
     if replayed:
         headers["x-egress-replayed"] = "true"
