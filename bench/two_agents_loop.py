@@ -99,12 +99,21 @@ async def main() -> None:
         took = time.monotonic() - started
         print(f"planner called {len(planner.received)}x, executor {len(executor.received)}x,")
         print(f"the whole exchange in {took:.3f} s")
+        # The a2a SDK fetches the agent's card before it sends a message, so a refused
+        # call surfaces as its AgentCardResolutionError: that is the refusal intended.
         print("executor's answer:", executor.replies[0][:100])
+        print("  (its call back to the planner was refused by its sidecar, as intended: the")
+        print("  a2a SDK reports the refused card fetch as AgentCardResolutionError; the")
+        print("  executor's sidecar's audit records below show CALL_CHAIN_REFUSED)")
         bypass = {"x-egress-call-chain": "planner-01,executor-02"}
         try:  # the executor going around its sidecar, to the planner's inbound route
             await ask(f"http://127.0.0.1:{pa}/a2a/in/", "again", bypass)
         except Exception as exc:  # noqa: BLE001 - the refusal, as the SDK raises it
-            print("bypass refused:", type(exc).__name__)
+            status = getattr(exc, "status_code", None)
+            print(f"bypass refused by the planner's sidecar, as intended (HTTP {status},")
+            print(f"  reported by the a2a SDK as {type(exc).__name__})")
+        else:
+            print("bypass NOT refused: the planner's sidecar let an unsigned chain in")
         print(f"planner called {len(planner.received)}x after the bypass")
     finally:
         for proc in procs:

@@ -27,6 +27,7 @@ from a2a.types import (
     AgentCapabilities,
     AgentCard,
     AgentInterface,
+    AgentSkill,
     Message,
     Part,
     Role,
@@ -48,7 +49,8 @@ def card(name: str, url: str) -> AgentCard:
         capabilities=AgentCapabilities(streaming=True),
         default_input_modes=["text/plain"],
         default_output_modes=["text/plain"],
-        skills=[],
+        # One skill: the A2A spec requires the list non-empty (the SDK warns otherwise).
+        skills=[AgentSkill(id="relay", name="relay", description="relays the text", tags=["test"])],
     )
 
 

@@ -1,9 +1,10 @@
 """The demo's stand-in upstreams: local aiohttp handlers that answer in the providers'
-documented shapes (an OpenAI chat completion with ``usage`` and its streamed form, an
-Anthropic message and its streamed form, a Gemini ``generateContent`` and
-``streamGenerateContent``, a Slack ``chat.postMessage`` result, a load balancer's HTML 502
-page, a search API too slow for its caller's deadline). Each checks the credential the
-sidecar injected, so a success proves the agent's reference was resolved and attached.
+documented shapes (an OpenAI chat completion with ``usage`` and its streamed form, its
+model list and model object, an Anthropic message and its streamed form, a Gemini
+``generateContent`` and ``streamGenerateContent``, a Slack ``chat.postMessage`` result, a
+load balancer's HTML 502 page, a search API too slow for its caller's deadline). Each
+checks the credential the sidecar injected, so a success proves the agent's reference was
+resolved and attached.
 
 Every dialect streams as its provider documents it, so each SDK's streaming helper works
 against the demo: OpenAI chat SSE ending ``data: [DONE]``
@@ -242,6 +243,35 @@ async def _flaky(_: web.Request) -> web.StreamResponse:
     return web.Response(status=502, text=page, content_type="text/html")
 
 
+#: The models the OpenAI stand-in lists (https://platform.openai.com/docs/api-reference/models).
+_OPENAI_MODELS = ("gpt-4o-mini", "gpt-4o")
+
+
+def _openai_model(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 1686935002, "owned_by": "openai"}
+
+
+async def _openai_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the list object; ``GET /v1/models/{model}``: the model, else
+    OpenAI's 404 error."""
+    if request.headers.get("Authorization") != f"Bearer {DEMO_SECRETS['DEMO_OPENAI_KEY']}":
+        return _unauthorized("openai")
+    model = request.match_info.get("model")
+    if model is None:
+        return web.json_response(
+            {"object": "list", "data": [_openai_model(m) for m in _OPENAI_MODELS]}
+        )
+    if model not in _OPENAI_MODELS:
+        error = {
+            "message": f"The model '{model}' does not exist",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+        return web.json_response({"error": error}, status=404)
+    return web.json_response(_openai_model(model))
+
+
 async def _slow(_: web.Request) -> web.StreamResponse:
     await asyncio.sleep(_SLOW_S)
     return web.json_response({"results": []})
@@ -250,6 +280,8 @@ async def _slow(_: web.Request) -> web.StreamResponse:
 def stand_in_app() -> web.Application:
     app = web.Application()
     app.router.add_post("/openai/v1/chat/completions", _openai)
+    app.router.add_get("/openai/v1/models", _openai_models)
+    app.router.add_get("/openai/v1/models/{model}", _openai_models)
     app.router.add_post("/anthropic/v1/messages", _anthropic)
     app.router.add_post("/gemini/{version}/models/{model}:{method}", _gemini)
     app.router.add_post("/slack/api/chat.postMessage", _slack)
