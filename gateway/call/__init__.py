@@ -8,7 +8,8 @@
   the answers read); ``outbound`` (the request the upstream gets).
 * Around the upstream: ``idempotent`` (one upstream effect per idempotency key),
   ``spend`` (budget reservation before, settlement after), ``attempts`` (rate-limit
-  admission, circuit breaker, send, retry) with ``retry`` (pure retry decisions);
+  admission, circuit breaker, send, retry) with ``statuses`` (the error a non-2xx
+  answer makes) and ``retry`` (pure retry decisions);
   ``send`` (one option's request, secret, reservations and attempts) and ``failover``
   (the target, then its fallbacks, inside one deadline).
 * The answer: ``bodies`` (upstream bodies -> ``data``), ``sse`` (server-sent events,

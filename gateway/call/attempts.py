@@ -5,9 +5,10 @@ the call's token estimate, retries only a request slot), take a permit from the 
 circuit breaker (CIRCUIT_OPEN at once when it is open or probing), send, record the
 outcome on the permit (5xx, 529, timeouts and connection failures count as failures;
 4xx do not; an interrupted attempt counts as nothing), read what an error answer says
-beyond its status (:func:`gateway.providers.error_hint`: quota errors, ``x-should-retry``),
-feed the provider's rate-limit headers back to the group (not those of a quota error),
-then decide whether to retry (:mod:`gateway.call.retry`). Every wait fits inside the
+beyond its status (:func:`gateway.providers.error_hint`: quota errors, ``x-should-retry``)
+and the error it makes (:mod:`gateway.call.statuses`), feed the provider's rate-limit
+headers back to the group (not those of a quota error), then decide whether to retry
+(:mod:`gateway.call.retry`). Every wait fits inside the
 call's deadline; when the next one would not, the call ends at once with
 ``suggested_retry_after``.
 """
@@ -23,7 +24,7 @@ from typing import Any, Final
 
 from gateway import telemetry
 from gateway.breaker import Permit, TargetBreaker
-from gateway.call.bodies import media_type, parse_body
+from gateway.call.bodies import parse_body
 from gateway.call.relay import Relay, Relayed, relay_stream
 from gateway.call.retry import (
     DONE,
@@ -36,6 +37,7 @@ from gateway.call.retry import (
     transport_retryable,
     unanswered_resendable,
 )
+from gateway.call.statuses import status_error
 from gateway.call.stream import StreamJudge, judge_body
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest
 from gateway.errors import (
@@ -46,8 +48,6 @@ from gateway.errors import (
     GatewayError,
     OutcomeUnknown,
     PermissionDenied,
-    QuotaExhausted,
-    UpstreamRejected,
 )
 from gateway.policy import CompiledTarget
 from gateway.providers import ErrorHint, error_hint, request_model
@@ -349,9 +349,10 @@ class Attempts:
         return Outcome.stream_end(judged, relayed=relayed, safe_to_resend=self._safe_to_resend())
 
     async def _status_outcome(self, answer: UpstreamResponse) -> Outcome:
-        """A non-2xx answer: its error (:func:`status_error`), retryable as the target's
-        ``retry_on`` and the upstream's hint say, with the wait the upstream asked for. A
-        401 on a cached credential resolves it again and resends once (maybe rotated)."""
+        """A non-2xx answer: its error (:func:`gateway.call.statuses.status_error`),
+        retryable as the target's ``retry_on`` and the upstream's hint say, with the wait
+        the upstream asked for. A 401 on a cached credential resolves it again and resends
+        once (maybe rotated)."""
         parsed = parse_body(answer.content_type, answer.body, answer.status)
         hint = error_hint(
             self.target.spec.usage,
@@ -530,73 +531,3 @@ def deadline_error(while_doing: str) -> DeadlineExceeded:
         f"the call's deadline (the envelope's timeout) passed while {while_doing}",
         details={"reason": "deadline"},
     )
-
-
-def status_error(
-    answer: UpstreamResponse,
-    retry_after: float | None,
-    target: str,
-    hint: ErrorHint | None = None,
-    parsed: tuple[Any, bool] | None = None,
-) -> GatewayError:
-    """The error for a non-2xx upstream answer (docs/api/envelope.md).
-
-    ``hint`` is what the answer says beyond its status (:func:`gateway.providers.
-    error_hint`): ``quota`` makes it QUOTA_EXHAUSTED whatever the status;
-    ``no_retry`` (``x-should-retry: false``) makes it not retryable. ``parsed`` is
-    ``parse_body``'s result when the caller already has it."""
-    status = answer.status
-    data, is_json = parsed or parse_body(answer.content_type, answer.body, status)
-    described = f"{status} {answer.reason}".strip()
-    if not is_json and answer.body:
-        described += f" with a {media_type(answer.content_type) or 'untyped'} body (not JSON)"
-    if not described.isascii():
-        # A reason phrase or Content-Type of obs-text (bytes that are not UTF-8, which
-        # aiohttp reads as surrogate escapes): escaped, or the message could not be JSON.
-        described = described.encode("utf-8", "backslashreplace").decode("utf-8")
-    details: dict[str, Any] = {"target": target, "upstream_status": status}
-    common: dict[str, Any] = {"status_code": status, "data": data, "details": details}
-    if hint is not None and hint.verdict is not None:
-        details["upstream_reason"] = hint.reason
-    if hint is not None and hint.verdict == "quota":
-        details["source"] = "upstream"
-        return QuotaExhausted(
-            f"the upstream says the account is out of quota or credit ({hint.reason}): it "
-            f"answered {described}. Retrying will not help until its quota resets or "
-            "credit is added",
-            retry_after_s=retry_after,
-            **common,
-        )
-    if hint is not None and hint.verdict == "no_retry":
-        common["retryable"] = False  # the upstream's explicit word beats the code's default
-    if status == 429:
-        details["source"] = "upstream"
-        return CapacityExceeded(
-            f"the upstream is rate limiting: it answered {described}",
-            retry_after_s=retry_after,
-            **common,
-        )
-    if status >= 500:
-        return DependencyFailed(
-            f"the upstream failed: it answered {described}", retry_after_s=retry_after, **common
-        )
-    if status in (401, 403):
-        details["reason"] = "upstream_denied"
-        return PermissionDenied(
-            f"the upstream refused the credential or the operation: it answered {described}",
-            **common,
-        )
-    if status < 200:
-        return UpstreamRejected(
-            f"the upstream answered {described}, a protocol switch the sidecar did not ask "
-            "for (RFC 9110 section 15.2.2); the connection was dropped and nothing relayed",
-            http_status=502,
-            **common,
-        )
-    if status < 400:
-        return UpstreamRejected(
-            f"the upstream answered {described} (a redirect that was not followed)",
-            http_status=502,
-            **common,
-        )
-    return UpstreamRejected(f"the upstream rejected the request: it answered {described}", **common)
