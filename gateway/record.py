@@ -3,7 +3,7 @@
 The pipeline's stages each return what they learned; at the end of a call they are
 frozen into one :class:`CallRecord`, which feeds the audit record (:func:`audit_record`,
 field names: :class:`gateway.audit.schema.Fields`), the metrics
-(:func:`gateway.call.record.observe`) and the call's span
+(:func:`gateway.call.metrics.observe`) and the call's span
 (:meth:`gateway.telemetry.CallTrace.end`). It lives below them all, so that telemetry,
 audit and metrics read a call without importing the pipeline (:mod:`gateway.call`).
 

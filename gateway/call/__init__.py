@@ -14,8 +14,8 @@
   (the target, then its fallbacks, inside one deadline).
 * The answer: ``bodies`` (upstream bodies -> ``data``), ``sse`` (server-sent events,
   decoded incrementally), ``stream`` (a stream judged by its own events), ``relay`` (a
-  stream passed to the agent as it arrives), ``record`` (the call's context, its audit
-  record and metrics).
+  stream passed to the agent as it arrives), ``record`` (the call's context and its
+  audit record), ``metrics`` (a finished call counted in the metrics).
 
 Per-call state is data, not a bus: each stage returns a small frozen result (an intake's
 ``Arrival``, an API's ``Reading``, the chain's decision, the send stage's digest, price

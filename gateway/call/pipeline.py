@@ -53,9 +53,10 @@ from gateway.call.intake import (
     refuse_lone_surrogates,
 )
 from gateway.call.keys import KeyPools
+from gateway.call.metrics import observe
 from gateway.call.outbound import Credentials
 from gateway.call.proxy import ProxyRequest, proxy_intake
-from gateway.call.record import CLAIMED, Arrival, ArrivalFields, CallContext, observe
+from gateway.call.record import CLAIMED, Arrival, ArrivalFields, CallContext
 from gateway.call.relay import Relay
 from gateway.cost import Pricing
 from gateway.database.registry import Databases

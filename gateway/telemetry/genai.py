@@ -1,7 +1,7 @@
 """What a call is in the OpenTelemetry GenAI semantic conventions (pure, no SDK).
 
 Shared by the spans (:mod:`gateway.telemetry.otel`) and the ``gen_ai_*`` metrics
-(:func:`gateway.call.record.observe`), so both describe a call the same way.
+(:func:`gateway.call.metrics.observe`), so both describe a call the same way.
 
 Conventions followed: the GenAI attribute registry and metrics of OpenTelemetry semantic
 conventions 1.44.0 (status "Development"; the registry has since moved to the
