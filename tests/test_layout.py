@@ -33,6 +33,7 @@ OWNERS: dict[str, frozenset[str]] = {
             "gateway/server/app.py",
             "gateway/inject/server.py",
             "gateway/api/http.py",
+            "gateway/api/writer.py",
             "gateway/server/listeners.py",
             "gateway/server/ops.py",
             "gateway/server/desk.py",

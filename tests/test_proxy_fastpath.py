@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gateway import fastjson, redaction
-from gateway.api.http import scrubbed
+from gateway.api.writer import scrubbed
 from gateway.call.intake import (
     LARGE_BODY_BYTES,
     Intake,

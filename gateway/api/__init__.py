@@ -7,8 +7,10 @@
 * :mod:`gateway.api.answers`: what an answer in the upstream's own shape carries back
   (drop-in, MCP, A2A): the upstream's headers passed back, the sidecar's ``x-egress-*``
   headers, a replayed body.
-* :mod:`gateway.api.http`: reads a request's body within the listener's limits and
-  writes every answer: each header value and each body byte scrubbed of secrets, a large
-  answer written within a bound, a stream relayed in its API's framing. An API module
-  never writes to the connection itself, so a new API cannot forget the scrub.
+* :mod:`gateway.api.http`: the interface and the handler that drives it; reads a
+  request's body within the listener's limits; the API families' routes.
+* :mod:`gateway.api.writer`: writes every answer: each header value and each body byte
+  scrubbed of secrets, a large answer written within a bound, a stream relayed in its
+  API's framing. An API module never writes to the connection itself, so a new API
+  cannot forget the scrub.
 """

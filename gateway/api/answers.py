@@ -3,7 +3,7 @@
 :mod:`gateway.api.a2a`): the upstream's headers passed back (less hop-by-hop ones), the
 sidecar's own ``x-egress-*`` headers (error code, retry advice, the call's ids, who
 served it, the models), and a stored answer's body for a replay. Pure; the one answer
-writer (:mod:`gateway.api.http`) writes and scrubs them."""
+writer (:mod:`gateway.api.writer`) writes and scrubs them."""
 
 from __future__ import annotations
 

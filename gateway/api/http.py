@@ -1,48 +1,42 @@
-"""The one answer writer of every API the sidecar speaks, and the interface an API module
-implements to use it (design.md, "Package layout, round two").
+"""The interface every API the sidecar speaks implements, the handler that drives it, and
+the request's side of HTTP (design.md, "Package layout, round two").
 
 An API module (:mod:`gateway.api.envelope`, :mod:`gateway.api.proxy`,
 :mod:`gateway.api.mcp`) turns one request into one :class:`Exchange`: it runs the call
 and describes, as data, the answer (:class:`Answer`), its refusal, and the framing of a
-relayed stream (:class:`Head`, :meth:`Exchange.frame`, :meth:`Exchange.end`). This module
-alone writes to the agent's connection (:func:`handler`), so every API gets the same
-guarantees without remembering them:
-
-* every header value (:func:`scrubbed`) and every body byte, streamed or not, is
-  scrubbed of the secrets the sidecar holds (:func:`gateway.redaction.scrub_bytes`);
-* an answer larger than the transport takes at once is written within the listener's
-  body timeout (:func:`send_bounded`), a stream within the call's deadline;
-* a stream is opened at its first whole event, its head and first bytes in one write
-  (:class:`RelayResponse`), and ends with its API's last bytes, or its connection dropped
-  when the agent stopped reading.
+relayed stream (:class:`Head`, :meth:`Exchange.frame`, :meth:`Exchange.end`).
+:func:`handler` drives an exchange and hands what it describes to the one answer writer,
+:mod:`gateway.api.writer` (:func:`~gateway.api.writer.respond`,
+:class:`~gateway.api.writer.Stream`), which alone writes to the agent's connection, so
+every API gets the same guarantees without remembering them: every header and body byte
+scrubbed of the secrets the sidecar holds, a large answer written within a bound, a
+stream within the call's deadline.
 
 It also reads a request's body by the listener's rules (:meth:`Incoming.read`), the same
 for every API, each byte charged to the memory budget of the bodies in flight before it
 is held (:mod:`gateway.api.admission`; made by :func:`charge` and given back by the
 calls application's middleware once the answer is written), so that every API refuses
-what does not fit alike, through its own refusal shape. It is, with
-:mod:`gateway.server.app`, the only importer of aiohttp.web.
+what does not fit alike, through its own refusal shape; and it matches the routes of
+the API families (:class:`TargetRoute`, :func:`edge_answer`). An API module never sees
+aiohttp: its request is read here (:class:`Incoming`), its answer written by the writer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Final, NoReturn, Protocol
 from urllib.parse import unquote
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from gateway import redaction
 from gateway.agents.identity import Agents, Identity
 from gateway.api.admission import COPIES, ByteBudget, Charge, held_bytes
+from gateway.api.writer import Stream, respond
 from gateway.audit import get_logger
-from gateway.call.proxy import CORRELATION_ID_HEADER, TRACE_ID_HEADER
-from gateway.call.relay import AgentGone, Relay
+from gateway.call.relay import Relay
 from gateway.envelope import ExternalCallResponse
 from gateway.errors import GatewayError, InternalError, InvalidPayload
 from gateway.policy import PolicySet
@@ -57,10 +51,6 @@ BODY_TIMEOUT_KEY: Final = web.AppKey("body_timeout_s", float)
 BUDGET_KEY: Final = web.AppKey("request_budget", ByteBudget)
 BUDGET_LIMIT_KEY: Final = web.AppKey[Callable[[], int]]("request_budget_limit")
 _CHARGE_KEY: Final = web.RequestKey("request_charge", Charge)
-#: An answer up to this size is handed to the transport whole without waiting (asyncio's
-#: and uvloop's default write high-water mark is 64 KiB); a larger one is written within
-#: a bound (:func:`send_bounded`).
-WRITE_BUFFERED_BYTES: Final = 64 * 1024
 #: The Content-Encodings of a body that aiohttp decodes before the handler reads it
 #: (its ``http_parser``: one coding, ASCII, any case). ``br`` and ``zstd`` need the
 #: optional Brotli and backports.zstd packages; without them aiohttp's parser refuses
@@ -127,7 +117,8 @@ class Exchange(Protocol):
     implements; :func:`handler` drives it).
 
     ``started``: ``time.monotonic()`` when the request arrived. ``streams``: whether the
-    call may relay a stream (:class:`Stream` is then handed to :meth:`call`).
+    call may relay a stream (:class:`gateway.api.writer.Stream` is then handed to
+    :meth:`call`).
     """
 
     @property
@@ -297,39 +288,6 @@ def handler(begin: Callable[[Incoming], Exchange], crash_event: str) -> Handler:
     return handle
 
 
-def respond(answer: Answer) -> web.Response:
-    """``answer`` as aiohttp's response, its headers and body scrubbed."""
-    response = web.Response(
-        status=answer.status,
-        reason=answer.reason,
-        body=redaction.scrub_bytes(answer.body),
-        headers=scrubbed(answer.headers) if answer.headers else None,
-        content_type=answer.content_type,
-    )
-    if answer.length is not None:  # set after the body, which resets it
-        response.headers["Content-Length"] = answer.length
-    return response
-
-
-def scrubbed(headers: Headers) -> list[tuple[str, str]]:
-    """``headers`` as pairs, each value scrubbed (:func:`gateway.redaction.scrub`) and any
-    header whose name holds a secret's form left out (a name cannot be rewritten into a
-    valid one): the one scrub of every answer head, streamed or not. The headers are
-    scrubbed one by one only when their text, joined, holds a secret's form: a form inside
-    one name or value is inside the whole, so a whole that scrubs to itself means that
-    every one would (one scrub per answer instead of one per header)."""
-    if isinstance(headers, list):  # the answer's own list (not kept by it): no copy
-        pairs = headers
-    else:
-        pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
-    joined = "\n".join(chain.from_iterable(pairs))  # name, value, name...: one join in C
-    if redaction.scrub(joined) == joined:
-        return pairs
-    return [
-        (name, redaction.scrub(value)) for name, value in pairs if redaction.scrub(name) == name
-    ]
-
-
 #: The answer of an API to a request under its route family (``/proxy``, ``/mcp``) that
 #: none of its routes matched, given the HTTP status aiohttp chose (404, 405).
 Unmatched = Callable[[Incoming, int], Answer]
@@ -407,127 +365,6 @@ class TargetRoute(web.AbstractResource):
 
     def __iter__(self) -> Iterator[web.AbstractRoute]:
         return iter((self._route,))
-
-
-class RelayResponse(web.StreamResponse):
-    """A relayed stream's answer whose head goes out with its first bytes, in one write:
-    aiohttp's StreamResponse sends the head alone at ``prepare`` (one more write and one
-    more wake-up of the agent before its first event). ``_send_headers_immediately`` is
-    the switch aiohttp's own ``web.Response`` uses; were it gone, the head would again go
-    out alone at ``prepare``, which is only slower."""
-
-    _send_headers_immediately = False
-
-
-class Stream:
-    """A relayed stream (:class:`gateway.call.relay.Relay`) onto the agent's connection,
-    framed by its exchange: opened at the first whole events with :meth:`Exchange.head`,
-    each chunk written as :meth:`Exchange.frame` gives it, ended by :meth:`finish`. Every
-    header and byte is scrubbed; a write to an agent that hung up raises AgentGone."""
-
-    __slots__ = ("_exchange", "_request", "_response", "started")
-
-    def __init__(self, request: web.Request, exchange: Exchange) -> None:
-        self._request = request
-        self._exchange = exchange
-        self._response: RelayResponse | None = None
-        self.started = False
-
-    async def start(self) -> None:
-        head = self._exchange.head()
-        self._response = RelayResponse(
-            status=head.status, reason=head.reason, headers=scrubbed(head.headers)
-        )
-        try:
-            await self._response.prepare(self._request)
-        except (ConnectionError, RuntimeError) as exc:
-            raise AgentGone from exc
-        self.started = True
-
-    async def send(self, chunk: bytes) -> None:
-        piece = self._exchange.frame(chunk)
-        if piece:  # _write's body, inline: one coroutine less per relayed chunk
-            response = self._response
-            assert response is not None
-            try:
-                await response.write(redaction.scrub_bytes(piece))
-            except (ConnectionError, RuntimeError) as exc:
-                raise AgentGone from exc
-
-    async def _write(self, piece: bytes) -> None:
-        assert self._response is not None
-        try:
-            await self._response.write(redaction.scrub_bytes(piece))
-        except (ConnectionError, RuntimeError) as exc:
-            raise AgentGone from exc
-
-    async def finish(self, status: int, response: ExternalCallResponse) -> web.StreamResponse:
-        """End the stream with its exchange's last bytes (the agent may be gone by now),
-        or drop the connection when the exchange says so."""
-        assert self._response is not None
-        last = self._exchange.end(status, response)
-        if last is None:
-            drop_connection(self._request)
-            return self._response
-        with contextlib.suppress(AgentGone, ConnectionError, RuntimeError):
-            if last:
-                await self._write(last)
-            await self._response.write_eof()
-        return self._response
-
-
-def needs_bounded_write(request: web.Request, response: web.StreamResponse) -> bool:
-    """Whether a whole answer not yet sent is to be written within the listener's body
-    timeout (:func:`send_bounded`): when it is large, or when the agent has not taken an
-    earlier answer yet; a small one is left to aiohttp, which hands it to the transport
-    at once."""
-    return (
-        isinstance(response, web.Response)
-        and not response.prepared
-        and ((response.content_length or 0) > WRITE_BUFFERED_BYTES or _unsent(request))
-    )
-
-
-def _unsent(request: web.Request) -> bool:
-    """Whether the agent has not yet taken an earlier answer on this connection (bytes
-    still in the transport's buffer): even a small answer may then wait for the socket to
-    drain (aiohttp's ``write_eof``), so it is written within the bound too."""
-    transport = request.transport
-    return transport is not None and transport.get_write_buffer_size() > 0
-
-
-async def send_bounded(request: web.Request, response: web.Response, timeout_s: float) -> None:
-    """Write ``response`` now, within ``timeout_s`` (the calls app's ``body_timeout_s``:
-    the time an agent has to send its body is the time it has to take its answer). An agent that
-    stops reading would otherwise hold the handler, the answer's bytes and the
-    connection for as long as it likes: aiohttp waits for the socket to drain without a
-    bound. Past the bound the connection is dropped and ``answer_undelivered`` logged
-    with the answer's ids; the call's audit record was written before the answer, as
-    always. A reset by the agent is left to aiohttp, which expects it."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await response.prepare(request)
-            await response.write_eof()
-    except TimeoutError:
-        _log.warning(
-            "answer_undelivered",
-            reason="agent_stalled",
-            timeout_s=timeout_s,
-            bytes=response.content_length,
-            path=request.rel_url.raw_path[:200],
-            trace_id=response.headers.get(TRACE_ID_HEADER),
-            correlation_id=response.headers.get(CORRELATION_ID_HEADER),
-        )
-        drop_connection(request)
-    except ConnectionError:
-        pass  # the agent hung up: aiohttp's own finish sees the closed transport
-
-
-def drop_connection(request: web.Request) -> None:
-    """Drop the agent's connection now, unsent bytes and all: an agent that stopped
-    reading would keep a closing connection (and its buffers) open as long as it likes."""
-    if request.transport is not None:
-        request.transport.abort()
 
 
 # -- reading a request's body ---------------------------------------------------------

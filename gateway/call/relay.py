@@ -17,7 +17,7 @@ window shut, the write waiting for it to drain) is cut at the deadline with reas
 ``agent_stalled``, and its connection is dropped rather than written to again. The agent
 hanging up closes the upstream request at once.
 
-The HTTP side is :class:`gateway.api.http.Stream`, framed by the call's API: it hands in
+The HTTP side is :class:`gateway.api.writer.Stream`, framed by the call's API: it hands in
 a :class:`Relay`.
 """
 
@@ -51,7 +51,7 @@ AGENT_STALLED = "agent_stalled"
 
 class Relay(Protocol):
     """Where a streamed answer goes: the agent's answer, framed by its API
-    (:class:`gateway.api.http.Stream`).
+    (:class:`gateway.api.writer.Stream`).
 
     ``start`` sends the agent its 200 and headers (once); ``send`` writes one chunk and
     returns when the agent's connection can take more (backpressure); both raise

@@ -36,7 +36,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway import openapi
 from gateway.agents.identity import identify
-from gateway.api import a2a, envelope, http, mcp, proxy
+from gateway.api import a2a, envelope, http, mcp, proxy, writer
 from gateway.api.admission import ByteBudget
 from gateway.api.envelope import CALLS_PATH
 from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, BUDGET_KEY, BUDGET_LIMIT_KEY, Handler
@@ -68,7 +68,7 @@ def _json_errors(
     """The application's one middleware. Turns aiohttp's own HTTP errors (404, 405,
     413...) into JSON answers (under a route family, ``/proxy``, ``/mcp``, in that
     family's shape: :func:`gateway.api.http.edge_answer`); writes a large answer within
-    ``body_timeout_s`` (:func:`gateway.api.http.send_bounded`). With ``budget`` (the
+    ``body_timeout_s`` (:func:`gateway.api.writer.send_bounded`). With ``budget`` (the
     calls application's), each request gets its body's charge (:func:`gateway.api.http.
     charge`, its limit ``limit_now()``: the policy in force) and gives it back whatever
     happened, after the answer is written. One middleware for all of it, as each one
@@ -92,9 +92,9 @@ def _json_errors(
                 if edge is None:
                     return _route_error(request, exc, started)
                 response = edge
-            if http.needs_bounded_write(request, response):
+            if writer.needs_bounded_write(request, response):
                 assert isinstance(response, web.Response)
-                await http.send_bounded(
+                await writer.send_bounded(
                     request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
                 )
             return response
@@ -115,7 +115,7 @@ def _route_error(request: web.Request, exc: web.HTTPException, started: float) -
     )
     gateway = request.app[GATEWAY_KEY]
     audited = request.app.get(AUDITED_KEY, False)
-    answer = http.respond(
+    answer = writer.respond(
         envelope.refusal(
             gateway,
             code_exc,

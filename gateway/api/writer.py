@@ -1,0 +1,195 @@
+"""The one answer writer: what every API's answer becomes on the agent's connection
+(design.md, "Package layout, round two"), written here and nowhere else.
+
+:func:`gateway.api.http.handler` drives an API's :class:`~gateway.api.http.Exchange` and
+hands what it describes, as data, to this module:
+
+* a whole answer (:class:`~gateway.api.http.Answer`) becomes aiohttp's response
+  (:func:`respond`), its headers (:func:`scrubbed`) and body scrubbed of the secrets the
+  sidecar holds (:func:`gateway.redaction.scrub_bytes`); one larger than the transport
+  takes at once, or behind an answer the agent has not taken yet, is written within the
+  listener's body timeout (:func:`needs_bounded_write`, :func:`send_bounded`), else the
+  connection is dropped (:func:`drop_connection`);
+* a relayed stream (:class:`Stream`, :class:`gateway.call.relay.Relay`) is opened at its
+  first whole event, its head and first bytes in one write (:class:`RelayResponse`),
+  each chunk framed by its exchange and scrubbed, and ended with its API's last bytes,
+  or its connection dropped when the agent stopped reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from itertools import chain
+from typing import TYPE_CHECKING, Final
+
+from aiohttp import web
+
+from gateway import redaction
+from gateway.audit import get_logger
+from gateway.call.proxy import CORRELATION_ID_HEADER, TRACE_ID_HEADER
+from gateway.call.relay import AgentGone
+
+if TYPE_CHECKING:
+    from gateway.api.http import Answer, Exchange, Headers
+    from gateway.envelope import ExternalCallResponse
+
+#: An answer up to this size is handed to the transport whole without waiting (asyncio's
+#: and uvloop's default write high-water mark is 64 KiB); a larger one is written within
+#: a bound (:func:`send_bounded`).
+WRITE_BUFFERED_BYTES: Final = 64 * 1024
+_log = get_logger("gateway.server")
+
+
+def respond(answer: Answer) -> web.Response:
+    """``answer`` as aiohttp's response, its headers and body scrubbed."""
+    response = web.Response(
+        status=answer.status,
+        reason=answer.reason,
+        body=redaction.scrub_bytes(answer.body),
+        headers=scrubbed(answer.headers) if answer.headers else None,
+        content_type=answer.content_type,
+    )
+    if answer.length is not None:  # set after the body, which resets it
+        response.headers["Content-Length"] = answer.length
+    return response
+
+
+def scrubbed(headers: Headers) -> list[tuple[str, str]]:
+    """``headers`` as pairs, each value scrubbed (:func:`gateway.redaction.scrub`) and any
+    header whose name holds a secret's form left out (a name cannot be rewritten into a
+    valid one): the one scrub of every answer head, streamed or not. The headers are
+    scrubbed one by one only when their text, joined, holds a secret's form: a form inside
+    one name or value is inside the whole, so a whole that scrubs to itself means that
+    every one would (one scrub per answer instead of one per header)."""
+    if isinstance(headers, list):  # the answer's own list (not kept by it): no copy
+        pairs = headers
+    else:
+        pairs = list(headers.items()) if isinstance(headers, dict) else list(headers)
+    joined = "\n".join(chain.from_iterable(pairs))  # name, value, name...: one join in C
+    if redaction.scrub(joined) == joined:
+        return pairs
+    return [
+        (name, redaction.scrub(value)) for name, value in pairs if redaction.scrub(name) == name
+    ]
+
+
+class RelayResponse(web.StreamResponse):
+    """A relayed stream's answer whose head goes out with its first bytes, in one write:
+    aiohttp's StreamResponse sends the head alone at ``prepare`` (one more write and one
+    more wake-up of the agent before its first event). ``_send_headers_immediately`` is
+    the switch aiohttp's own ``web.Response`` uses; were it gone, the head would again go
+    out alone at ``prepare``, which is only slower."""
+
+    _send_headers_immediately = False
+
+
+class Stream:
+    """A relayed stream (:class:`gateway.call.relay.Relay`) onto the agent's connection,
+    framed by its exchange: opened at the first whole events with :meth:`Exchange.head`,
+    each chunk written as :meth:`Exchange.frame` gives it, ended by :meth:`finish`. Every
+    header and byte is scrubbed; a write to an agent that hung up raises AgentGone."""
+
+    __slots__ = ("_exchange", "_request", "_response", "started")
+
+    def __init__(self, request: web.Request, exchange: Exchange) -> None:
+        self._request = request
+        self._exchange = exchange
+        self._response: RelayResponse | None = None
+        self.started = False
+
+    async def start(self) -> None:
+        head = self._exchange.head()
+        self._response = RelayResponse(
+            status=head.status, reason=head.reason, headers=scrubbed(head.headers)
+        )
+        try:
+            await self._response.prepare(self._request)
+        except (ConnectionError, RuntimeError) as exc:
+            raise AgentGone from exc
+        self.started = True
+
+    async def send(self, chunk: bytes) -> None:
+        piece = self._exchange.frame(chunk)
+        if piece:  # _write's body, inline: one coroutine less per relayed chunk
+            response = self._response
+            assert response is not None
+            try:
+                await response.write(redaction.scrub_bytes(piece))
+            except (ConnectionError, RuntimeError) as exc:
+                raise AgentGone from exc
+
+    async def _write(self, piece: bytes) -> None:
+        assert self._response is not None
+        try:
+            await self._response.write(redaction.scrub_bytes(piece))
+        except (ConnectionError, RuntimeError) as exc:
+            raise AgentGone from exc
+
+    async def finish(self, status: int, response: ExternalCallResponse) -> web.StreamResponse:
+        """End the stream with its exchange's last bytes (the agent may be gone by now),
+        or drop the connection when the exchange says so."""
+        assert self._response is not None
+        last = self._exchange.end(status, response)
+        if last is None:
+            drop_connection(self._request)
+            return self._response
+        with contextlib.suppress(AgentGone, ConnectionError, RuntimeError):
+            if last:
+                await self._write(last)
+            await self._response.write_eof()
+        return self._response
+
+
+def needs_bounded_write(request: web.Request, response: web.StreamResponse) -> bool:
+    """Whether a whole answer not yet sent is to be written within the listener's body
+    timeout (:func:`send_bounded`): when it is large, or when the agent has not taken an
+    earlier answer yet; a small one is left to aiohttp, which hands it to the transport
+    at once."""
+    return (
+        isinstance(response, web.Response)
+        and not response.prepared
+        and ((response.content_length or 0) > WRITE_BUFFERED_BYTES or _unsent(request))
+    )
+
+
+def _unsent(request: web.Request) -> bool:
+    """Whether the agent has not yet taken an earlier answer on this connection (bytes
+    still in the transport's buffer): even a small answer may then wait for the socket to
+    drain (aiohttp's ``write_eof``), so it is written within the bound too."""
+    transport = request.transport
+    return transport is not None and transport.get_write_buffer_size() > 0
+
+
+async def send_bounded(request: web.Request, response: web.Response, timeout_s: float) -> None:
+    """Write ``response`` now, within ``timeout_s`` (the calls app's ``body_timeout_s``:
+    the time an agent has to send its body is the time it has to take its answer). An agent that
+    stops reading would otherwise hold the handler, the answer's bytes and the
+    connection for as long as it likes: aiohttp waits for the socket to drain without a
+    bound. Past the bound the connection is dropped and ``answer_undelivered`` logged
+    with the answer's ids; the call's audit record was written before the answer, as
+    always. A reset by the agent is left to aiohttp, which expects it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.prepare(request)
+            await response.write_eof()
+    except TimeoutError:
+        _log.warning(
+            "answer_undelivered",
+            reason="agent_stalled",
+            timeout_s=timeout_s,
+            bytes=response.content_length,
+            path=request.rel_url.raw_path[:200],
+            trace_id=response.headers.get(TRACE_ID_HEADER),
+            correlation_id=response.headers.get(CORRELATION_ID_HEADER),
+        )
+        drop_connection(request)
+    except ConnectionError:
+        pass  # the agent hung up: aiohttp's own finish sees the closed transport
+
+
+def drop_connection(request: web.Request) -> None:
+    """Drop the agent's connection now, unsent bytes and all: an agent that stopped
+    reading would keep a closing connection (and its buffers) open as long as it likes."""
+    if request.transport is not None:
+        request.transport.abort()
