@@ -1,0 +1,110 @@
+"""Call records held until their answer is written, so that each says what the caller got.
+
+A call ends (its audit record made) before its answer is written: the write can still
+fail (the agent hung up, it stopped reading). The calls listener holds the audit records
+of a request (:func:`holding`, around its handler and the write of its answer) and
+writes them once the answer is written or given up (:meth:`Held.release`, in a
+``finally``: never lost, never twice). An answer that did not reach the caller
+(:meth:`Held.undelivered`) is recorded as such: a success becomes ``success: false``
+with the error code of the same failure mid-stream (STREAM_INTERRUPTED for an agent that
+hung up, AGENT_TIMEOUT for one that stopped reading), a failure keeps its code (the
+caller got neither), and either gets a warning naming the reason. A record written
+outside a request, or after its release (a task the request started), is written at
+once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, MutableMapping
+from contextvars import ContextVar
+from typing import Any, Final
+
+from gateway.audit.schema import Fields
+
+Record = MutableMapping[str, Any]
+Writer = Callable[[Record], None]
+
+#: ``details.reason`` of an answer the agent did not take: it hung up before the answer
+#: (or a stream's last bytes) was written, or it stopped reading (the write's bound passed).
+AGENT_DISCONNECTED: Final = "agent_disconnected"
+AGENT_STALLED: Final = "agent_stalled"
+#: Reason -> (error code, retryable): those of the same failure met mid-stream
+#: (:mod:`gateway.call.relay`).
+_OUTCOMES: Final = {
+    AGENT_DISCONNECTED: ("STREAM_INTERRUPTED", True),
+    AGENT_STALLED: ("AGENT_TIMEOUT", True),
+}
+_WHY: Final = {
+    AGENT_DISCONNECTED: "the agent hung up before its answer was written",
+    AGENT_STALLED: "the agent did not take its answer within the write's bound",
+}
+
+
+class Held:
+    """The audit records of one request, held until its answer is written."""
+
+    __slots__ = ("_open", "_records", "reason")
+
+    def __init__(self) -> None:
+        self._records: list[tuple[Writer, Record]] = []
+        self._open = True
+        #: Why the answer did not reach the caller (None: it did, as far as is known).
+        self.reason: str | None = None
+
+    def hold(self, write: Writer, record: Record) -> bool:
+        """Keep ``record`` for ``write`` until :meth:`release`; False once released."""
+        if not self._open:
+            return False
+        self._records.append((write, record))
+        return True
+
+    def undelivered(self, reason: str) -> None:
+        """The answer did not reach the caller, for ``reason`` (:data:`AGENT_DISCONNECTED`,
+        :data:`AGENT_STALLED`); the first reason given stands."""
+        if self.reason is None:
+            self.reason = reason
+
+    def release(self) -> None:
+        """Write the held records (each amended when the answer was undelivered); any
+        record written later is written at once."""
+        self._open = False
+        records, self._records = self._records, []
+        for write, record in records:
+            if self.reason is not None:
+                _amend(record, self.reason)
+            write(record)
+
+
+#: The records held for the request answered in this context (read directly by
+#: :meth:`gateway.audit.AuditLog.call`: a variable read, no call, per record).
+HELD_RECORDS: ContextVar[Held | None] = ContextVar("held_audit_records", default=None)
+
+
+def _amend(record: Record, reason: str) -> None:
+    """``record`` of a call whose answer did not reach the caller, for ``reason``."""
+    if record.get(Fields.SUCCESS):
+        code, retryable = _OUTCOMES[reason]
+        record[Fields.SUCCESS] = False
+        record[Fields.ERROR_CODE] = code
+        record[Fields.RETRYABLE] = retryable
+    note = f"answer not delivered: {reason} ({_WHY[reason]})"
+    record[Fields.WARNINGS] = [*(record.get(Fields.WARNINGS) or ()), note]
+
+
+def held() -> Held | None:
+    """The records held for the request being answered in this context, if any."""
+    return HELD_RECORDS.get()
+
+
+@contextlib.contextmanager
+def holding() -> Iterator[Held]:
+    """Hold the call records written in this context (the request's task) until the end
+    of the ``with``, then write them (:meth:`Held.release`), whatever happened."""
+    records = Held()
+    token = HELD_RECORDS.set(records)
+    try:
+        yield records
+    finally:
+        HELD_RECORDS.reset(token)
+        records.release()
