@@ -4,9 +4,10 @@ aiohttp waits for a socket to drain without a bound, so an agent that sends an e
 and never reads its (large) answer would hold the handler, the answer's bytes and the
 connection for as long as it likes. The sidecar writes an answer larger than the
 transport's buffer within ``body_timeout_s``, then drops the connection, logs
-``answer_undelivered`` and audits the call as not answered (AGENT_TIMEOUT); an agent that reads gets every byte, as before. Small answers to
-pipelined requests that the agent never reads are bounded the same way once they fill
-the transport; pipelined answers that the agent reads all arrive, whole and in order.
+``answer_undelivered`` and audits the call as not answered (AGENT_TIMEOUT); an agent
+that reads gets every byte, as before. Small answers to pipelined requests that the
+agent never reads are bounded the same way once they fill the transport; pipelined
+answers that the agent reads all arrive, whole and in order.
 """
 
 from __future__ import annotations
