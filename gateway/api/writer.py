@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from itertools import chain
 from typing import TYPE_CHECKING, Final
 
@@ -28,6 +29,7 @@ from aiohttp import web
 
 from gateway import redaction
 from gateway.audit import get_logger, held
+from gateway.call.intake import printable
 from gateway.call.proxy import CORRELATION_ID_HEADER, TRACE_ID_HEADER
 from gateway.call.relay import AgentGone
 
@@ -100,12 +102,20 @@ class Stream:
         self.started = False
 
     async def start(self) -> None:
+        """Send the stream's head (its exchange's, scrubbed); a head line aiohttp's
+        writer refuses is left out (:func:`_writable`). Raises AgentGone when the agent
+        has hung up."""
         head = self._exchange.head()
-        self._response = RelayResponse(
-            status=head.status, reason=head.reason, headers=scrubbed(head.headers)
-        )
+        request = self._request
+        headers = scrubbed(head.headers)
+        self._response = RelayResponse(status=head.status, reason=head.reason, headers=headers)
         try:
-            await self._response.prepare(self._request)
+            try:
+                await self._response.prepare(request)
+            except ValueError:  # refused before anything was sent: again without it
+                reason, headers = _writable(request, head.reason, headers)
+                self._response = RelayResponse(status=head.status, reason=reason, headers=headers)
+                await self._response.prepare(request)
         except (ConnectionError, RuntimeError) as exc:
             raise AgentGone from exc
         self.started = True
@@ -171,7 +181,9 @@ def _unsent(request: web.Request) -> bool:
     return transport is not None and transport.get_write_buffer_size() > 0
 
 
-async def deliver(request: web.Request, response: web.StreamResponse, timeout_s: float) -> None:
+async def deliver(
+    request: web.Request, response: web.StreamResponse, timeout_s: float
+) -> web.StreamResponse:
     """Write ``response``, a whole answer not yet sent, now; when it does not reach the
     agent, say so to the request's held audit records (:mod:`gateway.audit.held`), so
     that its call's record says what the agent got.
@@ -184,20 +196,65 @@ async def deliver(request: web.Request, response: web.StreamResponse, timeout_s:
     socket to drain without a bound). Past the bound the connection is dropped
     (``agent_stalled``). An agent that hung up before its answer was written is
     ``agent_disconnected``. Either is logged as ``answer_undelivered`` with the answer's
-    ids."""
+    ids. A head line aiohttp's writer refuses is left out (:func:`_writable`): returns
+    the response written (another one, then)."""
     try:
-        if needs_bounded_write(request, response):
-            async with asyncio.timeout(timeout_s):
-                await response.prepare(request)
-                await response.write_eof()
-        else:
-            await response.prepare(request)
-            await response.write_eof()
+        try:
+            await _write_whole(request, response, timeout_s)
+        except ValueError:  # a head line aiohttp refuses, nothing sent: again without it
+            response = _rewritten(request, response)
+            await _write_whole(request, response, timeout_s)
     except TimeoutError:
         drop_connection(request)
         _undelivered(request, response, held.AGENT_STALLED, timeout_s=timeout_s)
     except ConnectionError:  # the agent hung up: aiohttp's own finish sees the closed transport
         _undelivered(request, response, held.AGENT_DISCONNECTED)
+    return response
+
+
+async def _write_whole(
+    request: web.Request, response: web.StreamResponse, timeout_s: float
+) -> None:
+    if needs_bounded_write(request, response):
+        async with asyncio.timeout(timeout_s):
+            await response.prepare(request)
+            await response.write_eof()
+    else:
+        await response.prepare(request)
+        await response.write_eof()
+
+
+def _rewritten(request: web.Request, response: web.StreamResponse) -> web.Response:
+    """``response`` (a whole answer whose head aiohttp refused) without the lines it
+    refuses (:func:`_writable`)."""
+    reason, headers = _writable(request, response.reason, list(response.headers.items()))
+    body = response.body if isinstance(response, web.Response) else None
+    return web.Response(status=response.status, reason=reason, body=body, headers=headers)
+
+
+#: What aiohttp's writer refuses in a head (its ``_serialize_headers``): a control
+#: character other than HTAB (never valid in a field value or reason phrase, RFC 9110
+#: section 5.5, RFC 9112 section 4).
+_UNWRITABLE: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _writable(
+    request: web.Request, reason: str | None, headers: list[tuple[str, str]]
+) -> tuple[str | None, list[tuple[str, str]]]:
+    """``(reason, headers)`` of a head aiohttp's writer refused, without what it refuses
+    (a reason phrase so written: the status's own), each header left out named in the
+    log (``answer_header_left_out``) and in the call's audit record (its warnings). The
+    APIs pass back no such line (:func:`gateway.api.answers.passback_headers`): this is
+    the writer's own guard, so that an answer is never lost to one."""
+    kept = [(k, v) for k, v in headers if not (_UNWRITABLE.search(k) or _UNWRITABLE.search(v))]
+    names = [printable(k)[:64] for k, v in headers if (k, v) not in kept]
+    if reason is not None and _UNWRITABLE.search(reason):
+        reason = None
+    _log.warning("answer_header_left_out", headers=names, path=request.rel_url.raw_path[:200])
+    waiting = held.held()
+    if waiting is not None:
+        waiting.note(f"answer header lines left out, not writable: {', '.join(names)}")
+    return reason, kept
 
 
 def _undelivered(

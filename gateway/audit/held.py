@@ -8,9 +8,10 @@ writes them once the answer is written or given up (:meth:`Held.release`, in a
 (:meth:`Held.undelivered`) is recorded as such: a success becomes ``success: false``
 with the error code of the same failure mid-stream (STREAM_INTERRUPTED for an agent that
 hung up, AGENT_TIMEOUT for one that stopped reading), a failure keeps its code (the
-caller got neither), and either gets a warning naming the reason. A record written
-outside a request, or after its release (a task the request started), is written at
-once.
+caller got neither), and either gets a warning naming the reason. What the writer had
+to change in an answer (a header line it could not write) is noted in the warnings too
+(:meth:`Held.note`). A record written outside a request, or after its release (a task
+the request started), is written at once.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ _WHY: Final = {
 class Held:
     """The audit records of one request, held until its answer is written."""
 
-    __slots__ = ("_open", "_records", "reason")
+    __slots__ = ("_notes", "_open", "_records", "reason")
 
     def __init__(self) -> None:
         self._records: list[tuple[Writer, Record]] = []
+        self._notes: list[str] = []
         self._open = True
         #: Why the answer did not reach the caller (None: it did, as far as is known).
         self.reason: str | None = None
@@ -65,14 +67,24 @@ class Held:
         if self.reason is None:
             self.reason = reason
 
+    def note(self, warning: str) -> None:
+        """Add ``warning`` to the records (what the caller got differs from what they
+        would say): those held now and those held later."""
+        self._notes.append(warning)
+
     def release(self) -> None:
         """Write the held records (each amended when the answer was undelivered); any
         record written later is written at once."""
         self._open = False
         records, self._records = self._records, []
+        notes = self._notes
+        if self.reason is not None:
+            notes = [*notes, f"answer not delivered: {self.reason} ({_WHY[self.reason]})"]
         for write, record in records:
             if self.reason is not None:
-                _amend(record, self.reason)
+                _failed(record, self.reason)
+            if notes:
+                record[Fields.WARNINGS] = [*(record.get(Fields.WARNINGS) or ()), *notes]
             write(record)
 
 
@@ -81,15 +93,14 @@ class Held:
 HELD_RECORDS: ContextVar[Held | None] = ContextVar("held_audit_records", default=None)
 
 
-def _amend(record: Record, reason: str) -> None:
-    """``record`` of a call whose answer did not reach the caller, for ``reason``."""
+def _failed(record: Record, reason: str) -> None:
+    """A successful ``record`` of a call whose answer did not reach the caller, for
+    ``reason``, made a failure (a failure keeps its own code: the caller got neither)."""
     if record.get(Fields.SUCCESS):
         code, retryable = _OUTCOMES[reason]
         record[Fields.SUCCESS] = False
         record[Fields.ERROR_CODE] = code
         record[Fields.RETRYABLE] = retryable
-    note = f"answer not delivered: {reason} ({_WHY[reason]})"
-    record[Fields.WARNINGS] = [*(record.get(Fields.WARNINGS) or ()), note]
 
 
 def held() -> Held | None:

@@ -97,7 +97,7 @@ def _json_errors(
                     response = _route_error(request, exc, started) if edge is None else edge
                 if not response.prepared:  # a whole answer (a stream wrote itself)
                     timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
-                    await writer.deliver(request, response, timeout_s)
+                    response = await writer.deliver(request, response, timeout_s)
                 return response
         finally:
             if charge is not None:  # the answer is written: its body's bytes are free again
