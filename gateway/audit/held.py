@@ -2,7 +2,8 @@
 
 A call ends (its audit record made) before its answer is written: the write can still
 fail (the agent hung up, it stopped reading). The calls listener holds the audit records
-of a request (:func:`holding`, around its handler and the write of its answer) and
+of a request (a :class:`Held` set in :data:`HELD_RECORDS` by the calls listener's
+middleware, :mod:`gateway.server.app`, around its handler and the write of its answer) and
 writes them once the answer is written or given up (:meth:`Held.release`, in a
 ``finally``: never lost, never twice). An answer that did not reach the caller
 (:meth:`Held.undelivered`) is recorded as such: a success becomes ``success: false``
@@ -16,8 +17,7 @@ the request started), is written at once.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, MutableMapping
 from contextvars import ContextVar
 from typing import Any, Final
 
@@ -106,16 +106,3 @@ def _failed(record: Record, reason: str) -> None:
 def held() -> Held | None:
     """The records held for the request being answered in this context, if any."""
     return HELD_RECORDS.get()
-
-
-@contextlib.contextmanager
-def holding() -> Iterator[Held]:
-    """Hold the call records written in this context (the request's task) until the end
-    of the ``with``, then write them (:meth:`Held.release`), whatever happened."""
-    records = Held()
-    token = HELD_RECORDS.set(records)
-    try:
-        yield records
-    finally:
-        HELD_RECORDS.reset(token)
-        records.release()
