@@ -200,7 +200,13 @@ async def deliver(
     the response written (another one, then)."""
     try:
         try:
-            await _write_whole(request, response, timeout_s)
+            if needs_bounded_write(request, response):
+                async with asyncio.timeout(timeout_s):
+                    await response.prepare(request)
+                    await response.write_eof()
+            else:  # _write_whole's, inline: one coroutine less per answer
+                await response.prepare(request)
+                await response.write_eof()
         except ValueError:  # a head line aiohttp refuses, nothing sent: again without it
             response = _rewritten(request, response)
             await _write_whole(request, response, timeout_s)

@@ -45,21 +45,16 @@ _WHY: Final = {
 class Held:
     """The audit records of one request, held until its answer is written."""
 
-    __slots__ = ("_notes", "_open", "_records", "reason")
+    __slots__ = ("_notes", "open", "reason", "records")
 
     def __init__(self) -> None:
-        self._records: list[tuple[Writer, Record]] = []
+        #: The records held, each with the function that writes it, while ``open``
+        #: (:meth:`gateway.audit.AuditLog.call` appends to it: no call per record).
+        self.records: list[tuple[Writer, Record]] = []
+        self.open = True
         self._notes: list[str] = []
-        self._open = True
         #: Why the answer did not reach the caller (None: it did, as far as is known).
         self.reason: str | None = None
-
-    def hold(self, write: Writer, record: Record) -> bool:
-        """Keep ``record`` for ``write`` until :meth:`release`; False once released."""
-        if not self._open:
-            return False
-        self._records.append((write, record))
-        return True
 
     def undelivered(self, reason: str) -> None:
         """The answer did not reach the caller, for ``reason`` (:data:`AGENT_DISCONNECTED`,
@@ -75,9 +70,13 @@ class Held:
     def release(self) -> None:
         """Write the held records (each amended when the answer was undelivered); any
         record written later is written at once."""
-        self._open = False
-        records, self._records = self._records, []
+        self.open = False
+        records, self.records = self.records, []
         notes = self._notes
+        if self.reason is None and not notes:  # the answer went out as the records say
+            for write, record in records:
+                write(record)
+            return
         if self.reason is not None:
             notes = [*notes, f"answer not delivered: {self.reason} ({_WHY[self.reason]})"]
         for write, record in records:

@@ -442,10 +442,16 @@ class AuditLog:
     def call(self, record: MutableMapping[str, Any]) -> None:
         """Write one call record. ``record`` holds the call fields of ``AuditRecord``.
         While a request's answer is being written its records are held, and written
-        once it is (:mod:`gateway.audit.held`): then they say what the caller got."""
+        (:meth:`write_call`) once it is (:mod:`gateway.audit.held`): then they say what
+        the caller got."""
         waiting = HELD_RECORDS.get()
-        if waiting is not None and waiting.hold(self.call, record):
+        if waiting is not None and waiting.open:
+            waiting.records.append((self.write_call, record))
             return
+        self.write_call(record)
+
+    def write_call(self, record: MutableMapping[str, Any]) -> None:
+        """Write one call record now (:meth:`call`, unless it is held)."""
         record[Fields.AUDIT_SCHEMA] = AUDIT_SCHEMA_VERSION
         record[Fields.SIDECAR_ID] = self.sidecar_id
         level = "info" if record.get(Fields.SUCCESS) else "warning"
