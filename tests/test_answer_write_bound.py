@@ -3,10 +3,11 @@
 aiohttp waits for a socket to drain without a bound, so an agent that sends an envelope
 and never reads its (large) answer would hold the handler, the answer's bytes and the
 connection for as long as it likes. The sidecar writes an answer larger than the
-transport's buffer within ``body_timeout_s``, then drops the connection and logs
-``answer_undelivered``; an agent that reads gets every byte, as before. Small answers to
-pipelined requests that the agent never reads are bounded the same way once they fill
-the transport; pipelined answers that the agent reads all arrive, whole and in order.
+transport's buffer within ``body_timeout_s``, then drops the connection, logs
+``answer_undelivered`` and audits the call as not answered (AGENT_TIMEOUT); an agent
+that reads gets every byte, as before. Small answers to pipelined requests that the
+agent never reads are bounded the same way once they fill the transport; pipelined
+answers that the agent reads all arrive, whole and in order.
 """
 
 from __future__ import annotations
@@ -80,10 +81,14 @@ async def test_a_stalled_agent_is_dropped_after_the_bound(upstream_factory, rout
         assert line["reason"] == "agent_stalled"
         assert line["timeout_s"] == 0.5
         assert line["bytes"] > 4 * 1024 * 1024
-        # The call itself was answered and audited before the write began.
+        # The call's one audit record says the agent did not take its answer.
+        await wait_for(lambda: any(x.get("event") == "egress_call" for x in _lines(log)))
         records = [x for x in _lines(log) if x.get("event") == "egress_call"]
         assert len(records) == 1
-        assert records[0]["success"] is True
+        assert records[0]["status_code"] == 200  # the upstream answered well
+        assert records[0]["success"] is False
+        assert records[0]["error_code"] == "AGENT_TIMEOUT"
+        assert any("agent_stalled" in w for w in records[0]["warnings"])
         # The connection is gone: reading now ends (EOF or reset) before the whole answer.
         agent.setblocking(False)
         got, closed = 0, False

@@ -443,11 +443,16 @@ async def test_a_call_the_agent_hangs_up_on_still_finishes_and_is_audited(
         hung_up.cancel()  # the agent gives up and closes its connection
         with contextlib.suppress(asyncio.CancelledError):
             await hung_up
+    server = sc.server.runner.server  # the sidecar has seen it go (its handler runs on)
+    await wait_for(lambda: all(c.transport is None for c in server.connections))
     release.set()
     await wait_for(lambda: len(sc.audit_records()) == 1)
     [record] = sc.audit_records()
-    assert record["success"] is True, (record["error_code"], record["warnings"])
-    assert record["tokens_used"] == 5
+    assert record["tokens_used"] == 5  # the call ran to its end
+    # ... and its answer reached no one: audited so, as an agent hanging up mid-stream.
+    assert record["success"] is False
+    assert record["error_code"] == "STREAM_INTERRUPTED"
+    assert any("agent_disconnected" in w for w in record["warnings"])
     assert sc.gateway.inflight == 0
     # The idempotency key was settled: the agent's retry is a replay, not a second call.
     status, answer = await sc.call(envelope(timeout=30))

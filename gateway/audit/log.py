@@ -49,6 +49,7 @@ from typing import IO, TYPE_CHECKING, Any, Final
 
 from gateway import fastjson, redaction
 from gateway.audit.file import RotatingFile, last_line
+from gateway.audit.held import HELD_RECORDS
 from gateway.audit.schema import (
     AUDIT_FIELDS,
     AUDIT_SCHEMA_VERSION,
@@ -439,7 +440,18 @@ class AuditLog:
             )
 
     def call(self, record: MutableMapping[str, Any]) -> None:
-        """Write one call record. ``record`` holds the call fields of ``AuditRecord``."""
+        """Write one call record. ``record`` holds the call fields of ``AuditRecord``.
+        While a request's answer is being written its records are held, and written
+        (:meth:`write_call`) once it is (:mod:`gateway.audit.held`): then they say what
+        the caller got."""
+        waiting = HELD_RECORDS.get()
+        if waiting is not None and waiting.open:
+            waiting.records.append((self.write_call, record))
+            return
+        self.write_call(record)
+
+    def write_call(self, record: MutableMapping[str, Any]) -> None:
+        """Write one call record now (:meth:`call`, unless it is held)."""
         record[Fields.AUDIT_SCHEMA] = AUDIT_SCHEMA_VERSION
         record[Fields.SIDECAR_ID] = self.sidecar_id
         level = "info" if record.get(Fields.SUCCESS) else "warning"

@@ -41,6 +41,7 @@ from gateway.api.admission import ByteBudget
 from gateway.api.envelope import CALLS_PATH
 from gateway.api.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, BUDGET_KEY, BUDGET_LIMIT_KEY, Handler
 from gateway.audit import get_logger
+from gateway.audit.held import HELD_RECORDS, Held
 from gateway.errors import GatewayError, InvalidPayload
 from gateway.server import desk, ops
 from gateway.server.eventloop import loop_name
@@ -67,8 +68,9 @@ def _json_errors(
 ) -> Middleware:
     """The application's one middleware. Turns aiohttp's own HTTP errors (404, 405,
     413...) into JSON answers (under a route family, ``/proxy``, ``/mcp``, in that
-    family's shape: :func:`gateway.api.http.edge_answer`); writes a large answer within
-    ``body_timeout_s`` (:func:`gateway.api.writer.send_bounded`). With ``budget`` (the
+    family's shape: :func:`gateway.api.http.edge_answer`); writes the answer (a large one
+    within ``body_timeout_s``: :func:`gateway.api.writer.deliver`), the request's audit
+    records held until it is written (:class:`gateway.audit.held.Held`). With ``budget`` (the
     calls application's), each request gets its body's charge (:func:`gateway.api.http.
     charge`, its limit ``limit_now()``: the policy in force) and gives it back whatever
     happened, after the answer is written. One middleware for all of it, as each one
@@ -82,6 +84,10 @@ def _json_errors(
             if limit_now is not None:
                 budget.limit_bytes = limit_now()
             charge = http.charge(request, budget)
+        # The request's audit records wait for its answer to be written, so that they say
+        # what the agent got (gateway.audit.held).
+        waiting = Held()
+        token = HELD_RECORDS.set(waiting)
         try:
             try:
                 response = await handler(request)
@@ -89,18 +95,16 @@ def _json_errors(
                 if exc.status < 400:
                     raise
                 edge = http.edge_answer(request, exc)
-                if edge is None:
-                    return _route_error(request, exc, started)
-                response = edge
-            if writer.needs_bounded_write(request, response):
-                assert isinstance(response, web.Response)
-                await writer.send_bounded(
-                    request, response, request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
-                )
+                response = _route_error(request, exc, started) if edge is None else edge
+            if not response.prepared:  # a whole answer (a stream wrote itself)
+                timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+                response = await writer.deliver(request, response, timeout_s)
             return response
         finally:
             if charge is not None:  # the answer is written: its body's bytes are free again
                 charge.release()
+            HELD_RECORDS.reset(token)
+            waiting.release()
 
     return json_errors
 
