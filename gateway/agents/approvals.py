@@ -50,6 +50,7 @@ from gateway.errors import (
 )
 from gateway.idempotency.keys import canonical_json
 from gateway.policy.desk import ApprovalSpec
+from gateway.policy.egress import endpoint_name
 from gateway.providers import mcp as rpc
 
 #: Seconds between two reads of a request's state while a call waits (the Redis store;
@@ -104,7 +105,8 @@ def held_call(
 ) -> HeldCall | None:
     """The :class:`HeldCall` of a call the target's ``approval:`` names, else None: an
     MCP ``tools/call`` (in ``exchange``) whose tool matches a ``tools`` glob, or an
-    endpoint and method an ``endpoints`` rule matches (globs by :func:`fnmatchcase`)."""
+    endpoint and method an ``endpoints`` rule matches (globs by :func:`fnmatchcase`, on
+    :func:`~gateway.policy.egress.endpoint_name`: every spelling of the path is held)."""
     if exchange is not None:
         held = [
             m.params
@@ -120,8 +122,9 @@ def held_call(
         return HeldCall(target, "tool", names, request.method, args[0] if len(args) == 1 else args,
                         agent, request.trace_id)  # fmt: skip
     method = request.method.upper()
+    name = endpoint_name(request.endpoint)  # "/a/" and "/%61" are "/a" (what is sent)
     for rule in spec.endpoints:
-        if method in rule.methods and fnmatchcase(request.endpoint, rule.path):
+        if method in rule.methods and fnmatchcase(name, endpoint_name(rule.path)):
             body = request.body.model_dump() if request.body is not None else None
             arguments = {"parameters": request.parameters, "query": request.query, "body": body}
             return HeldCall(

@@ -50,6 +50,7 @@ from gateway.errors import CapacityExceeded, RepeatedCall
 from gateway.fastjson import sorted_text
 from gateway.idempotency.keys import canonical_json, fingerprinted
 from gateway.policy.controls import RepeatedCallsSpec
+from gateway.policy.egress import endpoint_name
 
 if TYPE_CHECKING:
     from gateway.envelope import ExternalCallRequest
@@ -113,19 +114,21 @@ def operations(
             found.append(Operation(tool, canonical_json(["tool", target, tool, args])))
         return found
     body = request.body.model_dump() if request.body is not None else None
+    name = endpoint_name(request.endpoint)  # one name for every spelling of the path
     canonical = fingerprinted(
-        target, request.method, request.endpoint, request.parameters, query=request.query, body=body
+        target, request.method, name, request.parameters, query=request.query, body=body
     )
-    return [Operation(request.endpoint, canonical)]
+    return [Operation(name, canonical)]
 
 
 def call_names(request: ExternalCallRequest, exchange: McpExchange | None) -> list[str]:
     """What a call is, by name, as ``repeat_exempt`` and a budget's ``applies_to.tool``
     match it: the tools of an MCP request's ``tools/call`` messages (none for protocol
-    traffic), else the endpoint path."""
+    traffic), else the endpoint path (:func:`~gateway.policy.egress.endpoint_name`: one
+    name for every spelling of it)."""
     if exchange is not None:
         return [m.tool for m in exchange.requests if m.tool is not None]
-    return [request.endpoint]
+    return [endpoint_name(request.endpoint)]
 
 
 @lru_cache(maxsize=256)  # pure function of the policy's patterns; bounded
@@ -203,7 +206,7 @@ class RepeatedCalls:
             or request.query
         ):
             return None
-        name = request.endpoint
+        name = endpoint_name(request.endpoint)
         if self._exempt is not None and self._exempt.match(name) is not None:
             return ()
         text = sorted_text(request.parameters)

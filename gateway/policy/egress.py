@@ -479,3 +479,28 @@ def check_address(egress: EgressSpec, host: str, address: str) -> None:
             "(private, loopback, link-local and metadata addresses need egress.allow_cidrs)",
             details={"reason": "address_denied", "host": host, "address": address},
         )
+
+
+#: A percent-escape (``endpoint_problem`` has refused malformed ones).
+_ESCAPE: Final = re.compile(r"%([0-9A-Fa-f]{2})")
+#: RFC 3986's unreserved characters less ``.`` (a dot escape is refused anyway): an
+#: upstream reads ``%63`` as ``c``, so the name decodes them.
+_UNRESERVED: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_~")
+
+
+def endpoint_name(endpoint: str) -> str:
+    """The one name of a clean endpoint (:func:`endpoint_problem`) however the agent
+    spells it, as the approval rules, tool caps and the repeated-call breaker match and
+    count it: escapes of unreserved characters decoded and other escapes' hex digits
+    upper-cased (RFC 3986, section 6.2.2), trailing slashes dropped (the allowlist reads
+    ``/a/`` as ``/a``). What is sent upstream is the endpoint as given."""
+    if "%" in endpoint:
+        endpoint = _ESCAPE.sub(_normal_escape, endpoint)
+    if endpoint.endswith("/") and endpoint != "/":
+        endpoint = endpoint.rstrip("/") or "/"
+    return endpoint
+
+
+def _normal_escape(match: re.Match[str]) -> str:
+    char = chr(int(match.group(1), 16))
+    return char if char in _UNRESERVED else "%" + match.group(1).upper()
