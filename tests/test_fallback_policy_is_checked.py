@@ -137,3 +137,22 @@ def test_a_fallback_model_outside_an_allow_rule_is_an_error_at_its_line(
     ), err
     assert "targets.a.fallbacks.1" not in err  # gpt-4o is allowed by b and by every agent
     assert len([ln for ln in lines if "is not in the 'allow'" in ln]) == 2, err
+
+
+def test_a_fallback_that_holds_calls_for_approval_behind_a_target_that_does_not_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    held = "    approval: {endpoints: [{path: /v1/chat/completions, methods: [POST]}]}\n" + NO_CHAIN
+    operators = "operators:\n  alice: {token_ref: env://ALICE_TOKEN}\ntargets:\n"
+    text = (
+        HEAD.replace("targets:\n", operators)
+        + _target("a", "openai", "    fallbacks:\n      - {target: b}\n", NO_CHAIN)
+        + _target("b", "openai", "", held)
+        + _target("c", "openai", "    fallbacks:\n      - {target: b}\n", held)
+    )
+    code, err = _validate(tmp_path, text, capsys)
+    assert code == 1, err
+    lines = err.splitlines()
+    assert len(lines) == 1, err  # c asks for approval itself: its fallback to b is fine
+    assert "targets.a.fallbacks.0.target:" in lines[0], err
+    assert "unapproved" in lines[0], err

@@ -228,6 +228,15 @@ class StopSwitch:
             self._inflight[task] = (agent, target)
         return self._tracked
 
+    def moved(self, agent: str, target: str) -> None:
+        """The current task's call (:meth:`track`) goes on to ``target`` (a fallback):
+        raise AGENT_STOPPED when a stop holds a call of ``agent`` to it, else register
+        the task as a call to it, so that a stop of ``target`` cancels it from now on."""
+        self.check(agent, target)
+        task = asyncio.current_task()
+        if task is not None and task in self._inflight:
+            self._inflight[task] = (agent, target)
+
     @property
     def inflight(self) -> int:
         return len(self._inflight)

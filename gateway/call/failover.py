@@ -128,7 +128,9 @@ def _next_fallback(
     """The next fallback of ``spec`` after option ``tried`` (0: the target) failed with
     ``error``, as :func:`gateway.call.retry.next_option` decides: ``(options tried, its
     request, its decision)``, or None to stop. A fallback the egress rules refuse
-    (the endpoint not allowed there) is recorded in ``ctx.tried`` and passed over."""
+    (the endpoint not allowed there) or a stop holds (AGENT_STOPPED: the stop switch's
+    ``target`` scope covers fallbacks) is recorded in ``ctx.tried`` and passed over; the
+    call's stop-switch registration follows it to the fallback it moves to."""
     while True:
         option = next_option(
             error,
@@ -149,7 +151,8 @@ def _next_fallback(
         pipe.metrics.observe_failover(source, chosen.target, option.reason)
         try:
             request, decision = fallback_call(policy, original, chosen)
-        except GatewayError as refused:  # never sent: the egress rules refused it
+            pipe.controls.stops.moved(ctx.agent_id, chosen.target)  # a stop holds it too
+        except GatewayError as refused:  # never sent: the egress rules or a stop refused it
             ctx.option_tried(
                 (
                     {

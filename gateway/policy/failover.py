@@ -48,6 +48,7 @@ def fallback_problems(
     """Problems of the targets' ``fallbacks`` (``targets``: name -> TargetSpec;
     ``agents``: name -> AgentSpec): an unknown target, a target of another ``usage``
     dialect, an MCP target on either side, the target itself without another model, a
+    target with ``approval:`` behind one without (a failover would step around it), a
     cycle (A falls back to B, which falls back to A), a model a ``models.allow`` rule
     refuses (:func:`_model_refusals`); and ``retry.resend_unanswered: true`` on a target
     without a provider dialect (a lost request sent twice may act twice there)."""
@@ -81,6 +82,15 @@ def fallback_problems(
                 problems.append((loc, "an MCP target neither has nor is a fallback"))
             elif option.target == name and option.model is None:
                 problems.append((loc, "a target cannot fall back to itself with the same model"))
+            elif other.approval is not None and spec.approval is None:
+                # Its approval is asked of calls to it, not of a failover reaching it.
+                problems.append(
+                    (
+                        loc,
+                        f"{option.target!r} holds calls for approval and {name!r} does not: "
+                        "a failover would send them unapproved",
+                    )
+                )
         cycle = _cycle_from(name, targets)
         if cycle:
             problems.append(
