@@ -52,6 +52,7 @@ from gateway.idempotency.keys import canonical_json
 from gateway.policy.desk import ApprovalSpec
 from gateway.policy.egress import endpoint_name
 from gateway.providers import mcp as rpc
+from gateway.tracing import TRACE_HEADERS
 
 #: Seconds between two reads of a request's state while a call waits (the Redis store;
 #: the memory store wakes the call at the decision).
@@ -63,7 +64,7 @@ Verdict = Literal["approved", "denied"]
 FIELDS: Final = (
     "id", "state", "binding", "target", "kind", "name", "method", "arguments", "agent",
     "trace", "approvers", "requested_at", "expires_at", "ttl_s", "decided_by",
-    "decided_at", "used_at",
+    "decided_at", "used_at", "api_key_ref",
 )  # fmt: skip
 
 
@@ -72,7 +73,10 @@ class HeldCall:
     """What an approval is bound to. ``kind``: ``tool`` (an MCP ``tools/call``; ``name``
     the tool, or the tools of a batch joined by commas) or ``endpoint`` (``name`` the
     envelope's endpoint); ``arguments``: the tool's arguments (a list for a batch), or
-    ``{parameters, query, body}`` of an endpoint."""
+    ``{parameters, query, body}`` of an endpoint, with ``headers`` when the agent set
+    headers that go upstream (``forward_headers``; trace headers are not the call's);
+    ``api_key_ref``: the secret reference the agent picked (None: the target's own), as
+    another key acts as another account."""
 
     target: str
     kind: Literal["tool", "endpoint"]
@@ -81,6 +85,7 @@ class HeldCall:
     arguments: Any
     agent: str
     trace: str
+    api_key_ref: str | None = None
 
     def binding(self) -> str:
         """SHA-256 hex of the canonical JSON of every field: the identity of the call."""
@@ -93,6 +98,8 @@ class HeldCall:
             "agent": self.agent,
             "trace": self.trace,
         }
+        if self.api_key_ref is not None:
+            fields["api_key_ref"] = self.api_key_ref
         return hashlib.sha256(canonical_json(fields)).hexdigest()
 
 
@@ -120,16 +127,22 @@ def held_call(
         names = ",".join(str(p.get("name")) for p in held)
         args = [p.get("arguments") for p in held]
         return HeldCall(target, "tool", names, request.method, args[0] if len(args) == 1 else args,
-                        agent, request.trace_id)  # fmt: skip
+                        agent, request.trace_id, request.api_key_ref)  # fmt: skip
     method = request.method.upper()
     name = endpoint_name(request.endpoint)  # "/a/" and "/%61" are "/a" (what is sent)
     for rule in spec.endpoints:
         if method in rule.methods and fnmatchcase(name, endpoint_name(rule.path)):
             body = request.body.model_dump() if request.body is not None else None
             arguments = {"parameters": request.parameters, "query": request.query, "body": body}
+            headers = {
+                k.lower(): v for k, v in request.headers.items() if k.lower() not in TRACE_HEADERS
+            }
+            if headers:  # what the upstream acts on too (an account, a version)
+                arguments["headers"] = headers
             return HeldCall(
-                target, "endpoint", request.endpoint, method, arguments, agent, request.trace_id
-            )
+                target, "endpoint", request.endpoint, method, arguments, agent, request.trace_id,
+                request.api_key_ref,
+            )  # fmt: skip
     return None
 
 
@@ -339,6 +352,8 @@ class Approvals:
             "expires_at": repr(now + spec.ttl_s),
             "ttl_s": repr(spec.ttl_s),
         }
+        if call.api_key_ref is not None:
+            record["api_key_ref"] = call.api_key_ref
         stored, created = await self.store.open(binding, record, spec.ttl_s)
         if created:
             self._event("approval_requested", stored)
