@@ -37,6 +37,9 @@ COOKIE: Final = "egw_console"
 SESSION_TTL_S: Final = 8 * 3600.0
 #: Sessions kept at most (the oldest forgotten first).
 MAX_SESSIONS: Final = 256
+#: Sign-in forms whose CSRF token is kept at most (the oldest forgotten first): anyone
+#: who reaches the port may ask for the form, so their number is bounded.
+MAX_LOGIN_FORMS: Final = 1024
 #: Seconds to wait for the sidecar's ops routes.
 OPS_TIMEOUT_S: Final = 30.0
 _HEADERS: Final = {
@@ -145,8 +148,9 @@ def _html(text: str, status: int = 200) -> web.Response:
 async def _login_form(request: web.Request, error: str | None = None) -> web.Response:
     console = request.app[_CONSOLE]
     now = time.monotonic()
-    for stale in [k for k, t in console.login_csrf.items() if now - t > 3600]:
-        del console.login_csrf[stale]
+    forms = console.login_csrf  # oldest first (insertion order)
+    while forms and (len(forms) >= MAX_LOGIN_FORMS or now - next(iter(forms.values())) > 3600):
+        del forms[next(iter(forms))]
     csrf = secrets.token_urlsafe(24)
     console.login_csrf[csrf] = now
     return _html(page.login_page(error, csrf), 401 if error else 200)
