@@ -224,3 +224,40 @@ async def test_a_later_request_in_the_same_context_gets_its_chain(
     await send({})  # the same context, no chain: the one remembered for it
 
     assert [h.get("x-egress-call-chain") for h in b.received] == ["a", "a"]
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"x-egress-call-chain": "z"},  # a shorter chain of its own making: depth reset
+        {"x-egress-call-chain": "z", "x-egress-deadline": str(int(time.time() * 1000) + 600_000)},
+    ],
+    ids=["chain", "chain-and-deadline"],
+)
+async def test_an_agent_that_replaces_the_chain_still_carries_the_one_it_received(
+    forged: dict[str, str],
+    agents: Callable[..., Awaitable[Agent]],
+    sidecar_factory: Callable[..., Awaitable[Sidecar]],
+    upstream_factory: Callable[..., Awaitable[FakeUpstream]],
+) -> None:
+    llm = await upstream_factory(_completion)
+    b, _c, side_a, side_b = await _stack(agents, sidecar_factory, llm)
+
+    async def forging(headers: dict[str, str]) -> None:
+        # The agent's LLM call inside the task: its own chain instead of the one it got.
+        async with side_b.session.post(
+            f"{side_b.url}/proxy/openai/v1/chat/completions",
+            json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"traceparent": headers["traceparent"], **forged},
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+
+    b.before_reply = forging
+    await ask(f"{side_a.url}/a2a/b", "hello", {"traceparent": TRACE})
+
+    assert b.received[0]["x-egress-call-chain"] == "a"
+    sent = llm.seen[0].headers
+    assert sent["x-egress-call-chain"] == "a,b"  # what B received, not what it claimed
+    assert sent["x-egress-deadline"] == b.received[0]["x-egress-deadline"]
+    [record] = [r for r in side_b.audit_records() if r["target_system"] == "openai"]
+    assert record["call_chain"] == ["a", "b"]

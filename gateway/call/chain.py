@@ -92,8 +92,9 @@ async def chain_stage(
     policy names one: cached like any secret, and their errors (SECRET_NOT_FOUND,
     DEPENDENCY_FAILED...) are the call's, raised.
 
-    A call that carries no chain gets the one ``memory`` remembers for its W3C trace
-    (an agent that leaves the chain out keeps its depth). A call to this sidecar's agent
+    A call gets the chain ``memory`` remembers for its W3C trace, whatever chain it
+    carries (an agent that leaves the chain out, or sends one of its own, keeps its
+    depth); its own only when none is remembered. A call to this sidecar's agent
     (``ctx.chain_inbound``: the inbound route) is admitted, not extended
     (:func:`gateway.agents.chain.admit`), and remembered in ``memory``.
 
@@ -144,8 +145,10 @@ def _decided(
     now_ms = int(time.time() * 1000)
     if ctx.chain_inbound:
         return _admitted(spec, request, ctx, keys, memory, now_ms)
-    if seen is None and memory:  # empty (no inbound call yet): no trace id derived
-        seen = memory.recall([("trace", trace_key(request))], now_ms)
+    if memory:  # empty (no inbound call yet): no trace id derived
+        # The chain the inbound route saw for this trace, whatever the agent sent: an
+        # agent resets its depth no more by replacing the chain than by leaving it out.
+        seen = memory.recall([("trace", trace_key(request))], now_ms) or seen
     if seen is None and ctx.target_agent is None:
         # The common case, a chain that starts here: decide()'s decision without its
         # header rules (gateway.agents.chain.start).
