@@ -184,3 +184,32 @@ async def test_a_replay_runs_as_the_agent_whose_call_it_was(
     status, replayed = await ops("POST", f"/v1/dead-letters/{letter.id}/replay")
     assert (status, replayed["response"]["success"]) == (200, True), replayed
     assert sc.audit_records()[-1]["agent_id"] == "worker"
+
+
+async def test_a_replay_is_held_to_what_the_agent_may_call_now(
+    upstream: FakeUpstream, sidecar_factory: Factory, ops_factory: Factory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("WORKER_TOKEN", "agent-token-WORKER-0003")
+    targets = {"t": openai_target(upstream.url, dead_letter=True), "u": openai_target(upstream.url)}
+    agents = {"worker": {"token_ref": "env://WORKER_TOKEN", "targets": ["u"]}}
+    sc: Sidecar = await sidecar_factory(compile_policy(targets, operators=OPERATORS, agents=agents))
+    ops: Ops = await ops_factory(sc)
+    # A letter the agent's call left when it still could call t (its policy then).
+    letter = sc.gateway.pipeline.dead_letters.keep(
+        target="t", api="envelope", agent="worker", trace_id="tr-1", correlation_id="c-1",
+        idempotency_key=None, request=envelope(target_system="t", trace_id="tr-1"),
+        error={"code": "DEPENDENCY_FAILED"}, attempts=1,
+    )  # fmt: skip
+    for who in ("worker", "gone"):  # an agent the policy no longer has: no one's call
+        if who == "gone":
+            letter = sc.gateway.pipeline.dead_letters.keep(
+                target="u", api="envelope", agent="gone", trace_id="tr-2", correlation_id="c-2",
+                idempotency_key=None, request=envelope(target_system="u", trace_id="tr-2"),
+                error={"code": "DEPENDENCY_FAILED"}, attempts=1,
+            )  # fmt: skip
+        status, replayed = await ops("POST", f"/v1/dead-letters/{letter.id}/replay")
+        assert status == 200, replayed
+        error = replayed["response"]["error"]
+        assert (error["code"], replayed["status"]) == ("PERMISSION_DENIED", 403), replayed
+    assert upstream.hits == 0

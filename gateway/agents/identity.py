@@ -142,6 +142,18 @@ class Agents:
             return None
         return self._token_identities[found.token_sha256]
 
+    def acting_for(self, agent_id: str) -> Identity:
+        """The identity of a call the sidecar makes for ``agent_id`` itself (an
+        operator's replay of its dead letter): held to the targets the policy gives it
+        now; refused (``unknown_agent``) for an agent the policy no longer has. Without
+        ``agents:``, the policy's identity under that id."""
+        if not self.agents:
+            return policy_identity(agent_id)
+        found = next((a for a in self.agents if a.agent_id == agent_id), None)
+        if found is None:
+            return _unknown(Seen("tcp"), f"the policy has no agent {agent_id[:_CLAIM_LIMIT]!r}")
+        return Identity(found.agent_id, "policy", None, found.targets)
+
 
 def token_digest(value: str) -> bytes:
     """The SHA-256 of a token value, as :class:`Agent` keeps it."""

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from gateway.agents.approvals import effective_state
-from gateway.agents.identity import policy_identity
 from gateway.audit.query.filters import Filters
 from gateway.audit.query.reader import records
 from gateway.errors import GatewayError, InvalidPayload, PermissionDenied
@@ -215,8 +214,9 @@ async def _replay_letter(request: web.Request, who: str) -> dict[str, Any]:
         )
     if pipeline.dead_letters.take(letter_id, who) is None:  # another replay took it
         raise _unknown_letter(letter_id)
-    # As the agent whose call it was (its claim in the kept envelope then matches).
-    identity = policy_identity(letter.agent)
+    # As the agent whose call it was (its claim in the kept envelope then matches), held
+    # to what the policy lets it call now.
+    identity = _gw(request).agents.acting_for(letter.agent)
     status, response = await _gw(request).call(letter.replay_envelope(), identity=identity)
     return {
         "dead_letter": letter_id,
