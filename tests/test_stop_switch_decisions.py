@@ -166,3 +166,47 @@ async def test_a_cluster_count_key_is_the_fleets(private_redis: PrivateRedis) ->
         assert [k.decode() if isinstance(k, bytes) else k for k in listed] == [expected]
     finally:
         await client.aclose()
+
+
+async def test_a_sidecar_that_starts_without_redis_refuses_until_it_has_read_the_stops(
+    private_redis: PrivateRedis,
+) -> None:
+    """``fail_open`` keeps the last state read; a sidecar that has read none (it started
+    while Redis was down: a stop of the fleet may be in force) refuses every call with
+    ``stop_state_unavailable`` until its first read, then obeys what it read."""
+    client = RedisClient(
+        RedisSpec(
+            url=private_redis.url, key_prefix="egw", socket_timeout_s=0.2, connect_timeout_s=0.2
+        )
+    )
+    private_redis.kill()
+    switch = StopSwitch(StopSwitchSpec(scope="cluster", poll_interval_s=0.1), redis=client)
+    try:
+        await switch.start()
+        with pytest.raises(AgentStopped) as caught:
+            switch.check("a2", "t1")
+        assert caught.value.details["reason"] == "stop_state_unavailable"
+        private_redis.start()  # (empty: it keeps nothing across a restart)
+        other = RedisClient(RedisSpec(url=private_redis.url, key_prefix="egw"))
+        try:  # another sidecar's stop of the fleet
+            writer = StopSwitch(StopSwitchSpec(scope="cluster"), redis=other)
+            assert await writer.stop(_stop("agent", "a1", "runaway"))
+        finally:
+            await other.aclose()
+        for _ in range(200):  # bounded: the watcher reads within poll_interval_s
+            if switch.stops:
+                break
+            await asyncio.sleep(0.05)
+        switch.check("a2", "t1")  # read: a2 is not stopped
+        with pytest.raises(AgentStopped) as caught:
+            switch.check("a1", "t1")
+        assert caught.value.details["reason"] == "runaway"
+        private_redis.kill()
+        for _ in range(200):  # the watcher notices Redis is gone
+            if switch._unavailable:
+                break
+            await asyncio.sleep(0.05)
+        switch.check("a2", "t1")  # fail_open: the last state read holds
+    finally:
+        await switch.aclose()
+        await client.aclose()

@@ -17,8 +17,10 @@ Two stores, by ``controls.stop_switch.scope``:
   and at least every ``poll_interval_s`` (a missed notice is caught within it). Redis
   down: the last state read holds (``on_redis_error: fail_open``), or every call is
   refused with AGENT_STOPPED, ``details.scope: all``, ``details.reason:
-  stop_state_unavailable`` (``fail_closed``). A stop or resume asked while Redis is down
-  is applied here at once and written to Redis when it answers again.
+  stop_state_unavailable`` (``fail_closed``, and ``fail_open`` too until the first read:
+  a sidecar started while Redis is down has no state to keep, and a stop may hold). A
+  stop or resume asked while Redis is down is applied here at once and written to Redis
+  when it answers again.
 
 The decision (:func:`stop_for`) is pure; :class:`StopSwitch` holds the state, the
 registry of calls in flight (task -> agent and target) and the Redis watcher;
@@ -192,6 +194,9 @@ class StopSwitch:
         #: None for a resume).
         self._pending: dict[str, Stop | None] = {}
         self._unavailable = False
+        #: Whether the shared state was read once (always, for a local switch): until
+        #: then there is no "last state read" for fail_open to keep.
+        self._read_once = self._redis is None
         self._inflight: dict[asyncio.Task[Any], tuple[str, str | None]] = {}
         self._cancelled: dict[asyncio.Task[Any], Stop] = {}
         self._task: asyncio.Task[None] | None = None
@@ -210,10 +215,11 @@ class StopSwitch:
         stop = stop_for(self.stops, agent, target)
         if stop is not None:
             raise stop.error()
-        if self._unavailable and self.spec.on_redis_error == "fail_closed":
+        if self._unavailable and (self.spec.on_redis_error == "fail_closed" or not self._read_once):
+            why = "is fail_closed" if self._read_once else "has no state read to keep"
             raise AgentStopped(
                 "the stop switch's shared state cannot be read (Redis is unavailable) and "
-                "controls.stop_switch.on_redis_error is fail_closed",
+                f"controls.stop_switch.on_redis_error {why} (a stop of the fleet may hold)",
                 details={"scope": "all", "name": None, "reason": STATE_UNAVAILABLE},
             )
 
@@ -321,7 +327,7 @@ class StopSwitch:
         except RedisUnavailable:
             self._unavailable = True  # the last state read holds
             return
-        self._unavailable = False
+        self._unavailable, self._read_once = False, True
         stops: dict[str, Stop] = {}
         for field, value in zip(reply[::2], reply[1::2], strict=True):
             try:
