@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import secrets
 import time
 from collections.abc import Callable
@@ -57,6 +58,10 @@ from gateway.tracing import TRACE_HEADERS
 #: Seconds between two reads of a request's state while a call waits (the Redis store;
 #: the memory store wakes the call at the decision).
 POLL_S: Final = 0.1
+#: The longest arguments text a request keeps (characters of canonical JSON): a larger
+#: one is kept as ``{"truncated": true, "chars", "sha256", "start"}``, so that requests
+#: an agent can make at will hold bounded memory (the binding covers the whole call).
+MAX_KEPT_ARGUMENTS: Final = 16_384
 #: Opening a request again after a lost claim or an expiry, at most this often per call.
 MAX_REOPENS: Final = 8
 Verdict = Literal["approved", "denied"]
@@ -344,7 +349,7 @@ class Approvals:
             "kind": call.kind,
             "name": call.name,
             "method": call.method,
-            "arguments": redaction.scrub(canonical_json(call.arguments).decode("utf-8")),
+            "arguments": _kept_arguments(call.arguments),
             "agent": call.agent,
             "trace": call.trace,
             "approvers": ",".join(spec.approvers),
@@ -417,6 +422,17 @@ class Approvals:
     async def aclose(self) -> None:
         """Close the store. Idempotent."""
         await self.store.aclose()
+
+
+def _kept_arguments(arguments: Any) -> str:
+    """The arguments as a request keeps and shows them: canonical JSON, secrets scrubbed,
+    at most :data:`MAX_KEPT_ARGUMENTS` characters (else their start, size and hash)."""
+    text = redaction.scrub(canonical_json(arguments).decode("utf-8"))
+    if len(text) <= MAX_KEPT_ARGUMENTS:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+    head = {"truncated": True, "chars": len(text), "sha256": digest}
+    return json.dumps({**head, "start": text[:MAX_KEPT_ARGUMENTS]}, ensure_ascii=False)
 
 
 def _pending(record: dict[str, str], spec: ApprovalSpec) -> ApprovalPending:
