@@ -81,3 +81,25 @@ async def test_respelling_the_path_does_not_reset_the_repeat_count(
     assert [status for status, _ in answers] == [200, 200, 429], answers
     assert answers[2][1]["error"]["code"] == "REPEATED_CALL"
     assert upstream.hits == 2
+
+
+async def test_a_tool_cap_written_with_a_trailing_slash_counts_every_spelling(
+    upstream: FakeUpstream, sidecar_factory: Factory
+) -> None:
+    target = openai_target(upstream.url, endpoints=[{"path": "/v1/*", "methods": ["POST"]}])
+    cap = {"max_calls": 1, "window": "daily", "applies_to": {"tool": "/v1/charges/"}}
+    policy = compile_policy(
+        {"fake-openai": target},
+        budgets={"charges": cap},
+        controls={"repeat_exempt": ["/v1/jobs/"]},
+    )
+    assert policy.policy.budgets["charges"].applies_to.tool == "/v1/charges"
+    assert policy.policy.controls.repeat_exempt == ["/v1/jobs"]
+    sc: Sidecar = await sidecar_factory(policy)
+    answers = [
+        await sc.call(envelope(endpoint=e, parameters={"amount": n}, timeout=1))
+        for n, e in enumerate(("/v1/charges/", "/v1/charges"))
+    ]
+    assert [status for status, _ in answers] == [200, 429], answers
+    assert answers[1][1]["error"]["code"] == "BUDGET_EXCEEDED"
+    assert upstream.hits == 1

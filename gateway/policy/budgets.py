@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from gateway.policy import defaults as d
 from gateway.policy.stores import StrictModel
@@ -59,7 +59,13 @@ class PriceSpec(StrictModel):
 
 #: An MCP tool name or an endpoint path (starts with ``/``), ``*`` matching any run of
 #: characters.
-ToolGlob = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./*\-:@]{1,256}$")]
+#: A path's trailing slashes are dropped, as the calls' endpoints are named
+#: (:func:`gateway.policy.egress.endpoint_name`), so that it matches every spelling.
+ToolGlob = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9_./*\-:@]{1,256}$"),
+    AfterValidator(lambda glob: glob.rstrip("/") or "/" if glob.startswith("/") else glob),
+]
 
 
 class AppliesTo(StrictModel):

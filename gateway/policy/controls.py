@@ -19,18 +19,18 @@ unreachable; ``fail_closed`` refuses every call with AGENT_STOPPED until Redis a
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import Field, StringConstraints, field_validator
+from pydantic import Field, field_validator
 
 from gateway.policy import defaults as d
-from gateway.policy.budgets import Mode
+from gateway.policy.budgets import Mode, ToolGlob
 from gateway.policy.refs import check_ref
 from gateway.policy.stores import StrictModel
 
 #: An endpoint path (starts with ``/``) or an MCP tool name, ``*`` matching any run of
 #: characters.
-ExemptGlob = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./*\-:@]{1,256}$")]
+ExemptGlob = ToolGlob  # an endpoint path (trailing slashes dropped) or an MCP tool
 
 
 class StopSwitchSpec(StrictModel):
