@@ -63,6 +63,7 @@ from gateway.database.registry import Databases
 from gateway.deadletters import DeadLetters
 from gateway.envelope import IDEMPOTENT_METHODS, ExternalCallRequest, ExternalCallResponse
 from gateway.errors import (
+    AgentStopped,
     GatewayError,
     InternalError,
     InvalidPayload,
@@ -289,7 +290,7 @@ class Pipeline:
             response = hooks.answered(ctx, response)
         except GatewayError as exc:
             status = answer_status(exc)
-            response = self._failure(exc, ctx)
+            response = self._failure(_stopped_after_sending(exc, ctx), ctx)
         except asyncio.CancelledError:
             status, response, answered = self._interrupted(ctx)  # audited either way
             if not answered:
@@ -551,12 +552,25 @@ def _unknown_fields(
     )
 
 
-def _interrupted_error(ctx: CallContext) -> GatewayError:
+def _resendable(ctx: CallContext) -> bool:
+    """Whether the call's request may be sent twice: an idempotent method, or a key."""
     request = ctx.request
-    safe = request is not None and (
+    return request is not None and (
         request.method in IDEMPOTENT_METHODS or ctx.idempotency_key is not None
     )
-    if ctx.attempt_log.attempts and not safe:
+
+
+def _stopped_after_sending(exc: GatewayError, ctx: CallContext) -> GatewayError:
+    """``exc``; an AGENT_STOPPED that cancelled the call after a request that may not be
+    sent twice reached the upstream says so (``details.outcome: unknown``: the upstream
+    may have acted; the call is then kept as a dead letter where the target keeps them)."""
+    if isinstance(exc, AgentStopped) and ctx.attempt_log.sent and not _resendable(ctx):
+        exc.details["outcome"] = "unknown"
+    return exc
+
+
+def _interrupted_error(ctx: CallContext) -> GatewayError:
+    if ctx.attempt_log.attempts and not _resendable(ctx):
         return OutcomeUnknown(
             "the sidecar shut down while the request was with the upstream; it may or may "
             "not have been processed. Check the upstream before retrying.",

@@ -86,10 +86,13 @@ class DeadLetter:
 
 def keeps(error: ErrorPayload, attempts: int, sent: bool) -> bool:
     """Whether a failed call is a dead letter (module docstring): sent at least once, and
-    OUTCOME_UNKNOWN or a retryable error."""
+    OUTCOME_UNKNOWN, a retryable error, or one whose outcome is unknown (a call the stop
+    switch cancelled after sending it: ``details.outcome``)."""
     if attempts == 0 or not sent:
         return False
-    return error.code is ErrorCode.OUTCOME_UNKNOWN or error.retryable
+    if error.code is ErrorCode.OUTCOME_UNKNOWN or error.retryable:
+        return True
+    return error.details.get("outcome") == "unknown"
 
 
 def stored_request(request: ExternalCallRequest, api: str) -> dict[str, Any]:
