@@ -52,6 +52,7 @@ from gateway.errors import (
 from gateway.idempotency.keys import canonical_json
 from gateway.policy.desk import ApprovalSpec
 from gateway.policy.egress import endpoint_name
+from gateway.providers import a2a as a2a_rpc
 from gateway.providers import mcp as rpc
 from gateway.tracing import TRACE_HEADERS
 
@@ -114,11 +115,13 @@ def held_call(
     request: ExternalCallRequest,
     exchange: rpc.McpExchange | None,
     agent: str,
+    a2a: Any = None,
 ) -> HeldCall | None:
     """The :class:`HeldCall` of a call the target's ``approval:`` names, else None: an
     MCP ``tools/call`` (in ``exchange``) whose tool matches a ``tools`` glob, or an
     endpoint and method an ``endpoints`` rule matches (globs by :func:`fnmatchcase`, on
-    :func:`~gateway.policy.egress.endpoint_name`: every spelling of the path is held)."""
+    :func:`~gateway.policy.egress.endpoint_name`: every spelling of the path is held);
+    ``a2a``: the call's A2A exchange, if any (:func:`_endpoint_arguments`)."""
     if exchange is not None:
         held = [
             m.params
@@ -137,8 +140,7 @@ def held_call(
     name = endpoint_name(request.endpoint)  # "/a/" and "/%61" are "/a" (what is sent)
     for rule in spec.endpoints:
         if method in rule.methods and fnmatchcase(name, endpoint_name(rule.path)):
-            body = request.body.model_dump() if request.body is not None else None
-            arguments = {"parameters": request.parameters, "query": request.query, "body": body}
+            arguments = _endpoint_arguments(request, a2a)
             headers = {
                 k.lower(): v for k, v in request.headers.items() if k.lower() not in TRACE_HEADERS
             }
@@ -149,6 +151,30 @@ def held_call(
                 request.api_key_ref,
             )  # fmt: skip
     return None
+
+
+def _endpoint_arguments(request: ExternalCallRequest, a2a: Any) -> dict[str, Any]:
+    """What an endpoint's held call is bound to and shows: ``{parameters, query, body}``;
+    for an A2A JSON-RPC request (``a2a``, its :class:`~gateway.providers.a2a.A2aExchange`)
+    its method and params as a person reads them, without what changes on every send
+    (the JSON-RPC id, the message's id, the call chain the sidecar writes into its
+    ``metadata``)."""
+    if isinstance(a2a, a2a_rpc.A2aExchange):
+        params = dict(a2a.params)
+        message = params.get("message")
+        if isinstance(message, dict):
+            kept = {k: v for k, v in message.items() if k not in ("messageId", "metadata")}
+            metadata = message.get("metadata")
+            if isinstance(metadata, dict):
+                metadata = {
+                    k: v for k, v in metadata.items() if k not in a2a_rpc.CHAIN_METADATA_KEYS
+                }
+            if metadata:
+                kept["metadata"] = metadata
+            params["message"] = kept
+        return {"a2a_method": a2a.method, "params": params}
+    body = request.body.model_dump() if request.body is not None else None
+    return {"parameters": request.parameters, "query": request.query, "body": body}
 
 
 class StoreUnavailable(Exception):
@@ -329,13 +355,14 @@ class Approvals:
         exchange: rpc.McpExchange | None,
         agent: str,
         deadline: float,
+        a2a: Any = None,
     ) -> str | None:
         """The pipeline's hook, before anything is sent: holds the call when ``spec`` (the
         target's ``approval:``) names it (:func:`held_call`, :meth:`hold`); the claimed
         approval's id, or None for a call that needs none."""
         if spec is None:
             return None
-        call = held_call(spec, target, request, exchange, agent)
+        call = held_call(spec, target, request, exchange, agent, a2a)
         return None if call is None else await self.hold(spec, call, deadline)
 
     async def _open(self, spec: ApprovalSpec, call: HeldCall) -> dict[str, str]:

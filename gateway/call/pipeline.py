@@ -277,7 +277,9 @@ class Pipeline:
             with controls.stops.track(ctx.agent_id, decision.target.name):  # a stop cancels it
                 if (held := decision.target.spec.approval) is not None:  # a person's yes first
                     name, agent = decision.target.name, ctx.agent_id
-                    await self.approvals.check(held, name, request, ctx.mcp, agent, deadline)
+                    await self.approvals.check(
+                        held, name, request, ctx.mcp, agent, deadline, ctx.a2a
+                    )
                 # Sent (its group is ctx.rate_limit_group, _call_group), once per
                 # idempotency key when its target keeps them.
                 if (keyed := self._keyed(request, decision, ctx)) is None:
