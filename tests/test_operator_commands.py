@@ -103,3 +103,45 @@ async def test_approvals_and_dead_letters_from_the_command_line(
     code, _, err = await cli(ops, "dead-letters", "discard", letter_id, token_file=token_file)
     assert code == 1
     assert "unknown_dead_letter" in err
+
+
+async def test_what_an_agent_wrote_cannot_drive_the_operators_terminal(
+    upstream_factory: Factory, sidecar_factory: Factory, ops_factory: Factory, tmp_path: Path
+) -> None:
+    """An endpoint (or MCP tool name, or argument) is the agent's text: a C1 control
+    (U+009B is CSI to a terminal) or an ESC in it is printed as an escape, never raw."""
+
+    async def handler(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"ok": False}, status=503)
+
+    upstream: FakeUpstream = await upstream_factory(handler)
+    endpoints = [{"path": "/v1/*", "methods": ["POST"]}]
+    held = openai_target(
+        upstream.url,
+        endpoints=endpoints,
+        approval={"endpoints": [{"path": "/v1/*", "methods": ["POST"]}]},
+    )
+    letters = openai_target(
+        upstream.url, endpoints=endpoints, dead_letter=True, retry={"max_retries": 0}
+    )
+    sc: Sidecar = await sidecar_factory(
+        compile_policy({"held": held, "letters": letters}, operators=OPERATORS)
+    )
+    ops: Ops = await ops_factory(sc)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    evil = "/v1/x\u009b2J\u009b31mOK"
+    arguments = {"note": "\u009b2J\u001b]52;c;cHduZWQ=\u0007"}
+    await sc.call(envelope(target_system="held", endpoint=evil, parameters=arguments, timeout=0.05))
+    await sc.call(envelope(target_system="letters", endpoint=evil, max_retries=0))
+    outputs = []
+    for argv in (("approvals", "list"), ("dead-letters", "list")):
+        code, out, _ = await cli(ops, *argv, token_file=token_file)
+        assert code == 0
+        outputs.append(out)
+    [approval] = await sc.gateway.pipeline.approvals.store.recent(1)
+    code, out, _ = await cli(ops, "approvals", "show", approval["id"], token_file=token_file)
+    assert json.loads(out)["arguments"]["parameters"] == arguments  # still the same JSON
+    outputs.append(out)
+    for out in outputs:
+        assert not any(0x80 <= ord(c) <= 0x9F or c in "\x1b\x07" for c in out), repr(out)

@@ -29,6 +29,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any, Final
 
+from gateway.terminal import inert
+
 OPS_URL_ENV: Final = "EGRESS_GATEWAY_OPS_URL"
 TOKEN_ENV: Final = "EGRESS_OPERATOR_TOKEN"  # noqa: S105 - a variable's name
 DEFAULT_OPS_URL: Final = "http://127.0.0.1:8182"
@@ -113,13 +115,15 @@ def _run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
         return 1
     text = raw.decode("utf-8", errors="replace")
     if status != 200:
-        print(text, file=sys.stderr)
+        print(inert(text, keep="\n"), file=sys.stderr)
         return 1
     if args.action == "list":
         for line in _lines(args.noun, json.loads(text)):
-            print(line, file=out)
+            print(inert(line), file=out)
     else:
-        print(json.dumps(json.loads(text), indent=2, ensure_ascii=False), file=out)
+        # JSON escapes C0 controls inside its strings: its own raw newlines are its layout.
+        shown = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        print(inert(shown, keep="\n"), file=out)
     return 0
 
 

@@ -20,6 +20,7 @@ from rich.table import Table
 from gateway.audit.query.filters import Record, record_time
 from gateway.audit.query.reader import dumps
 from gateway.audit.query.summary import GroupStats, ModelStats, Summary
+from gateway.terminal import inert
 
 #: (header, width, justify)
 _CALL_COLUMNS: Final = (
@@ -57,7 +58,7 @@ def make_console(out: IO[str]) -> Console:
 
 
 def _text(value: Any) -> str:
-    return "-" if value is None else str(value)
+    return "-" if value is None else inert(str(value))  # what agents wrote: never raw
 
 
 def _ms(value: Any) -> str:
@@ -237,7 +238,8 @@ def _summary_table(
     rows = sorted(groups.items())
     for index, (name, stats) in enumerate([*rows, ("all", total)]):
         cells = _summary_cells(stats)
-        table.add_row(name, *(cells[c] for c, _ in columns), end_section=index == len(rows) - 1)
+        last = index == len(rows) - 1
+        table.add_row(inert(name), *(cells[c] for c, _ in columns), end_section=last)
     return table
 
 
@@ -262,7 +264,9 @@ def _models_table(models: dict[str, ModelStats]) -> Table:
     for name, stats in sorted(models.items()):
         drift = ", ".join(f"{model} {count}" for model, count in sorted(stats.drift.items()))
         drifted = sum(stats.drift.values())
-        table.add_row(name, str(stats.calls), f"{stats.cost_usd:.6f}", str(drifted), drift)
+        table.add_row(
+            inert(name), str(stats.calls), f"{stats.cost_usd:.6f}", str(drifted), inert(drift)
+        )
     return table
 
 
@@ -314,7 +318,7 @@ def print_timeline(console: Console, trace_id: str, steps: Sequence[tuple[float,
     named = {a for chain in chains if isinstance(chain, list) for a in chain if isinstance(a, str)}
     agents = sorted({_text(rec.get("agent_id")) for _, rec in steps} | named)
     title = f"trace {trace_id}: {len(steps)} calls over {span:.1f} ms (agents: {', '.join(agents)})"
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=inert(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for name, justify in (("start ms", "right"), ("duration ms", "right"), ("", "left")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for name in ("target", "call", "outcome", "tries", "tokens", "correlation", "chain"):
