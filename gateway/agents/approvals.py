@@ -160,19 +160,7 @@ def _endpoint_arguments(request: ExternalCallRequest, a2a: Any) -> dict[str, Any
     (the JSON-RPC id, the message's id, the call chain the sidecar writes into its
     ``metadata``)."""
     if isinstance(a2a, a2a_rpc.A2aExchange):
-        params = dict(a2a.params)
-        message = params.get("message")
-        if isinstance(message, dict):
-            kept = {k: v for k, v in message.items() if k not in ("messageId", "metadata")}
-            metadata = message.get("metadata")
-            if isinstance(metadata, dict):
-                metadata = {
-                    k: v for k, v in metadata.items() if k not in a2a_rpc.CHAIN_METADATA_KEYS
-                }
-            if metadata:
-                kept["metadata"] = metadata
-            params["message"] = kept
-        return {"a2a_method": a2a.method, "params": params}
+        return a2a_rpc.said(a2a)
     body = request.body.model_dump() if request.body is not None else None
     return {"parameters": request.parameters, "query": request.query, "body": body}
 

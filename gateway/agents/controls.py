@@ -389,6 +389,7 @@ class Controls:
         target: str,
         request: ExternalCallRequest,
         exchange: McpExchange | None,
+        a2a: Any = None,
     ) -> list[str] | None:
         """:meth:`check` without a coroutine when no tool cap is set and the breaker is
         off (the stop switch alone) or counts the call here
@@ -401,7 +402,7 @@ class Controls:
         spec = self.repeats.spec
         if spec is None:  # the stop switch alone
             return []
-        refused = self.repeats.check_here(agent, target, request, exchange)
+        refused = self.repeats.check_here(agent, target, request, exchange, a2a)
         if refused is None:
             return None
         if refused and spec.mode == "enforce":
@@ -414,6 +415,7 @@ class Controls:
         target: str,
         request: ExternalCallRequest,
         exchange: McpExchange | None,
+        a2a: Any = None,
     ) -> list[str]:
         """Before any I/O of a call: raise AGENT_STOPPED when a stop holds it, REPEATED_CALL
         when the breaker (``mode: enforce``) refuses it, BUDGET_EXCEEDED when a tool cap
@@ -424,9 +426,10 @@ class Controls:
         shadow = []
         spec = self.repeats.spec
         if spec is not None:  # off by default: no fingerprint to compute
-            refused = self.repeats.check_here(agent, target, request, exchange)
+            refused = self.repeats.check_here(agent, target, request, exchange, a2a)
             if refused is None:  # not a plain HTTP call counted here: its canonical JSON
-                refused = await self.repeats.check(agent, operations(target, request, exchange))
+                ops = operations(target, request, exchange, a2a)
+                refused = await self.repeats.check(agent, ops)
             if refused and spec.mode == "enforce":
                 raise refused[0]
             if refused:

@@ -44,13 +44,14 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from gateway.errors import CapacityExceeded, RepeatedCall
 from gateway.fastjson import sorted_text
 from gateway.idempotency.keys import canonical_json, fingerprinted
 from gateway.policy.controls import RepeatedCallsSpec
 from gateway.policy.egress import endpoint_name
+from gateway.providers.a2a import A2aExchange, said
 
 if TYPE_CHECKING:
     from gateway.envelope import ExternalCallRequest
@@ -99,11 +100,17 @@ class Operation:
 
 
 def operations(
-    target: str, request: ExternalCallRequest, exchange: McpExchange | None
+    target: str, request: ExternalCallRequest, exchange: McpExchange | None, a2a: Any = None
 ) -> list[Operation]:
     """The operations a call is counted as: one per ``tools/call`` of an MCP request
-    (none for protocol traffic), else one for the HTTP request (canonical as the
-    idempotency fingerprint's, :func:`gateway.idempotency.keys.fingerprinted`)."""
+    (none for protocol traffic), one for an A2A JSON-RPC request (``a2a``, its exchange:
+    what it says, :func:`gateway.providers.a2a.said`; none for a card fetch, protocol
+    traffic too), else one for the HTTP request (canonical as the idempotency
+    fingerprint's, :func:`gateway.idempotency.keys.fingerprinted`)."""
+    if a2a is not None:
+        if not isinstance(a2a, A2aExchange):
+            return []  # an Agent Card fetch: every client makes one
+        return [Operation(a2a.method, canonical_json(["a2a", target, said(a2a)]))]
     if exchange is not None:
         found = []
         for message in exchange.requests:
@@ -188,13 +195,14 @@ class RepeatedCalls:
         target: str,
         request: ExternalCallRequest,
         exchange: McpExchange | None,
+        a2a: Any = None,
     ) -> tuple[RepeatedCall, ...] | None:
         """:meth:`check` of the call's one operation without its canonical JSON, for a
         local count of an HTTP call with neither ``query`` nor ``body``: keyed by the
         agent, the target and the BLAKE2b-256 of the sorted text of its parameters
         (:func:`gateway.fastjson.sorted_text`; a JSON text has one end and holds no raw
         NUL, so the NUL-separated method and endpoint after it are told apart). None
-        when it does not apply (cluster scope, an MCP exchange, a query or a body,
+        when it does not apply (cluster scope, an MCP or A2A exchange, a query or a body,
         parameters orjson cannot name exactly): the caller then awaits :meth:`check` of
         :func:`operations`."""
         spec = self.spec
@@ -204,6 +212,7 @@ class RepeatedCalls:
             or exchange is not None
             or request.body is not None
             or request.query
+            or a2a is not None
         ):
             return None
         name = endpoint_name(request.endpoint)

@@ -268,9 +268,9 @@ class Pipeline:
             request, decision = _ruled(policy, request, decision, ctx)  # model, group
             # Stop switch and repeated-call breaker: before any I/O (AGENT_STOPPED...).
             controls, name = self.controls, decision.target.name
-            shadow = controls.check_here(ctx.agent_id, name, request, ctx.mcp)  # no coroutine
+            shadow = controls.check_here(ctx.agent_id, name, request, ctx.mcp, ctx.a2a)
             if shadow is None:  # a tool cap, or counted by its canonical JSON, maybe in Redis
-                shadow = await controls.check(ctx.agent_id, name, request, ctx.mcp)
+                shadow = await controls.check(ctx.agent_id, name, request, ctx.mcp, ctx.a2a)
             ctx.allowed(shadow, decision.shadow_rule)
             # The envelope's timeout, or the chain's deadline when that comes first.
             deadline = min(ctx.started + request.timeout, time.monotonic() + chained.remaining_s)

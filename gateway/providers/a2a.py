@@ -166,6 +166,23 @@ def method_refusal(spec: A2aSpec, method: str) -> str | None:
     return None
 
 
+def said(exchange: A2aExchange) -> dict[str, Any]:
+    """What a request says, as a person reads it (an approval) and as the repeated-call
+    breaker counts it: its method and params, less what changes on every send (the
+    JSON-RPC id, the message's id, the call chain in the message's ``metadata``)."""
+    params = dict(exchange.params)
+    message = params.get("message")
+    if isinstance(message, dict):
+        kept = {k: v for k, v in message.items() if k not in ("messageId", "metadata")}
+        metadata = message.get("metadata")
+        if isinstance(metadata, dict):
+            metadata = {k: v for k, v in metadata.items() if k not in CHAIN_METADATA_KEYS}
+        if metadata:
+            kept["metadata"] = metadata
+        params["message"] = kept
+    return {"a2a_method": exchange.method, "params": params}
+
+
 def with_chain(exchange: A2aExchange, headers: dict[str, str]) -> dict[str, Any] | None:
     """The request with the chain ``headers`` in its message's ``metadata`` (what the
     agent's own ``metadata`` said of the chain replaced), or None when it sends no message."""
