@@ -546,3 +546,48 @@ async def test_an_envelope_stream_is_refused_before_its_first_event(make_stack) 
     assert status == 502
     assert answer["error"]["details"]["reason"] == "model_drift"
     assert up.hits == 2
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "gemini-2.5-pro%3AgenerateContent",  # the upstream reads %3A as ':'
+        "gemini-2.5-pro%3agenerateContent",
+        "%67emini-2.5-pro:generateContent",  # an escaped letter: the same model
+    ],
+)
+async def test_a_gemini_model_spelt_with_escapes_is_still_checked(make_stack, path: str) -> None:
+    up, _, sc = await make_stack()
+    async with sc.session.post(
+        f"{sc.url}/proxy/gemini/v1beta/models/{path}", json={"contents": []}
+    ) as resp:
+        status, body = resp.status, await resp.json()
+    assert status == 403, body
+    assert up.hits == 0
+    [record] = sc.audit_records()
+    assert record["model_requested"] == "gemini-2.5-pro"
+
+
+async def test_a_pinned_gemini_alias_spelt_with_escapes_is_sent_pinned(make_stack) -> None:
+    up, _, sc = await make_stack()
+    async with sc.session.post(
+        f"{sc.url}/proxy/gemini/v1beta/models/gemini-flash%3AgenerateContent",
+        json={"contents": [{"role": "user", "parts": [{"text": "ping"}]}]},
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+    assert up.seen[0].path == f"/gemini/v1beta/models/{GEMINI}:generateContent"
+
+
+async def test_an_envelope_naming_a_gemini_model_with_escapes_is_still_checked(make_stack) -> None:
+    up, _, sc = await make_stack()
+    status, answer = await sc.call(
+        envelope(
+            target_system="gemini",
+            endpoint="/v1beta/models/gemini-2.5-pro%3AgenerateContent",
+            parameters={"contents": []},
+            api_key_ref=None,
+        )
+    )
+    assert status == 403, answer
+    assert answer["error"]["details"]["reason"] == "model_not_allowed"
+    assert up.hits == 0

@@ -77,6 +77,10 @@ def checked(
     rules = rules_for(policy, decision, agent_id)
     if not rules:
         return Checked(request, decision, None)
+    plain = egress_rules.unescaped_path(request.endpoint)
+    if plain != request.endpoint:  # "models/x%3AgenerateContent" names model x too: sent so
+        request = request.model_copy(update={"endpoint": plain})
+        decision = egress_rules.decide(policy, request)
     usage = decision.target.spec.usage
     requested = providers.request_model(usage, request.endpoint, request.parameters)
     if requested is None:

@@ -504,3 +504,18 @@ def endpoint_name(endpoint: str) -> str:
 def _normal_escape(match: re.Match[str]) -> str:
     char = chr(int(match.group(1), 16))
     return char if char in _UNRESERVED else "%" + match.group(1).upper()
+
+
+def unescaped_path(endpoint: str) -> str:
+    """``endpoint`` with the escapes of unreserved characters and of ``:`` decoded (a
+    path segment may hold ``:`` as it is, RFC 3986, section 3.3): what an upstream reads
+    it as, spelt so that a provider's path rules (a Gemini ``models/{model}:{method}``)
+    read it alike; sent as such. Other escapes are kept."""
+    if "%" not in endpoint:
+        return endpoint
+    return _ESCAPE.sub(_path_escape, endpoint)
+
+
+def _path_escape(match: re.Match[str]) -> str:
+    char = chr(int(match.group(1), 16))
+    return char if char in _UNRESERVED or char == ":" else match.group(0)
