@@ -47,6 +47,7 @@ from typing import Final
 import aiohttp
 from aiohttp.abc import AbstractResolver, AbstractStreamWriter
 from aiohttp.connector import Connection
+from aiohttp.tracing import Trace
 
 from gateway import __version__
 from gateway.errors import CapacityExceeded, PermissionDenied
@@ -109,6 +110,8 @@ class _SlicedBytes(aiohttp.payload.Payload):
                 await writer.write(view[start : min(start + _SLICE_BYTES, end)])
 
 
+#: Pooled connections :class:`_PooledConnector` closes, at most, before one attempt.
+_MAX_STALE_SKIPS: Final = 1024
 _MAX_ALLOWED_HOSTS: Final = 1024  # hosts come from the policy; this only bounds reloads
 
 
@@ -125,6 +128,34 @@ class _Attempt:
 
 #: The attempt the current task is sending (set by :meth:`Upstream.send`).
 _ATTEMPT: ContextVar[_Attempt | None] = ContextVar("egress_attempt", default=None)
+
+
+class _PooledConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, never handing out a pooled connection that holds bytes its
+    upstream sent after its last answer ended (a whole message, or bytes past it: the
+    protocol's ``should_close``). HTTP/1.1 pairs answers with requests by their order on
+    the connection only (RFC 9112 section 9.3): such bytes would be read as the next
+    call's answer (another call's body, or a 408 that some servers send before closing
+    an idle connection while the request it was taken for is carried out) and shift
+    every later answer on it by one. Go's client closes such a connection too
+    ("Unsolicited response received on idle HTTP channel"). aiohttp checks this only
+    when it pools a connection, not for bytes arriving while it waits in the pool."""
+
+    async def connect(
+        self,
+        req: aiohttp.ClientRequest,
+        traces: list[Trace],
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's signature
+    ) -> Connection:
+        # Each connection closed here leaves the pool for good and a new one holds no
+        # bytes, so this ends within the pool's size (bounded by the target's slots).
+        for _ in range(_MAX_STALE_SKIPS):
+            conn = await super().connect(req, traces, timeout)
+            protocol = conn.protocol
+            if protocol is None or not protocol.should_close:
+                return conn
+            conn.close()
+        raise aiohttp.ClientConnectionError("no pooled connection free of stray bytes")
 
 
 class _MarkingRequest(aiohttp.ClientRequest):
@@ -200,7 +231,7 @@ class Upstream:
         return self._session is None and not self._users
 
     def _new_session(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
+        connector = _PooledConnector(
             resolver=self._resolver,
             # Uncapped: each target's slots (send()) bound its connections, with a
             # bounded, counted wait instead of aiohttp's silent queue.
