@@ -130,7 +130,13 @@ async def relay_stream(
                 try:
                     chunk = await stream.read()
                 except TransportError as exc:
-                    raise _reset(judge, exc) from None
+                    if not judge.marked_complete:
+                        raise _reset(judge, exc) from None
+                    # Broken after the terminal marker: complete, as an assembled stream
+                    # is judged (the agent has the whole answer); a half event after the
+                    # marker is dropped, never relayed.
+                    tail, held = _ungated(done, judge), bytearray()
+                    break
                 if not chunk:
                     tail = _ended(decoder, judge, done)
                     break

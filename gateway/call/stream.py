@@ -154,6 +154,18 @@ class StreamJudge:
             kept.append(data)
         return data
 
+    @property
+    def marked_complete(self) -> bool:
+        """The provider's terminal marker arrived with no error or malformed event before
+        it: the stream is whole, whatever its framing does next (never for a target
+        without a dialect, which is judged by its framing)."""
+        return (
+            self.complete
+            and self._dialect is not None
+            and self.failure is None
+            and not self.malformed
+        )
+
     def usage(self) -> TokenUsage | None:
         """The usage the stream reported so far (None when it reported none)."""
         if self._dialect is None or not self._usage_events:
@@ -228,7 +240,7 @@ def judge_body(
         error = judge.verdict(status=status)
         # The connection broke: cut, unless the provider's terminal marker had arrived
         # (targets without a dialect are judged by framing, and this framing failed).
-        if error is None and cut and (provider not in DIALECTS or not judge.complete):
+        if error is None and cut and not judge.marked_complete:
             error = StreamInterrupted(
                 f"the stream from target {target!r} was cut after {judge.events} events "
                 "(the connection broke)",
