@@ -130,12 +130,7 @@ async def relay_stream(
                 try:
                     chunk = await stream.read()
                 except TransportError as exc:
-                    if not judge.marked_complete:
-                        raise _reset(judge, exc) from None
-                    # Broken after the terminal marker: complete, as an assembled stream
-                    # is judged (the agent has the whole answer); a half event after the
-                    # marker is dropped, never relayed.
-                    tail, held = _ungated(done, judge), bytearray()
+                    tail, held = _broken(done, exc), bytearray()  # a half event dropped
                     break
                 if not chunk:
                     tail = _ended(decoder, judge, done)
@@ -320,6 +315,15 @@ async def _send_last(
                 await _send(relay, done, data, started)
         except TimeoutError:
             raise _stalled(done.judge) from None
+
+
+def _broken(done: Relayed, exc: TransportError) -> bytearray:
+    """The upstream's connection broke: STREAM_INTERRUPTED, unless the terminal marker
+    had arrived; then the stream is complete, as an assembled one is judged (the agent
+    has the whole answer), and the events a gate held are returned."""
+    if not done.judge.marked_complete:
+        raise _reset(done.judge, exc) from None
+    return _ungated(done, done.judge)
 
 
 def _reset(judge: StreamJudge, exc: TransportError) -> GatewayError:
