@@ -5,8 +5,9 @@ closed at once when the agent hangs up). Beside it the helpers :class:`Upstream
 <gateway.upstream.client.Upstream>` reads every answer with: :class:`CutStream` (a 2xx
 stream whose connection broke mid-way, with what arrived), :func:`protocol_switch` (a
 101, dropped unread), :func:`escaped` (a header value as writable text),
-:func:`is_event_stream`, and :func:`too_large` (the RESPONSE_TOO_LARGE of a body past
-``server.max_response_bytes``).
+:func:`is_event_stream`, :func:`too_large` (the RESPONSE_TOO_LARGE of a body past
+``server.max_response_bytes``), :func:`unreadable` (the DEPENDENCY_FAILED of a body whose
+coding cannot be undone) and :func:`not_what_its_coding_says` (aiohttp failed to undo it).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import time
 from collections.abc import Callable
 
 import aiohttp
+from aiohttp.http_exceptions import ContentEncodingError
 
-from gateway.errors import ResponseTooLarge
+from gateway.errors import DependencyFailed, ResponseTooLarge
 from gateway.policy.egress import origin_label
 from gateway.upstream.types import TransportError, UpstreamResponse
 from gateway.urls import URL
@@ -89,6 +91,9 @@ class UpstreamStream:
         try:
             chunk = await resp.content.readany()
         except aiohttp.ClientError as exc:
+            if not_what_its_coding_says(exc):
+                coding = ", ".join(resp.headers.getall("Content-Encoding", ()))
+                raise unreadable(self._origin, coding, resp.status) from None
             raise TransportError(
                 "reset", sent=True, message=f"{self._origin} closed the stream mid-way"
             ) from exc
@@ -105,6 +110,28 @@ class UpstreamStream:
         else:
             resp.close()  # not read to its end: the connection cannot be reused
         self._done()
+
+
+def not_what_its_coding_says(exc: aiohttp.ClientError) -> bool:
+    """Whether ``exc`` (raised reading a body) is aiohttp failing to undo the body's
+    ``Content-Encoding`` (labelled gzip and sent plain, a gzip stream that turns to
+    garbage): the upstream's fault, the same on every resend, not a broken connection."""
+    return isinstance(exc.__cause__, ContentEncodingError)
+
+
+def unreadable(url: URL | str, coding: str, status: int) -> DependencyFailed:
+    """The refusal of an answer whose ``Content-Encoding`` the sidecar cannot undo (or
+    whose body is not what it says): it could not be scrubbed, so it is not passed on.
+    Not retried: the upstream would send it coded the same way. ``url`` is the
+    upstream's URL or its origin label."""
+    origin = url if isinstance(url, str) else origin_label(url)
+    return DependencyFailed(
+        f"{origin} answered in a Content-Encoding the sidecar cannot decode "
+        f"({coding[:64]!r}): its body cannot be scrubbed, so it is not passed on",
+        details={"reason": "content_encoding", "content_encoding": coding[:64]},
+        status_code=status,
+        retryable=False,
+    )
 
 
 def too_large(url: URL, limit: int, status: int) -> ResponseTooLarge:

@@ -58,10 +58,12 @@ from gateway.upstream.answers import (
     UpstreamStream,
     escaped,
     is_event_stream,
+    not_what_its_coding_says,
     protocol_switch,
     too_large,
+    unreadable,
 )
-from gateway.upstream.codings import decoded, left_on_body, unreadable
+from gateway.upstream.codings import decoded, left_on_body
 from gateway.upstream.failures import translate
 from gateway.upstream.resolver import EgressResolver
 from gateway.upstream.slots import Slots
@@ -511,7 +513,10 @@ class Upstream:
                 buf += chunk
                 if len(buf) > limit:
                     raise too_large(url, limit, resp.status)
-        except aiohttp.ClientPayloadError:
+        except aiohttp.ClientPayloadError as exc:
+            if not_what_its_coding_says(exc):
+                coding = ", ".join(resp.headers.getall("Content-Encoding"))
+                raise unreadable(url, coding, resp.status) from None
             if resp.status < 300 and is_event_stream(resp):
                 if "Content-Encoding" in resp.headers and left_on_body(resp.headers) != ():
                     # Part of a coded body cannot be undone, so it cannot be scrubbed.

@@ -15,9 +15,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Final
 
-from gateway.errors import DependencyFailed
-from gateway.policy.egress import origin_label
-from gateway.upstream.answers import too_large
+from gateway.upstream.answers import too_large, unreadable
 from gateway.urls import URL
 
 #: The codings aiohttp's client undoes itself (its ``http_parser``: the one
@@ -91,16 +89,3 @@ def _inflate(body: bytes, wbits: int, limit: int, url: URL, status: int) -> byte
         # not all of it undone, so it is not passed on.
         raise zlib.error("not one whole coded body")
     return out
-
-
-def unreadable(url: URL, coding: str, status: int) -> DependencyFailed:
-    """The refusal of an answer whose ``Content-Encoding`` the sidecar cannot undo (or
-    whose body is not what it says): it could not be scrubbed, so it is not passed on.
-    Not retried: the upstream would send it coded the same way."""
-    return DependencyFailed(
-        f"{origin_label(url)} answered in a Content-Encoding the sidecar cannot decode "
-        f"({coding[:64]!r}): its body cannot be scrubbed, so it is not passed on",
-        details={"reason": "content_encoding", "content_encoding": coding[:64]},
-        status_code=status,
-        retryable=False,
-    )
