@@ -99,6 +99,7 @@ def _json_errors(
             if not response.prepared:  # a whole answer (a stream wrote itself)
                 timeout_s = request.app.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
                 response = await writer.deliver(request, response, timeout_s)
+            _closing_after_upgrade(request, response)
             return response
         finally:
             if charge is not None:  # the answer is written: its body's bytes are free again
@@ -107,6 +108,16 @@ def _json_errors(
             waiting.release()
 
     return json_errors
+
+
+def _closing_after_upgrade(request: web.Request, response: web.StreamResponse) -> None:
+    """Close the connection after ``response`` (written) when its request asked to switch
+    protocols (``Upgrade``; the sidecar switches to none, RFC 9110 section 7.8): aiohttp's
+    parser stops reading HTTP after such a request, so a request pipelined behind it was
+    neither forwarded nor answered, its agent left waiting for the keep-alive timeout.
+    The close tells the agent at once (nothing behind it was forwarded)."""
+    if "Upgrade" in request.headers:
+        response.force_close()
 
 
 def _route_error(request: web.Request, exc: web.HTTPException, started: float) -> web.Response:
