@@ -172,6 +172,14 @@ class _MarkingRequest(aiohttp.ClientRequest):
         return await super().send(conn)
 
 
+def _may_stream(method: str, resp: aiohttp.ClientResponse) -> bool:
+    """Whether ``resp`` is a 2xx event stream to relay as it arrives: not an answer that
+    has no body by definition (to a HEAD, RFC 9110 section 9.3.2, whose headers are a
+    GET's; a 204), which has no events to relay and is judged read whole."""
+    status = resp.status
+    return status < 300 and status != 204 and method != "HEAD" and is_event_stream(resp)
+
+
 def _refuse_coded_stream(resp: aiohttp.ClientResponse, url: URL) -> None:
     """Raise DEPENDENCY_FAILED (:func:`gateway.upstream.codings.unreadable`) for a 2xx
     event stream with a content coding aiohttp left on it, closing it unread: a stream
@@ -371,7 +379,7 @@ class Upstream:
                 state.answered = True
                 if resp.status < 200:
                     return protocol_switch(resp, started)
-                if stream and resp.status < 300 and is_event_stream(resp):
+                if stream and _may_stream(method, resp):
                     _refuse_coded_stream(resp, url)
                     return self._streamed(session, resp, url, started, state)
                 async with resp:
