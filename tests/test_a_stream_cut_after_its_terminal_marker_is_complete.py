@@ -1,19 +1,22 @@
 """A stream whose connection breaks after the provider's terminal marker arrived (no last
-chunk, a reset) is complete: success is decided by the stream, not by the HTTP framing,
-whether the stream is relayed (the envelope route with ``Accept: text/event-stream``,
-the drop-in route) or assembled. The agent already has the whole answer; telling it
-STREAM_INTERRUPTED (retryable) would have it pay for the answer twice. A break before
-the marker stays STREAM_INTERRUPTED on every path.
+chunk, a reset), or whose upstream then falls silent without ending it, is complete:
+success is decided by the stream, not by the HTTP framing, whether the stream is relayed
+(the envelope route with ``Accept: text/event-stream``, the drop-in route) or assembled.
+The agent already has the whole answer; telling it STREAM_INTERRUPTED (retryable) would
+have it pay for the answer twice. A break or silence before the marker stays
+STREAM_INTERRUPTED on every path.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from tests.conftest import compile_policy, envelope, openai_target
+from tests.conftest import RULED_OUT_S, SOON_S, compile_policy, envelope, openai_target
 from tests.test_stream_relay import STREAM_ENV, _final
 from tests.test_streams import A_DELTA, A_MSG_DELTA, A_START, A_STOP, CHAT_USAGE, chat, sse
 
@@ -89,5 +92,60 @@ async def test_a_break_after_the_terminal_marker_is_a_complete_stream(
             assert b"STREAM_INTERRUPTED" in raw[len(body) :]
     assert code == (None if marker else "STREAM_INTERRUPTED")
     assert up.hits == 1
+    [record] = sc.audit_records()
+    assert record["error_code"] == code
+
+
+def _stalling(body: bytes, never: asyncio.Event) -> Any:
+    """Streams ``body`` in one chunk, then holds the connection open, silent."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(body)
+        await never.wait()
+        return resp
+
+    return handler
+
+
+@pytest.mark.parametrize("marker", [True, False], ids=["after-marker", "before-marker"])
+@pytest.mark.parametrize("dialect", list(BODIES))
+@pytest.mark.parametrize("way", ["relayed", "drop-in"])
+async def test_a_silence_after_the_terminal_marker_ends_a_complete_stream(
+    upstream_factory: Any, sidecar_factory: Any, way: str, dialect: str, marker: bool
+) -> None:
+    """The upstream sent its marker and then nothing, its response never ended: the
+    stream ends complete at the idle bound, not STREAM_INTERRUPTED ``idle_timeout``."""
+    whole, cut, path = BODIES[dialect]
+    body = whole if marker else cut
+    never = asyncio.Event()
+    up = await upstream_factory(_stalling(body, never))
+    target = openai_target(
+        up.url,
+        usage=dialect,
+        endpoints=[{"path": path, "methods": ["POST"]}],
+        stream_idle_timeout_s=0.2,
+    )
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    env = envelope(endpoint=path, max_retries=0, timeout=RULED_OUT_S)
+    params = {**STREAM_ENV["parameters"]}
+    started = time.monotonic()
+    if way == "relayed":
+        headers = {"Accept": "text/event-stream"}
+        env["parameters"] = params
+        async with sc.session.post(sc.url + "/v1/calls", json=env, headers=headers) as resp:
+            raw = await resp.read()
+        final = _final(raw)
+        code = None if final["success"] else final["error"]["code"]
+    else:
+        url = f"{sc.url}/proxy/fake-openai{path}"
+        headers = {"x-egress-timeout": str(RULED_OUT_S)}
+        async with sc.session.post(url, json=params, headers=headers) as resp:
+            raw = await resp.read()
+        code = None if raw == body else "STREAM_INTERRUPTED"
+    assert time.monotonic() - started < SOON_S  # the idle bound, not the deadline
+    assert raw.startswith(body)
+    assert code == (None if marker else "STREAM_INTERRUPTED")
     [record] = sc.audit_records()
     assert record["error_code"] == code

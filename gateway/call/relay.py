@@ -163,9 +163,8 @@ async def relay_stream(
         except asyncio.CancelledError:
             if not dog.expired():
                 raise
-            raise _timed_out(
-                judge, dog.sending, dog.at_deadline, idle_timeout_s, first, first_event_timeout_s
-            ) from None
+            tail = _after_timer(done, dog, idle_timeout_s, first, first_event_timeout_s)
+            held = bytearray()  # a half event after the marker is dropped
         finally:
             dog.close()
     finally:
@@ -248,6 +247,25 @@ class _Watchdog:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+def _after_timer(
+    done: Relayed,
+    dog: _Watchdog,
+    idle_timeout_s: float,
+    first: bool,
+    first_event_timeout_s: float | None,
+) -> bytearray:
+    """The relay's timer went off: raise the error it means (:func:`_timed_out`), unless
+    the terminal marker had arrived and no write to the agent was waiting: then the
+    stream is whole (its upstream fell silent after the marker without ending its
+    response), and the events a gate held are returned."""
+    judge = done.judge
+    if dog.sending or not judge.marked_complete:
+        raise _timed_out(
+            judge, dog.sending, dog.at_deadline, idle_timeout_s, first, first_event_timeout_s
+        ) from None
+    return _ungated(done, judge)
 
 
 def _timed_out(
