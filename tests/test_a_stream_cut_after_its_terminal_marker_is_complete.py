@@ -149,3 +149,37 @@ async def test_a_silence_after_the_terminal_marker_ends_a_complete_stream(
     assert code == (None if marker else "STREAM_INTERRUPTED")
     [record] = sc.audit_records()
     assert record["error_code"] == code
+
+
+@pytest.mark.parametrize("marker", [True, False], ids=["after-marker", "before-marker"])
+@pytest.mark.parametrize("dialect", list(BODIES))
+async def test_an_assembled_stream_silent_after_its_marker_is_a_success_at_the_idle_bound(
+    upstream_factory: Any, sidecar_factory: Any, dialect: str, marker: bool
+) -> None:
+    """Without ``Accept: text/event-stream`` the stream is assembled; the gaps between
+    its chunks are bounded by ``stream_idle_timeout_s`` as a relayed one's are: silence
+    after the marker is a success, before it STREAM_INTERRUPTED, both at that bound, not
+    OUTCOME_UNKNOWN at the deadline with the answer lost."""
+    whole, cut, path = BODIES[dialect]
+    never = asyncio.Event()
+    up = await upstream_factory(_stalling(whole if marker else cut, never))
+    target = openai_target(
+        up.url,
+        usage=dialect,
+        endpoints=[{"path": path, "methods": ["POST"]}],
+        stream_idle_timeout_s=0.2,
+    )
+    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    env = envelope(
+        endpoint=path, max_retries=0, timeout=RULED_OUT_S, parameters=STREAM_ENV["parameters"]
+    )
+    started = time.monotonic()
+    status, answer = await sc.call(env)
+    assert time.monotonic() - started < SOON_S  # the idle bound, not the deadline
+    assert (status == 200) is marker, answer
+    if not marker:
+        assert answer["error"]["code"] == "STREAM_INTERRUPTED"
+        assert answer["error"]["details"]["reason"] == "idle_timeout"
+    assert up.hits == 1
+    [record] = sc.audit_records()
+    assert record["error_code"] == (None if marker else "STREAM_INTERRUPTED")

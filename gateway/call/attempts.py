@@ -263,6 +263,7 @@ class Attempts:
                 answer.body,
                 answer.status,
                 cut=answer.cut,
+                idle=answer.idle,
                 head=self.request.method == "HEAD",
             )
             if judged is None:

@@ -217,6 +217,7 @@ def judge_body(
     status: int,
     *,
     cut: bool = False,
+    idle: bool = False,
     head: bool = False,
 ) -> tuple[GatewayError | None, Any]:
     """Judge a whole answer ``body``: ``(error or None, its data)``. Only an SSE body is
@@ -224,7 +225,8 @@ def judge_body(
     body gives ``(None, None)`` and is parsed by the caller as usual. An SSE answer that
     ended before its first byte is judged too (no marker: STREAM_INTERRUPTED, however
     its connection ended), unless it has no body by definition (``head``: the answer to
-    a HEAD request; a 204 or 205)."""
+    a HEAD request; a 204 or 205). ``cut``: the body's connection broke, or it fell
+    silent past the idle bound (``idle``)."""
     if not body and not cut and (head or status in (204, 205)):
         return None, None
     mtype = media_type(content_type)
@@ -238,16 +240,19 @@ def judge_body(
         for event in decode_all(body, len(body) + 1):
             judge.observe(event)
         error = judge.verdict(status=status)
-        # The connection broke: cut, unless the provider's terminal marker had arrived
-        # (targets without a dialect are judged by framing, and this framing failed).
+        # The connection broke or fell silent (``idle``): cut, unless the provider's
+        # terminal marker had arrived (targets without a dialect are judged by framing,
+        # and this framing failed).
+        reason, why = (
+            ("idle_timeout", "it fell silent") if idle else ("reset", "the connection broke")
+        )
         if error is None and cut and not judge.marked_complete:
             error = StreamInterrupted(
-                f"the stream from target {target!r} was cut after {judge.events} events "
-                "(the connection broke)",
-                details={"reason": "reset", "target": target, "events": judge.events},
+                f"the stream from target {target!r} was cut after {judge.events} events ({why})",
+                details={"reason": reason, "target": target, "events": judge.events},
             )
         elif cut and isinstance(error, StreamInterrupted):
-            error.details["reason"] = "reset"  # more than no marker: the connection broke
+            error.details["reason"] = reason  # more than no marker: the connection broke
         data = parse_sse(body) if error is not None else None
     elif provider == "gemini" and body[:1] == b"[" and is_json_type(mtype):
         # streamGenerateContent without alt=sse: a JSON array of chunks, judged as one

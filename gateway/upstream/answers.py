@@ -25,11 +25,13 @@ from gateway.urls import URL
 
 
 class CutStream(Exception):
-    """A 2xx event stream whose connection broke while it was read; ``body`` arrived."""
+    """A 2xx event stream whose connection broke while it was read, or that fell silent
+    for the idle bound (``idle``); ``body`` arrived."""
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, *, idle: bool = False) -> None:
         super().__init__("stream cut")
         self.body = body
+        self.idle = idle
 
 
 def protocol_switch(resp: aiohttp.ClientResponse, started: float) -> UpstreamResponse:

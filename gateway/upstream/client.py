@@ -394,11 +394,8 @@ class Upstream:
                                 body = None
                             state.sent = state.answered = False
                             continue
-                    cut = False
-                    try:
-                        content = await self._read(resp, url)
-                    except CutStream as partial:
-                        content, cut = partial.body, True
+                    idle_s = request.target.spec.stream_idle_timeout_s
+                    content, cut, idle = await self._whole(resp, url, idle_s)
                     return UpstreamResponse(
                         status=resp.status,
                         reason=resp.reason or "",
@@ -407,6 +404,7 @@ class Upstream:
                         body=content,
                         elapsed_s=time.monotonic() - started,
                         cut=cut,
+                        idle=idle,
                     )
             except aiohttp.ClientError as exc:
                 raise translate(exc, url, state, request.target.name) from None
@@ -505,22 +503,45 @@ class Upstream:
 
         return UpstreamStream(resp, origin_label(url), done)
 
-    async def _read(self, resp: aiohttp.ClientResponse, url: URL) -> bytes:
+    async def _whole(
+        self, resp: aiohttp.ClientResponse, url: URL, idle_s: float
+    ) -> tuple[bytes, bool, bool]:
+        """``(body, cut, idle)``: :meth:`_read`'s body, or a cut stream's part."""
+        try:
+            return await self._read(resp, url, idle_s), False, False
+        except CutStream as partial:
+            return partial.body, True, partial.idle
+
+    async def _read(self, resp: aiohttp.ClientResponse, url: URL, idle_s: float) -> bytes:
+        """The body, whole; a 2xx event stream (read whole: the agent asked for no
+        stream) that falls silent for ``idle_s`` (its target's ``stream_idle_timeout_s``,
+        as a relayed one) is :class:`CutStream` with what arrived, judged by its events."""
         limit = self.max_response_bytes
         declared = resp.content_length
+        gap = idle_s if resp.status < 300 and is_event_stream(resp) else None
         if declared is not None:
             if declared > limit:
                 raise too_large(url, limit, resp.status)
-            if "Content-Encoding" not in resp.headers:
+            if "Content-Encoding" not in resp.headers and gap is None:
                 # At most Content-Length bytes, in one read; a compressed body may inflate
                 # past the limit, so it is counted chunk by chunk below.
                 return await resp.read()
         buf = bytearray()
+        content = resp.content
         try:
-            async for chunk in resp.content.iter_chunked(_READ_CHUNK):
+            for _ in range(limit + 1):  # each read brings a byte at least, else ends it
+                if gap is None:  # the usual: no timer per chunk
+                    chunk = await content.read(_READ_CHUNK)
+                else:
+                    async with asyncio.timeout(gap):
+                        chunk = await content.read(_READ_CHUNK)
+                if not chunk:
+                    break
                 buf += chunk
                 if len(buf) > limit:
                     raise too_large(url, limit, resp.status)
+        except TimeoutError:  # only an event stream's gap: the attempt's bound is outside
+            raise CutStream(bytes(buf), idle=True) from None
         except aiohttp.ClientPayloadError as exc:
             if not_what_its_coding_says(exc):
                 coding = ", ".join(resp.headers.getall("Content-Encoding"))

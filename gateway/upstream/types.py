@@ -119,8 +119,10 @@ class UpstreamResponse:
     #: With ``Upstream.send(stream=True)``, a 2xx event stream still to be read (its
     #: ``body`` is then empty): an :class:`gateway.upstream.answers.UpstreamStream`.
     stream: Any = None
-    #: True when ``body`` is a 2xx event stream whose connection broke mid-way.
+    #: True when ``body`` is a 2xx event stream whose connection broke mid-way, or that
+    #: fell silent for its target's ``stream_idle_timeout_s`` (then ``idle`` too).
     cut: bool = False
+    idle: bool = False
 
     def __init__(  # as OutboundRequest's, for the same reason
         self,
@@ -132,6 +134,7 @@ class UpstreamResponse:
         elapsed_s: float,
         stream: Any = None,
         cut: bool = False,
+        idle: bool = False,
     ) -> None:
         s = _RESPONSE_SETTERS
         s[0](self, status)
@@ -142,9 +145,10 @@ class UpstreamResponse:
         s[5](self, elapsed_s)
         s[6](self, stream)
         s[7](self, cut)
+        s[8](self, idle)
 
 
 _RESPONSE_SETTERS: Final = _slot_setters(
     UpstreamResponse,
-    ("status", "reason", "headers", "content_type", "body", "elapsed_s", "stream", "cut"),
+    ("status", "reason", "headers", "content_type", "body", "elapsed_s", "stream", "cut", "idle"),
 )
