@@ -112,6 +112,10 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path: Path) -> None:
     called = json.loads(out[out.index('{\n  "success"') :].split("\n}\n")[0] + "\n}")
     assert called["success"] is True
     assert called["trace_id"] == "tr-demo-0001"
+    # `egress-gateway audit show sidecar.log`: one audit record of each call, as a table.
+    rows = [line for line in out.splitlines() if "POST /v1/chat/completions" in line]
+    assert [row.split()[-1] for row in rows] == ["tr-42", "tr-demo-0001"], out
+    assert all(" 200 " in row and " ok " in row for row in rows), rows
 
 
 def test_the_quickstart_policy_shows_each_credential_key() -> None:
