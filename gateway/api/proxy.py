@@ -141,7 +141,7 @@ class _Exchange:
         # The raw path: the endpoint is checked and sent percent-encoded as received.
         raw = incoming.raw_path.split("/", 3)  # "", "proxy", target, rest
         # By position, in the fields' order (method, target, path, query, headers, body):
-        # by keyword, the named tuple's generated __new__ costs ~2,300 instructions more.
+        # by keyword, the named tuple's generated __new__ costs ~2,300-3,100 instructions more.
         request = ProxyRequest(
             incoming.method,
             incoming.route["target"],
