@@ -1,7 +1,8 @@
 """The drop-in route's resource (gateway.api.http.TargetRoute, a prefix and one split)
 matches exactly what aiohttp's own route ``/proxy/{target}/{path:.*}`` matches, with the
 same ``target`` and ``path``: two servers on loopback, one with each, asked the same raw
-request lines."""
+request lines; and the same with shortcuts (the route indexed under whole paths for
+aiohttp's router: some of the paths asked, their parents, a path never asked)."""
 
 from __future__ import annotations
 
@@ -62,10 +63,29 @@ async def _ask(port: int, target: str, method: str) -> tuple[int, object]:
     return status, json.loads(body) if status == 200 else None
 
 
+#: Shortcuts: paths asked (with and without a query), a parent of one, a path no request
+#: names, and ones the router could not look up as written (left out).
+SHORTCUTS = (
+    "/proxy/openai/v1/chat/completions",
+    "/proxy/a/b/c",
+    "/proxy/a/b",
+    "/proxy/openai/v1",
+    "/proxy/other/v1/messages",
+    "/proxy/open%2Fai/v1/x%2Fy",
+    "/proxy/a//b/",
+    "/other/a/b",
+)
+
+
+@pytest.mark.parametrize("shortcuts", [(), SHORTCUTS], ids=["plain", "shortcuts"])
 @pytest.mark.parametrize("method", ["POST", "GET", "DELETE"])
-async def test_the_prefix_route_matches_as_the_pattern_route(method: str) -> None:
+async def test_the_prefix_route_matches_as_the_pattern_route(
+    method: str, shortcuts: tuple[str, ...]
+) -> None:
     ours = web.Application()
-    TargetRoute("/proxy", _echo).register(ours.router)
+    TargetRoute("/proxy", _echo).register(ours.router, shortcuts)
+    # Indexed: the route and one shortcut per path the router can look up as written.
+    assert len(ours.router.resources()) == 1 + (5 if shortcuts else 0)
     theirs = web.Application()
     theirs.router.add_route("*", "/proxy/{target}/{path:.*}", _echo)
     runners = []

@@ -24,7 +24,7 @@ aiohttp: its request is read here (:class:`Incoming`), its answer written by the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, NoReturn, Protocol
 from urllib.parse import unquote
@@ -317,21 +317,36 @@ class TargetRoute(web.AbstractResource):
     pattern matches it (its ``match_info``: ``target`` and ``path``, ``%2F`` and ``%25``
     decoded; no match for an empty target, one holding ``{`` or ``}``, a path holding a
     line feed), without its regular expression: a prefix compared and one split, per
-    request of the drop-in route. ``register(router)`` adds it."""
+    request of the drop-in route. ``register(router, shortcuts)`` adds it.
 
-    def __init__(self, prefix: str, handler: Handler) -> None:
+    aiohttp's router looks a request's path up in its index of resources, then each of
+    its parents in turn (``/proxy/openai/v1/chat/completions``, ``.../v1/chat``... up to
+    ``/proxy``, where this route is indexed): ~8,000 instructions for an SDK's
+    five-segment path (callgrind). A shortcut is this same route indexed under one whole
+    path (``indexed``, e.g. a policy endpoint's ``/proxy/openai/v1/chat/completions``),
+    so that a request for it is matched at the first look-up; it matches what this route
+    matches, whatever the path (a path it does not index still reaches ``/proxy``)."""
+
+    def __init__(self, prefix: str, handler: Handler, *, indexed: str | None = None) -> None:
         super().__init__()
         self._prefix = prefix
         self._under = prefix + "/"
+        self._indexed = indexed
         self._route = web.ResourceRoute("*", handler, self)
         self._methods: Final = {"*"}
 
-    def register(self, router: web.UrlDispatcher) -> None:
+    def register(self, router: web.UrlDispatcher, shortcuts: Iterable[str] = ()) -> None:
+        """Add this route to ``router``, and a shortcut for each path of ``shortcuts``
+        under the prefix (others are left out: their own look-up would not find them)."""
         router.register_resource(self)
+        handler = self._route.handler
+        for path in shortcuts:
+            if path.startswith(self._under) and _indexable(path):
+                router.register_resource(TargetRoute(self._prefix, handler, indexed=path))
 
     @property
     def canonical(self) -> str:
-        return self._prefix + "/{target}/{path}"
+        return self._indexed or self._prefix + "/{target}/{path}"
 
     def url_for(self, **parts: str) -> NoReturn:
         raise NotImplementedError("the drop-in route is matched, never built")
@@ -353,6 +368,8 @@ class TargetRoute(web.AbstractResource):
     def add_prefix(self, prefix: str) -> None:
         self._prefix = prefix + self._prefix
         self._under = self._prefix + "/"
+        if self._indexed is not None:
+            self._indexed = prefix + self._indexed
 
     def get_info(self) -> dict[str, str]:  # type: ignore[override]
         return {"prefix": self._prefix}
@@ -365,6 +382,19 @@ class TargetRoute(web.AbstractResource):
 
     def __iter__(self) -> Iterator[web.AbstractRoute]:
         return iter((self._route,))
+
+
+def _indexable(path: str) -> bool:
+    """Whether aiohttp's router would look ``path`` up as it is: printable ASCII without
+    ``%`` (a request's path is looked up decoded), ``{``, ``}`` (a pattern's marks) or a
+    final ``/`` (index keys have none), and a target and a rest after the prefix."""
+    return (
+        path.isascii()
+        and path.isprintable()
+        and not any(mark in path for mark in "%{}? #")
+        and not path.endswith("/")
+        and path.count("/") >= 3
+    )
 
 
 # -- reading a request's body ---------------------------------------------------------

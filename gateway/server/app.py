@@ -194,7 +194,8 @@ def create_app(
     app[BUDGET_LIMIT_KEY] = limit_now
     app.on_response_prepare.append(http.close_if_asked)
     app.router.add_post(CALLS_PATH, envelope.handler(gateway))
-    http.TargetRoute(proxy.PREFIX, proxy.handler(gateway)).register(app.router)
+    drop_in = http.TargetRoute(proxy.PREFIX, proxy.handler(gateway))
+    drop_in.register(app.router, proxy.shortcuts(gateway.policy))
     app.router.add_route("*", mcp.MCP_ROUTE, mcp.handler(gateway))
     app.router.add_route("*", a2a.INBOUND_ROUTE, a2a.inbound_handler(gateway))  # before a target's
     app.router.add_route("*", a2a.A2A_ROUTE, a2a.handler(gateway))
