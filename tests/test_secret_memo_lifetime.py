@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from gateway.secrets import Secret
@@ -24,6 +26,18 @@ def _secrets() -> list[weakref.ref[Secret]]:
 
 async def _ok(_: web.Request) -> web.Response:
     return web.json_response({"choices": [], "usage": {"total_tokens": 1}})
+
+
+@pytest.fixture(autouse=True)
+def _only_the_tests_objects() -> Iterator[None]:
+    """What the process held before the test is frozen (gc.freeze): gc.collect() and
+    gc.get_objects() then go over what the test made, which holds every Secret of KEY (set
+    in the test), not over the heap of the whole suite's imports (a second a collection)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 async def _used_once(upstream_factory: Any, sidecar_factory: Any, monkeypatch: Any) -> Any:
