@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,16 +27,7 @@ async def _ok(_: web.Request) -> web.Response:
     return web.json_response({"choices": [], "usage": {"total_tokens": 1}})
 
 
-@pytest.fixture(autouse=True)
-def _only_the_tests_objects() -> Iterator[None]:
-    """What the process held before the test is frozen (gc.freeze): gc.collect() and
-    gc.get_objects() then go over what the test made, which holds every Secret of KEY (set
-    in the test), not over the heap of the whole suite's imports (a second a collection)."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+pytestmark = pytest.mark.usefixtures("frozen_heap")
 
 
 async def _used_once(upstream_factory: Any, sidecar_factory: Any, monkeypatch: Any) -> Any:
