@@ -6,9 +6,10 @@ handler the test gives. ``Sidecar`` runs the real application (``gateway.server`
 loopback port and captures everything the sidecar writes (audit records and logs).
 
 Fixtures every test module may ask for by name, defined once: ``upstream_factory``,
-``sidecar_factory``; ``switcher`` (an upstream answering 101); ``json_server`` (the MCP
-SDK's server, stateless, answering JSON; one per session); ``chart`` (the Helm chart,
-loaded once per session); ``redis_prefix`` and ``private_redis``
+``sidecar_factory``; ``switcher`` (an upstream answering 101); ``frozen_heap`` (the
+collector sees only the test's objects); ``json_server`` (the MCP SDK's server,
+stateless, answering JSON; one per session); ``chart`` (the Helm chart, loaded once per
+session); ``redis_prefix`` and ``private_redis``
 (:mod:`tests.redis_fixtures`); ``vault_lab`` (OpenBao, one per session:
 :mod:`tests.vault_fixtures`).
 """
@@ -16,6 +17,7 @@ loaded once per session); ``redis_prefix`` and ``private_redis``
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import os
@@ -338,6 +340,18 @@ def chart() -> Iterator[helm.Chart]:
     helm.disable_logging()
     with helm.Chart.load(CHART) as loaded:
         yield loaded
+
+
+@pytest.fixture
+def frozen_heap() -> Iterator[None]:
+    """What the process held before the test is frozen (gc.freeze) until it ends: the
+    test's gc.collect() and gc.get_objects() go over the objects it made, not over the
+    heap of the whole suite's imports (about a second a collection)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class CountWaits:

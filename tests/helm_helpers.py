@@ -4,13 +4,26 @@ every Kubernetes version the chart supports (Chart.yaml: kubeVersion >= 1.29).""
 
 from __future__ import annotations
 
+import functools
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import yaml
+from kubernetes_validate.utils import (
+    SchemaNotFoundError,
+    ValidationError,
+    VersionNotSupportedError,
+    all_versions,
+    latest_version,
+    major_minor,
+    schema_contents,
+)
+from referencing import Registry, Resource
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "egress-gateway"
@@ -21,6 +34,51 @@ KUBE_VERSION = kubernetes_validate.latest_version()
 KUBE_VERSIONS = tuple(f"1.{minor}.0" for minor in range(29, 38))
 
 Manifests = dict[str, list[Any]]
+
+
+@functools.cache
+def _schema_version(desired: str) -> str:
+    """The newest bundled schema version not newer than ``desired``, as the library picks."""
+    if major_minor(desired) > latest_version():
+        raise VersionNotSupportedError(version=major_minor(desired))
+    return [v for v in all_versions() if major_minor(v) <= major_minor(desired)][-1]
+
+
+@functools.cache
+def _definitions(schema_dir: str) -> Resource[Any]:
+    """A version's ``_definitions.json`` (1.8 MB), which the library reads for every
+    document, read once per process."""
+    path = f"kubernetes-json-schema/{schema_dir}/_definitions.json"
+    return Resource.from_contents(schema_contents(path, schema_dir))
+
+
+@functools.cache
+def _validator(schema_dir: str, schema_file: str) -> jsonschema.Draft202012Validator:
+    """The library's validator for one schema file (its registry: the file, then the
+    definitions), made once per process."""
+    schema = schema_contents(f"kubernetes-json-schema/{schema_dir}/{schema_file}", schema_dir)
+    registry: Registry[Any] = Resource.from_contents(schema) @ Registry()
+    registry = _definitions(schema_dir) @ registry
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def validate(doc: dict[str, Any], version: str) -> None:
+    """``kubernetes_validate.validate(doc, version, strict=True)``: the same schema files,
+    validator and errors, each schema loaded once per process (``test_helm.py`` checks
+    that both refuse what one refuses)."""
+    schema_version = _schema_version(version)
+    api_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", doc["apiVersion"])
+    schema_file = f"{doc['kind'].lower()}-{api_version}.json"
+    try:
+        validator = _validator(f"v{schema_version}-local-strict", schema_file)
+    except FileNotFoundError:
+        raise SchemaNotFoundError(
+            version=major_minor(version), kind=doc["kind"], api_version=doc["apiVersion"]
+        ) from None
+    try:
+        validator.validate(doc)
+    except jsonschema.ValidationError as error:
+        raise ValidationError(error, version=major_minor(schema_version)) from None
 
 
 def render(
@@ -38,7 +96,7 @@ def render(
         docs = [d for d in yaml.safe_load_all(text) if d]
         for doc in docs:
             for version in kube_versions:
-                kubernetes_validate.validate(doc, version, strict=True)
+                validate(doc, version)
         manifests[Path(path).name] = docs
     return manifests
 

@@ -81,6 +81,9 @@ async def sidecar(
                 model: {"input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}
                 for model in ("fake-model-1", "claude-test")
             },
+            # Stopped at the end with nothing in flight: no quiet period (default 1 s)
+            # to wait out; the drain itself is tests/test_shutdown.py's.
+            server={"shutdown": {"quiet_s": 0}},
         )
     )
     sock = str(socket_dir / "egress.sock")

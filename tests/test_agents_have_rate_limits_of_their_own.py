@@ -55,6 +55,9 @@ async def sidecar(upstream_factory: Any, tmp_path: Path) -> AsyncIterator[tuple[
                 "planner": {"uid": PLANNER, "rate_limit_group": "planner-pace"},
                 "coder": {"uid": CODER, "rate_limit_group": "coder-pace"},
             },
+            # Stopped at the end with nothing in flight: no quiet period (default 1 s)
+            # to wait out; the drain itself is tests/test_shutdown.py's.
+            server={"shutdown": {"quiet_s": 0}},
         )
     )
     with shared_dir() as socket_dir:

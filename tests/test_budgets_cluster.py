@@ -168,6 +168,9 @@ def _policy(url: str, prefix: str, budget: dict[str, Any], **extra: Any) -> str:
         prices=PRICES,
         redis={"url": SHARED_URL, "key_prefix": prefix, "socket_timeout_s": 5,
                "connect_timeout_s": 5},
+        # Stopped at the end: no quiet period (default 1 s) to wait out once nothing is
+        # in flight; the drain itself is tests/test_shutdown.py's.
+        server={"shutdown": {"quiet_s": 0}},
         **extra,
     )  # fmt: skip
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -72,7 +73,11 @@ async def sidecars(tmp_path: Path) -> AsyncIterator[StartSidecars]:
 
     async def start(policy_text: str, n: int = 1) -> list[Process]:
         policy = tmp_path / f"policy-{len(started)}.yaml"
-        policy.write_text(policy_text)
+        doc = json.loads(policy_text)  # policy_yaml's JSON
+        # Stopped at the end: no quiet period (default 1 s) to wait out once nothing is
+        # in flight; the drain itself is tests/test_shutdown.py's.
+        doc.setdefault("server", {}).setdefault("shutdown", {"quiet_s": 0})
+        policy.write_text(json.dumps(doc))
         return list(await asyncio.gather(*(start_one(policy) for _ in range(n))))
 
     yield start

@@ -29,6 +29,7 @@ from tests.helm_helpers import (
     pod_spec,
     render,
     sidecar,
+    validate,
 )
 
 TOKEN_PATH = "/var/run/secrets/vault/token"
@@ -98,16 +99,21 @@ def test_lint_passes_strict_with_default_and_custom_values() -> None:
         assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-def test_strict_validation_rejects_unknown_fields() -> None:
-    # Guard for the whole module: strict mode must really refuse a misspelt field.
-    bad = {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": {"name": "x"},
-        "automountServiceAccountTokens": False,
-    }
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(bad, KUBE_VERSION, strict=True)
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_strict_validation_rejects_unknown_fields(version: str) -> None:
+    # Guard for the chart tests: strict mode must really refuse a misspelt field, in the
+    # library and in helm_helpers.validate (the library's schemas, loaded once) alike.
+    good = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "x"}}
+    bad = {**good, "automountServiceAccountTokens": False}
+    assert kubernetes_validate.validate(good, version, strict=True) == version[:4]
+    validate(good, version)
+    with pytest.raises(kubernetes_validate.ValidationError) as theirs:
+        kubernetes_validate.validate(bad, version, strict=True)
+    with pytest.raises(kubernetes_validate.ValidationError) as ours:
+        validate(bad, version)
+    assert (ours.value.message, ours.value.version) == (theirs.value.message, version[:4])
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+        validate({**good, "kind": "NoSuchKind"}, version)
 
 
 def test_default_render_is_one_resource_per_template(chart: helm.Chart) -> None:

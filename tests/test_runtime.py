@@ -30,6 +30,7 @@ def _unclosed_sessions_after_gc() -> list[str]:
     return [str(w.message) for w in seen if "Unclosed client session" in str(w.message)]
 
 
+@pytest.mark.usefixtures("frozen_heap")  # the sessions looked for are made in the test
 async def test_a_start_whose_vault_resolver_fails_leaves_no_open_session(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -50,6 +51,7 @@ async def test_a_start_whose_vault_resolver_fails_leaves_no_open_session(
     assert [c for c in reported if "Unclosed" in str(c.get("message"))] == []
 
 
+@pytest.mark.usefixtures("frozen_heap")
 async def test_a_close_that_fails_in_one_part_still_closes_the_rest() -> None:
     policy = compile_policy({"fake-openai": openai_target("http://127.0.0.1:9")})
     gateway = Gateway(policy, log_stream=io.StringIO())

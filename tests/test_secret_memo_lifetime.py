@@ -8,6 +8,7 @@ import gc
 import weakref
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from gateway.secrets import Secret
@@ -24,6 +25,9 @@ def _secrets() -> list[weakref.ref[Secret]]:
 
 async def _ok(_: web.Request) -> web.Response:
     return web.json_response({"choices": [], "usage": {"total_tokens": 1}})
+
+
+pytestmark = pytest.mark.usefixtures("frozen_heap")
 
 
 async def _used_once(upstream_factory: Any, sidecar_factory: Any, monkeypatch: Any) -> Any:

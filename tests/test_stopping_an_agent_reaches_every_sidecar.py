@@ -118,6 +118,9 @@ async def sidecars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIter
         return process
 
     yield start
+    for process in started:  # all told at once: each drain takes its own second or so
+        if process.proc.returncode is None and not process.terminated:
+            process.terminate()
     for process in started:
         await process.stop()
 
@@ -148,6 +151,9 @@ def _policy(up: Upstream, mcp_url: str, redis: dict[str, Any], **stop_switch: An
             "operator_token_ref": "env://EGRESS_TEST_OPERATOR_TOKEN",
             "stop_switch": {"scope": "cluster", "poll_interval_s": 0.5, **stop_switch},
         },
+        # Stopped at the end: no quiet period (default 1 s) to wait out once nothing is
+        # in flight; the drain itself is tests/test_shutdown.py's.
+        server={"shutdown": {"quiet_s": 0}},
     )
 
 
