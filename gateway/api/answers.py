@@ -14,13 +14,8 @@ from collections.abc import Mapping
 from typing import Final
 
 from gateway import fastjson
-from gateway.call.proxy import (
-    CORRELATION_ID_HEADER,
-    HOP_BY_HOP,
-    OCTETS,
-    TRACE_ID_HEADER,
-    is_utf8,
-)
+from gateway.call.header_routes import HOP_BY_HOP, is_utf8
+from gateway.call.proxy import CORRELATION_ID_HEADER, OCTETS, TRACE_ID_HEADER
 from gateway.call.record import CallContext
 from gateway.envelope import ErrorPayload, ExternalCallResponse, ServedBy
 

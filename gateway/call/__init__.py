@@ -3,9 +3,10 @@
 * ``pipeline``: the stages in order, inside the call's deadline; one answer and one audit
   record per call, whatever happens.
 * The request: ``intake`` (envelope bytes -> request) with ``fastpath`` (what the one-pass
-  parsers may read), ``proxy`` (a drop-in SDK request -> request, and its answer's
-  headers) and ``mcp`` (an MCP client's JSON-RPC -> request, the tool and argument rules,
-  the answers read); ``outbound`` (the request the upstream gets).
+  parsers may read), ``proxy`` (a drop-in SDK request -> request) with ``header_routes``
+  (where its headers go: envelope, upstream, nowhere) and ``mcp`` (an MCP client's
+  JSON-RPC -> request, the tool and argument rules, the answers read); ``outbound`` (the
+  request the upstream gets).
 * Around the upstream: ``idempotent`` (one upstream effect per idempotency key),
   ``spend`` (budget reservation before, settlement after), ``attempts`` (rate-limit
   admission, circuit breaker, send, retry) with ``statuses`` (the error a non-2xx
