@@ -89,6 +89,13 @@ async def test_a_stalled_agent_is_dropped_after_the_bound(upstream_factory, rout
         assert records[0]["success"] is False
         assert records[0]["error_code"] == "AGENT_TIMEOUT"
         assert any("agent_stalled" in w for w in records[0]["warnings"])
+        # The log line names the call by its record's ids (an envelope answer carries its
+        # ids in its body, a drop-in answer in its headers).
+        assert (line["trace_id"], line["correlation_id"]) == (
+            records[0]["trace_id"],
+            records[0]["correlation_id"],
+        )
+        assert line["trace_id"]
         # The connection is gone: reading now ends (EOF or reset) before the whole answer.
         agent.setblocking(False)
         got, closed = 0, False

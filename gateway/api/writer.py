@@ -269,16 +269,20 @@ def _undelivered(
     """Log that ``response`` did not reach the agent, for ``reason``, and mark the
     request's held audit records so."""
     waiting = held.held()
+    trace_id = response.headers.get(TRACE_ID_HEADER)
+    correlation_id = response.headers.get(CORRELATION_ID_HEADER)
     if waiting is not None:
         waiting.undelivered(reason)
+        if trace_id is None:  # an envelope answer's ids are in its body: the record's
+            trace_id, correlation_id = waiting.ids()
     _log.warning(
         "answer_undelivered",
         reason=reason,
         **extra,
         bytes=response.content_length,
         path=request.rel_url.raw_path[:200],
-        trace_id=response.headers.get(TRACE_ID_HEADER),
-        correlation_id=response.headers.get(CORRELATION_ID_HEADER),
+        trace_id=trace_id,
+        correlation_id=correlation_id,
     )
 
 

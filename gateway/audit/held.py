@@ -62,6 +62,14 @@ class Held:
         if self.reason is None:
             self.reason = reason
 
+    def ids(self) -> tuple[str | None, str | None]:
+        """(trace_id, correlation_id) of the first record held, (None, None) for none:
+        the ids of an answer that carries none in its headers (the envelope's)."""
+        if not self.records:
+            return None, None
+        record = self.records[0][1]
+        return record.get(Fields.TRACE_ID), record.get(Fields.CORRELATION_ID)
+
     def note(self, warning: str) -> None:
         """Add ``warning`` to the records (what the caller got differs from what they
         would say): those held now and those held later."""
