@@ -108,6 +108,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
+    vault = _vault_problem(policy)
+    if vault is not None:  # found now, not as a traceback from the sidecar's startup
+        print(f"{args.policy}: {vault}", file=sys.stderr)
+        return 1
     server = policy.policy.server
     host = args.host or os.environ.get("GATEWAY_HOST") or server.host
     port = args.port if args.port is not None else _env_int("GATEWAY_PORT")
@@ -135,6 +139,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         os.environ.get("GATEWAY_LOOP"),
     )
     return 0
+
+
+def _vault_problem(policy: PolicySet) -> str | None:
+    """What keeps the policy's ``secrets.vault`` from logging in with this environment
+    (no ``VAULT_TOKEN`` nor ``auth.token_file`` for the token method, no role id for
+    AppRole, a ``VAULT_SKIP_VERIFY`` that is not a boolean), or None: the check the
+    sidecar makes when it starts (:meth:`gateway.secrets.vault_auth.VaultSettings.from_spec`)."""
+    spec = policy.policy.secrets.vault
+    if spec is None:
+        return None
+    from gateway.secrets.vault_auth import VaultSettings
+
+    try:
+        VaultSettings.from_spec(spec, os.environ)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _env_warnings(path: str, policy: PolicySet) -> list[str]:
@@ -229,6 +250,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if args.env_check:
                 for warning in _env_warnings(path, policy):
                     print(warning, file=sys.stderr)
+                vault = _vault_problem(policy)
+                if vault is not None:
+                    print(f"{path}: warning: {vault}", file=sys.stderr)
             for loc, message in fallback_warnings(policy.policy.targets):
                 key = ".".join(map(str, loc))
                 print(f"{path}: {key}: warning: {message}", file=sys.stderr)

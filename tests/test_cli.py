@@ -79,6 +79,34 @@ def test_serve_refuses_a_bad_policy(tmp_path, capsys):
     assert f"{bad}:3: targets.x.base_url" in err
 
 
+def test_serve_and_validate_name_a_vault_login_the_environment_cannot_make(
+    tmp_path, capsys, monkeypatch
+):
+    """A policy whose Vault login needs VAULT_TOKEN, without it: serve says so in one line
+    and exits 1 (no traceback from the sidecar's startup); validate warns."""
+    monkeypatch.delenv("VAULT_TOKEN", raising=False)
+    path = tmp_path / "vault.yaml"
+    path.write_text(
+        "version: 1\nagent_id: a\n"
+        "secrets: {vault: {address: 'http://127.0.0.1:1', auth: {method: token}}}\n"
+        "targets: {x: {base_url: 'https://h.example',"
+        " endpoints: [{path: /v1/a, methods: [GET]}]}}\n"
+    )
+    assert main(["serve", "--policy", str(path), "--port", "0", "--ops-port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"{path}: secrets.vault.auth: method 'token' needs VAULT_TOKEN in the sidecar's "
+        "environment or auth.token_file"
+    )
+    assert main(["validate", str(path)]) == 0
+    assert f"{path}: warning: secrets.vault.auth: method 'token' needs VAULT_TOKEN" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("VAULT_TOKEN", "root-token-for-the-check")
+    assert main(["validate", str(path)]) == 0
+    assert "VAULT_TOKEN" not in capsys.readouterr().err
+
+
 def test_demo_falls_back_to_env_refs_without_openbao():
     from gateway.demo.vault import without_vault
     from gateway.policy import load_policy
