@@ -132,6 +132,9 @@ async def test_wrong_route_is_json(upstream_factory, sidecar_factory, method, pa
         answer = await resp.json()
     assert answer["error"]["code"] == "INVALID_PAYLOAD"
     assert answer["error"]["details"]["http_status"] == http
+    # The message names every route family the calls listener serves.
+    for route in ("POST /v1/calls", "/proxy/{target}/", "/mcp/{target}", "/a2a/{target}/"):
+        assert route in answer["error"]["message"], route
 
 
 # -- PERMISSION_DENIED / EGRESS_DENIED ---------------------------------------------------

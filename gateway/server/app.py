@@ -124,7 +124,10 @@ def _route_error(request: web.Request, exc: web.HTTPException, started: float) -
     """aiohttp's HTTP error ``exc`` (404, 405, 413...) as the sidecar's JSON answer."""
     code_exc: GatewayError = InvalidPayload(
         f"{request.method} {request.path}: {exc.reason}; the sidecar serves "
-        f"POST {CALLS_PATH}, GET /healthz, GET /readyz, GET /metrics and GET /openapi.json",
+        f"POST {CALLS_PATH} (envelopes), {proxy.PREFIX}/{{target}}/... (an SDK's requests), "
+        f"{mcp.PREFIX}/{{target}} (MCP), {a2a.PREFIX}/{{target}}/... and "
+        f"{a2a.INBOUND_PREFIX}/... (A2A), GET /healthz, GET /readyz, GET /metrics and "
+        "GET /openapi.json",
         details={"reason": "route", "http_status": exc.status},
         http_status=exc.status,
     )
