@@ -148,7 +148,7 @@ DESCRIPTIONS: Final[dict[str, str]] = {
     "targets.NAME.mcp.arguments.NAME.NAME.required": "the argument must be present",
     "targets.NAME.mcp.tools_rate_limit_group": "group that `tools/call` requests are counted in",
     "targets.NAME.database": (
-        'a database reached by named statements only (README, "Database targets")'
+        "a database reached by named statements only ([Database targets](../api/databases.md))"
     ),
     "targets.NAME.database.engine": (
         "the database engine (PostgreSQL, through asyncpg: the `database` extra)"
