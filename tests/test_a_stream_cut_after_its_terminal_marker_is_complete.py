@@ -63,6 +63,23 @@ async def _stack(upstream_factory: Any, sidecar_factory: Any, dialect: str, mark
     return up, await sidecar_factory(compile_policy({"fake-openai": target})), body, path
 
 
+async def _stalling_sidecar(
+    upstream_factory: Any, sidecar_factory: Any, dialect: str, marker: bool, never: Any
+) -> tuple[Any, Any]:
+    """A sidecar whose target (an idle bound of 0.2 s) streams ``dialect``'s body, whole
+    (``marker``) or cut before its marker, then falls silent until ``never`` is set; and
+    that upstream."""
+    whole, cut, path = BODIES[dialect]
+    up = await upstream_factory(_stalling(whole if marker else cut, never))
+    target = openai_target(
+        up.url,
+        usage=dialect,
+        endpoints=[{"path": path, "methods": ["POST"]}],
+        stream_idle_timeout_s=0.2,
+    )
+    return up, await sidecar_factory(compile_policy({"fake-openai": target}))
+
+
 @pytest.mark.parametrize("marker", [True, False], ids=["after-marker", "before-marker"])
 @pytest.mark.parametrize("dialect", list(BODIES))
 @pytest.mark.parametrize("way", ["relayed", "drop-in", "assembled"])
@@ -120,14 +137,7 @@ async def test_a_silence_after_the_terminal_marker_ends_a_complete_stream(
     whole, cut, path = BODIES[dialect]
     body = whole if marker else cut
     never = asyncio.Event()
-    up = await upstream_factory(_stalling(body, never))
-    target = openai_target(
-        up.url,
-        usage=dialect,
-        endpoints=[{"path": path, "methods": ["POST"]}],
-        stream_idle_timeout_s=0.2,
-    )
-    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    _, sc = await _stalling_sidecar(upstream_factory, sidecar_factory, dialect, marker, never)
     env = envelope(endpoint=path, max_retries=0, timeout=RULED_OUT_S)
     params = {**STREAM_ENV["parameters"]}
     started = time.monotonic()
@@ -160,16 +170,9 @@ async def test_an_assembled_stream_silent_after_its_marker_is_a_success_at_the_i
     its chunks are bounded by ``stream_idle_timeout_s`` as a relayed one's are: silence
     after the marker is a success, before it STREAM_INTERRUPTED, both at that bound, not
     OUTCOME_UNKNOWN at the deadline with the answer lost."""
-    whole, cut, path = BODIES[dialect]
+    path = BODIES[dialect][2]
     never = asyncio.Event()
-    up = await upstream_factory(_stalling(whole if marker else cut, never))
-    target = openai_target(
-        up.url,
-        usage=dialect,
-        endpoints=[{"path": path, "methods": ["POST"]}],
-        stream_idle_timeout_s=0.2,
-    )
-    sc = await sidecar_factory(compile_policy({"fake-openai": target}))
+    up, sc = await _stalling_sidecar(upstream_factory, sidecar_factory, dialect, marker, never)
     env = envelope(
         endpoint=path, max_retries=0, timeout=RULED_OUT_S, parameters=STREAM_ENV["parameters"]
     )

@@ -252,8 +252,13 @@ def _writable(
     log (``answer_header_left_out``) and in the call's audit record (its warnings). The
     APIs pass back no such line (:func:`gateway.api.answers.passback_headers`): this is
     the writer's own guard, so that an answer is never lost to one."""
-    kept = [(k, v) for k, v in headers if not (_UNWRITABLE.search(k) or _UNWRITABLE.search(v))]
-    names = [printable(k)[:64] for k, v in headers if (k, v) not in kept]
+    kept: list[tuple[str, str]] = []
+    names: list[str] = []
+    for name, value in headers:
+        if _UNWRITABLE.search(name) or _UNWRITABLE.search(value):
+            names.append(printable(name)[:64])
+        else:
+            kept.append((name, value))
     if reason is not None and _UNWRITABLE.search(reason):
         reason = None
     _log.warning("answer_header_left_out", headers=names, path=request.rel_url.raw_path[:200])

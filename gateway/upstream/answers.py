@@ -94,8 +94,7 @@ class UpstreamStream:
             chunk = await resp.content.readany()
         except aiohttp.ClientError as exc:
             if not_what_its_coding_says(exc):
-                coding = ", ".join(resp.headers.getall("Content-Encoding", ()))
-                raise unreadable(self._origin, coding, resp.status) from None
+                raise unreadable_answer(resp, self._origin) from None
             raise TransportError(
                 "reset", sent=True, message=f"{self._origin} closed the stream mid-way"
             ) from exc
@@ -119,6 +118,12 @@ def not_what_its_coding_says(exc: aiohttp.ClientError) -> bool:
     ``Content-Encoding`` (labelled gzip and sent plain, a gzip stream that turns to
     garbage): the upstream's fault, the same on every resend, not a broken connection."""
     return isinstance(exc.__cause__, ContentEncodingError)
+
+
+def unreadable_answer(resp: aiohttp.ClientResponse, url: URL | str) -> DependencyFailed:
+    """:func:`unreadable` for ``resp``, by its ``Content-Encoding`` header(s)."""
+    coding = ", ".join(resp.headers.getall("Content-Encoding", ()))
+    return unreadable(url, coding, resp.status)
 
 
 def unreadable(url: URL | str, coding: str, status: int) -> DependencyFailed:

@@ -61,7 +61,7 @@ from gateway.upstream.answers import (
     not_what_its_coding_says,
     protocol_switch,
     too_large,
-    unreadable,
+    unreadable_answer,
 )
 from gateway.upstream.codings import decoded, left_on_body
 from gateway.upstream.failures import translate
@@ -181,12 +181,12 @@ def _may_stream(method: str, resp: aiohttp.ClientResponse) -> bool:
 
 
 def _refuse_coded_stream(resp: aiohttp.ClientResponse, url: URL) -> None:
-    """Raise DEPENDENCY_FAILED (:func:`gateway.upstream.codings.unreadable`) for a 2xx
+    """Raise DEPENDENCY_FAILED (:func:`gateway.upstream.answers.unreadable`) for a 2xx
     event stream with a content coding aiohttp left on it, closing it unread: a stream
     is relayed as it comes, so a coded one could not be scrubbed."""
     if "Content-Encoding" in resp.headers and left_on_body(resp.headers) != ():
         resp.close()
-        raise unreadable(url, ", ".join(resp.headers.getall("Content-Encoding")), resp.status)
+        raise unreadable_answer(resp, url)
 
 
 class Upstream:
@@ -544,13 +544,11 @@ class Upstream:
             raise CutStream(bytes(buf), idle=True) from None
         except aiohttp.ClientPayloadError as exc:
             if not_what_its_coding_says(exc):
-                coding = ", ".join(resp.headers.getall("Content-Encoding"))
-                raise unreadable(url, coding, resp.status) from None
+                raise unreadable_answer(resp, url) from None
             if resp.status < 300 and is_event_stream(resp):
                 if "Content-Encoding" in resp.headers and left_on_body(resp.headers) != ():
                     # Part of a coded body cannot be undone, so it cannot be scrubbed.
-                    coding = ", ".join(resp.headers.getall("Content-Encoding"))
-                    raise unreadable(url, coding, resp.status) from None
+                    raise unreadable_answer(resp, url) from None
                 # A 2xx stream cut mid-way: what arrived is its answer, judged by its
                 # events (STREAM_INTERRUPTED), not a failure to reach the upstream.
                 raise CutStream(bytes(buf)) from None
@@ -558,8 +556,7 @@ class Upstream:
         if buf and "Content-Encoding" in resp.headers:  # an empty body holds no secret
             left = left_on_body(resp.headers)
             if left is None:
-                coding = ", ".join(resp.headers.getall("Content-Encoding"))
-                raise unreadable(url, coding, resp.status)
+                raise unreadable_answer(resp, url)
             if left:  # what aiohttp did not undo, undone here to be scrubbed
                 return decoded(bytes(buf), left, url, limit, resp.status)
         return bytes(buf)
