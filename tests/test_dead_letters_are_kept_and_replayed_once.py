@@ -209,7 +209,8 @@ async def test_a_replay_is_held_to_what_the_agent_may_call_now(
                 error={"code": "DEPENDENCY_FAILED"}, attempts=1,
             )  # fmt: skip
         status, replayed = await ops("POST", f"/v1/dead-letters/{letter.id}/replay")
-        assert status == 200, replayed
-        error = replayed["response"]["error"]
-        assert (error["code"], replayed["status"]) == ("PERMISSION_DENIED", 403), replayed
+        reason = "target_not_allowed" if who == "worker" else "unknown_agent"
+        assert (status, replayed["error"]["details"]["reason"]) == (409, reason), replayed
+        status, _ = await ops("GET", f"/v1/dead-letters/{letter.id}")
+        assert status == 200  # refused, the letter is kept
     assert upstream.hits == 0

@@ -212,11 +212,21 @@ async def _replay_letter(request: web.Request, who: str) -> dict[str, Any]:
             details={"reason": "target_removed", "target_system": letter.target},
             http_status=409,
         )
+    # As the agent whose call it was (its claim in the kept envelope then matches), held
+    # to what the policy lets it call now: checked before the letter is taken, so that a
+    # replay refused so keeps it, as one whose target was removed does.
+    identity = _gw(request).agents.acting_for(letter.agent)
+    try:
+        identity.admit(letter.target)
+    except GatewayError as exc:
+        raise InvalidPayload(
+            f"dead letter {letter_id} cannot be replayed now: {exc.message}; it is kept: "
+            "discard it, or change the policy and replay",
+            details={**exc.details, "target_system": letter.target},
+            http_status=409,
+        ) from None
     if pipeline.dead_letters.take(letter_id, who) is None:  # another replay took it
         raise _unknown_letter(letter_id)
-    # As the agent whose call it was (its claim in the kept envelope then matches), held
-    # to what the policy lets it call now.
-    identity = _gw(request).agents.acting_for(letter.agent)
     status, response = await _gw(request).call(letter.replay_envelope(), identity=identity)
     return {
         "dead_letter": letter_id,
