@@ -206,7 +206,11 @@ async def test_a_sidecar_that_starts_without_redis_refuses_until_it_has_read_the
             if switch._unavailable:
                 break
             await asyncio.sleep(0.05)
+        assert switch._unavailable
         switch.check("a2", "t1")  # fail_open: the last state read holds
+        with pytest.raises(AgentStopped) as caught:
+            switch.check("a1", "t1")
+        assert caught.value.details["reason"] == "runaway"
     finally:
         await switch.aclose()
         await client.aclose()
