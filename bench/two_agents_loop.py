@@ -77,10 +77,14 @@ async def _ready(port: int) -> None:
 
 
 async def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="two-agents-") as name:  # removed at the end
+        await _walkthrough(Path(name))
+
+
+async def _walkthrough(tmp: Path) -> None:
     planner, executor = Agent("planner-01"), Agent("executor-02")
     await planner.start()
     await executor.start()
-    tmp = Path(tempfile.mkdtemp(prefix="two-agents-"))
     pa, pb = _free_port(), _free_port()
     docs = {
         "planner": _policy("planner-01", planner.url, "executor-02", pb),
@@ -126,6 +130,7 @@ async def main() -> None:
         lines = (tmp / f"{name}.log").read_text().splitlines()
         records = [json.loads(line) for line in lines if '"egress_call"' in line]
         print(f"--- {name}'s sidecar: {len(records)} audit records")
+        print("   target_system method endpoint a2a_method error_code call_chain")
         for r in records:
             print("  ", r["target_system"], r["method"], r["endpoint"], r["a2a_method"],
                   r["error_code"], r["call_chain"])  # fmt: skip
